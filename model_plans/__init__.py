@@ -1,0 +1,1 @@
+"""Declarative tensor-parallel plans per architecture (see the tensor-parallel issue)."""

@@ -1,0 +1,86 @@
+"""Run ``torchrun -m torchtitan.train`` on a shipped TOML and read back its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "train_configs"
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    metrics: list[dict]
+    dump_folder: Path
+
+    @property
+    def losses(self) -> list[float]:
+        return [m["loss_metrics/global_avg_loss"] for m in self.metrics]
+
+    @property
+    def grad_norms(self) -> list[float]:
+        return [m["grad_norm"] for m in self.metrics]
+
+    def check(self) -> "Run":
+        assert self.returncode == 0, f"training failed (exit {self.returncode}):\n{self.output[-6000:]}"
+        return self
+
+
+def torchrun(
+    config: str,
+    dump_folder: Path,
+    *overrides: str,
+    nproc: int = 1,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> Run:
+    """Train with a TOML from ``train_configs/`` plus CLI overrides; never raises on failure."""
+    metrics_file = dump_folder / "metrics.jsonl"
+    if metrics_file.exists():
+        metrics_file.unlink()
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "torchtitan.train",
+        "--job.config_file", str(CONFIGS / config),
+        "--job.dump_folder", str(dump_folder),
+        "--titan_ext.metrics_jsonl", str(metrics_file),
+        *overrides,
+    ]
+    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    metrics = []
+    if metrics_file.exists():
+        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    return Run(proc.returncode, proc.stdout, metrics, dump_folder)
+
+
+def seed_checkpoint(config: str, dump_folder: Path, *overrides: str) -> Path:
+    """Create a step-0 checkpoint in one process; runs load it with ``initial_load_path``."""
+    torchrun(
+        config, dump_folder,
+        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+        "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1",
+        *overrides,
+    ).check()
+    path = dump_folder / "checkpoint" / "step-0"
+    assert path.is_dir(), f"no seed checkpoint at {path}"
+    return path
+
+
+def from_seed(seed: Path) -> tuple[str, ...]:
+    return ("--checkpoint.enable", "--checkpoint.initial_load_path", str(seed), "--checkpoint.interval", "1000")
+
+
+def assert_close(a: list[float], b: list[float], rtol: float, what: str) -> None:
+    assert len(a) == len(b) and a, f"{what}: {len(a)} vs {len(b)} values"
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * max(abs(x), abs(y)), f"{what} at step {i + 1}: {x!r} vs {y!r} (rtol {rtol})"

@@ -5,8 +5,6 @@ The order is torchtitan's. Each step is a small function over the HF layout
 torchtitan's own ``apply_tp``/``apply_fsdp`` hard-code its Llama names.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -134,6 +132,7 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
 
 
+# No postponed annotations in this module: DDP checks this hook's annotations as real types.
 def _allreduce_sum_hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -107,7 +107,8 @@ def apply_fsdp(
     config = {
         "mesh": dp_mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        # Pinned host memory needs an accelerator; without one the offload is a plain copy.
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if cpu_offload else OffloadPolicy(),
     }
     decoder = model.get_decoder()
     tied = model.config.tie_word_embeddings

@@ -1,0 +1,34 @@
+"""Torch-native versions of fla's Triton activations (``fla.modules.activations``).
+
+Like fla's kernels they compute in fp32 and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_ext.kernels.norms import _upcast
+
+
+def swish(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` (fla's ``swish`` / ``ACT2FN['swish']`` and ``['silu']``)."""
+    return F.silu(_upcast(x)).to(x.dtype)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(_upcast(x)).to(x.dtype)
+
+
+def logsigmoid(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    return (F.logsigmoid(_upcast(x)) / temperature).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``swish(x) * y``, the gated MLP activation."""
+    return (F.silu(_upcast(x)) * _upcast(y)).to(x.dtype)
+
+
+def swiglu_linear(x, y, weight, bias=None):
+    """``F.linear(swiglu(x, y), weight, bias)``; fla fuses this to save memory, here autograd keeps it."""
+    return F.linear(swiglu(x, y), weight, bias)

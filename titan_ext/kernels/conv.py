@@ -1,0 +1,91 @@
+"""Torch-native causal depthwise convolution for ``fla.modules.ShortConvolution``.
+
+Conventions follow fla's kernels: ``x`` is ``[B, T, D]``, ``weight`` is
+``[D, W]``, and a conv state is ``[N, D, W]`` holding the last ``W`` inputs
+(newest last), so output ``t`` sees ``state[..., 1:]`` followed by ``x``.
+The activation is applied before the residual is added.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from titan_ext.kernels.norms import _upcast
+
+
+def _conv(x, weight, bias, residual, initial_state, activation):
+    """One batch ``[B, T, D]``; returns the output and the padded input ``[B, D, W + T]``."""
+    B, T, D = x.shape
+    W = weight.shape[-1]
+    xt = _upcast(x).transpose(1, 2)
+    head = xt.new_zeros(B, D, W) if initial_state is None else _upcast(initial_state)
+    xp = torch.cat([head, xt], dim=-1)
+    y = F.conv1d(xp[..., 1:], _upcast(weight).unsqueeze(1), None if bias is None else _upcast(bias), groups=D)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"Unsupported activation: {activation}")
+    y = y.transpose(1, 2)
+    if residual is not None:
+        y = y + _upcast(residual)
+    return y.to(x.dtype), xp
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool | None = False,
+    activation: str | None = None,
+    backend: str | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context=None,
+    **kwargs,
+):
+    """Torch version of ``fla.modules.causal_conv1d.ops.causal_conv1d``; returns ``(y, final_state)``."""
+    if weight is None:
+        raise NotImplementedError("causal_conv1d without weight is not supported off CUDA")
+    if cp_context is not None:
+        raise NotImplementedError("context-parallel causal_conv1d is not supported off CUDA")
+    shape, W = x.shape, weight.shape[-1]
+    x = x.reshape(x.shape[0], x.shape[1], -1)
+    if residual is not None:
+        residual = residual.reshape(x.shape)
+    if cu_seqlens is None:
+        y, xp = _conv(x, weight, bias, residual, initial_state, activation)
+        final = xp[..., -W:]
+    else:
+        if x.shape[0] != 1:
+            raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {x.shape[0]}.")
+        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+        ys, finals = [], []
+        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+            y_n, xp = _conv(
+                x[:, bos:eos], weight, bias, None if residual is None else residual[:, bos:eos],
+                None if initial_state is None else initial_state[n : n + 1], activation,
+            )
+            ys.append(y_n)
+            finals.append(xp[..., -W:])
+        y, final = torch.cat(ys, dim=1), torch.cat(finals, dim=0)
+    final_state = final.to(x.dtype) if output_final_state else None
+    return y.reshape(shape), final_state
+
+
+def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activation=None, **kwargs):
+    """Torch version of fla's one-token decode step: shifts ``cache`` in place, as fla does."""
+    shape, D = x.shape, cache.shape[1]
+    x_new = x.reshape(-1, D)
+    cache.copy_(torch.cat([cache[..., 1:], x_new.unsqueeze(-1).to(cache.dtype)], dim=-1))
+    y = (_upcast(cache) * _upcast(weight)).sum(-1)
+    if bias is not None:
+        y = y + _upcast(bias)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    if residual is not None:
+        y = y + _upcast(residual).reshape(y.shape)
+    return y.to(x.dtype).reshape(shape), cache

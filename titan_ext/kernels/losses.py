@@ -1,0 +1,79 @@
+"""Torch-native cross entropy for fla's ``FusedCrossEntropyLoss`` and ``FusedLinearCrossEntropyLoss``.
+
+GLAConfig defaults to ``fuse_cross_entropy=True``, so an fla model's own loss
+reaches Triton too. Same options as fla's kernels (logit scale, softcapping,
+label smoothing, z-loss, ignore_index); vocabulary parallelism
+(``process_group``) is CUDA-only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fla.modules.l2warp import l2_warp
+
+
+def cross_entropy_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    lse_square_scale: float = 0.0,
+    logit_softcapping: float | None = None,
+    ignore_index: int = -100,
+    inplace_backward: bool = False,
+    process_group=None,
+):
+    """Per-row fp32 ``(loss, z_loss)`` for ``[N, V]`` logits, 0 where ``target == ignore_index``."""
+    if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
+        raise NotImplementedError("vocab-parallel cross entropy is not supported off CUDA")
+    z = logits.float() * logit_scale
+    if logit_softcapping is not None:
+        z = logit_softcapping * torch.tanh(z / logit_softcapping)
+    lse = z.logsumexp(-1)
+    valid = target != ignore_index
+    picked = z.gather(-1, target.masked_fill(~valid, 0).unsqueeze(-1)).squeeze(-1)
+    loss = lse - (1 - label_smoothing) * picked
+    if label_smoothing > 0:
+        loss = loss - label_smoothing * z.mean(-1)
+    z_loss = lse_square_scale * lse.square()
+    loss = torch.where(valid, loss + z_loss, 0.0)
+    return loss, torch.where(valid, z_loss, 0.0).detach()
+
+
+def fused_cross_entropy_forward(self, input: torch.Tensor, target: torch.Tensor):
+    """Replacement ``FusedCrossEntropyLoss.forward`` (fla's asserts CUDA before it reaches the kernel)."""
+    loss, z_loss = cross_entropy_loss(
+        input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale,
+        self.logit_softcapping, self.ignore_index, process_group=self.process_group,
+    )
+    if self.reduction != "none":
+        loss, z_loss = loss.sum(), z_loss.sum()
+        if self.reduction == "mean":
+            total = (target != self.ignore_index).sum()
+            loss, z_loss = loss / total, z_loss / total
+    return (loss, z_loss) if self.return_z_loss else loss
+
+
+def fused_linear_cross_entropy_loss(
+    x, target, weight, bias=None, ignore_index=-100, label_smoothing=0.0, logit_scale=1.0,
+    logit_softcapping=None, num_chunks=8, reduction="mean", use_l2warp=False, l2_penalty_factor=1e-4,
+    accumulate_grad_in_fp32=True, process_group=None,
+):
+    """Torch version of ``fla.modules.fused_linear_cross_entropy.ops.fused_linear_cross_entropy_loss``.
+
+    Materialises the ``[N, V]`` logits (fla chunks them to save memory).
+    """
+    logits = F.linear(x, weight, bias)
+    loss, _ = cross_entropy_loss(
+        logits, target, label_smoothing, logit_scale, 0.0, logit_softcapping, ignore_index,
+        process_group=process_group,
+    )
+    loss = loss.sum()
+    if reduction == "mean":
+        loss = loss / target.ne(ignore_index).sum().clamp_min(1)
+    if use_l2warp:
+        # l2_warp normalises by shape[0] * shape[1]: present the N rows as one sequence
+        loss = l2_warp(loss, logits.unsqueeze(0), l2_penalty_factor)
+    return loss

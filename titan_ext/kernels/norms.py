@@ -1,0 +1,85 @@
+"""Torch-native RMSNorm and gated RMSNorm, matching fla's fused Triton norms.
+
+fla's kernels add the residual, normalise and scale in fp32 and write the
+output in the input dtype; these functions do the same with plain torch ops,
+so autograd (and DTensor / ``torch.compile``) handle them like any other code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for low-precision inputs; fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _rms_norm_core(x, weight, bias, residual, eps, residual_in_fp32):
+    """Return (normalised fp32 output, residual stream) as fla's fused-residual kernel does.
+
+    The residual stream ``x + residual`` keeps the residual's dtype, or fp32
+    with ``residual_in_fp32``; without a residual it is ``x`` itself.
+    """
+    xf = _upcast(x)
+    if residual is not None:
+        xf = xf + _upcast(residual)
+        res_out = xf.to(residual.dtype)
+    else:
+        res_out = xf if residual_in_fp32 else x
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * _upcast(weight)
+    if bias is not None:
+        y = y + _upcast(bias)
+    return y, res_out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    **kwargs,
+):
+    """Torch version of ``fla.modules.norm.layernorm.rms_norm`` (what ``fla.modules.RMSNorm`` calls).
+
+    ``y = (x + residual) / rms(x + residual) * weight + bias``; with ``prenorm``
+    returns ``(y, x + residual)`` so the caller can carry the residual stream.
+    """
+    y, res_out = _rms_norm_core(x, weight, bias, residual, eps, residual_in_fp32)
+    y = y.to(x.dtype)
+    return (y, res_out) if prenorm else y
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: str = "swish",
+    residual: torch.Tensor | None = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    eps: float = 1e-6,
+    **kwargs,
+):
+    """Torch version of ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` (``FusedRMSNormGated``).
+
+    ``rms_norm(x) * act(g)`` with ``act(g) = g * sigmoid(g)`` for ``swish``/``silu``
+    or ``sigmoid(g)`` for ``sigmoid``, all in fp32.
+    """
+    y, res_out = _rms_norm_core(x, weight, bias, residual, eps, residual_in_fp32)
+    gf = _upcast(g)
+    if activation in ("swish", "silu"):
+        y = y * F.silu(gf)
+    elif activation == "sigmoid":
+        y = y * torch.sigmoid(gf)
+    else:
+        raise ValueError(f"Unsupported activation: {activation}")
+    y = y.to(x.dtype)
+    return (y, res_out) if prenorm else y

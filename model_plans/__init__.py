@@ -1,1 +1,33 @@
-"""Declarative tensor-parallel plans per architecture (see the tensor-parallel issue)."""
+"""Declarative tensor-parallel plans per architecture, keyed by ``config.model_type``.
+
+Depends on torch, fla and torchao only (not torchtitan), so plans can be
+tested and reused outside a trainer. A new architecture registers its plan
+from the user's own module::
+
+    from model_plans import GLATPPlan, register_tp_plan
+
+    @register_tp_plan("my_gla")
+    class MyGLATPPlan(GLATPPlan): ...
+"""
+
+from model_plans.apply import apply_tp, enable_async_tp, resolve
+from model_plans.base import TPOptions, TPPlan, get_tp_plan, register_tp_plan, registered_model_types
+from model_plans.gla import GLATPPlan
+from model_plans.llama import LlamaTPPlan
+from model_plans.transformer import TransformerTPPlan
+from model_plans.validate import validate_tp
+
+__all__ = [
+    "GLATPPlan",
+    "LlamaTPPlan",
+    "TPOptions",
+    "TPPlan",
+    "TransformerTPPlan",
+    "apply_tp",
+    "enable_async_tp",
+    "get_tp_plan",
+    "register_tp_plan",
+    "registered_model_types",
+    "resolve",
+    "validate_tp",
+]

@@ -15,6 +15,15 @@ class TitanExt:
     flavor's (e.g. a checkpoint's own config). Its ``model_type`` must match
     the train spec."""
 
+    disable_sequence_parallel: bool = False
+    """With TP, keep activations between blocks replicated instead of
+    sequence-sharded (2 all-reduces per block instead of 2 all-gathers and
+    2 reduce-scatters). torchtitan has no flag for sequence parallelism."""
+
+    nonfinite_loss: str = "stop"
+    """What a NaN/Inf loss does: "stop" the job before that step's update and
+    checkpoint, "skip" the step's update, or "off" (no check, no per-step sync)."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -1,8 +1,8 @@
 """Portable (non-CUDA) kernels for fla: ``install()`` routes fla's Triton ops to torch off CUDA.
 
 fla 0.6 imports on a machine without a GPU, but a GLA model's forward reaches
-Triton (GLA ops, RMSNorm, gated norm, swish, swiglu, short convolution, fused
-cross entropy) and fails with ``0 active drivers``. ``install()`` rebinds those
+Triton (GLA ops, RMSNorm, gated norm, swish, swiglu, rotary embedding, short
+convolution, fused cross entropy) and fails with ``0 active drivers``. ``install()`` rebinds those
 names inside the fla modules that call them to small wrappers which, per call,
 look at the first tensor argument: CUDA tensors go to fla's original function,
 untouched; anything else (CPU, or a DTensor whose device is not CUDA) goes to
@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from titan_ext.kernels import activations, conv, gla, losses, norms
+from titan_ext.kernels import activations, conv, gla, losses, norms, rotary
 
 __all__ = ["device_dispatch", "install", "is_installed", "uninstall", "uses_portable_path"]
 
@@ -59,6 +59,7 @@ _TARGETS: list[tuple[str, str, Callable]] = [
     ("fla.modules.activations.ops", "logsigmoid", activations.logsigmoid),
     ("fla.modules.activations.ops", "swiglu", activations.swiglu),
     ("fla.modules.activations.ops", "swiglu_linear", activations.swiglu_linear),
+    ("fla.modules.rotary.ops", "rotary_embedding", rotary.rotary_embedding),
     ("fla.modules.causal_conv1d.ops", "causal_conv1d", conv.causal_conv1d),
     ("fla.modules.causal_conv1d.ops", "causal_conv1d_update", conv.causal_conv1d_update),
     ("fla.modules.fused_cross_entropy.ops", "cross_entropy_loss", losses.cross_entropy_loss),

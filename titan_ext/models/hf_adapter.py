@@ -81,10 +81,18 @@ class HFModelArgs(BaseModelArgs):
                 setattr(self, key, value)
 
     def update_from_config(self, job_config, **kwargs) -> None:
+        """Apply ``[titan_ext] hf_config``, then check the job against the result.
+
+        torchtitan calls this right before building the model, so it is where
+        a bad config fails: early, and in one line.
+        """
+        from titan_ext.preflight import check_job
+
         section = getattr(job_config, "titan_ext", None)
         if section is not None and section.hf_config:
             path = section.hf_config
             self.update_from_hf_config(load_hf_config_json(path), f"--titan_ext.hf_config={path!r}")
+        check_job(self, job_config)
 
     def mixer_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token of the token mixer beyond its projections."""
@@ -128,3 +136,13 @@ class TitanCausalLM:
             self._init_weights(module)
         if self.config.tie_word_embeddings:
             self.tie_weights()
+        if buffer_device is not None:
+            move_buffers(self, buffer_device)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Put every buffer (e.g. rotary ``inv_freq``) on ``device``: with CPU offload, parameters
+    stay on the CPU while buffers must sit where the forward runs."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))

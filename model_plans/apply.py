@@ -1,0 +1,74 @@
+"""Apply a ``TPPlan`` to a model with ``parallelize_module``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from model_plans.base import Plan, TPPlan
+from model_plans.styles import is_float8_style, plain_style
+
+logger = logging.getLogger(__name__)
+
+
+def _is_float8_linear(module: nn.Module) -> bool:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
+def _style_fits(style, module: nn.Module) -> bool:
+    """A Float8 style needs Float8Linear: the module itself, or every linear a Float8 input reaches."""
+    if not is_float8_style(style):
+        return True
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(_is_float8_linear(m) for m in linears)
+
+
+def resolve(plan: Plan, root: nn.Module) -> Plan:
+    """Keep the entries whose module exists; high-precision styles where the float8 converter skipped a linear."""
+    resolved = {}
+    for fqn, style in plan.items():
+        try:
+            module = root.get_submodule(fqn)
+        except AttributeError:
+            continue
+        if not _style_fits(style, module):
+            logger.info(f"TP: {fqn} is not Float8Linear (filtered by the converter?); using {type(plain_style(style)).__name__}")
+            style = plain_style(style)
+        resolved[fqn] = style
+    return resolved
+
+
+def _check_coverage(model: nn.Module, plan: TPPlan) -> None:
+    """Every parameter must be a DTensor: a plain one would mix with DTensors (or be silently unsynchronized)."""
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {name} is not covered by {type(plan).__name__}; add a plan entry for its module"
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
+    """Shard ``model`` in place: the model-level plan, then each block's."""
+    parallelize_module(model, tp_mesh, resolve(plan.model_plan(), model))
+    for block in model.get_submodule(plan.layers):
+        parallelize_module(block, tp_mesh, resolve(plan.block_plan(), block))
+    _check_coverage(model, plan)
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Let inductor overlap TP matmuls with their collectives (needs torch.compile).
+
+    The fused kernels exchange through symmetric memory, which must be enabled
+    for the TP group (torchtitan 0.2.2 forgets this step).
+    """
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -1,0 +1,154 @@
+"""``TPPlan``: a model's tensor-parallel plan as data, and the registry of plans by model type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fla.modules.mlp import SwiGLULinearParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+
+from model_plans.styles import NormParallel, float8_styles
+
+Plan = dict[str, ParallelStyle]
+
+
+@dataclass(frozen=True)
+class TPOptions:
+    """The job's choices that change a plan."""
+
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    float8: bool = False
+    """torchao's Float8 TP styles (all-gathers in float8); valid only for tensorwise scaling."""
+
+
+class TPPlan:
+    """Megatron-style TP for an HF causal LM: a model-level plan plus one plan per block.
+
+    The residual stream is laid out as ``self.activation``. With SP it stays
+    a sequence-sharded DTensor between modules, because HF models derive
+    positions and masks from ``inputs_embeds.shape``, which must be global.
+    Without SP it is a plain replicated tensor, as in torchtitan (a replicated
+    DTensor would carry partial gradients into the embedding's masked
+    partial, which DTensor cannot convert). Each block costs the Megatron
+    minimum: one gather before and one reduction after attention, and the same
+    around the MLP.
+
+    Subclasses name their modules (class attributes below) and give
+    ``attn_plan``; ``mlp_plan`` covers gated MLPs (fla's ``GatedMLP``, HF's
+    ``LlamaMLP``). Entries for modules a model lacks (e.g. fla's
+    ``swiglu_linear`` when ``fuse_swiglu`` is off) are skipped by ``apply_tp``.
+    """
+
+    embeddings = "model.embeddings"
+    final_norm = "model.norm"
+    lm_head = "lm_head"
+    layers = "model.layers"
+    attn_norm = "attn_norm"
+    mlp_norm = "mlp_norm"
+
+    def __init__(self, options: TPOptions = TPOptions()):
+        self.options = options
+        if options.float8:
+            self.colwise, self.rowwise, self.prepare_input = float8_styles()
+        else:
+            self.colwise, self.rowwise, self.prepare_input = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+    @property
+    def activation(self) -> Placement:
+        return Shard(1) if self.options.sequence_parallel else Replicate()
+
+    @property
+    def local_residual(self) -> bool:
+        return not self.options.sequence_parallel
+
+    def norm(self) -> NormParallel:
+        """A norm on the residual stream."""
+        return NormParallel(self.activation, use_local_output=self.local_residual)
+
+    def out_proj(self) -> ParallelStyle:
+        """A rowwise linear writing back to the residual stream (reduce-scatter with SP, else all-reduce)."""
+        return self.rowwise(output_layouts=self.activation, use_local_output=self.local_residual)
+
+    def model_plan(self) -> Plan:
+        act, loss_parallel = self.activation, self.options.loss_parallel
+        return {
+            self.embeddings: RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=act, use_local_output=self.local_residual
+            ),
+            self.final_norm: self.norm(),
+            # Vocab-sharded logits go to torchtitan's loss_parallel context; else gather them.
+            self.lm_head: ColwiseParallel(
+                input_layouts=act,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        }
+
+    def block_plan(self) -> Plan:
+        return {
+            self.attn_norm: self.norm(),
+            **self.attn_plan(),
+            self.mlp_norm: self.norm(),
+            **self.mlp_plan(),
+        }
+
+    def attn_plan(self) -> Plan:
+        raise NotImplementedError(f"{type(self).__name__} must define attn_plan()")
+
+    def gather(self, module: str, kwarg: str | None = None) -> Plan:
+        """All-gather a module's input from the residual layout (a no-op without SP)."""
+        if kwarg is None:
+            style = self.prepare_input(input_layouts=(self.activation,), desired_input_layouts=(Replicate(),))
+        else:
+            style = self.prepare_input(
+                input_kwarg_layouts={kwarg: self.activation}, desired_input_kwarg_layouts={kwarg: Replicate()}
+            )
+        return {module: style}
+
+    def mlp_plan(self) -> Plan:
+        return {
+            **self.gather("mlp"),
+            "mlp.gate_proj": self.colwise(),
+            "mlp.up_proj": self.colwise(),
+            "mlp.down_proj": self.out_proj(),
+            # fla's fused swish(gate) * up @ down_proj.weight bypasses down_proj's hooks.
+            "mlp.swiglu_linear": SwiGLULinearParallel(
+                output_layouts=self.activation, use_local_output=self.local_residual
+            ),
+        }
+
+
+_PLANS: dict[str, type[TPPlan]] = {}
+
+
+def register_tp_plan(model_type: str):
+    """Class decorator: ``@register_tp_plan("my_type")`` makes ``get_tp_plan`` find the class."""
+
+    def register(cls: type[TPPlan]) -> type[TPPlan]:
+        if not (isinstance(cls, type) and issubclass(cls, TPPlan)):
+            raise TypeError(f"register_tp_plan({model_type!r}) needs a TPPlan subclass, got {cls!r}")
+        if model_type in _PLANS and _PLANS[model_type] is not cls:
+            raise ValueError(
+                f"a TP plan for model_type {model_type!r} is already registered ({_PLANS[model_type].__qualname__}); "
+                "register yours under a new model_type"
+            )
+        _PLANS[model_type] = cls
+        return cls
+
+    return register
+
+
+def registered_model_types() -> list[str]:
+    return sorted(_PLANS)
+
+
+def get_tp_plan(model_type: str) -> type[TPPlan]:
+    if model_type not in _PLANS:
+        raise ValueError(
+            f"no tensor-parallel plan for model_type {model_type!r}; registered: {registered_model_types()}. "
+            "Register one with @model_plans.register_tp_plan(model_type) in your custom_import module"
+        )
+    return _PLANS[model_type]

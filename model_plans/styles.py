@@ -1,0 +1,97 @@
+"""Parallel styles the stock ones lack, and the Float8 swap.
+
+torch's ``SequenceParallel`` (and fla's ``NormParallel``) keep only the first
+positional input, so fla's fused norms lose their residual (``mlp_norm(h,
+residual, True)``) or gate (``g_norm_swish_gate(o, g)``). ``NormParallel``
+here lays out every tensor argument.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_map
+
+
+class NormParallel(ParallelStyle):
+    """A norm whose weights are replicated and whose tensor inputs all share one layout.
+
+    ``layout`` is ``Shard(1)`` for sequence-parallel norms on the residual
+    stream, ``Replicate()`` without SP, and ``Shard(-2)`` (heads) for the
+    per-head output norm inside attention, whose output meets plain local
+    tensors (``use_local_output``).
+    """
+
+    def __init__(self, layout: Placement, use_local_output: bool = False):
+        super().__init__()
+        self.layout = layout
+        self.use_local_output = use_local_output
+
+    def _to_layout(self, x, mesh: DeviceMesh):
+        if not isinstance(x, torch.Tensor):
+            return x
+        if not isinstance(x, DTensor):
+            return DTensor.from_local(x, mesh, (self.layout,), run_check=False)
+        if x.placements != (self.layout,):
+            return x.redistribute(placements=(self.layout,))
+        return x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            # Norm weights start equal on every rank (ones, or one checkpoint).
+            dparam = DTensor.from_local(param, device_mesh, (Replicate(),), run_check=False)
+            module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+
+        def pre_hook(mod, args, kwargs):
+            lay = lambda x: self._to_layout(x, device_mesh)  # noqa: E731
+            return tuple(lay(a) for a in args), {k: lay(v) for k, v in kwargs.items()}
+
+        def post_hook(mod, args, output):
+            return tree_map(lambda x: x.to_local() if isinstance(x, DTensor) else x, output)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        if self.use_local_output:
+            module.register_forward_hook(post_hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"NormParallel(layout={self.layout}, use_local_output={self.use_local_output})"
+
+
+def float8_styles():
+    """torchao's Float8 counterparts of (Colwise, Rowwise, PrepareModuleInput)."""
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def is_float8_style(style: ParallelStyle) -> bool:
+    return type(style).__module__.startswith("torchao.float8")
+
+
+def plain_style(style: ParallelStyle) -> ParallelStyle:
+    """The high-precision style with the same layouts (for a module the converter left alone)."""
+    if isinstance(style, ColwiseParallel) or isinstance(style, RowwiseParallel):
+        base = ColwiseParallel if isinstance(style, ColwiseParallel) else RowwiseParallel
+        return base(
+            input_layouts=style.input_layouts[0],
+            output_layouts=style.output_layouts[0],
+            use_local_output=style.use_local_output,
+        )
+    if isinstance(style, PrepareModuleInput):
+        return PrepareModuleInput(
+            input_layouts=style.input_layouts,
+            desired_input_layouts=style.desired_input_layouts,
+            input_kwarg_layouts=style.input_kwarg_layouts if style.with_kwargs else None,
+            desired_input_kwarg_layouts=style.desired_input_kwarg_layouts if style.with_kwargs else None,
+            use_local_output=style.use_local_output,
+        )
+    raise TypeError(f"no plain counterpart for {style!r}")

@@ -1,0 +1,24 @@
+"""fla's softmax-attention ``TransformerForCausalLM``."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Shard
+
+from model_plans.base import Plan, TPPlan, register_tp_plan
+from model_plans.styles import NormParallel
+
+
+@register_tp_plan("transformer")
+class TransformerTPPlan(TPPlan):
+    """Heads split across ranks; the optional q/k norms run per local head."""
+
+    def attn_plan(self) -> Plan:
+        return {
+            **self.gather("attn", kwarg="hidden_states"),
+            "attn.q_proj": self.colwise(),
+            "attn.k_proj": self.colwise(),
+            "attn.v_proj": self.colwise(),
+            "attn.q_norm": NormParallel(Shard(-2), use_local_output=True),
+            "attn.k_norm": NormParallel(Shard(-2), use_local_output=True),
+            "attn.o_proj": self.out_proj(),
+        }

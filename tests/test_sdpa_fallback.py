@@ -1,0 +1,88 @@
+"""fla's ``Attention`` on PyTorch SDPA (no flash-attn) against explicit softmax attention, fp32."""
+
+import math
+
+import pytest
+import torch
+
+import titan_ext  # noqa: F401  (portable fla kernels: RMSNorm for qk_norm)
+from titan_ext.models import sdpa_attention
+
+sdpa_attention.install()
+from fla.layers.attn import Attention  # noqa: E402
+
+
+def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE on [B, T, H, D], rotating the two halves of each head (fla's non-interleaved layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * inv_freq
+    angles = angles.to(x.device)
+    cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def reference(layer: Attention, x: torch.Tensor, window: int | None) -> torch.Tensor:
+    b, t, _ = x.shape
+    d = layer.head_dim
+    q = layer.q_proj(x).view(b, t, -1, d)
+    k = layer.k_proj(x).view(b, t, -1, d)
+    v = layer.v_proj(x).view(b, t, -1, d)
+    if layer.qk_norm:
+        q, k = (n.weight * y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + n.eps) for n, y in ((layer.q_norm, q), (layer.k_norm, k)))
+    q, k = rotate(q, layer.rope_theta), rotate(k, layer.rope_theta)
+    k, v = (y.repeat_interleave(layer.num_kv_groups, dim=2) for y in (k, v))
+    scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d)
+    i, j = torch.arange(t, device=x.device)[:, None], torch.arange(t, device=x.device)[None, :]
+    allowed = (j <= i) & ((i - j < window) if window else True)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    o = torch.einsum("bhts,bshd->bthd", probs, v)
+    return layer.o_proj(o.reshape(b, t, -1))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "num_kv_heads,qk_norm,window",
+    [(4, False, None), (2, False, None), (1, True, None), (2, False, 5)],
+    ids=["mha", "gqa", "mqa-qknorm", "gqa-window5"],
+)
+def test_sdpa_attention_matches_softmax_reference(num_kv_heads, qk_norm, window, device):
+    torch.manual_seed(0)
+    layer = Attention(hidden_size=64, num_heads=4, num_kv_heads=num_kv_heads, qk_norm=qk_norm, window_size=window, layer_idx=0)
+    layer.to(device)
+    if qk_norm:
+        with torch.no_grad():
+            for n in (layer.q_norm, layer.k_norm):
+                n.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 24, 64, device=device, requires_grad=True)
+    grad = torch.randn(2, 24, 64, device=device)
+
+    def run(fn):
+        out = fn()
+        params = [x, *layer.parameters()]
+        return out, torch.autograd.grad(out, params, grad)
+
+    got, got_grads = run(lambda: layer(x)[0])
+    want, want_grads = run(lambda: reference(layer, x, window))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_fallback_only_without_flash_attn():
+    import fla.layers.attn as attn
+
+    expected = sdpa_attention.sdpa_attn_func if not sdpa_attention.flash_attn_available() else attn.flash_attn_func
+    assert attn.flash_attn_func is expected
+
+
+def test_padded_batches_fail_clearly():
+    layer = Attention(hidden_size=64, num_heads=4, layer_idx=0)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :2] = 0
+    with pytest.raises(ValueError, match="need the flash-attn package"):
+        layer(torch.randn(2, 8, 64), attention_mask=mask)

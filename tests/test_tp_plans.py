@@ -1,0 +1,273 @@
+"""TP plans without a trainer: registry, validation, Float8 choice, and the collectives one block issues.
+
+Collectives are counted on torch's "fake" process group (world size 2, one
+process): DTensor issues the same collectives as on gloo, only their data is
+not exchanged, which is all ``CommDebugMode`` needs.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import titan_ext  # noqa: F401  (fla's kernels in torch for CPU)
+from model_plans import (
+    GLATPPlan,
+    LlamaTPPlan,
+    TPOptions,
+    TPPlan,
+    TransformerTPPlan,
+    apply_tp,
+    get_tp_plan,
+    register_tp_plan,
+    registered_model_types,
+    resolve,
+    validate_tp,
+)
+from titan_ext.tensor_parallel import apply_tp_from_config, check_async_tp, float8_tp_enabled, tp_options
+
+TP = 2
+
+
+# ---- registry ---------------------------------------------------------------------------------
+
+
+def test_shipped_plans_are_registered():
+    assert get_tp_plan("gla") is GLATPPlan
+    assert get_tp_plan("transformer") is TransformerTPPlan
+    assert get_tp_plan("llama") is LlamaTPPlan
+
+
+def test_unknown_model_type_lists_registered_ones():
+    with pytest.raises(ValueError) as e:
+        get_tp_plan("mamba9")
+    msg = str(e.value)
+    assert "'mamba9'" in msg and all(repr(t) in msg for t in ("gla", "llama", "transformer"))
+    assert "\n" not in msg
+
+
+def test_register_a_user_plan_and_refuse_a_clash():
+    @register_tp_plan("test_only_gla_variant")
+    class Mine(GLATPPlan):
+        pass
+
+    assert get_tp_plan("test_only_gla_variant") is Mine
+    assert "test_only_gla_variant" in registered_model_types()
+    with pytest.raises(ValueError, match="already registered"):
+        register_tp_plan("gla")(type("Other", (GLATPPlan,), {}))
+    with pytest.raises(TypeError):
+        register_tp_plan("not_a_plan")(object)
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+
+def gla_config(**kw):
+    base = dict(hidden_size=64, num_heads=4, num_kv_heads=None, expand_k=0.5, expand_v=1.0,
+                hidden_ratio=4, intermediate_size=None, use_short_conv=False, tie_word_embeddings=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def llama_config(**kw):
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                tie_word_embeddings=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "config,degree,seq_len,sp,expected",
+    [
+        (gla_config(num_heads=6, hidden_size=96), 4, None, True, "num_heads=6 is not divisible by --parallelism.tensor_parallel_degree=4"),
+        (gla_config(num_kv_heads=1), 2, None, True, "num_kv_heads=1 is not divisible by --parallelism.tensor_parallel_degree=2"),
+        (gla_config(num_heads=2, hidden_size=66), 2, None, True, "hidden_size * expand_k=33 is not divisible"),
+        (gla_config(num_heads=2, hidden_size=66, expand_k=1.0, expand_v=0.5), 2, None, True, "hidden_size * expand_v=33 is not divisible"),
+        (gla_config(intermediate_size=130), 4, None, True, "intermediate_size=130 is not divisible by --parallelism.tensor_parallel_degree=4"),
+        (llama_config(num_attention_heads=3), 2, None, True, "num_attention_heads=3 is not divisible"),
+        (llama_config(num_key_value_heads=1), 2, None, True, "num_key_value_heads=1 is not divisible"),
+        (gla_config(), 2, 127, True, "--training.seq_len=127 is not divisible by --parallelism.tensor_parallel_degree=2"),
+        (gla_config(use_short_conv=True), 2, None, True, "use_short_conv=True is not supported"),
+        (llama_config(tie_word_embeddings=True), 2, None, True, "tie_word_embeddings=True is not supported"),
+    ],
+)
+def test_validation_names_field_value_and_degree(config, degree, seq_len, sp, expected):
+    with pytest.raises(ValueError) as e:
+        validate_tp(config, degree, seq_len, sp)
+    assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_validation_passes_what_tp_can_split():
+    validate_tp(gla_config(), 2, 128, True)
+    validate_tp(gla_config(), 2, 127, False)  # no sequence sharding, any length
+    validate_tp(llama_config(), 2, 128, True)
+    validate_tp(gla_config(num_heads=3, hidden_size=96), 1, 127, True)  # no TP, nothing to check
+
+
+# ---- options from the job config ---------------------------------------------------------------
+
+
+def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None, async_tp=False, compile=False):
+    titan_ext_section = SimpleNamespace() if disable_sp is None else SimpleNamespace(disable_sequence_parallel=disable_sp)
+    return SimpleNamespace(
+        model=SimpleNamespace(converters=list(converters)),
+        quantize=SimpleNamespace(linear=SimpleNamespace(float8=SimpleNamespace(recipe_name=recipe))),
+        parallelism=SimpleNamespace(disable_loss_parallel=disable_loss_parallel, enable_async_tensor_parallel=async_tp),
+        compile=SimpleNamespace(enable=compile),
+        training=SimpleNamespace(seq_len=128),
+        titan_ext=titan_ext_section,
+    )
+
+
+@pytest.mark.parametrize(
+    "converters,recipe,float8",
+    [
+        (["quantize.linear.float8"], None, True),
+        (["quantize.linear.float8"], "tensorwise", True),
+        (["quantize.linear.float8"], "rowwise", False),
+        (["quantize.linear.float8"], "rowwise_with_gw_hp", False),
+        (["float8"], None, False),  # not a registered converter name
+        ([], None, False),
+    ],
+)
+def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
+    assert float8_tp_enabled(job(converters, recipe)) is float8
+    plan = GLATPPlan(tp_options(job(converters, recipe)))
+    styles = {**plan.block_plan(), **plan.model_plan()}
+    for fqn in ("attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "attn.o_proj", "mlp.down_proj", "mlp"):
+        assert (type(styles[fqn]).__module__.startswith("torchao.float8")) is float8, (fqn, styles[fqn])
+    assert type(styles["lm_head"]) is ColwiseParallel  # the head stays high precision, as in torchtitan
+
+
+def test_loss_and_sequence_parallel_options():
+    assert tp_options(job()) == TPOptions(sequence_parallel=True, loss_parallel=True, float8=False)
+    assert tp_options(job(disable_loss_parallel=True, disable_sp=True)) == TPOptions(False, False, False)
+    head = GLATPPlan(TPOptions(loss_parallel=True)).model_plan()["lm_head"]
+    assert head.output_layouts[0].is_shard(-1) and not head.use_local_output
+    head = GLATPPlan(TPOptions(loss_parallel=False)).model_plan()["lm_head"]
+    assert head.output_layouts[0].is_replicate() and head.use_local_output
+
+
+def test_async_tp_needs_compile():
+    with pytest.raises(ValueError, match="--parallelism.enable_async_tensor_parallel needs torch.compile"):
+        check_async_tp(job(async_tp=True))
+    check_async_tp(job(async_tp=True, compile=True))
+
+
+def test_async_tp_checked_before_anything_is_sharded():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs torch.compile"):
+        apply_tp_from_config(model, SimpleNamespace(tp=2), job(async_tp=True))
+    assert not isinstance(model.weight, DTensor)
+
+
+# ---- models on a fake 2-rank group ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+    yield init_device_mesh("cpu", (TP,))
+    dist.destroy_process_group()
+
+
+def tiny_gla(**kw):
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    config = GLAConfig(hidden_size=64, num_hidden_layers=1, num_heads=4, vocab_size=128,
+                       fuse_cross_entropy=False, fuse_linear_cross_entropy=False, **kw)
+    return GLAForCausalLM(config)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=128, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def tiny_transformer():
+    from fla.models import TransformerConfig, TransformerForCausalLM
+
+    from titan_ext.models import sdpa_attention
+
+    sdpa_attention.install()  # SDPA in place of flash-attn, which this machine lacks
+    config = TransformerConfig(hidden_size=64, num_hidden_layers=1, num_heads=4, num_kv_heads=2, vocab_size=128,
+                               qk_norm=True, fuse_cross_entropy=False, fuse_linear_cross_entropy=False)
+    return TransformerForCausalLM(config)
+
+
+BUILDERS = {
+    "gla": tiny_gla,
+    "gla_unfused": lambda: tiny_gla(fuse_norm=False, fuse_swiglu=False),
+    "gla_gqa": lambda: tiny_gla(num_kv_heads=2),
+    "llama": tiny_llama,
+    "transformer": tiny_transformer,
+}
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no_sp"])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_one_block_issues_the_megatron_minimum(mesh, name, sp):
+    model = BUILDERS[name]()
+    plan = get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp))
+    apply_tp(model, mesh, plan)
+    tokens = torch.randint(0, 128, (2, 16))
+    hidden = model.get_input_embeddings()(tokens)
+    block = model.get_submodule(plan.layers)[0]
+    kwargs = {}
+    if name == "llama":
+        positions = torch.arange(16)[None]
+        kwargs = {"position_embeddings": model.model.rotary_emb(hidden, positions), "position_ids": positions}
+    with CommDebugMode() as comm:
+        out = block(hidden, **kwargs)
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    print(f"\n{name} {'SP' if sp else 'no SP'}: one block's forward issues {counts}")
+    expected = {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2} if sp else {"all_reduce": 2}
+    assert counts == expected
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.shape[-1] == 64
+
+
+@pytest.mark.parametrize("name", ["gla", "gla_unfused", "llama", "transformer"])
+def test_every_parameter_becomes_a_dtensor_and_trains(mesh, name):
+    """Forward and backward of the whole model under both variants; no plain parameter is left."""
+    for sp in (True, False):
+        model = BUILDERS[name]()
+        plan = get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp, loss_parallel=False))
+        apply_tp(model, mesh, plan)
+        logits = model.lm_head(model.model(input_ids=torch.randint(0, 128, (2, 16))).last_hidden_state)
+        assert logits.shape == (2, 16, 128) and not isinstance(logits, DTensor)
+        logits.float().pow(2).mean().backward()
+        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
+
+
+def test_a_parameter_no_plan_covers_is_an_error(mesh):
+    class Partial(GLATPPlan):
+        def attn_plan(self):
+            plan = super().attn_plan()
+            del plan["attn.gk_proj.0"]
+            return plan
+
+    with pytest.raises(ValueError, match=r"parameter model.layers.0.attn.gk_proj.0.weight is not covered by Partial"):
+        apply_tp(tiny_gla(), mesh, Partial())
+
+
+def test_float8_styles_fall_back_where_the_converter_left_a_linear(mesh):
+    plan = GLATPPlan(TPOptions(float8=True))
+    block = tiny_gla().model.layers[0]  # no Float8Linear at all
+    resolved = resolve(plan.block_plan(), block)
+    assert type(resolved["attn.q_proj"]) is ColwiseParallel
+    assert type(resolved["mlp.down_proj"]) is RowwiseParallel
+    assert type(resolved["mlp"]) is PrepareModuleInput
+    assert "attn.g_norm" not in resolved  # fused variant: g_norm_swish_gate instead
+
+
+def test_base_plan_needs_an_attention_plan():
+    with pytest.raises(NotImplementedError, match="TPPlan must define attn_plan"):
+        TPPlan().block_plan()

@@ -1,0 +1,65 @@
+"""fla's softmax ``Attention`` without the flash-attn package: PyTorch SDPA behind flash-attn's API.
+
+fla's ``Attention`` layer calls ``flash_attn_func`` (a module global of
+``fla.layers.attn``) and refuses to build when it is ``None``. ``install()``
+binds that global, only when flash-attn is missing, to ``sdpa_attn_func``:
+flash-attn's call contract over ``torch.nn.functional.scaled_dot_product_attention``.
+The layer itself (projections, qk_norm, rotary, parameter names) stays fla's,
+so the math and the checkpoints are fla's. With flash-attn installed nothing
+changes.
+
+fla's rotary embedding is a Triton kernel; ``titan_ext.kernels`` routes it
+to torch off CUDA, like fla's other kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def sdpa_attn_func(q, k, v, causal: bool = True, window_size: tuple[int, int] = (-1, -1)) -> torch.Tensor:
+    """``flash_attn_func`` over SDPA: [B, T, H, D] in and out, GQA when k/v have fewer heads.
+
+    As in flash-attn, a causal query attends to keys aligned to the end of
+    the key sequence, and ``window_size=(left, 0)`` limits it to the ``left``
+    keys before it (fla passes ``window_size - 1``).
+    """
+    if not causal:
+        raise ValueError("titan_ext's SDPA attention is causal only; fla's Attention always passes causal=True")
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    left = window_size[0]
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    mask = None
+    if left >= 0 or q_len != k_len:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (k_len - q_len)
+        cols = torch.arange(k_len, device=q.device)[None, :]
+        mask = cols <= rows
+        if left >= 0:
+            mask = mask & (rows - cols <= left)
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return o.transpose(1, 2)
+
+
+def sdpa_attn_varlen_func(*args, **kwargs):
+    raise ValueError(
+        "fla Attention got attention_mask or cu_seqlens, which need the flash-attn package; "
+        "install flash-attn or train on unpadded, unpacked batches (as torchtitan does)"
+    )
+
+
+def install() -> None:
+    """Use SDPA where fla would use flash-attn, if flash-attn is missing (idempotent)."""
+    import fla.layers.attn as attn
+
+    if attn.flash_attn_func is None and not flash_attn_available():
+        attn.flash_attn_func = sdpa_attn_func
+        attn.flash_attn_varlen_func = sdpa_attn_varlen_func

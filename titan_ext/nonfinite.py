@@ -1,0 +1,119 @@
+"""Stop (or skip) a training step whose loss is NaN or Inf, before the update is applied.
+
+torchtitan 0.2.2 applies whatever gradients a step produced, and a NaN loss
+then poisons the weights and every checkpoint written after it. Here the
+loss function records whether any loss of the step was non-finite (no host
+sync); right before the optimizer step all ranks agree on the flag (one
+small all-reduce) and then, per ``[titan_ext] nonfinite_loss``:
+
+- ``"stop"`` (default): raise with the step number; the job ends before the
+  update and before that step's checkpoint, so the last checkpoint is clean;
+- ``"skip"``: drop the step's update (the LR schedule still advances), log it;
+- ``"off"``: no check, no sync (for the last bit of speed).
+
+torchtitan builds the loss and the optimizers in separate calls, so a
+module-level guard links them for the job being built.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+POLICIES = ("stop", "skip", "off")
+
+
+def nonfinite_policy(job_config) -> str:
+    section = getattr(job_config, "titan_ext", None)
+    policy = getattr(section, "nonfinite_loss", "stop")
+    if policy not in POLICIES:
+        raise ValueError(f"--titan_ext.nonfinite_loss={policy!r} is not one of {list(POLICIES)}")
+    return policy
+
+
+class NonFiniteLossGuard:
+    def __init__(self) -> None:
+        self.policy = "stop"
+        self.flag: torch.Tensor | None = None
+
+    def start_job(self, policy: str) -> None:
+        self.policy = policy
+        self.flag = None
+
+    def record(self, loss: torch.Tensor) -> None:
+        local = loss.detach()
+        if hasattr(local, "full_tensor"):  # a DTensor loss under loss parallel
+            local = local.full_tensor()
+        bad = ~torch.isfinite(local).all()
+        self.flag = bad if self.flag is None else self.flag | bad
+
+    def step_is_nonfinite(self) -> bool:
+        """Whether any rank saw a non-finite loss since the last call (collective: every rank calls it)."""
+        flag = self.flag
+        self.flag = None
+        if flag is None:
+            return False
+        flag = flag.to(torch.int32)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+_guard = NonFiniteLossGuard()
+
+
+def watch_loss(build_loss_fn):
+    """Wrap a train spec's ``build_loss_fn`` so the built loss reports to the guard."""
+
+    @functools.wraps(build_loss_fn)
+    def build(job_config, **kwargs):
+        loss_fn = build_loss_fn(job_config, **kwargs)
+        _guard.start_job(nonfinite_policy(job_config))
+        if _guard.policy == "off":
+            return loss_fn
+
+        def loss_with_check(pred, labels):
+            loss = loss_fn(pred, labels)
+            _guard.record(loss)
+            return loss
+
+        return loss_with_check
+
+    return build
+
+
+def guard_optimizer_step(build_lr_schedulers_fn):
+    """Wrap ``build_lr_schedulers_fn``: it is the one builder that sees the optimizers and the step count.
+
+    The LR schedulers' ``last_epoch`` is the number of completed steps (and is
+    checkpointed), so the current step is ``last_epoch + 1``.
+    """
+
+    @functools.wraps(build_lr_schedulers_fn)
+    def build(optimizers, lr_scheduler_config, training_steps):
+        schedulers = build_lr_schedulers_fn(optimizers, lr_scheduler_config, training_steps)
+        policy = _guard.policy
+        if policy == "off":
+            return schedulers
+        step_optimizers = optimizers.step
+
+        def step(*args, **kwargs):
+            if _guard.step_is_nonfinite():
+                step_number = schedulers.schedulers[0].last_epoch + 1
+                if policy == "stop":
+                    raise FloatingPointError(
+                        f"non-finite loss (NaN or Inf) at step {step_number}: stopped before its update and "
+                        "checkpoint; lower the LR or fix the data, or set --titan_ext.nonfinite_loss skip"
+                    )
+                logger.warning(f"non-finite loss at step {step_number}: skipped its update (--titan_ext.nonfinite_loss skip)")
+                optimizers.zero_grad()
+                return None
+            return step_optimizers(*args, **kwargs)
+
+        optimizers.step = step
+        return schedulers
+
+    return build

@@ -1,0 +1,46 @@
+"""Check a job's config against its model and world size before any model is built.
+
+torchtitan would otherwise report these mistakes late (after meta init,
+sharding or a checkpoint read) and deep in a stack trace. ``check_job`` runs
+from ``HFModelArgs.update_from_config``, the first hook that sees both the
+job config and the model's architecture; each failure is one line naming
+the option, its value and the fix.
+"""
+
+from __future__ import annotations
+
+from model_plans import get_tp_plan, validate_tp
+
+from titan_ext.tensor_parallel import check_async_tp, sequence_parallel_enabled
+
+
+def check_parallelism(model_args, job_config) -> None:
+    parallelism = job_config.parallelism
+    if parallelism.context_parallel_degree > 1:
+        raise ValueError(
+            f"--parallelism.context_parallel_degree={parallelism.context_parallel_degree} is not supported "
+            "for titan_ext models; set it to 1"
+        )
+    if parallelism.tensor_parallel_degree > 1:
+        check_async_tp(job_config)
+        config = model_args.to_hf_config()
+        get_tp_plan(config.model_type)  # an unknown model type lists the registered ones
+        validate_tp(
+            config,
+            parallelism.tensor_parallel_degree,
+            job_config.training.seq_len,
+            sequence_parallel_enabled(job_config),
+        )
+
+
+def check_initial_hf_checkpoint(model_args, job_config) -> None:
+    checkpoint = job_config.checkpoint
+    if checkpoint.enable and checkpoint.initial_load_in_hf and checkpoint.initial_load_path:
+        from titan_ext.checkpoint import check_hf_config
+
+        check_hf_config(model_args, checkpoint.initial_load_path)
+
+
+def check_job(model_args, job_config) -> None:
+    check_parallelism(model_args, job_config)
+    check_initial_hf_checkpoint(model_args, job_config)

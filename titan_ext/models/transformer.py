@@ -1,7 +1,8 @@
 """fla's softmax-attention ``TransformerForCausalLM`` as a torchtitan model.
 
-Without the flash-attn package, attention runs through PyTorch SDPA (see
-``sdpa_attention``); parameter names and math stay fla's.
+Without the flash-attn package, attention runs through PyTorch SDPA
+(``sdpa_attention.install()``, done when ``titan_ext`` is imported);
+parameter names and math stay fla's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import dataclasses
 
 from fla.models import TransformerConfig, TransformerForCausalLM
 
-from titan_ext.models import sdpa_attention
 from titan_ext.models.hf_adapter import HFModelArgs, TitanCausalLM
 
 
@@ -53,9 +53,7 @@ class TransformerModelArgs(HFModelArgs):
 
 
 class TransformerForTitan(TitanCausalLM, TransformerForCausalLM):
-    def __init__(self, model_args: TransformerModelArgs):
-        sdpa_attention.install()  # before fla's Attention checks for flash-attn
-        super().__init__(model_args)
+    pass
 
 
 # 340M, 1B and 7B are flame's configs/transformer_*.json (fla-hub's transformer checkpoints).

@@ -12,27 +12,25 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
 from torchtitan.tools.logging import logger
 
+from titan_ext.activation_checkpoint import apply_ac, model_compile_enabled
+from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    if parallel_dims.cp_enabled:
-        raise ValueError(
-            "--parallelism.context_parallel_degree > 1 is not supported for titan_ext models; set it to 1"
-        )
+    """The job config was checked before the model was built (``titan_ext.preflight``)."""
     if parallel_dims.tp_enabled:
         from titan_ext.tensor_parallel import apply_tp_from_config
 
         apply_tp_from_config(model, parallel_dims, job_config)
 
-    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    compile_model = model_compile_enabled(job_config)
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config)
     if compile_model:
-        apply_compile(model, job_config.compile.backend)
+        apply_compile(model, job_config.compile)
 
     if parallel_dims.fsdp_enabled:
         dims = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
@@ -55,24 +53,6 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
             )
         apply_ddp(model, dp_mesh, compile_model)
     return model
-
-
-def apply_ac(model: nn.Module, job_config) -> None:
-    """torchtitan's per-block activation checkpointing, applied to the HF decoder."""
-    titan_apply_ac(
-        model.get_decoder(),
-        job_config.activation_checkpoint,
-        model_compile_enabled=job_config.compile.enable and "model" in job_config.compile.components,
-        base_folder=job_config.job.dump_folder,
-    )
-
-
-def apply_compile(model: nn.Module, backend: str) -> None:
-    """Compile each decoder block: the blocks share one structure, so one compiled graph serves all."""
-    layers = model.get_decoder().layers
-    for name, block in layers.named_children():
-        layers.register_module(name, torch.compile(block, backend=backend))
-    logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {backend})")
 
 
 def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:

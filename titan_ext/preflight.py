@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from model_plans import get_tp_plan, validate_tp
 
+from titan_ext.activation_checkpoint import model_compile_enabled, validate_ac_config
+from titan_ext.compile import validate_compile_config
+from titan_ext.nonfinite import nonfinite_policy
 from titan_ext.tensor_parallel import check_async_tp, sequence_parallel_enabled
 
 
@@ -43,4 +46,7 @@ def check_initial_hf_checkpoint(model_args, job_config) -> None:
 
 def check_job(model_args, job_config) -> None:
     check_parallelism(model_args, job_config)
+    validate_ac_config(job_config.activation_checkpoint, model_compile_enabled(job_config))
+    validate_compile_config(job_config.compile)
+    nonfinite_policy(job_config)
     check_initial_hf_checkpoint(model_args, job_config)

@@ -86,12 +86,14 @@ class HFModelArgs(BaseModelArgs):
         torchtitan calls this right before building the model, so it is where
         a bad config fails: early, and in one line.
         """
+        from titan_ext.float8 import configure_float8
         from titan_ext.preflight import check_job
 
         section = getattr(job_config, "titan_ext", None)
         if section is not None and section.hf_config:
             path = section.hf_config
             self.update_from_hf_config(load_hf_config_json(path), f"--titan_ext.hf_config={path!r}")
+        configure_float8(job_config, self.model_type)
         check_job(self, job_config)
 
     def mixer_flops_per_token(self, seq_len: int) -> int:

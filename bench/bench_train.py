@@ -1,0 +1,192 @@
+"""Training throughput of fla's GLA: a plain PyTorch loop vs titan_ext on stock torchtitan, in one run.
+
+Rows, all at the same model, batch and sequence length:
+  (a) plain loop over fla's model: bf16 autocast, fp32 params, fused AdamW;
+  (b) titan_ext through ``torchrun -m torchtitan.train``, bf16 mixed precision;
+  (c) (b) + per-block compile;
+  (d) (c) + Float8 (``quantize.linear.float8``).
+Each row: median tokens/s over the steps after warm-up, ratio to (a), peak
+memory, and MFU from the spec's FLOPs per token (``get_nparams_and_flops``)
+and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
+``--titan_ext.metrics_jsonl``.
+
+    python bench/bench_train.py                 # GLA 340M, 16 x 2048, one GPU
+    python bench/bench_train.py --cpu-tiny      # debug model on CPU: CI checks that it still runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Row:
+    name: str
+    tps: float
+    memory_gib: float
+    note: str = ""
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="train_configs/gla_340M.toml")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
+    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--cpu-tiny", action="store_true", help="debug model, 2 x 128, 6 steps, CPU backends")
+    args = parser.parse_args(argv)
+    if args.cpu_tiny:
+        args.config, args.batch, args.seq, args.steps, args.warmup = "train_configs/debug_gla.toml", 2, 128, 6, 2
+        args.compile_backend = "aot_eager"
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    return args
+
+
+def load_flavor(config: str):
+    """The flavor's model args, from the TOML's [model] section."""
+    import tomllib
+
+    import titan_ext  # noqa: F401  (portable kernels, train specs)
+    from titan_ext.train_specs import TRAIN_SPECS
+
+    with open(REPO / config, "rb") as f:
+        model = tomllib.load(f)["model"]
+    return model["name"], model["flavor"], TRAIN_SPECS[model["name"]]().model_args[model["flavor"]]
+
+
+def flops_per_token(model_args, seq: int) -> int:
+    from titan_ext.models.gla import GLAForTitan
+
+    with torch.device("meta"):
+        model = GLAForTitan(copy.deepcopy(model_args))
+    return model_args.get_nparams_and_flops(model, seq)[1]
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def peak_memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_reserved() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def plain_loop(model_args, batch: int, seq: int, steps: int, warmup: int) -> Row:
+    """(a): fla's model and the loop everyone writes first."""
+    from fla.models import GLAForCausalLM
+
+    dev = device()
+    torch.manual_seed(0)
+    model = GLAForCausalLM(model_args.to_hf_config()).to(dev)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), device=dev)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            logits = model(input_ids=inputs, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    tps = batch * seq / statistics.median(times[warmup:])
+    row = Row("(a) plain PyTorch loop", tps, peak_memory_gib())
+    del model, optimizer
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row:
+    """One ``torchrun -m torchtitan.train`` job; median of its per-step metrics after warm-up."""
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = Path(folder) / "metrics.jsonl"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            "-m", "torchtitan.train", "--job.config_file", str(REPO / args.config), "--job.dump_folder", folder,
+            "--titan_ext.metrics_jsonl", str(metrics), "--metrics.log_freq", "1", "--checkpoint.no-enable",
+            "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
+            "--training.steps", str(args.steps), "--training.mixed_precision_param", "bfloat16",
+            "--debug.seed", "0", *overrides,
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name}: torchtitan exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+        steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    steady = [s for s in steps if s["step"] > args.warmup]
+    tps = statistics.median(s["throughput(tps)"] for s in steady)
+    memory = max(s["memory/max_reserved(GiB)"] for s in steady)
+    return Row(name, tps, memory, note)
+
+
+def titan_rows(args) -> list[Row]:
+    compile_flags = ["--compile.enable", "--compile.backend", args.compile_backend]
+    float8 = ["--model.converters", "quantize.linear.float8"]
+    rows = [torchtitan_run("(b) titan_ext bf16", args, [])]
+    rows.append(torchtitan_run("(c) (b) + compile", args, compile_flags))
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        rows.append(torchtitan_run("(d) (c) + Float8", args, compile_flags + float8))
+    else:
+        # torchao's emulation is eager-only; without a float8 GPU this row is (b) + emulated Float8.
+        note = "no float8 GPU: emulated Float8, eager (emulation cannot compile)"
+        print(f"(d): {note}")
+        emulate = float8 + ["--quantize.linear.float8.emulate"]
+        rows.append(torchtitan_run("(d) (b) + Float8 emulated", args, emulate, note))
+    return rows
+
+
+def peak_flops() -> float:
+    from torchtitan.tools.utils import get_peak_flops
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return get_peak_flops(name)
+
+
+def print_table(rows: list[Row], flops: int, peak: float, args) -> None:
+    base = rows[0].tps
+    print(f"\nGLA {args.config}, batch {args.batch} x seq {args.seq}, median of steps {args.warmup + 1}-{args.steps}")
+    print(f"FLOPs/token {flops:,}, peak {peak / 1e12:.0f} TFLOP/s ({device().type})")
+    print(f"| {'run':<32} | {'tokens/s':>12} | {'vs (a)':>7} | {'peak mem GiB':>12} | {'MFU %':>7} |")
+    print(f"|{'-' * 34}|{'-' * 14}|{'-' * 9}|{'-' * 14}|{'-' * 9}|")
+    for row in rows:
+        mfu = 100 * row.tps * flops / peak
+        print(f"| {row.name:<32} | {row.tps:>12,.1f} | {row.tps / base:>7.3f} | {row.memory_gib:>12.2f} | {mfu:>7.3f} |")
+
+
+def main(argv=None) -> list[Row]:
+    args = parse_args(argv)
+    _, _, model_args = load_flavor(args.config)
+    rows = [plain_loop(model_args, args.batch, args.seq, args.steps, args.warmup)]
+    rows += titan_rows(args)
+    assert all(math.isfinite(r.tps) for r in rows)
+    print_table(rows, flops_per_token(model_args, args.seq), peak_flops(), args)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

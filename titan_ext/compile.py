@@ -1,0 +1,43 @@
+"""Per-block ``torch.compile`` for HF-layout decoders.
+
+Each block is compiled (after AC wrapping, before FSDP, as torchtitan does).
+The blocks share one code object and one structure, so dynamo traces one
+frame and reuses it for every block: with ``inline_inbuilt_nn_modules`` (on
+by default since torch 2.5) a block's parameters are graph inputs and
+attributes it never reads in control flow (fla's integer ``layer_idx``:
+only consulted when a KV cache is passed) install no guard. On CUDA, fla's
+``chunk_gla`` is wrapped in ``torch.compiler.disable``, so each GLA block
+splits into graphs around it; ``tests/test_ac_compile.py`` reproduces that
+split on CPU and checks it still compiles once for all blocks.
+
+Embeddings (a gather), the final norm (already one fused kernel on CUDA)
+and ``lm_head`` (one GEMM) leave nothing to fuse, so they stay eager. The
+loss is torchtitan's: its ``build_cross_entropy_loss`` compiles it when
+``loss`` is in ``--compile.components``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torchtitan.tools.logging import logger
+
+COMPONENTS = ("model", "loss")
+
+
+def validate_compile_config(compile_config) -> None:
+    unknown = [c for c in compile_config.components if c not in COMPONENTS]
+    if unknown:
+        raise ValueError(
+            f"--compile.components has unknown entries {unknown}; use a subset of {', '.join(COMPONENTS)}"
+        )
+
+
+def apply_compile(model: nn.Module, compile_config) -> None:
+    """Replace each decoder block with its compiled version (the compiled module is what runs)."""
+    validate_compile_config(compile_config)
+    layers = model.get_decoder().layers
+    for name, block in list(layers.named_children()):
+        # No fullgraph: fla's CUDA GLA ops are torch.compiler.disable'd (a graph break by design).
+        layers.register_module(name, torch.compile(block, backend=compile_config.backend))
+    logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {compile_config.backend})")

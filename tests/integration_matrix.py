@@ -1,0 +1,399 @@
+"""Integration matrix: every train spec x parallelism, activation checkpointing, compile and checkpoint row (CPU).
+
+    python tests/integration_matrix.py [--spec fla_gla ...] [--rows fsdp2 tp2 ...]
+
+prints one line per spec x row (ok / MISMATCH / ERROR / unsupported, with the
+largest relative difference) and exits non-zero unless every row that ran is ok.
+``tests/test_integration_matrix.py`` runs it once and makes one test per row.
+
+Why every comparison is exact math
+----------------------------------
+Every row starts from one seed checkpoint per spec (fp32) and is compared with
+one single-process run from it ("single"): losses and gradient norms at every
+step within a relative 1e-4 (only the order of float reductions differs).
+
+torchtitan shards the dataset by data-parallel rank with
+``split_dataset_by_node`` (contiguous shards), so a data-parallel run normally
+reads different samples than a single process. The matrix trains on a corpus
+made of one block of the shipped corpus repeated ``MAX_DP`` times: at data
+parallel degree 1, 2 or 4 every rank's shard is the same token stream (and
+loops onto an identical copy), so every rank's batch equals the single
+process's batch. torchtitan's loss is a token sum divided by the global token
+count and titan_ext sums gradients over ranks, so the mean loss and the
+gradient of a data-parallel run equal the single process's. A wrong gradient
+scale (torchtitan 0.2.2's DDP averages) shows in the gradient norm even where
+AdamW would hide it in the loss; clipping is off for the same reason. Identical
+shards do not test torchtitan's sharding of the data, only the parallelism.
+
+- ``resume``: FSDP2 with a checkpoint every 2 steps, then the same job again
+  with ``--checkpoint.load_step 2``: steps 3-4 must equal the uninterrupted
+  run's exactly (==), losses and gradient norms.
+- ``hf``: export the seed to HF safetensors (one step at learning rate 0, so
+  the weights are the seed's), then train from that HF checkpoint
+  (``initial_load_in_hf``): it must match "single" like any other row.
+- TP rows of ``hf_llama`` untie its head from the embedding (TP shards the two
+  differently) and so compare with an untied single-process run.
+
+Budget
+------
+The CI machine has 2 cores and each process start costs ~15-30 s of imports.
+The whole matrix is ONE ``torchrun --nproc_per_node=4`` launch of
+``tests/matrix_driver.py``, which calls ``torchtitan.train.main`` once per job:
+first the seed checkpoints and every 1-process job (four lanes of one
+process), then 2-process jobs (two lanes), then 4-process jobs. All three
+specs take ~3 min there with a cold inductor cache (~2 min of it the inductor
+rows), ~2 min warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "train_configs"
+CORPUS = REPO / "titan_ext" / "assets" / "tiny" / "corpus.jsonl"
+DRIVER = Path(__file__).resolve().parent / "matrix_driver.py"
+
+RTOL = 1e-4
+STEPS = 4
+MAX_DP = 4
+CORPUS_BLOCK = 64  # lines; ~5k tokens, more than any rank reads in STEPS steps
+COMMON = (
+    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.max_norm", "1e9", "--metrics.log_freq", "1",
+    # A job that fails on one rank only must not hold the others for long.
+    "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "60",
+)
+
+
+def parallel(shard: int = 1, replicate: int = 1, tp: int = 1) -> tuple[str, ...]:
+    return (
+        "--parallelism.data_parallel_shard_degree", str(shard),
+        "--parallelism.data_parallel_replicate_degree", str(replicate),
+        "--parallelism.tensor_parallel_degree", str(tp),
+    )
+
+
+@dataclass(frozen=True)
+class Spec:
+    config: str
+    tp_hf_config: dict | None = None
+    """HF config overrides for TP rows (hf_llama's debug flavor ties its head to the embedding)."""
+
+
+SPECS = {
+    "fla_gla": Spec("debug_gla.toml"),
+    "fla_transformer": Spec("debug_transformer.toml"),
+    "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    world: int
+    flags: tuple[str, ...]
+    kind: str = "train"
+    """``train``: one job; ``resume``: full job then resumed job; ``hf``: HF export then import."""
+    cost: int = 1
+    """Rough relative run time, to balance lanes."""
+
+    @property
+    def tp(self) -> bool:
+        i = self.flags.index("--parallelism.tensor_parallel_degree")
+        return self.flags[i + 1] != "1"
+
+
+AC = ("--activation_checkpoint.mode",)
+ROWS = {
+    "single": Row(1, parallel()),
+    "fsdp2": Row(2, parallel(shard=2)),
+    "ddp2": Row(2, parallel(replicate=2)),
+    "tp2": Row(2, parallel(tp=2)),  # sequence parallel and loss parallel on (the defaults)
+    "hsdp2x2": Row(4, parallel(shard=2, replicate=2)),
+    "fsdp2_tp2": Row(
+        4, (*parallel(shard=2, tp=2), "--parallelism.disable_loss_parallel", "--titan_ext.disable_sequence_parallel")
+    ),
+    "ac_full": Row(1, (*parallel(), *AC, "full")),
+    "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
+    "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
+    # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
+    "compile_aot_eager": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "aot_eager"), cost=3),
+    "compile_inductor": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "inductor"), cost=20),
+    "resume": Row(2, parallel(shard=2), kind="resume", cost=2),
+    "hf": Row(1, parallel(), kind="hf", cost=2),
+}
+UNSUPPORTED = {
+    "pp2": "titan_ext's train specs have no pipelining_fn (torchtitan's pipeline_llm hard-codes its Llama names)",
+    "cp2": "parallelize_hf_model rejects context parallel (torchtitan's CP hard-codes its attention names)",
+    "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
+    "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    world: int
+    argv: tuple[str, ...]
+
+
+@dataclass
+class Result:
+    spec: str
+    row: str
+    status: str  # ok, MISMATCH, ERROR, unsupported
+    max_rel: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Matrix:
+    """The jobs of a selection of specs x rows, laid out under ``root``."""
+
+    root: Path
+    specs: list[str]
+    rows: list[str]
+
+    def variant(self, spec: str, row: str) -> str:
+        return "untied" if ROWS[row].tp and SPECS[spec].tp_hf_config else "base"
+
+    def variant_flags(self, spec: str, variant: str) -> tuple[str, ...]:
+        spec_def = SPECS[spec]
+        flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus))
+        if variant == "untied":
+            flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
+        return flags
+
+    @property
+    def corpus(self) -> Path:
+        return self.root / "corpus.jsonl"
+
+    def job(self, spec: str, variant: str, name: str, world: int, *flags: str, folder: str = "") -> Job:
+        """A job named ``name`` training in ``folder`` (default: its own, named after it)."""
+        id_ = f"{spec}.{variant}.{name}"
+        folder = self.root / spec / variant / (folder or name)
+        argv = (
+            *self.variant_flags(spec, variant), *COMMON,
+            "--job.dump_folder", str(folder), "--titan_ext.metrics_jsonl", str(self.metrics_path(id_)), *flags,
+        )
+        return Job(id_, world, argv)
+
+    def metrics_path(self, job_id: str) -> Path:
+        return self.root / "metrics" / f"{job_id}.jsonl"
+
+    def seed(self, spec: str, variant: str) -> Job:
+        return self.job(spec, variant, "seed", 1, *parallel(), "--training.steps", "1",
+                        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+
+    def seed_path(self, spec: str, variant: str) -> Path:
+        return self.root / spec / variant / "seed" / "checkpoint" / "step-0"
+
+    def from_seed(self, spec: str, variant: str) -> tuple[str, ...]:
+        return ("--checkpoint.enable", "--checkpoint.initial_load_path", str(self.seed_path(spec, variant)),
+                "--checkpoint.interval", "1000")
+
+    def row_jobs(self, spec: str, row: str, variant: str | None = None) -> list[Job]:
+        """The jobs of one row, in the order they must run."""
+        variant = variant or self.variant(spec, row)
+        r = ROWS[row]
+        train = (*self.from_seed(spec, variant), *r.flags)
+        if r.kind == "resume":
+            every2 = (*train, "--checkpoint.interval", "2")
+            return [self.job(spec, variant, row, r.world, *every2),
+                    self.job(spec, variant, row + "@resumed", r.world, *every2, "--checkpoint.load_step", "2",
+                             folder=row)]
+        if r.kind == "hf":
+            export = self.job(spec, variant, row + "@export", r.world, *train, "--training.steps", "1",
+                              "--optimizer.lr", "0", "--checkpoint.last_save_in_hf",
+                              "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32")
+            hf_folder = self.root / spec / variant / (row + "@export") / "checkpoint" / "step-1"
+            return [export, self.job(spec, variant, row, r.world, *r.flags, "--checkpoint.enable",
+                                     "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
+                                     str(hf_folder), "--checkpoint.interval", "1000")]
+        return [self.job(spec, variant, row, r.world, *train)]
+
+    def variants(self) -> list[tuple[str, str]]:
+        """(spec, variant) pairs the rows use; each needs a seed and a single-process reference."""
+        return sorted({(spec, self.variant(spec, row)) for spec in self.specs for row in self.rows})
+
+    def units(self) -> list[tuple[int, int, list[Job]]]:
+        """(world, cost, jobs) per row, plus the references not among the rows."""
+        units = [(ROWS[row].world, ROWS[row].cost, self.row_jobs(spec, row)) for spec in self.specs for row in self.rows]
+        for spec, variant in self.variants():
+            if variant != "base" or "single" not in self.rows:
+                units.append((1, 1, self.row_jobs(spec, "single", variant)))
+        return units
+
+    def plan(self, nproc: int) -> dict:
+        units = self.units()
+        phases = [lanes(nproc, 1, [(1, [self.seed(*variant)]) for variant in self.variants()])]
+        for world in (1, 2, 4):
+            work = [(cost, jobs) for w, cost, jobs in units if w == world]
+            if work:
+                phases.append(lanes(nproc, world, work))
+        return {"name": self.root.name, "root": str(self.root), "preload": ["titan_ext"], "phases": phases}
+
+    def write_inputs(self) -> None:
+        for sub in ("metrics", "results", "logs"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        block = [line for line in CORPUS.read_text().splitlines() if line.strip()][:CORPUS_BLOCK]
+        self.corpus.write_text("\n".join(block * MAX_DP) + "\n")
+        for spec in self.specs:
+            if SPECS[spec].tp_hf_config:
+                (self.root / spec).mkdir(exist_ok=True)
+                (self.root / spec / "untied.json").write_text(json.dumps(SPECS[spec].tp_hf_config))
+
+
+def lanes(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> list[dict]:
+    """Split ``nproc`` processes into lanes of ``world`` and spread the work, longest first."""
+    out = [{"ranks": list(range(i, i + world)), "jobs": [], "cost": 0} for i in range(0, nproc, world)]
+    for cost, jobs in sorted(work, key=lambda w: -w[0]):
+        lane = min(out, key=lambda lane: lane["cost"])
+        lane["jobs"] += [job.__dict__ for job in jobs]
+        lane["cost"] += cost
+    return [lane for lane in out if lane["jobs"]]
+
+
+def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
+    """One torchrun launch for the whole matrix; returns (exit code, seconds)."""
+    matrix.write_inputs()
+    nproc = max(2, *(ROWS[row].world for row in matrix.rows))
+    plan_path = matrix.root / "plan.json"
+    plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(DRIVER), str(plan_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    begin = time.monotonic()
+    with open(matrix.root / "driver.log", "w") as log:
+        try:
+            code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    return code, time.monotonic() - begin
+
+
+# ---------------------------------------------------------------- evaluation
+
+def read_metrics(matrix: Matrix, job: Job) -> list[dict]:
+    path = matrix.metrics_path(job.id)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def job_error(matrix: Matrix, job: Job) -> str:
+    """'' if every process of the job reported ok, else the first error (or its absence)."""
+    for rank in range(job.world):
+        path = matrix.root / "results" / f"{job.id}.rank{rank}.json"
+        if not path.exists():
+            return f"{job.id}: no result from rank {rank} (driver died or timed out; see {matrix.root}/driver.log)"
+        result = json.loads(path.read_text())
+        if result["status"] != "ok":
+            return f"{job.id} rank {rank}: {result['error']} (log: {matrix.root}/logs/{job.id}.rank{rank}.log)"
+    return ""
+
+
+def series(metrics: list[dict]) -> dict[str, list[float]]:
+    return {"loss": [m["loss_metrics/global_avg_loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
+
+
+def compare(run: list[dict], ref: list[dict], steps: list[int]) -> tuple[float, str]:
+    """Largest relative difference of loss and grad norm over ``steps``, and what is wrong ('' if nothing)."""
+    got, want = [m["step"] for m in run], steps
+    if got != want:
+        return math.inf, f"logged steps {got}, expected {want}"
+    by_step = {m["step"]: m for m in ref}
+    if not all(s in by_step for s in steps):
+        return math.inf, "the reference run is incomplete"
+    diffs = []
+    want = series([by_step[s] for s in steps])
+    for what, values in series(run).items():
+        for step, x, y in zip(steps, values, want[what]):
+            rel = abs(x - y) / max(abs(x), abs(y), 1e-30)
+            diffs.append((math.inf if math.isnan(rel) else rel, f"{what} at step {step}: {x!r} vs {y!r}"))
+    worst, detail = max(diffs, key=lambda d: d[0])  # the first of the worst
+    return worst, detail if worst > RTOL else ""
+
+
+def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
+    jobs = matrix.row_jobs(spec, row)
+    variant = matrix.variant(spec, row)
+    ref_jobs = [matrix.seed(spec, variant), *matrix.row_jobs(spec, "single", variant)]
+    for job in [*ref_jobs, *jobs]:
+        if error := job_error(matrix, job):
+            return Result(spec, row, "ERROR", None, error)
+    ref = read_metrics(matrix, ref_jobs[-1])
+    all_steps = list(range(1, STEPS + 1))
+    kind = ROWS[row].kind
+    checks = []  # (what, max rel, problem)
+    if kind == "resume":
+        full, resumed = (read_metrics(matrix, job) for job in jobs)
+        checks.append(("vs single", *compare(full, ref, all_steps)))
+        rel, problem = compare(resumed, full, all_steps[2:])
+        checks.append(("resumed vs uninterrupted", 0.0, problem or (f"not bit-identical (rel {rel:.1e})" if rel else "")))
+    elif kind == "hf":
+        export, imported = (read_metrics(matrix, job) for job in jobs)
+        checks.append(("HF export step 1 vs single", *compare(export, ref, [1])))
+        checks.append(("from HF vs single", *compare(imported, ref, all_steps)))
+    else:
+        checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps)))
+    worst = max(rel for _, rel, _ in checks)
+    problems = [f"{what}: {problem}" for what, _, problem in checks if problem]
+    if problems:
+        return Result(spec, row, "MISMATCH", worst, "; ".join(problems))
+    note = "reference" if row == "single" and variant == "base" else f"vs single{'' if variant == 'base' else ' (untied)'}"
+    if kind == "resume":
+        note += "; resumed == uninterrupted"
+    return Result(spec, row, "ok", worst, note)
+
+
+def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> tuple[list[Result], float]:
+    """Run ``rows`` of ``specs``; one Result per spec x row, unsupported rows listed with the reason."""
+    matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
+    code, seconds = launch(matrix, timeout) if matrix.rows else (0, 0.0)
+    results = []
+    for spec in specs:
+        for row in rows:
+            if row in UNSUPPORTED:
+                results.append(Result(spec, row, "unsupported", None, UNSUPPORTED[row]))
+            else:
+                results.append(evaluate(matrix, spec, row))
+    if code != 0 and all(r.status in ("ok", "unsupported") for r in results):
+        results.append(Result("-", "driver", "ERROR", None, f"exit {code}; see {root}/driver.log"))
+    return results, seconds
+
+
+ALL_ROWS = [*ROWS, *UNSUPPORTED]
+
+
+def table(results: list[Result]) -> str:
+    lines = [f"{'spec':<16} {'row':<19} {'status':<11} {'max rel':>8}  detail"]
+    for r in results:
+        rel = "" if r.max_rel is None else f"{r.max_rel:.1e}"
+        lines.append(f"{r.spec:<16} {r.row:<19} {r.status:<11} {rel:>8}  {r.detail}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", nargs="+", choices=list(SPECS), default=list(SPECS))
+    parser.add_argument("--rows", nargs="+", choices=ALL_ROWS, default=ALL_ROWS)
+    parser.add_argument("--root", type=Path, default=REPO / "outputs" / "integration_matrix")
+    args = parser.parse_args()
+    if args.root.exists():
+        shutil.rmtree(args.root)
+    results, seconds = run_matrix(args.root, args.spec, args.rows)
+    print(table(results))
+    print(f"\nmatrix: {seconds:.0f} s in one torchrun launch; logs under {args.root}")
+    return 0 if all(r.status in ("ok", "unsupported") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Run many torchtitan jobs inside one ``torchrun`` launch (used by ``tests/integration_matrix.py``).
+
+Usage: ``torchrun --nproc_per_node=N tests/matrix_driver.py PLAN.json``.
+
+Every process start costs ~15-30 s of imports (fla, torchao, transformers) on
+the 2-core CI machine, so the matrix starts its processes once and calls
+torchtitan's own entry point, ``torchtitan.train.main(Trainer)``, once per job.
+The plan is a list of phases; a phase splits the N processes into lanes (e.g.
+four lanes of one process, or two of two) and each lane runs its jobs in order.
+A job is a fresh torchtitan job: ``main`` parses the job's argv, builds the
+Trainer, trains, closes and destroys the process group.
+
+Each job gets its own env:// rendezvous: the lane's first process picks a free
+port, hands it to the others through torchrun's store, and every process
+points ``MASTER_PORT``/``RANK``/``WORLD_SIZE`` at it with
+``TORCHELASTIC_USE_AGENT_STORE=False`` (the lane's rank 0 hosts a new store).
+Re-initializing on torchrun's own store does not work: ``destroy_process_group``
+resets the group counter, so the next group reads the previous one's gloo
+addresses from the store and hangs.
+
+The plan's ``preload`` modules (the jobs' ``custom_import``) are imported
+once, up front. Each process writes one JSON result per job (``ok`` or the error) and the
+job's log; rank 0 of a job writes its metrics (``--titan_ext.metrics_jsonl``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+import types
+from datetime import timedelta
+from pathlib import Path
+from unittest import mock
+
+import torch.distributed as dist
+
+PHASE_TIMEOUT = timedelta(minutes=30)
+# torchtitan's rank 0 sleeps 2 s after training "for other ranks to complete";
+# every job here ends in destroy_process_group, which already waits for them.
+NO_SLEEP_TIME = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: None})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def barrier(store: dist.Store, key: str, size: int) -> None:
+    if store.add(key, 1) == size:
+        store.set(f"{key}/go", "1")
+    store.wait([f"{key}/go"], PHASE_TIMEOUT)
+
+
+@contextlib.contextmanager
+def job_env(rank: int, size: int, port: int):
+    """torchrun's variables for one job's process group, restored afterwards."""
+    values = {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False",
+    }
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def train(argv: list[str], log: Path) -> dict:
+    """One torchtitan job through its own ``main``; never raises."""
+    import torchtitan.train as titan_train
+    from torchtitan.config import ConfigManager
+
+    begin = time.monotonic()
+    result = {"status": "ok", "error": ""}
+    with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            # main() parses ConfigManager.parse_args' default, sys.argv[1:] as it was at import.
+            parse = functools.partialmethod(ConfigManager.parse_args, argv)
+            with mock.patch.object(ConfigManager, "parse_args", parse), \
+                    mock.patch.object(titan_train, "time", NO_SLEEP_TIME):
+                titan_train.main(titan_train.Trainer)
+        except BaseException as error:  # noqa: BLE001  (tyro exits with SystemExit on a bad flag)
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            traceback.print_exc()
+            result = {"status": "error", "error": f"{type(error).__name__}: {error}"[-2000:]}
+        finally:
+            if dist.is_initialized():  # main() leaves it up when the job fails
+                dist.destroy_process_group()
+    result["seconds"] = round(time.monotonic() - begin, 2)
+    return result
+
+
+def run_lane(store: dist.Store, key: str, lane: dict, rank: int, root: Path) -> None:
+    ranks = lane["ranks"]
+    lane_rank = ranks.index(rank)
+    for job in lane["jobs"]:
+        port_key = f"{key}/{job['id']}/port"
+        if lane_rank == 0:
+            store.set(port_key, str(free_port()))
+        port = int(store.get(port_key))
+        with job_env(lane_rank, len(ranks), port):
+            result = train(job["argv"], root / "logs" / f"{job['id']}.rank{lane_rank}.log")
+        (root / "results" / f"{job['id']}.rank{lane_rank}.json").write_text(json.dumps(result))
+
+
+def main(plan_path: str) -> None:
+    plan = json.loads(Path(plan_path).read_text())
+    root = Path(plan["root"])
+    for module in ["torchtitan.train", *plan["preload"]]:  # before phase 0, where some processes idle
+        importlib.import_module(module)
+    store, rank, world = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"titan_ext_matrix/{plan['name']}", store)
+    for p, phase in enumerate(plan["phases"]):
+        for l, lane in enumerate(phase):
+            if rank in lane["ranks"]:
+                run_lane(store, f"{p}/{l}", lane, rank, root)
+        barrier(store, f"phase{p}", world)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

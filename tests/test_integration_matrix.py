@@ -1,0 +1,48 @@
+"""The integration matrix (``tests/integration_matrix.py``): run once per session, one test per spec x row.
+
+Rows that cannot run on CPU are reported as skipped, with the reason.
+"""
+
+import math
+
+import pytest
+from integration_matrix import ALL_ROWS, RTOL, SPECS, compare, run_matrix, table
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    results, seconds = run_matrix(tmp_path_factory.mktemp("matrix"), list(SPECS), ALL_ROWS)
+    print(f"\n{table(results)}\nmatrix: {seconds:.0f} s")
+    return {(r.spec, r.row): r for r in results}
+
+
+def test_driver_finished(matrix):
+    assert ("-", "driver") not in matrix, matrix.get(("-", "driver"))
+
+
+@pytest.mark.parametrize("spec,row", [(spec, row) for spec in SPECS for row in ALL_ROWS])
+def test_row(matrix, spec, row):
+    result = matrix[spec, row]
+    if result.status == "unsupported":
+        pytest.skip(f"unsupported: {result.detail}")
+    assert result.status == "ok", f"{spec} {row}: {result.status} (max rel {result.max_rel}): {result.detail}"
+
+
+def metrics(*losses, grad=1.0, first=1):
+    return [{"step": first + i, "loss_metrics/global_avg_loss": x, "grad_norm": grad} for i, x in enumerate(losses)]
+
+
+@pytest.mark.parametrize(
+    "run,problem",
+    [
+        (metrics(2.0, 1.0), ""),
+        (metrics(2.0, 1.0 + 0.5 * RTOL), ""),
+        (metrics(2.0, 1.0 + 2 * RTOL), "loss at step 2"),
+        (metrics(2.0, 1.0, grad=0.5), "grad_norm at step 1"),  # e.g. DDP averaging instead of summing
+        (metrics(2.0, math.nan), "loss at step 2"),
+        (metrics(2.0), "logged steps [1]"),
+    ],
+)
+def test_compare_flags_what_differs(run, problem):
+    rel, detail = compare(run, metrics(2.0, 1.0), [1, 2])
+    assert (problem in detail) if problem else (detail == "" and rel <= RTOL), (rel, detail)

@@ -71,6 +71,13 @@ CASES = {
         [*GLA, "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", "{tmp}/hf_mismatch"],
         "config.json does not match --model.flavor: hidden_size=64 (flavor) vs 128 (checkpoint)",
     ),
+    "float8 without a float8 gpu or emulation": (
+        1, [*GLA, "--model.converters", "quantize.linear.float8"],
+        "--model.converters quantize.linear.float8 needs a CUDA GPU with compute capability >= 8.9",
+    ),
+    "float8 under torchtitan's unregistered name": (
+        1, [*GLA, "--model.converters", "float8"], "--model.converters: 'float8' is not a converter name; use 'quantize.linear.float8'"
+    ),
     "dataset path missing": (
         1, [*GLA, "--training.dataset_path", "{tmp}/missing.jsonl"], "missing.jsonl': no such file; give a JSON-lines file"
     ),

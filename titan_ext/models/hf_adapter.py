@@ -19,6 +19,9 @@ import torch
 import torch.nn as nn
 from torchtitan.protocols.model import BaseModelArgs
 
+from titan_ext.float8 import configure_float8
+from titan_ext.preflight import check_job
+
 
 def load_hf_config_json(path: str) -> dict[str, Any]:
     """Read an HF ``config.json`` (or the one inside a directory), with one-line errors."""
@@ -86,9 +89,6 @@ class HFModelArgs(BaseModelArgs):
         torchtitan calls this right before building the model, so it is where
         a bad config fails: early, and in one line.
         """
-        from titan_ext.float8 import configure_float8
-        from titan_ext.preflight import check_job
-
         section = getattr(job_config, "titan_ext", None)
         if section is not None and section.hf_config:
             path = section.hf_config

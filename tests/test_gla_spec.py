@@ -190,3 +190,15 @@ def test_unknown_reshard_policy_is_rejected():
 
     with pytest.raises(ValueError, match="fsdp_reshard_after_forward='sometimes'"):
         _reshard_after_forward("sometimes", False)
+
+
+def test_cpu_mode_changes_nothing_when_an_accelerator_exists(monkeypatch):
+    import torchtitan.tools.utils as tools_utils
+
+    import titan_ext.cpu_mode as cpu_mode
+
+    monkeypatch.setattr(cpu_mode, "has_accelerator", lambda: True)
+    monkeypatch.setattr(tools_utils, "device_type", "cuda")
+    monkeypatch.setattr(tools_utils, "device_module", torch.cuda)
+    assert cpu_mode.enable_cpu_mode() is False
+    assert tools_utils.device_type == "cuda" and tools_utils.device_module is torch.cuda

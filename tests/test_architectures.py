@@ -1,8 +1,10 @@
 """The fla Transformer and HF Llama train specs: meta-device init, FLOPs, and training end to end (CPU, FSDP=2)."""
 
+import copy
+
 import pytest
 import torch
-from launch import torchrun
+from launch import CONFIGS, torchrun
 
 import titan_ext  # noqa: F401  (portable kernels, train specs)
 from titan_ext.train_specs import TRAIN_SPECS
@@ -64,3 +66,23 @@ def test_trains_with_fsdp2(config, tmp_path):
     assert len(run.losses) == 10, run.output[-3000:]
     assert run.losses[-1] < run.losses[0] - 0.5, f"{config}: loss did not fall: {run.losses}"
     assert "Applied FSDP" in run.output
+
+
+def test_hf_config_in_older_spelling_reaches_the_model(tmp_path):
+    """A hub Llama config.json spells RoPE as rope_theta/rope_scaling; the flavor must pick it up."""
+    import json
+
+    from torchtitan.config import ConfigManager
+
+    from titan_ext.models.llama import llama_flavors
+
+    path = tmp_path / "config.json"
+    scaling = {"factor": 16.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 128, "rope_type": "llama3"}
+    path.write_text(json.dumps({"model_type": "llama", "rope_theta": 250000.0, "rope_scaling": scaling}))
+    args = copy.deepcopy(llama_flavors["debugmodel"])
+    args.update_from_config(ConfigManager().parse_args([
+        "--job.config_file", str(CONFIGS / "debug_llama.toml"), "--titan_ext.hf_config", str(path),
+    ]))
+    assert args.rope_parameters["rope_theta"] == 250000.0 and args.rope_parameters["factor"] == 16.0
+    assert args.hidden_size == 64  # fields the file does not give keep the flavor's value

@@ -78,10 +78,14 @@ class HFModelArgs(BaseModelArgs):
                 f"{source}: model_type {model_type!r} does not match this train spec's {self.model_type!r}; "
                 "pick the train spec for that architecture"
             )
-        names = {f.name for f in dataclasses.fields(self)}
-        for key, value in config.items():
-            if key in names:
-                setattr(self, key, value)
+        # Read it through the HF config class, which maps older spellings onto
+        # today's fields (e.g. Llama's rope_theta/rope_scaling -> rope_parameters).
+        given = self.hf_config_class(**config).to_dict()
+        defaults = self.hf_config_class().to_dict()
+        for field in dataclasses.fields(self):
+            key = field.name
+            if key in given and (key in config or given[key] != defaults.get(key)):
+                setattr(self, key, given[key])
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Apply ``[titan_ext] hf_config``, then check the job against the result.

@@ -39,14 +39,12 @@ from torchtitan.distributed import activation_checkpoint as titan_ac
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
+from titan_ext.compile import model_compile_enabled
+
 MODES = ("none", "full", "selective", "memory_budget")
 
 # Ops whose outputs op-level SAC keeps (every other mm); fla's Triton ops are invisible to it.
 OP_SAC_SAVE_LIST = _op_sac_save_list
-
-
-def model_compile_enabled(job_config) -> bool:
-    return job_config.compile.enable and "model" in job_config.compile.components
 
 
 def layer_frequency(option: str) -> int | None:

@@ -25,6 +25,10 @@ from torchtitan.tools.logging import logger
 COMPONENTS = ("model", "loss")
 
 
+def model_compile_enabled(job_config) -> bool:
+    return job_config.compile.enable and "model" in job_config.compile.components
+
+
 def validate_compile_config(compile_config) -> None:
     unknown = [c for c in compile_config.components if c not in COMPONENTS]
     if unknown:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import has_cuda_capability
 
+from titan_ext.compile import model_compile_enabled
+
 CONVERTER = "quantize.linear.float8"
 
 # Linears that float8 would slow down or hurt: GLA's low-rank gate (``gk_proj.0``/``.1``,
@@ -55,8 +57,7 @@ def configure_float8(job_config, model_type: str) -> None:
     if CONVERTER not in converters:
         return
     float8_config = job_config.quantize.linear.float8
-    compile_enabled = job_config.compile.enable and "model" in job_config.compile.components
-    check_hardware(float8_config, compile_enabled)
+    check_hardware(float8_config, model_compile_enabled(job_config))
     if not float8_config.filter_fqns:
         float8_config.filter_fqns = default_filter_fqns(model_type)
         logger.info(

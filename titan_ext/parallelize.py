@@ -14,8 +14,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from titan_ext.activation_checkpoint import apply_ac, model_compile_enabled
-from titan_ext.compile import apply_compile
+from titan_ext.activation_checkpoint import apply_ac
+from titan_ext.compile import apply_compile, model_compile_enabled
 from titan_ext.cpu_mode import on_gloo
 
 

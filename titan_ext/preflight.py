@@ -9,12 +9,10 @@ the option, its value and the fix.
 
 from __future__ import annotations
 
-from model_plans import get_tp_plan, validate_tp
-
-from titan_ext.activation_checkpoint import model_compile_enabled, validate_ac_config
-from titan_ext.compile import validate_compile_config
+from titan_ext.activation_checkpoint import validate_ac_config
+from titan_ext.compile import model_compile_enabled, validate_compile_config
 from titan_ext.nonfinite import nonfinite_policy
-from titan_ext.tensor_parallel import check_async_tp, sequence_parallel_enabled
+from titan_ext.tensor_parallel import check_async_tp, check_tp
 
 
 def check_parallelism(model_args, job_config) -> None:
@@ -26,14 +24,7 @@ def check_parallelism(model_args, job_config) -> None:
         )
     if parallelism.tensor_parallel_degree > 1:
         check_async_tp(job_config)
-        config = model_args.to_hf_config()
-        get_tp_plan(config.model_type)  # an unknown model type lists the registered ones
-        validate_tp(
-            config,
-            parallelism.tensor_parallel_degree,
-            job_config.training.seq_len,
-            sequence_parallel_enabled(job_config),
-        )
+        check_tp(model_args.to_hf_config(), parallelism.tensor_parallel_degree, job_config)
 
 
 def check_initial_hf_checkpoint(model_args, job_config) -> None:

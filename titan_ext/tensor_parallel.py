@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torchtitan.tools.logging import logger
 
-from model_plans import TPOptions, apply_tp, enable_async_tp, get_tp_plan, validate_tp
+from model_plans import TPOptions, TPPlan, apply_tp, enable_async_tp, get_tp_plan, validate_tp
 
-FLOAT8 = "quantize.linear.float8"
+from titan_ext.float8 import CONVERTER
 
 
 def sequence_parallel_enabled(job_config) -> bool:
@@ -23,7 +23,7 @@ def sequence_parallel_enabled(job_config) -> bool:
 
 def float8_tp_enabled(job_config) -> bool:
     """torchao's Float8 TP styles all-gather in float8 with one scale per tensor: tensorwise recipes only."""
-    if FLOAT8 not in job_config.model.converters:
+    if CONVERTER not in job_config.model.converters:
         return False
     return job_config.quantize.linear.float8.recipe_name in (None, "tensorwise")
 
@@ -44,12 +44,23 @@ def check_async_tp(job_config) -> None:
         )
 
 
+def check_tp(config, tp_degree: int, job_config) -> type[TPPlan]:
+    """What TP needs from the model's HF config; returns the registered plan class.
+
+    Runs in preflight (before the model is built) and again when applying, so
+    ``apply_tp_from_config`` is safe to call on its own. Callers check async TP
+    first: it needs only the job config.
+    """
+    plan_cls = get_tp_plan(config.model_type)  # an unknown model type lists the registered ones
+    validate_tp(config, tp_degree, job_config.training.seq_len, sequence_parallel_enabled(job_config))
+    return plan_cls
+
+
 def apply_tp_from_config(model: nn.Module, parallel_dims, job_config) -> None:
     """Validate, then shard ``model`` over the TP mesh with the plan registered for its ``model_type``."""
     options = tp_options(job_config)
     check_async_tp(job_config)
-    validate_tp(model.config, parallel_dims.tp, job_config.training.seq_len, options.sequence_parallel)
-    plan = get_tp_plan(model.config.model_type)(options)
+    plan = check_tp(model.config, parallel_dims.tp, job_config)(options)
     tp_mesh = parallel_dims.get_mesh("tp")
     apply_tp(model, tp_mesh, plan)
     if job_config.parallelism.enable_async_tensor_parallel:

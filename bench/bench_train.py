@@ -17,6 +17,7 @@ and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -91,11 +92,34 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+@contextlib.contextmanager
+def fla_as_shipped(dev: torch.device):
+    """On CUDA, fla exactly as shipped for the plain loop (titan_ext runs chunk_gla as torch ops).
+
+    Off CUDA fla cannot run without titan_ext's portable kernels, so they stay.
+    """
+    from titan_ext import kernels
+
+    if dev.type != "cuda":
+        yield
+        return
+    kernels.uninstall()
+    try:
+        yield
+    finally:
+        kernels.install()
+
+
 def plain_loop(model_args, batch: int, seq: int, steps: int, warmup: int) -> Row:
     """(a): fla's model and the loop everyone writes first."""
+    dev = device()
+    with fla_as_shipped(dev):
+        return _plain_loop(model_args, dev, batch, seq, steps, warmup)
+
+
+def _plain_loop(model_args, dev, batch, seq, steps, warmup) -> Row:
     from fla.models import GLAForCausalLM
 
-    dev = device()
     torch.manual_seed(0)
     model = GLAForCausalLM(model_args.to_hf_config()).to(dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)

@@ -69,8 +69,9 @@ TP_RTOL = 1e-5  # the tensor-parallel issue's bar for TP2 against one process
 STEPS = 5
 MAX_DP = 4
 CORPUS_BLOCK = 64  # lines; ~5k tokens, more than any rank reads in STEPS steps
+# 80 tokens: fla's GLA layer runs its training kernel (chunk_gla) only above 64, fused_recurrent below.
 COMMON = (
-    "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
+    "--training.steps", str(STEPS), "--training.seq_len", "80", "--training.local_batch_size", "2",
     "--training.max_norm", "1e9", "--metrics.log_freq", "1",
     # A job that fails on one rank only must not hold the others for long.
     "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "60",

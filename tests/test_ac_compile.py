@@ -12,10 +12,13 @@ from launch import assert_close, torchrun
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torchtitan.config.job_config import ActivationCheckpoint, Compile
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 import titan_ext  # noqa: F401  (portable kernels)
+from titan_ext import activation_checkpoint
 from titan_ext.activation_checkpoint import apply_ac
 from titan_ext.compile import apply_compile
+from titan_ext.kernels import gla_op
 from titan_ext.models.gla import GLAForTitan, gla_flavors
 
 CONFIG = "debug_gla.toml"
@@ -91,12 +94,14 @@ def test_ac_modes_wrap_blocks_and_match_no_ac(base_model, tokens, mode, option, 
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
 
-def test_op_sac_saves_every_other_mm_and_recomputes_the_gla_mixer(base_model, tokens, monkeypatch):
+@pytest.mark.parametrize("save_list", ["titan_ext", "torchtitan"])
+def test_op_sac_saves_the_gla_core_and_every_other_mm(base_model, tokens, monkeypatch, save_list):
     """Count, per op, what backward's recompute replays from the cache and what it runs again.
 
     torch 2.13 calls the policy only in forward (the recompute mode ignores
     ``ctx.is_recompute`` and replays forward's decisions), so the count hooks
-    the recompute mode itself.
+    the recompute mode itself. With torchtitan's own save list (the control)
+    the GLA core runs twice per block; with titan_ext's, once.
     """
     replayed = []
     cached_mode = torch_checkpoint._CachedTorchDispatchMode
@@ -109,7 +114,12 @@ def test_op_sac_saves_every_other_mm_and_recomputes_the_gla_mixer(base_model, to
             replayed.append((func, entry is torch_checkpoint._RECOMPUTE))
         return original(self, func, types, args, kwargs)
 
+    gla_runs = []
+    portable_forward = gla_op._portable_forward
+    monkeypatch.setattr(gla_op, "_portable_forward", lambda *a: gla_runs.append(1) or portable_forward(*a))
     monkeypatch.setattr(cached_mode, "__torch_dispatch__", recording)
+    if save_list == "torchtitan":
+        monkeypatch.setattr(activation_checkpoint, "OP_SAC_SAVE_LIST", _op_sac_save_list)
     model = copy.deepcopy(base_model)
     apply_ac(model, job("selective", "op"))
     loss_and_grads(model, tokens)
@@ -117,13 +127,18 @@ def test_op_sac_saves_every_other_mm_and_recomputes_the_gla_mixer(base_model, to
     def count(func, recomputed):
         return sum(1 for f, r in replayed if f == func and r == recomputed)
 
-    mm = torch.ops.aten.mm.default
+    mm, gla_fwd = torch.ops.aten.mm.default, torch.ops.titan_ext.chunk_gla_fwd.default
     # 4 blocks x 9 bias-free projections (q, k, v, gk.0, g, o, gate, up, down; gk.1 is an addmm):
     # the cache serves every other one, the rest run again
     assert (count(mm, False), count(mm, True)) == (20, 16)
-    # the GLA mixer runs again in full (here: the portable kernel's gate cumsum and batched matmuls)
-    assert count(torch.ops.aten.cumsum.default, True) == 4 and count(torch.ops.aten.cumsum.default, False) == 0
-    assert count(torch.ops.aten.bmm.default, False) == 0 and count(torch.ops.aten.bmm.default, True) > 0
+    # the GLA core is one op to SAC: none of its inner work (cumsum, batched matmuls) is seen
+    assert count(torch.ops.aten.cumsum.default, True) + count(torch.ops.aten.bmm.default, True) == 0
+    if save_list == "titan_ext":
+        assert (count(gla_fwd, False), count(gla_fwd, True)) == (4, 0)
+        assert len(gla_runs) == 4, "each block's GLA core must run once (forward only)"
+    else:
+        assert (count(gla_fwd, False), count(gla_fwd, True)) == (0, 4)
+        assert len(gla_runs) == 8
 
 
 def run_compiled(model, tokens, backend="aot_eager"):
@@ -147,7 +162,7 @@ def test_compile_one_frame_for_all_blocks(base_model, tokens):
 
 
 def test_compile_with_cuda_style_graph_break_still_shares_frames(base_model, tokens, monkeypatch):
-    """On CUDA fla's chunk_gla is torch.compiler.disable'd; reproduce the graph break on CPU."""
+    """A graph break inside every block (fla's own chunk_gla is torch.compiler.disable'd) costs no recompiles."""
     import fla.layers.gla as fla_gla
 
     monkeypatch.setattr(fla_gla, "chunk_gla", torch.compiler.disable(fla_gla.chunk_gla))

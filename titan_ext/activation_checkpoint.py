@@ -9,27 +9,22 @@ Modes (``--activation_checkpoint.mode``):
   (``_layer_sac_count``), which shifts the choice when a process builds a
   second model.
 * ``selective`` with ``op``: torchtitan's per-op policy (``_apply_op_sac``)
-  and its save list (Llama's: matmuls, SDPA, ``max``, reduce-scatter).
+  with Llama's save list (matmuls, SDPA, ``max``, reduce-scatter) plus fla's
+  GLA core (below).
 * ``memory_budget``: the compiler's partitioner trades memory for compute;
   it needs ``--compile.enable`` with the ``model`` component.
 
-What op-level SAC does with fla's GLA (measured on CPU by counting what
-backward's recompute replays and what it runs again; torch 2.13 calls the
-policy only in forward, ``ctx.is_recompute`` is never True; see
-``tests/test_ac_compile.py``): the SAC
-policy only sees aten ops. fla's ``chunk_gla`` is a
-``torch.autograd.Function`` whose forward launches Triton kernels; on CUDA
-the only aten ops the policy sees inside it are allocations, so the whole
-GLA forward (gate cumsum, intra-chunk ``A``, state pass, output) reruns in
-backward whatever the save list says, and so do the logsigmoid gate and
-fused norms (also Triton). Saving is effective only for aten outputs: the
-projections (``aten.mm``), whose every other output the policy keeps. So
-for GLA ``op`` saves half of the projection GEMMs (on the debug model the
-recompute runs 4 of a block's 9 bias-free mms; ``gk_proj.1`` is an addmm) and recomputes the
-token mixer; making the mixer itself savable needs it to be a
-``torch.library.custom_op`` (one op the policy can ``MUST_SAVE``), which
-also removes the graph break that fla's ``torch.compiler.disable`` puts in
-every compiled block.
+What op-level SAC does with fla's GLA (counted on CPU in
+``tests/test_ac_compile.py``, by what backward's recompute replays from the
+cache and what it runs again): the policy sees only dispatcher ops. fla's
+``chunk_gla`` launches Triton kernels from an autograd Function, invisible to
+it, so as shipped by fla the whole GLA forward would rerun in backward whatever
+the save list says. ``titan_ext.kernels.gla_op`` makes the GLA core one op,
+``titan_ext::chunk_gla_fwd``, and the save list below keeps its outputs: the
+recompute replays the mixer from the cache (no second run of its kernels) and
+reruns only the cheap elementwise work around it (gate logsigmoid, norms,
+SwiGLU) and every other projection GEMM. Memory per GLA block: the mixer's
+output plus fla's fp32 intra-chunk matrix ``A`` (``[B, T, H, chunk]``).
 """
 
 from __future__ import annotations
@@ -40,11 +35,12 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 from torchtitan.tools.logging import logger
 
 from titan_ext.compile import model_compile_enabled
+from titan_ext.kernels import gla_op
 
 MODES = ("none", "full", "selective", "memory_budget")
 
-# Ops whose outputs op-level SAC keeps (every other mm); fla's Triton ops are invisible to it.
-OP_SAC_SAVE_LIST = _op_sac_save_list
+# Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA core.
+OP_SAC_SAVE_LIST = _op_sac_save_list | gla_op.SAVE_LIST
 
 
 def layer_frequency(option: str) -> int | None:

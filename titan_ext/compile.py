@@ -5,10 +5,11 @@ The blocks share one code object and one structure, so dynamo traces one
 frame and reuses it for every block: with ``inline_inbuilt_nn_modules`` (on
 by default since torch 2.5) a block's parameters are graph inputs and
 attributes it never reads in control flow (fla's integer ``layer_idx``:
-only consulted when a KV cache is passed) install no guard. On CUDA, fla's
-``chunk_gla`` is wrapped in ``torch.compiler.disable``, so each GLA block
-splits into graphs around it; ``tests/test_ac_compile.py`` reproduces that
-split on CPU and checks it still compiles once for all blocks.
+only consulted when a KV cache is passed) install no guard. fla's
+``chunk_gla`` sits behind ``torch.compiler.disable``; titan_ext runs it as
+torch ops (``titan_ext.kernels.gla_op``), so the GLA core stays inside the
+block's graph instead of splitting it. A graph break elsewhere in a block
+still compiles once for all blocks (``tests/test_ac_compile.py`` forces one).
 
 Embeddings (a gather), the final norm (already one fused kernel on CUDA)
 and ``lm_head`` (one GEMM) leave nothing to fuse, so they stay eager. The
@@ -42,6 +43,6 @@ def apply_compile(model: nn.Module, compile_config) -> None:
     validate_compile_config(compile_config)
     layers = model.get_decoder().layers
     for name, block in list(layers.named_children()):
-        # No fullgraph: fla's CUDA GLA ops are torch.compiler.disable'd (a graph break by design).
+        # No fullgraph: an fla Triton op dynamo cannot trace must stay a graph break, not an error.
         layers.register_module(name, torch.compile(block, backend=compile_config.backend))
     logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {compile_config.backend})")

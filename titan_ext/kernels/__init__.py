@@ -1,5 +1,7 @@
 """Portable (non-CUDA) kernels for fla: ``install()`` routes fla's Triton ops to torch off CUDA.
 
+(It also turns ``chunk_gla`` into torch ops on every device; why is in ``gla_op``.)
+
 fla 0.6 imports on a machine without a GPU, but a GLA model's forward reaches
 Triton (GLA ops, RMSNorm, gated norm, swish, swiglu, rotary embedding, short
 convolution, fused cross entropy) and fails with ``0 active drivers``. ``install()`` rebinds those
@@ -25,7 +27,8 @@ device), but it is not a clean one for this:
 * every dispatched call is wrapped in ``torch.compiler.disable`` (a graph
   break), and ``FLA_DISABLE_BACKEND_DISPATCH=1`` silently turns it off.
 
-Rebinding therefore happens at the public-function level (see ``_TARGETS``):
+Rebinding therefore happens at the public-function level (see ``_TARGETS``;
+``chunk_gla``, the training path, is rebound to ``gla_op``'s torch ops instead):
 every ``fla.*`` module attribute (and ``ACT2FN`` entry) that *is* one of the
 original functions gets the wrapper, and later ``from fla... import name``
 imports pick the wrapper up. Objects that already copied a function before
@@ -42,14 +45,14 @@ from collections.abc import Callable
 
 import torch
 
-from titan_ext.kernels import activations, conv, gla, losses, norms, rotary
+from titan_ext.kernels import activations, conv, gla, gla_op, losses, norms, rotary
 
 __all__ = ["device_dispatch", "install", "is_installed", "uninstall", "uses_portable_path"]
 
 # (module defining the original, attribute, torch implementation); an attribute
-# "Class.method" patches a method on that class.
+# "Class.method" patches a method on that class. fla's chunk_gla (the training
+# path) is not here: it becomes torch ops on every device (``gla_op``).
 _TARGETS: list[tuple[str, str, Callable]] = [
-    ("fla.ops.gla.chunk", "chunk_gla", gla.chunk_gla),
     ("fla.ops.gla.fused_chunk", "fused_chunk_gla", gla.fused_chunk_gla),
     ("fla.ops.gla.fused_recurrent", "fused_recurrent_gla", gla.fused_recurrent_gla),
     ("fla.modules.norm.layernorm", "rms_norm", norms.rms_norm),
@@ -132,6 +135,16 @@ def install() -> None:
     from fla.modules.activations import ACT2FN
 
     modules = _fla_modules()
+
+    def rebind_everywhere(original, wrapper):
+        for module in modules:
+            for key, value in list(vars(module).items()):
+                if value is original:
+                    _rebind(module, key, original, wrapper)
+        for key, value in list(ACT2FN.items()):
+            if value is original:
+                _rebind(ACT2FN, key, original, wrapper)
+
     for module_name, attr, portable in _TARGETS:
         owner = importlib.import_module(module_name)
         if "." in attr:  # a method, e.g. FusedCrossEntropyLoss.forward
@@ -141,14 +154,10 @@ def install() -> None:
             _rebind(cls, method, original, device_dispatch(original, portable))
             continue
         original = getattr(owner, attr)
-        wrapper = device_dispatch(original, portable)
-        for module in modules:
-            for key, value in list(vars(module).items()):
-                if value is original:
-                    _rebind(module, key, original, wrapper)
-        for key, value in list(ACT2FN.items()):
-            if value is original:
-                _rebind(ACT2FN, key, original, wrapper)
+        rebind_everywhere(original, device_dispatch(original, portable))
+
+    original = importlib.import_module("fla.ops.gla.chunk").chunk_gla
+    rebind_everywhere(original, gla_op.as_torch_op(original, fallback=device_dispatch(original, gla.chunk_gla)))
 
 
 def uninstall() -> None:

@@ -1,0 +1,227 @@
+"""fla's ``chunk_gla`` as two torch ops, so op-level SAC can save it and compile keeps it in the graph.
+
+fla's ``chunk_gla`` is a ``torch.autograd.Function`` that launches Triton
+kernels behind ``torch.compiler.disable``. For training that costs twice:
+
+* op-level selective AC sees only dispatcher ops. Triton launches are not
+  ones, so whatever the save list says, backward's recompute reruns the whole
+  GLA forward (gate cumsum, state pass, intra-chunk ``A``, output);
+* every compiled GLA block breaks its graph at the token mixer.
+
+Here the GLA core is ``torch.ops.titan_ext.chunk_gla_fwd`` (returns ``o``, the
+final state, and the intra-chunk matrix ``A`` that backward reuses) with an
+autograd formula calling ``torch.ops.titan_ext.chunk_gla_bwd``. SAC can
+``MUST_SAVE`` the forward (``SAVE_LIST``); dynamo treats both as opaque ops
+with fake (shape-only) implementations.
+
+Per device, inside the ops: on CUDA, fla's own forward and backward drivers
+(``fla.ops.gla.chunk.chunk_gla_fwd``/``chunk_gla_bwd``, the ones
+``ChunkGLAFunction`` runs; the gate's chunk cumsum is recomputed in backward,
+as fla does for non-fp32 gates). Anywhere else, the portable torch GLA
+(``titan_ext.kernels.gla``), whose backward differentiates it with autograd:
+it recomputes the forward, fine for a path that exists for correctness.
+
+DTensor inputs (a TP plan that hands the mixer DTensors; the bundled plans
+give it local shards) skip the ops and keep the per-device dispatch of
+``titan_ext.kernels.device_dispatch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import fla.ops.gla.chunk as fla_chunk
+import torch
+from fla.ops.utils import prepare_chunk_indices
+from fla.utils import input_guard
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from titan_ext.kernels import gla as portable
+
+_FP32 = torch.float32
+
+
+def fla_chunk_size(seq_len: int) -> int:
+    """fla's chunk for ``chunk_gla``: the next power of two of ``T``, clamped to [16, 64]."""
+    size = 16
+    while size < seq_len and size < 64:
+        size *= 2
+    return size
+
+
+def _empty(like: Tensor) -> Tensor:
+    """The stand-in for an absent tensor output (custom ops cannot return None)."""
+    return like.new_empty(0, dtype=_FP32)
+
+
+def _chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu):
+    if cu_seqlens is None:
+        return None
+    return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+@input_guard  # contiguous inputs, current device = theirs: what ChunkGLAFunction does around the same calls
+def _fla_forward(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    chunk_size = fla_chunk_size(q.shape[1])
+    _, A, _, ht, o = fla_chunk.chunk_gla_fwd(
+        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size, chunk_indices=_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu),
+    )
+    return o, ht, A
+
+
+@input_guard
+def _fla_backward(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    chunk_size = fla_chunk_size(q.shape[1])
+    return fla_chunk.chunk_gla_bwd(
+        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state, h=None, A=A, do=do,
+        dht=dht, state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        chunk_indices=_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu),
+    )
+
+
+def _portable_forward(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    o, ht = portable.chunk_gla(
+        q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    return o.to(v.dtype).contiguous(), (ht.contiguous() if ht is not None else None), None
+
+
+def _autograd_inside_kernel():
+    """Autograd back on inside a custom op's kernel, where the dispatcher has excluded its keys.
+
+    The portable backward differentiates the portable forward. ``torch.func.vjp``
+    would avoid touching dispatch keys but breaks under any active dispatch mode
+    (functorch shows the mode its wrapped tensors: "Cannot access storage of
+    TensorWrapper"), e.g. ``torch.library.opcheck``'s schema and fake-tensor checks.
+    """
+    keys = torch._C.DispatchKey
+    autograd = torch._C.DispatchKeySet(keys.AutogradFunctionality)
+    for key in (keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
+        autograd = autograd | torch._C.DispatchKeySet(key)
+    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+    return torch._C._ForceDispatchKeyGuard(include, exclude - autograd)
+
+
+def _portable_backward(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    with _autograd_inside_kernel(), torch.enable_grad():
+        primals = [x.detach().requires_grad_() for x in (q, k, v, g)]
+        h0 = initial_state.detach().requires_grad_() if initial_state is not None else None
+        o, ht = portable.chunk_gla(
+            *primals, scale=scale, initial_state=h0, output_final_state=dht is not None,
+            state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        )
+        outputs, cotangents = [o.to(v.dtype)], [do]
+        if dht is not None:
+            outputs.append(ht)
+            cotangents.append(dht)
+        grads = torch.autograd.grad(outputs, primals + ([h0] if h0 is not None else []), cotangents)
+    return (*grads, None) if h0 is None else grads
+
+
+@torch.library.custom_op("titan_ext::chunk_gla_fwd", mutates_args=())
+def chunk_gla_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initial_state: Tensor | None,
+    output_final_state: bool, state_v_first: bool, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(o, final state or empty, A or empty)``; ``A`` is fla's fp32 intra-chunk matrix (CUDA only)."""
+    run = _fla_forward if q.is_cuda else _portable_forward
+    o, ht, A = run(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
+    return o, (ht if ht is not None else _empty(q)), (A if A is not None else _empty(q))
+
+
+@chunk_gla_fwd.register_fake
+def _(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    state_dtype = _FP32 if q.is_cuda else torch.promote_types(q.dtype, _FP32)  # the portable path keeps fp64
+    state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
+    ht = q.new_empty(state_shape, dtype=state_dtype) if output_final_state else _empty(q)
+    A = q.new_empty(B, T, H, fla_chunk_size(T), dtype=_FP32) if q.is_cuda else _empty(q)
+    return o, ht, A
+
+
+@torch.library.custom_op("titan_ext::chunk_gla_bwd", mutates_args=())
+def chunk_gla_bwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, A: Tensor, initial_state: Tensor | None, do: Tensor,
+    dht: Tensor | None, scale: float, state_v_first: bool, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dh0 or empty)``, contiguous, each in its input's dtype (as the fake says)."""
+    run = _fla_backward if q.is_cuda else _portable_backward
+    dq, dk, dv, dg, dh0 = run(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu)
+    grads = [grad.to(x.dtype).contiguous() for grad, x in zip((dq, dk, dv, dg), (q, k, v, g))]
+    return (*grads, dh0.to(_FP32).contiguous() if dh0 is not None else _empty(q))
+
+
+@chunk_gla_bwd.register_fake
+def _(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    dh0 = torch.empty_like(initial_state, dtype=_FP32) if initial_state is not None else _empty(q)
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g)), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu = inputs
+    _, _, A = output
+    ctx.save_for_backward(q, k, v, g, A, initial_state, cu_seqlens, cu_seqlens_cpu)
+    ctx.scale, ctx.output_final_state, ctx.state_v_first = scale, output_final_state, state_v_first
+    ctx.mark_non_differentiable(A)
+
+
+def _backward(ctx, do, dht, _dA):
+    q, k, v, g, A, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
+    dht = dht if ctx.output_final_state else None
+    dq, dk, dv, dg, dh0 = torch.ops.titan_ext.chunk_gla_bwd(
+        q, k, v, g, A, initial_state, do, dht, ctx.scale, ctx.state_v_first, cu_seqlens, cu_seqlens_cpu
+    )
+    return dq, dk, dv, dg, None, dh0 if initial_state is not None else None, None, None, None, None
+
+
+chunk_gla_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+SAVE_LIST = {torch.ops.titan_ext.chunk_gla_fwd.default}
+"""What op-level SAC should keep of the GLA core: its forward's outputs (``o``, ``A``)."""
+
+
+def _check_inputs(q, k, v, g, initial_state, cu_seqlens) -> None:
+    """fla's own argument checks, so the op fails as ``chunk_gla`` would."""
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {q.shape[0]}; flatten the inputs.")
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(
+                f"Expected one initial state per sequence ({len(cu_seqlens) - 1}), got {initial_state.shape[0]}."
+            )
+    if initial_state is not None and initial_state.dtype != _FP32:
+        raise ValueError(f"initial_state must be float32, not {initial_state.dtype}.")
+    if not q.shape == k.shape == g.shape:
+        raise ValueError(f"q, k and g must have one shape; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}.")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be [B, T, H, V] with q's B, T, H; got {tuple(v.shape)} for q {tuple(q.shape)}.")
+
+
+def as_torch_op(original: Callable, fallback: Callable) -> Callable:
+    """A drop-in for fla's ``chunk_gla`` that runs the ops; DTensor inputs go to ``fallback``."""
+
+    def chunk_gla(
+        q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+        cu_seqlens=None, cu_seqlens_cpu=None,
+    ):
+        args = (q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
+        if any(isinstance(x, DTensor) for x in (q, k, v, g, initial_state)):
+            return fallback(*args)
+        _check_inputs(q, k, v, g, initial_state, cu_seqlens)
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        o, ht, _ = torch.ops.titan_ext.chunk_gla_fwd(
+            q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu
+        )
+        return o, (ht if output_final_state else None)
+
+    chunk_gla.__doc__ = original.__doc__
+    chunk_gla._titan_ext_original = original
+    chunk_gla._titan_ext_portable = portable.chunk_gla
+    return chunk_gla

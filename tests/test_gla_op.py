@@ -13,26 +13,19 @@ from unittest import mock
 import fla.layers.gla
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import titan_ext  # noqa: F401  (installs the ops into fla)
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels import gla_op
 
+from test_portable_kernels import gla_inputs, leaves
+
 FWD, BWD = torch.ops.titan_ext.chunk_gla_fwd.default, torch.ops.titan_ext.chunk_gla_bwd.default
 
 
-def inputs(B=2, T=37, H=3, K=8, V=16, dtype=torch.float64, seed=0, h0=True, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=dtype).to(device)
-
-    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
-    gk = F.logsigmoid(4 * randn(B, T, H, K))
-    state = torch.randn(B, H, K, V, generator=g).to(device) if h0 else None
-    return q, k, v, gk, state
+def inputs(B=2, T=37, H=3, K=8, V=16, dtype=torch.float64, h0=True, device="cpu"):
+    return gla_inputs(B, T, H, K, V, with_h0=h0, dtype=dtype, device=device)
 
 
 def test_fla_chunk_gla_is_the_op_wrapper():
@@ -54,8 +47,8 @@ def test_opcheck(h0, final_state, state_v_first, lengths):
         state = state[:1].expand(len(lengths), -1, -1, -1).contiguous() if h0 else None
     if state_v_first and state is not None:
         state = state.transpose(-1, -2).contiguous()
-    leaves = [x.clone().requires_grad_() if x is not None else None for x in (q, k, v, g, state)]
-    torch.library.opcheck(FWD, (*leaves[:4], 0.3, leaves[4], final_state, state_v_first, cu, cu))
+    args = leaves(q, k, v, g, state)
+    torch.library.opcheck(FWD, (*args[:4], 0.3, args[4], final_state, state_v_first, cu, cu))
     do = torch.randn_like(v)
     N = B if cu is None else len(lengths)
     dht = (torch.randn(N, 3, 16, 8) if state_v_first else torch.randn(N, 3, 8, 16)) if final_state else None
@@ -65,8 +58,7 @@ def test_opcheck(h0, final_state, state_v_first, lengths):
 
 def assert_op_matches(reference, q, k, v, g, state, grad_tol):
     """The op path (fla's name) against ``reference``: outputs bit for bit, gradients within ``grad_tol``."""
-    ours = [x.clone().requires_grad_() if x is not None else None for x in (q, k, v, g, state)]
-    ref = [x.clone().requires_grad_() if x is not None else None for x in (q, k, v, g, state)]
+    ours, ref = leaves(q, k, v, g, state), leaves(q, k, v, g, state)
     o, ht = fla.layers.gla.chunk_gla(*ours[:4], initial_state=ours[4], output_final_state=True)
     o_ref, ht_ref = reference(*ref[:4], initial_state=ref[4], output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)

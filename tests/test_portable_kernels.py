@@ -40,12 +40,16 @@ def assert_rel_close(actual, expected, tol=1e-5, what=""):
     assert err <= tol * ref, f"{what}: relative error {(err / ref).item():.2e} > {tol:.0e}"
 
 
-def gla_inputs(B, T, H, K, V, seed=0, with_h0=True):
+def gla_inputs(B, T, H, K, V, seed=0, with_h0=True, dtype=torch.float32, device="cpu"):
+    """q, k, v, log-space gate, and an fp32 initial state (fla requires fp32 states)."""
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, H, K, generator=g)
-    v = torch.randn(B, T, H, V, generator=g)
-    gk = F.logsigmoid(4 * torch.randn(B, T, H, K, generator=g))  # some gates near 0, some strongly decaying
-    h0 = torch.randn(B, H, K, V, generator=g) if with_h0 else None
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=g, dtype=dtype).to(device)
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+    gk = F.logsigmoid(4 * randn(B, T, H, K))  # some gates near 0, some strongly decaying
+    h0 = randn(B, H, K, V, dtype=torch.float32) if with_h0 else None
     return q, k, v, gk, h0
 
 

@@ -27,6 +27,11 @@ from titan_ext.models.hf_adapter import HFModelArgs
 _NOT_ARCHITECTURE = {"initializer_range", "attn_mode", "fuse_norm", "fuse_swiglu"}
 
 
+def checkpoint_config(model_args: HFModelArgs):
+    """The HF config a checkpoint records: the architecture without training-only overrides."""
+    return model_args.hf_config_class(**model_args.architecture())
+
+
 class HFStateDictAdapter(StateDictAdapter):
     """Identity mapping between a titan_ext model and its HF checkpoint, minus tied duplicates."""
 
@@ -47,8 +52,7 @@ class HFStateDictAdapter(StateDictAdapter):
         return dict(hf_state_dict)
 
     def hf_config(self):
-        """The config an HF loader needs: the architecture without training-only overrides."""
-        return self.model_args.hf_config_class(**self.model_args.architecture())
+        return checkpoint_config(self.model_args)
 
     def save_hf_config(self, directory: str) -> None:
         self.hf_config().save_pretrained(directory)
@@ -60,7 +64,7 @@ def check_hf_config(model_args: HFModelArgs, path: str) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{source} has no config.json; point it at an HF model directory (config.json + safetensors)")
     theirs = model_args.hf_config_class.from_pretrained(path).to_dict()
-    ours = model_args.hf_config_class(**model_args.architecture()).to_dict()
+    ours = checkpoint_config(model_args).to_dict()
     if theirs.get("model_type") != ours["model_type"]:
         raise ValueError(
             f"{source} holds a {theirs.get('model_type')!r} model, not {ours['model_type']!r}; "

@@ -64,10 +64,13 @@ def torchrun(
 
 
 def seed_checkpoint(config: str, dump_folder: Path, *overrides: str) -> Path:
-    """Create a step-0 checkpoint in one process; runs load it with ``initial_load_path``."""
+    """Create a step-0 checkpoint in one process; runs load it with ``initial_load_path``.
+
+    Initialized from ``--debug.seed 0``: every run of a test compares the same trajectories.
+    """
     torchrun(
         config, dump_folder,
-        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--debug.seed", "0",
         "--parallelism.data_parallel_shard_degree", "1", "--training.steps", "1",
         *overrides,
     ).check()

@@ -17,7 +17,6 @@ and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -66,7 +65,6 @@ def load_flavor(config: str):
     """The flavor's model args, from the TOML's [model] section."""
     import tomllib
 
-    import titan_ext  # noqa: F401  (portable kernels, train specs)
     from titan_ext.train_specs import TRAIN_SPECS
 
     with open(REPO / config, "rb") as f:
@@ -75,10 +73,10 @@ def load_flavor(config: str):
 
 
 def flops_per_token(model_args, seq: int) -> int:
-    from titan_ext.models.gla import GLAForTitan
+    from titan_ext.models.adapter import build_model
 
     with torch.device("meta"):
-        model = GLAForTitan(copy.deepcopy(model_args))
+        model = build_model(copy.deepcopy(model_args))
     return model_args.get_nparams_and_flops(model, seq)[1]
 
 
@@ -92,36 +90,20 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-@contextlib.contextmanager
-def fla_as_shipped(dev: torch.device):
-    """On CUDA, fla exactly as shipped for the plain loop (titan_ext runs chunk_gla as torch ops).
-
-    Off CUDA fla cannot run without titan_ext's portable kernels, so they stay.
-    """
-    from titan_ext import kernels
-
-    if dev.type != "cuda":
-        yield
-        return
-    kernels.uninstall()
-    try:
-        yield
-    finally:
-        kernels.install()
-
-
 def plain_loop(model_args, batch: int, seq: int, steps: int, warmup: int) -> Row:
     """(a): fla's model and the loop everyone writes first."""
-    dev = device()
-    with fla_as_shipped(dev):
-        return _plain_loop(model_args, dev, batch, seq, steps, warmup)
+    return _plain_loop(model_args, device(), batch, seq, steps, warmup)
 
 
 def _plain_loop(model_args, dev, batch, seq, steps, warmup) -> Row:
     from fla.models import GLAForCausalLM
 
+    from titan_ext import kernels
+
     torch.manual_seed(0)
     model = GLAForCausalLM(model_args.to_hf_config()).to(dev)
+    if dev.type != "cuda":  # fla as shipped needs a GPU; elsewhere titan_ext's portable kernels
+        kernels.portable(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
     tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), device=dev)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]

@@ -1,7 +1,8 @@
 """Declarative tensor-parallel plans per architecture, keyed by ``config.model_type``.
 
-Depends on torch, fla and torchao only (not torchtitan), so plans can be
-tested and reused outside a trainer. A new architecture registers its plan
+Depends on torch (fla's parallel styles and torchao's Float8 styles are
+imported when a plan that uses them is built), not on torchtitan, so plans
+can be tested and reused outside a trainer. A new architecture registers its plan
 from the user's own module::
 
     from model_plans import GLATPPlan, register_tp_plan
@@ -11,7 +12,7 @@ from the user's own module::
 """
 
 from model_plans.apply import apply_tp, enable_async_tp, resolve
-from model_plans.base import TPOptions, TPPlan, get_tp_plan, register_tp_plan, registered_model_types
+from model_plans.base import IfPresent, TPOptions, TPPlan, get_tp_plan, register_tp_plan, registered_model_types
 from model_plans.gla import GLATPPlan
 from model_plans.llama import LlamaTPPlan
 from model_plans.transformer import TransformerTPPlan
@@ -20,6 +21,7 @@ from model_plans.validate import validate_tp
 __all__ = [
     "GLATPPlan",
     "LlamaTPPlan",
+    "IfPresent",
     "TPOptions",
     "TPPlan",
     "TransformerTPPlan",

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from model_plans.base import Plan, TPPlan
+from model_plans.base import IfPresent, Plan, TPPlan
 from model_plans.styles import is_float8_style, plain_style
 
 logger = logging.getLogger(__name__)
@@ -30,14 +30,23 @@ def _style_fits(style, module: nn.Module) -> bool:
     return bool(linears) and all(_is_float8_linear(m) for m in linears)
 
 
-def resolve(plan: Plan, root: nn.Module) -> Plan:
-    """Keep the entries whose module exists; high-precision styles where the float8 converter skipped a linear."""
+def resolve(plan: Plan, root: nn.Module, plan_name: str = "the plan") -> Plan:
+    """Plain styles for the modules ``root`` has; a missing module is an error unless its entry is ``IfPresent``.
+
+    High-precision styles replace Float8 ones where the converter skipped a linear.
+    """
     resolved = {}
-    for fqn, style in plan.items():
+    for fqn, entry in plan.items():
+        style = entry.style if isinstance(entry, IfPresent) else entry
         try:
             module = root.get_submodule(fqn)
         except AttributeError:
-            continue
+            if isinstance(entry, IfPresent):
+                continue
+            raise ValueError(
+                f"{plan_name} names {fqn!r}, which {type(root).__name__} does not have; fix the entry's name, "
+                "or wrap its style in model_plans.IfPresent if some configurations lack the module"
+            ) from None
         if not _style_fits(style, module):
             logger.info(f"TP: {fqn} is not Float8Linear (filtered by the converter?); using {type(plain_style(style)).__name__}")
             style = plain_style(style)
@@ -56,9 +65,10 @@ def _check_coverage(model: nn.Module, plan: TPPlan) -> None:
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     """Shard ``model`` in place: the model-level plan, then each block's."""
-    parallelize_module(model, tp_mesh, resolve(plan.model_plan(), model))
+    name = type(plan).__name__
+    parallelize_module(model, tp_mesh, resolve(plan.model_plan(), model, name))
     for block in model.get_submodule(plan.layers):
-        parallelize_module(block, tp_mesh, resolve(plan.block_plan(), block))
+        parallelize_module(block, tp_mesh, resolve(plan.block_plan(), block, name))
     _check_coverage(model, plan)
 
 

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fla.modules.mlp import SwiGLULinearParallel
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from model_plans.styles import NormParallel, float8_styles
 
-Plan = dict[str, ParallelStyle]
+Plan = dict[str, "ParallelStyle | IfPresent"]
+
+
+@dataclass(frozen=True)
+class IfPresent:
+    """A plan entry for a module some configurations of the architecture lack (e.g. fla's fused
+    ``swiglu_linear`` when ``fuse_swiglu`` is off). Any other entry naming a missing module is an error."""
+
+    style: ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,9 @@ class TPPlan:
 
     Subclasses name their modules (class attributes below) and give
     ``attn_plan``; ``mlp_plan`` covers gated MLPs (fla's ``GatedMLP``, HF's
-    ``LlamaMLP``). Entries for modules a model lacks (e.g. fla's
-    ``swiglu_linear`` when ``fuse_swiglu`` is off) are skipped by ``apply_tp``.
+    ``LlamaMLP``). An entry for a module the model lacks is an error in
+    ``apply_tp`` unless it is wrapped in ``IfPresent`` (e.g. fla's
+    ``swiglu_linear``, absent when ``fuse_swiglu`` is off).
     """
 
     embeddings = "model.embeddings"
@@ -109,14 +117,16 @@ class TPPlan:
         return {module: style}
 
     def mlp_plan(self) -> Plan:
+        from fla.modules.mlp import SwiGLULinearParallel
+
         return {
             **self.gather("mlp"),
             "mlp.gate_proj": self.colwise(),
             "mlp.up_proj": self.colwise(),
             "mlp.down_proj": self.out_proj(),
             # fla's fused swish(gate) * up @ down_proj.weight bypasses down_proj's hooks.
-            "mlp.swiglu_linear": SwiGLULinearParallel(
-                output_layouts=self.activation, use_local_output=self.local_residual
+            "mlp.swiglu_linear": IfPresent(
+                SwiGLULinearParallel(output_layouts=self.activation, use_local_output=self.local_residual)
             ),
         }
 

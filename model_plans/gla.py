@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from fla.modules.parallel import PrepareModuleWeight
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from model_plans.base import Plan, TPPlan, register_tp_plan
+from model_plans.base import IfPresent, Plan, TPPlan, register_tp_plan
 from model_plans.styles import NormParallel
 
 
@@ -22,6 +21,8 @@ class GLATPPlan(TPPlan):
     """
 
     def attn_plan(self) -> Plan:
+        from fla.modules.parallel import PrepareModuleWeight
+
         gather = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": self.activation},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
@@ -35,7 +36,8 @@ class GLATPPlan(TPPlan):
             "attn.g_proj": self.colwise(),
             "attn.gk_proj.0": PrepareModuleWeight(layouts=Replicate()),
             "attn.gk_proj.1": self.colwise(),
-            "attn.g_norm_swish_gate": head_norm,
-            "attn.g_norm": head_norm,
+            # fla builds one of the two: the fused norm-and-gate when fuse_norm is on, else a plain norm.
+            "attn.g_norm_swish_gate": IfPresent(head_norm),
+            "attn.g_norm": IfPresent(head_norm),
             "attn.o_proj": self.out_proj(),
         }

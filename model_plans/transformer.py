@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Shard
 
-from model_plans.base import Plan, TPPlan, register_tp_plan
+from model_plans.base import IfPresent, Plan, TPPlan, register_tp_plan
 from model_plans.styles import NormParallel
 
 
@@ -18,7 +18,8 @@ class TransformerTPPlan(TPPlan):
             "attn.q_proj": self.colwise(),
             "attn.k_proj": self.colwise(),
             "attn.v_proj": self.colwise(),
-            "attn.q_norm": NormParallel(Shard(-2), use_local_output=True),
-            "attn.k_norm": NormParallel(Shard(-2), use_local_output=True),
+            # present with qk_norm only
+            "attn.q_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+            "attn.k_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
             "attn.o_proj": self.out_proj(),
         }

@@ -37,6 +37,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   (``initial_load_in_hf``): it must match "single" like any other row.
 - TP rows of ``hf_llama`` untie its head from the embedding (TP shards the two
   differently) and so compare with an untied single-process run.
+- ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
+  FSDP2 must match one process like titan_ext's specs do.
+- Some rows belong to one spec (``Row.specs``): a user's TP plan from
+  ``custom_import`` (``tp_ext``), the non-finite-loss guard (``nan_stop``,
+  ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
+  ``error_on_recompile``: a recompile is an error.
 
 Budget
 ------
@@ -55,6 +61,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -69,6 +76,7 @@ DRIVER = Path(__file__).resolve().parent / "matrix_driver.py"
 
 RTOL = 1e-4
 TP_RTOL = 1e-5  # the tensor-parallel issue's bar for TP2 against one process
+LOG_RTOL = 5e-4  # torchtitan's own models: metrics read from the console, which rounds the grad norm to 4 decimals
 STEPS = 5
 MAX_DP = 4
 CORPUS_BLOCK = 64  # lines; ~5k tokens, more than any rank reads in STEPS steps
@@ -94,12 +102,15 @@ class Spec:
     config: str
     tp_hf_config: dict | None = None
     """HF config overrides for TP rows (hf_llama's debug flavor ties its head to the embedding)."""
+    flags: tuple[str, ...] = ()
 
 
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
     "fla_transformer": Spec("debug_transformer.toml"),
     "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
+    # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
+    "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel")),
 }
 
 
@@ -112,6 +123,11 @@ class Row:
     cost: int = 1
     """Rough relative run time, to balance lanes."""
     rtol: float = RTOL
+    specs: tuple[str, ...] | None = None
+    """The specs the row applies to (None: titan_ext's three)."""
+    env: tuple[tuple[str, str], ...] = ()
+    expect: str = ""
+    """kind "fails": the job's error must contain this."""
 
     @property
     def tp(self) -> bool:
@@ -120,6 +136,7 @@ class Row:
 
 
 AC = ("--activation_checkpoint.mode",)
+NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
 ROWS = {
     "single": Row(1, parallel()),
     "fsdp2": Row(2, parallel(shard=2)),
@@ -137,9 +154,28 @@ ROWS = {
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
     "compile_aot_eager": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "aot_eager"), cost=3),
     "compile_inductor": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "inductor"), cost=20),
+    "ac_op_compile": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op",
+                             "--compile.enable", "--compile.backend", "aot_eager"), cost=3),
     "resume": Row(2, parallel(shard=2), kind="resume", cost=2),
     "hf": Row(1, parallel(), kind="hf", cost=2),
+    "tp_ext": Row(2, (*parallel(tp=2), "--experimental.custom_import", "tp_extension_plan", "--model.name", "tp_ext_gla"),
+                  rtol=TP_RTOL, specs=("fla_gla",)),
+    "float8_emulate": Row(1, (*parallel(), "--model.converters", "quantize.linear.float8",
+                              "--quantize.linear.float8.emulate"), kind="trains", specs=("fla_gla",)),
+    "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
+                    specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
+    "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
+                    env=(("NAN_AT_STEP", "3"),), expect="non-finite loss (NaN or Inf) at step 3: stopped before its update"),
 }
+LLAMA3_ROWS = ("single", "fsdp2")
+
+
+def applies(spec: str, row: str) -> bool:
+    """Whether ``row`` is part of the matrix for ``spec``."""
+    if spec == "llama3":
+        return row in LLAMA3_ROWS
+    specs = ROWS[row].specs if row in ROWS else None
+    return specs is None or spec in specs
 UNSUPPORTED = {
     "pp2": "titan_ext's train specs have no pipelining_fn (torchtitan's pipeline_llm hard-codes its Llama names)",
     "cp2": "parallelize_hf_model rejects context parallel (torchtitan's CP hard-codes its attention names)",
@@ -153,6 +189,7 @@ class Job:
     id: str
     world: int
     argv: tuple[str, ...]
+    env: dict
 
 
 @dataclass
@@ -172,12 +209,16 @@ class Matrix:
     specs: list[str]
     rows: list[str]
 
+    def applies(self, spec: str, row: str) -> bool:
+        return applies(spec, row)
+
     def variant(self, spec: str, row: str) -> str:
         return "untied" if ROWS[row].tp and SPECS[spec].tp_hf_config else "base"
 
     def variant_flags(self, spec: str, variant: str) -> tuple[str, ...]:
         spec_def = SPECS[spec]
-        flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus))
+        flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus),
+                 *spec_def.flags)
         if variant == "untied":
             flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
         return flags
@@ -186,7 +227,7 @@ class Matrix:
     def corpus(self) -> Path:
         return self.root / "corpus.jsonl"
 
-    def job(self, spec: str, variant: str, name: str, world: int, *flags: str, folder: str = "") -> Job:
+    def job(self, spec: str, variant: str, name: str, world: int, *flags: str, folder: str = "", env=()) -> Job:
         """A job named ``name`` training in ``folder`` (default: its own, named after it)."""
         id_ = f"{spec}.{variant}.{name}"
         folder = self.root / spec / variant / (folder or name)
@@ -194,7 +235,10 @@ class Matrix:
             *self.variant_flags(spec, variant), *COMMON,
             "--job.dump_folder", str(folder), "--titan_ext.metrics_jsonl", str(self.metrics_path(id_)), *flags,
         )
-        return Job(id_, world, argv)
+        return Job(id_, world, argv, dict(env))
+
+    def folder(self, spec: str, row: str) -> Path:
+        return self.root / spec / self.variant(spec, row) / row
 
     def metrics_path(self, job_id: str) -> Path:
         return self.root / "metrics" / f"{job_id}.jsonl"
@@ -224,19 +268,23 @@ class Matrix:
             export = self.job(spec, variant, row + "@export", r.world, *train, "--training.steps", "1",
                               "--optimizer.lr", "0", "--checkpoint.last_save_in_hf",
                               "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32")
-            hf_folder = self.root / spec / variant / (row + "@export") / "checkpoint" / "step-1"
+            hf_folder = self.hf_export_folder(spec, variant)
             return [export, self.job(spec, variant, row, r.world, *r.flags, "--checkpoint.enable",
                                      "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
                                      str(hf_folder), "--checkpoint.interval", "1000")]
-        return [self.job(spec, variant, row, r.world, *train)]
+        return [self.job(spec, variant, row, r.world, *train, env=r.env)]
+
+    def hf_export_folder(self, spec: str, variant: str) -> Path:
+        return self.root / spec / variant / "hf@export" / "checkpoint" / "step-1"
 
     def variants(self) -> list[tuple[str, str]]:
         """(spec, variant) pairs the rows use; each needs a seed and a single-process reference."""
-        return sorted({(spec, self.variant(spec, row)) for spec in self.specs for row in self.rows})
+        return sorted({(spec, self.variant(spec, row)) for spec in self.specs for row in self.rows if self.applies(spec, row)})
 
     def units(self) -> list[tuple[int, int, list[Job]]]:
         """(world, cost, jobs) per row, plus the references not among the rows."""
-        units = [(ROWS[row].world, ROWS[row].cost, self.row_jobs(spec, row)) for spec in self.specs for row in self.rows]
+        units = [(ROWS[row].world, ROWS[row].cost, self.row_jobs(spec, row))
+                 for spec in self.specs for row in self.rows if self.applies(spec, row)]
         for spec, variant in self.variants():
             if variant != "base" or "single" not in self.rows:
                 units.append((1, 1, self.row_jobs(spec, "single", variant)))
@@ -249,7 +297,9 @@ class Matrix:
             work = [(cost, jobs) for w, cost, jobs in units if w == world]
             if work:
                 phases.append(lanes(nproc, world, work))
-        return {"name": self.root.name, "root": str(self.root), "preload": ["titan_ext"], "phases": phases}
+        # Preload what every job imports (not titan_ext: each job's Trainer must import it to set up the job).
+        preload = ["fla.models", "transformers", "torchao.float8"]
+        return {"name": self.root.name, "root": str(self.root), "preload": preload, "phases": phases}
 
     def write_inputs(self) -> None:
         for sub in ("metrics", "results", "logs"):
@@ -280,7 +330,7 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO / "tests")}
     begin = time.monotonic()
     with open(matrix.root / "driver.log", "w") as log:
         try:
@@ -292,9 +342,17 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
 
 # ---------------------------------------------------------------- evaluation
 
+STEP_LINE = re.compile(r"step:\s+(\d+)\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
+
+
 def read_metrics(matrix: Matrix, job: Job) -> list[dict]:
+    """Per-step metrics: titan_ext's full-precision JSON lines, or the console log for torchtitan's own models."""
     path = matrix.metrics_path(job.id)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if path.exists():
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", job_log(matrix, job))
+    return [{"step": int(s), "loss_metrics/global_avg_loss": float(loss), "grad_norm": float(norm)}
+            for s, loss, norm in STEP_LINE.findall(plain)]
 
 
 def job_error(matrix: Matrix, job: Job) -> str:
@@ -331,7 +389,29 @@ def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RT
     return worst, detail if worst > rtol else ""
 
 
+def job_log(matrix: Matrix, job: Job) -> str:
+    path = matrix.root / "logs" / f"{job.id}.rank0.log"
+    return path.read_text() if path.exists() else ""
+
+
+def evaluate_failure(matrix: Matrix, spec: str, row: str) -> Result:
+    """kind "fails": every rank stopped with the expected error, and no checkpoint after the step before it."""
+    (job,) = matrix.row_jobs(spec, row)
+    expected = ROWS[row].expect
+    errors = [job_error(matrix, job)]
+    if expected not in errors[0]:
+        return Result(spec, row, "MISMATCH", None, f"expected an error with {expected!r}, got {errors[0]!r}")
+    saved = sorted(p.name for p in (matrix.folder(spec, row) / "checkpoint").glob("step-*"))
+    if saved != ["step-1", "step-2"]:
+        return Result(spec, row, "MISMATCH", None, f"checkpoints {saved}, expected step-1 and step-2 only")
+    return Result(spec, row, "ok", None, "stopped before step 3's update and checkpoint")
+
+
 def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
+    if not matrix.applies(spec, row):
+        return Result(spec, row, "n/a", None, "")
+    if ROWS[row].kind == "fails":
+        return evaluate_failure(matrix, spec, row)
     jobs = matrix.row_jobs(spec, row)
     variant = matrix.variant(spec, row)
     ref_jobs = [matrix.seed(spec, variant), *matrix.row_jobs(spec, "single", variant)]
@@ -351,8 +431,21 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         export, imported = (read_metrics(matrix, job) for job in jobs)
         checks.append(("HF export step 1 vs single", *compare(export, ref, [1])))
         checks.append(("from HF vs single", *compare(imported, ref, all_steps)))
+        checks.append(("export folder", 0.0, hf_folder_problem(matrix.hf_export_folder(spec, variant))))
+    elif kind == "trains":
+        losses = series(read_metrics(matrix, jobs[0]))["loss"]
+        fell = len(losses) == STEPS and losses[-1] < losses[0]
+        checks.append(("trains", 0.0, "" if fell else f"losses {losses} did not fall over {STEPS} steps"))
+    elif kind == "nan_skip":
+        losses = series(read_metrics(matrix, jobs[0]))["loss"]
+        ok = len(losses) == STEPS and math.isnan(losses[2]) and all(math.isfinite(x) for i, x in enumerate(losses) if i != 2)
+        skipped = job_log(matrix, jobs[0]).count("non-finite loss at step 3: skipped its update")
+        checks.append(("nan skipped", 0.0, "" if ok and skipped == 1 else f"losses {losses}, skip logged {skipped}x"))
     else:
-        checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, ROWS[row].rtol)))
+        rtol = LOG_RTOL if spec == "llama3" else ROWS[row].rtol
+        checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, rtol)))
+    if row == "tp_ext" and "Applied ExtGLATPPlan tensor parallelism" not in job_log(matrix, jobs[0]):
+        checks.append(("user plan", math.inf, "the log does not name ExtGLATPPlan"))
     worst = max(rel for _, rel, _ in checks)
     problems = [f"{what}: {problem}" for what, _, problem in checks if problem]
     if problems:
@@ -363,6 +456,16 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     return Result(spec, row, "ok", worst, note)
 
 
+def hf_folder_problem(folder: Path) -> str:
+    """'' if ``folder`` is a self-contained HF directory (config, weights, tokenizer, nothing else)."""
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    needed = ["config.json", "tokenizer.json"]
+    missing = [n for n in needed if n not in names] + ([] if any(n.endswith(".safetensors") for n in names) else ["*.safetensors"])
+    if missing or "sharded" in names:
+        return f"{folder} holds {names}: missing {missing}" + (", leftover sharded/" if "sharded" in names else "")
+    return ""
+
+
 def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> tuple[list[Result], float]:
     """Run ``rows`` of ``specs``; one Result per spec x row, unsupported rows listed with the reason."""
     matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
@@ -371,10 +474,11 @@ def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1
     for spec in specs:
         for row in rows:
             if row in UNSUPPORTED:
-                results.append(Result(spec, row, "unsupported", None, UNSUPPORTED[row]))
+                status = "unsupported" if applies(spec, row) else "n/a"
+                results.append(Result(spec, row, status, None, UNSUPPORTED[row]))
             else:
                 results.append(evaluate(matrix, spec, row))
-    if code != 0 and all(r.status in ("ok", "unsupported") for r in results):
+    if code != 0 and all(r.status in ("ok", "unsupported", "n/a") for r in results):
         results.append(Result("-", "driver", "ERROR", None, f"exit {code}; see {root}/driver.log"))
     return results, seconds
 
@@ -386,7 +490,8 @@ def table(results: list[Result]) -> str:
     lines = [f"{'spec':<16} {'row':<19} {'status':<11} {'max rel':>8}  detail"]
     for r in results:
         rel = "" if r.max_rel is None else f"{r.max_rel:.1e}"
-        lines.append(f"{r.spec:<16} {r.row:<19} {r.status:<11} {rel:>8}  {r.detail}")
+        if r.status != "n/a":
+            lines.append(f"{r.spec:<16} {r.row:<19} {r.status:<11} {rel:>8}  {r.detail}")
     return "\n".join(lines)
 
 
@@ -401,7 +506,7 @@ def main() -> int:
     results, seconds = run_matrix(args.root, args.spec, args.rows)
     print(table(results))
     print(f"\nmatrix: {seconds:.0f} s in one torchrun launch; logs under {args.root}")
-    return 0 if all(r.status in ("ok", "unsupported") for r in results) else 1
+    return 0 if all(r.status in ("ok", "unsupported", "n/a") for r in results) else 1
 
 
 if __name__ == "__main__":

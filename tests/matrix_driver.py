@@ -18,8 +18,9 @@ Re-initializing on torchrun's own store does not work: ``destroy_process_group``
 resets the group counter, so the next group reads the previous one's gloo
 addresses from the store and hangs.
 
-The plan's ``preload`` modules (the jobs' ``custom_import``) are imported
-once, up front. Each process writes one JSON result per job (``ok`` or the error) and the
+The plan's ``preload`` modules (what the jobs import) are imported once, up
+front; titan_ext itself is imported by each job's Trainer, which sets up
+that job. Each process writes one JSON result per job (``ok`` or the error) and the
 job's log; rank 0 of a job writes its metrics (``--titan_ext.metrics_jsonl``).
 """
 
@@ -60,11 +61,11 @@ def barrier(store: dist.Store, key: str, size: int) -> None:
 
 
 @contextlib.contextmanager
-def job_env(rank: int, size: int, port: int):
-    """torchrun's variables for one job's process group, restored afterwards."""
+def job_env(rank: int, size: int, port: int, extra: dict):
+    """torchrun's variables for one job's process group (and the job's own), restored afterwards."""
     values = {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False", **extra,
     }
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
@@ -79,10 +80,16 @@ def job_env(rank: int, size: int, port: int):
 
 
 def train(argv: list[str], log: Path) -> dict:
-    """One torchtitan job through its own ``main``; never raises."""
+    """One torchtitan job through its own ``main``; never raises.
+
+    Each job starts with an empty dynamo cache (a job must not reuse another's
+    compiled frames) and fails on any recompile.
+    """
+    import torch._dynamo
     import torchtitan.train as titan_train
     from torchtitan.config import ConfigManager
 
+    torch._dynamo.reset()
     begin = time.monotonic()
     result = {"status": "ok", "error": ""}
     with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -90,7 +97,8 @@ def train(argv: list[str], log: Path) -> dict:
             # main() parses ConfigManager.parse_args' default, sys.argv[1:] as it was at import.
             parse = functools.partialmethod(ConfigManager.parse_args, argv)
             with mock.patch.object(ConfigManager, "parse_args", parse), \
-                    mock.patch.object(titan_train, "time", NO_SLEEP_TIME):
+                    mock.patch.object(titan_train, "time", NO_SLEEP_TIME), \
+                    torch._dynamo.config.patch(error_on_recompile=True):
                 titan_train.main(titan_train.Trainer)
         except BaseException as error:  # noqa: BLE001  (tyro exits with SystemExit on a bad flag)
             if isinstance(error, KeyboardInterrupt):
@@ -112,7 +120,7 @@ def run_lane(store: dist.Store, key: str, lane: dict, rank: int, root: Path) -> 
         if lane_rank == 0:
             store.set(port_key, str(free_port()))
         port = int(store.get(port_key))
-        with job_env(lane_rank, len(ranks), port):
+        with job_env(lane_rank, len(ranks), port, job["env"]):
             result = train(job["argv"], root / "logs" / f"{job['id']}.rank{lane_rank}.log")
         (root / "results" / f"{job['id']}.rank{lane_rank}.json").write_text(json.dumps(result))
 

@@ -8,11 +8,11 @@ titan_ext's non-finite-loss guard act on a real job.
 import dataclasses
 import os
 
-import titan_ext  # noqa: F401
 import torch.distributed as dist
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+from torchtitan.protocols import train_spec
 
+import titan_ext  # noqa: F401  (the fla_gla spec)
 from titan_ext.nonfinite import watch_loss
 
 
@@ -32,4 +32,6 @@ def build_nan_loss(job_config, **kwargs):
     return loss
 
 
-register_train_spec("fla_gla_nan", dataclasses.replace(get_train_spec("fla_gla"), build_loss_fn=watch_loss(build_nan_loss)))
+if "fla_gla_nan" not in train_spec._extra_train_specs:
+    spec = dataclasses.replace(train_spec.get_train_spec("fla_gla"), build_loss_fn=watch_loss(build_nan_loss))
+    train_spec.register_train_spec("fla_gla_nan", spec)

@@ -6,7 +6,7 @@ Rows that cannot run on CPU are reported as skipped, with the reason.
 import math
 
 import pytest
-from integration_matrix import ALL_ROWS, RTOL, SPECS, compare, run_matrix, table
+from integration_matrix import ALL_ROWS, RTOL, SPECS, applies, compare, run_matrix, table
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def test_driver_finished(matrix):
     assert ("-", "driver") not in matrix, matrix.get(("-", "driver"))
 
 
-@pytest.mark.parametrize("spec,row", [(spec, row) for spec in SPECS for row in ALL_ROWS])
+@pytest.mark.parametrize("spec,row", [(spec, row) for spec in SPECS for row in ALL_ROWS if applies(spec, row)])
 def test_row(matrix, spec, row):
     result = matrix[spec, row]
     if result.status == "unsupported":

@@ -1,118 +1,70 @@
-"""The portable (non-CUDA) kernel path: torch implementations behind fla's names.
+"""The portable (non-CUDA) kernel path: titan_ext's torch implementations of fla's kernels.
 
-Runs on CPU only. References are fla's own pure-torch ``naive_recurrent_gla``
-and explicit torch formulas; every comparison covers forward and gradients.
+Runs on CPU only. The replacements are called directly (``titan_ext.kernels.*``)
+or through fla modules bound with ``titan_ext.kernels.portable``; fla itself is
+never changed. References are fla's own pure-torch ``naive_recurrent_gla`` and
+explicit torch formulas; every comparison covers forward and gradients.
 """
 
 from __future__ import annotations
 
-from unittest import mock
-
+import fla.layers.gla
+import fla.modules.activations
+import fla.ops.gla
 import pytest
 import torch
 import torch.nn.functional as F
-
-import titan_ext.kernels as kernels
-from titan_ext.kernels import gla as torch_gla
-
-kernels.install()
-
-import fla.layers.gla  # noqa: E402
-import fla.modules.activations  # noqa: E402
-import fla.modules.mlp  # noqa: E402
-import fla.ops.gla  # noqa: E402
-from fla.models import GLAConfig, GLAForCausalLM  # noqa: E402
-from fla.modules import (  # noqa: E402
+from fla.layers.gla import GatedLinearAttention
+from fla.models import GLAConfig, GLAForCausalLM
+from fla.modules import (
     FusedCrossEntropyLoss,
     FusedLinearCrossEntropyLoss,
     FusedRMSNormGated,
+    GatedMLP,
     RMSNorm,
     ShortConvolution,
 )
-from fla.ops.gla.naive import naive_recurrent_gla  # noqa: E402
+from fla.ops.gla.naive import naive_recurrent_gla
+from helpers import assert_rel_close, backward_with_random_cotangents, gla_inputs, leaves
+
+import titan_ext.kernels as kernels
+from titan_ext.host_patches import MODEL_KERNELS
+from titan_ext.kernels import activations, gla_op, norms
+from titan_ext.kernels import gla as torch_gla
+
+# --- binding: one model changes, fla does not -------------------------------------------
 
 
-def assert_rel_close(actual, expected, tol=1e-5, what=""):
-    """Relative error in the Frobenius norm: ||a - e|| <= tol * ||e||."""
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    err = (actual.double() - expected.double()).norm()
-    ref = expected.double().norm().clamp_min(1e-12)
-    assert err <= tol * ref, f"{what}: relative error {(err / ref).item():.2e} > {tol:.0e}"
+def test_every_replacement_resolves_for_both_paths():
+    portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
+    assert len(portable) == len(MODEL_KERNELS)
+    # on CUDA only chunk_gla is replaced (by the op wrapper running fla's own drivers)
+    assert fla_path == {fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla}
+    assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.chunk_gla
+    assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla
+    with pytest.raises(ValueError, match="unknown kernel path 'cuda'"):
+        kernels.replacements("cuda")
 
 
-def gla_inputs(B, T, H, K, V, seed=0, with_h0=True, dtype=torch.float32, device="cpu"):
-    """q, k, v, log-space gate, and an fp32 initial state (fla requires fp32 states)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape, dtype=dtype):
-        return torch.randn(*shape, generator=g, dtype=dtype).to(device)
-
-    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
-    gk = F.logsigmoid(4 * randn(B, T, H, K))  # some gates near 0, some strongly decaying
-    h0 = randn(B, H, K, V, dtype=torch.float32) if with_h0 else None
-    return q, k, v, gk, h0
-
-
-def leaves(*xs):
-    return [None if x is None else x.clone().requires_grad_() for x in xs]
-
-
-def backward_with_random_cotangents(outputs, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outputs if o is not None)
-    loss.backward()
-
-
-# --- dispatch -------------------------------------------------------------------------
-
-
-class _FakeCudaTensor(torch.Tensor):
-    """A CPU tensor that reports a CUDA device, to exercise the dispatcher without a GPU."""
-
-    @property
-    def device(self):
-        return torch.device("cuda", 0)
-
-
-def test_dispatch_keeps_cuda_inputs_on_the_original():
-    original, portable = mock.Mock(return_value="original"), mock.Mock(return_value="portable")
-    wrapper = kernels.device_dispatch(original, portable)
-    fake_cuda = torch.zeros(3).as_subclass(_FakeCudaTensor)
-    assert fake_cuda.device.type == "cuda"
-
-    assert wrapper(fake_cuda, 2.0, flag=True) == "original"
-    original.assert_called_once_with(fake_cuda, 2.0, flag=True)
-    assert wrapper(q=fake_cuda) == "original"  # keyword-only calls, as fla's layers make them
-    assert wrapper(None, "no tensors") == "original"
-    portable.assert_not_called()
-
-    cpu = torch.zeros(3)
-    assert wrapper(None, x=cpu) == "portable"
-    portable.assert_called_once_with(None, x=cpu)
-    assert original.call_count == 3
-
-
-def test_install_rebinds_fla_names_to_wrappers_of_the_originals():
-    import fla.ops.gla.chunk as chunk_module
-    from fla.modules.activations import ACT2FN
-
-    wrapper = fla.layers.gla.chunk_gla
-    assert wrapper._titan_ext_portable is torch_gla.chunk_gla
-    assert wrapper is chunk_module.chunk_gla is fla.ops.gla.chunk_gla
-    assert ACT2FN["swish"] is fla.modules.activations.swish
-    assert fla.modules.mlp.swiglu is fla.modules.activations.swiglu
-    count = len(kernels._rebound)
-
-    kernels.install()  # idempotent: nothing wrapped twice
-    assert len(kernels._rebound) == count and fla.layers.gla.chunk_gla is wrapper
-    try:
-        kernels.uninstall()
-        assert not kernels.is_installed()
-        assert fla.layers.gla.chunk_gla is wrapper._titan_ext_original
-        assert not hasattr(ACT2FN["swish"], "_titan_ext_original")
-    finally:
-        kernels.install()
-    assert kernels.is_installed() and hasattr(fla.layers.gla.chunk_gla, "_titan_ext_original")
+def test_binding_one_model_leaves_fla_and_other_models_alone():
+    chunk_gla, swish = fla.layers.gla.chunk_gla, fla.modules.activations.ACT2FN["swish"]
+    bound, plain = tiny_gla(), tiny_gla()
+    assert kernels.portable(bound) is bound
+    layer, plain_layer = bound.model.layers[0].attn, plain.model.layers[0].attn
+    assert type(layer) is not GatedLinearAttention and isinstance(layer, GatedLinearAttention)
+    assert type(layer).__name__ == "GatedLinearAttention"  # same name, parameter names and state dict keys
+    assert type(plain_layer) is GatedLinearAttention
+    assert bound.state_dict().keys() == plain.state_dict().keys()
+    # fla's module globals are what fla ships
+    assert fla.layers.gla.chunk_gla is chunk_gla is fla.ops.gla.chunk.chunk_gla
+    assert chunk_gla.__module__ == "fla.ops.gla.chunk"
+    assert fla.modules.activations.ACT2FN["swish"] is swish
+    assert GatedLinearAttention.forward.__globals__["chunk_gla"] is chunk_gla
+    # the bound layer's forward sees titan_ext's op wrapper instead
+    assert type(layer).forward.__globals__["chunk_gla"] is gla_op.chunk_gla
+    # binding again is a no-op (classes are cached, nothing is wrapped twice)
+    kernels.portable(bound)
+    assert type(bound.model.layers[0].attn) is type(layer)
 
 
 # --- GLA ------------------------------------------------------------------------------
@@ -148,10 +100,18 @@ def test_torch_gla_is_stable_for_strong_decay():
     assert torch.isfinite(gk.grad).all()
 
 
-@pytest.mark.parametrize("name", ["chunk_gla", "fused_chunk_gla", "fused_recurrent_gla"])
-def test_fla_public_gla_ops_run_on_cpu(name):
-    op = getattr(fla.ops.gla, name)
-    assert op._titan_ext_original is not None  # the fla name itself is the dispatcher
+# What a bound model calls in place of fla's three public GLA entry points.
+GLA_OPS = {
+    "chunk_gla": gla_op.chunk_gla,
+    "fused_chunk_gla": torch_gla.fused_chunk_gla,
+    "fused_recurrent_gla": torch_gla.fused_recurrent_gla,
+}
+
+
+@pytest.mark.parametrize("name", list(GLA_OPS))
+def test_gla_replacements_match_naive_recurrent_gla(name):
+    op = GLA_OPS[name]
+    assert kernels.replacements("portable")[getattr(fla.ops.gla, name)] is op
     q, k, v, gk, h0 = gla_inputs(2, 45, 2, 8, 16)
     ours, ref = leaves(q, k, v, gk, h0), leaves(q, k, v, gk, h0)
     gate = "gk" if name == "fused_recurrent_gla" else "g"
@@ -166,15 +126,16 @@ def test_fla_public_gla_ops_run_on_cpu(name):
         assert_rel_close(a.grad, b.grad, what=f"{name} {grad_name}")
 
 
-def test_gla_scale_state_v_first_and_no_final_state():
+@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.chunk_gla], ids=["torch", "op"])
+def test_gla_scale_state_v_first_and_no_final_state(chunk_gla):
     q, k, v, gk, h0 = gla_inputs(1, 20, 2, 8, 4)
-    o, ht = fla.ops.gla.chunk_gla(q, k, v, gk, scale=0.3, initial_state=h0.transpose(-1, -2).contiguous(),
-                                  output_final_state=True, state_v_first=True)
+    o, ht = chunk_gla(q, k, v, gk, scale=0.3, initial_state=h0.transpose(-1, -2).contiguous(),
+                      output_final_state=True, state_v_first=True)
     # naive_recurrent_gla always scales by K ** -0.5: fold the requested scale into q
     o_ref, ht_ref = naive_recurrent_gla(q * 0.3 / 8 ** -0.5, k, v, gk, h0, True)
     assert_rel_close(o, o_ref, what="o")
     assert_rel_close(ht, ht_ref.transpose(-1, -2), what="state_v_first final state")
-    assert fla.ops.gla.chunk_gla(q, k, v, gk)[1] is None
+    assert chunk_gla(q, k, v, gk)[1] is None
 
 
 def loop_gla(q, k, v, gk, gv, h0, reverse=False):
@@ -193,8 +154,8 @@ def test_fused_recurrent_gla_with_value_gate_and_reverse(reverse):
     q, k, v, gk, h0 = gla_inputs(2, 29, 2, 4, 6)
     gv = F.logsigmoid(torch.randn(v.shape, generator=torch.Generator().manual_seed(5)))
     ours, ref = leaves(q, k, v, gk, gv, h0), leaves(q, k, v, gk, gv, h0)
-    o, ht = fla.ops.gla.fused_recurrent_gla(*ours[:3], gk=ours[3], gv=ours[4], initial_state=ours[5],
-                                            output_final_state=True, reverse=reverse)
+    o, ht = torch_gla.fused_recurrent_gla(*ours[:3], gk=ours[3], gv=ours[4], initial_state=ours[5],
+                                          output_final_state=True, reverse=reverse)
     o_ref, ht_ref = loop_gla(*ref, reverse=reverse)
     assert_rel_close(o, o_ref, what="o")
     assert_rel_close(ht, ht_ref, what="final state")
@@ -204,26 +165,36 @@ def test_fused_recurrent_gla_with_value_gate_and_reverse(reverse):
         assert_rel_close(a.grad, b.grad, what="grad")
 
 
-def test_gla_cu_seqlens_matches_separate_sequences():
+@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.chunk_gla], ids=["torch", "op"])
+def test_gla_cu_seqlens_matches_separate_sequences(chunk_gla):
     lengths = [7, 33, 1, 20]
     seqs = [gla_inputs(1, n, 2, 8, 8, seed=i) for i, n in enumerate(lengths)]
     packed = [torch.cat([s[j] for s in seqs], dim=1) for j in range(4)]
     h0 = torch.cat([s[4] for s in seqs], dim=0)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    o, ht = fla.ops.gla.chunk_gla(*packed, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    o, ht = chunk_gla(*packed, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
     refs = [naive_recurrent_gla(*s, output_final_state=True) for s in seqs]
     assert_rel_close(o, torch.cat([r[0] for r in refs], dim=1), what="packed o")
     assert_rel_close(ht, torch.cat([r[1] for r in refs], dim=0), what="packed final states")
 
 
-def test_gla_traces_without_graph_breaks():
+@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.chunk_gla], ids=["torch", "op"])
+def test_gla_traces_without_graph_breaks(chunk_gla):
     q, k, v, gk, _ = gla_inputs(2, 40, 2, 8, 8)
 
     def f(q, k, v, gk):
-        return fla.layers.gla.chunk_gla(q=q, k=k, v=v, g=gk, state_v_first=True)[0]
+        return chunk_gla(q=q, k=k, v=v, g=gk, state_v_first=True)[0]
 
     compiled = torch.compile(f, backend="eager", fullgraph=True)
     assert_rel_close(compiled(q, k, v, gk), f(q, k, v, gk), tol=1e-6, what="compiled o")
+
+
+def test_bound_gla_layer_compiles_without_graph_breaks():
+    torch.manual_seed(0)
+    layer = kernels.portable(GatedLinearAttention(hidden_size=32, num_heads=2, mode="chunk", layer_idx=0))
+    x = torch.randn(2, 70, 32)  # > 64 tokens, or the layer picks fused_recurrent
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    assert_rel_close(compiled(x)[0], layer(x)[0], tol=1e-6, what="compiled layer")
 
 
 # --- norms, activations, convolution, losses --------------------------------------------
@@ -252,7 +223,7 @@ def check_same(fn_ours, fn_ref, *inputs, tol=1e-5):
 
 @pytest.mark.parametrize("mode", ["plain", "residual", "prenorm"])
 def test_rms_norm(mode):
-    norm = RMSNorm(32, eps=1e-6)
+    norm = kernels.portable(RMSNorm(32, eps=1e-6))
     torch.nn.init.normal_(norm.weight)
     x, res, w = torch.randn(3, 5, 32), torch.randn(3, 5, 32), norm.weight.detach()
 
@@ -268,10 +239,11 @@ def test_rms_norm(mode):
         return (rms(s, 1e-6) * w, s) if mode == "prenorm" else rms(s, 1e-6) * w
 
     check_same(ours, ref, x, res, w)
+    check_same(lambda x, w: norms.rms_norm(x, w, eps=1e-6), lambda x, w: rms(x, 1e-6) * w, x, w)
 
 
 def test_rms_norm_weight_grad_and_dtype():
-    norm = RMSNorm(16, eps=1e-5)
+    norm = kernels.portable(RMSNorm(16, eps=1e-5))
     x = torch.randn(4, 16)
     norm(x).pow(2).sum().backward()
     w = torch.ones(16, requires_grad=True)
@@ -284,7 +256,7 @@ def test_rms_norm_weight_grad_and_dtype():
 
 @pytest.mark.parametrize("activation", ["swish", "sigmoid"])
 def test_fused_rms_norm_gated(activation):
-    gnorm = FusedRMSNormGated(16, eps=1e-5, activation=activation)
+    gnorm = kernels.portable(FusedRMSNormGated(16, eps=1e-5, activation=activation))
     with torch.no_grad():
         gnorm.weight.normal_()
     w = gnorm.weight.detach().clone()
@@ -297,22 +269,39 @@ def test_fused_rms_norm_gated(activation):
 
 
 def test_activations():
-    from fla.modules.activations import ACT2FN
-
     x, y = torch.randn(4, 9, 24), torch.randn(4, 9, 24)
-    check_same(fla.modules.activations.swish, lambda x: x * torch.sigmoid(x), x)
-    check_same(ACT2FN["swish"], lambda x: x * torch.sigmoid(x), x)
-    check_same(ACT2FN["sigmoid"], torch.sigmoid, x)
-    check_same(fla.modules.mlp.swiglu, lambda x, y: x * torch.sigmoid(x) * y, x, y)
-    assert fla.modules.activations.swish(x.bfloat16()).dtype == torch.bfloat16
+    check_same(activations.swish, lambda x: x * torch.sigmoid(x), x)
+    check_same(activations.sigmoid, torch.sigmoid, x)
+    check_same(activations.logsigmoid, F.logsigmoid, x)
+    check_same(activations.swiglu, lambda x, y: x * torch.sigmoid(x) * y, x, y)
+    assert activations.swish(x.bfloat16()).dtype == torch.bfloat16
 
     weight, bias = torch.randn(10, 24), torch.randn(10)
-    check_same(fla.modules.mlp.swiglu_linear, lambda x, y, w, b: (x * torch.sigmoid(x) * y) @ w.T + b,
+    check_same(activations.swiglu_linear, lambda x, y, w, b: (x * torch.sigmoid(x) * y) @ w.T + b,
                x, y, weight, bias)
+    # what a bound fla module calls for ACT2FN["swish"]
+    assert kernels.replacements("portable")[fla.modules.activations.ACT2FN["swish"]] is activations.swish
+
+
+@pytest.mark.parametrize("fuse_swiglu", [True, False])
+def test_bound_gated_mlp(fuse_swiglu):
+    torch.manual_seed(0)
+    mlp = kernels.portable(GatedMLP(hidden_size=24, intermediate_size=40, hidden_act="swish", fuse_swiglu=fuse_swiglu))
+    params = dict(mlp.named_parameters())
+
+    def ref(x, gate, up, down):
+        return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    weights = [params[f"{n}.weight"].detach() for n in ("gate_proj", "up_proj", "down_proj")]
+    check_same(
+        lambda x, g, u, d: torch.func.functional_call(
+            mlp, {"gate_proj.weight": g, "up_proj.weight": u, "down_proj.weight": d}, (x,), strict=False),
+        ref, torch.randn(3, 5, 24), *weights,
+    )
 
 
 def test_short_convolution():
-    conv = ShortConvolution(hidden_size=12, kernel_size=4, bias=True, activation="silu")
+    conv = kernels.portable(ShortConvolution(hidden_size=12, kernel_size=4, bias=True, activation="silu"))
     x = torch.randn(2, 9, 12)
 
     def ref(x):
@@ -331,38 +320,34 @@ def test_cross_entropy_losses():
     logits, target = torch.randn(12, 30), torch.randint(0, 30, (12,))
     target[3] = -100
     for smoothing in (0.0, 0.1):
+        loss = kernels.portable(FusedCrossEntropyLoss(label_smoothing=smoothing))
         check_same(
-            lambda z: FusedCrossEntropyLoss(label_smoothing=smoothing)(z, target),
+            lambda z: loss(z, target),
             lambda z: F.cross_entropy(z, target, label_smoothing=smoothing),
             logits,
         )
     x, weight = torch.randn(12, 8), torch.randn(30, 8)
+    linear_loss = kernels.portable(FusedLinearCrossEntropyLoss())
     check_same(
-        lambda x, w: FusedLinearCrossEntropyLoss()(x, target, w),
+        lambda x, w: linear_loss(x, target, w),
         lambda x, w: F.cross_entropy(x @ w.T, target),
         x, weight,
     )
 
 
-def test_dtensor_on_cpu_takes_the_torch_path():
-    import torch.distributed as dist
+def test_dtensor_on_cpu_takes_the_torch_path(gloo_group):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group already exists")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        q, k, v, gk, _ = gla_inputs(1, 20, 2, 8, 8)
-        dq, dk, dv, dgk = (distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v, gk))
-        assert kernels.uses_portable_path(dq)
-        o, ht = fla.ops.gla.chunk_gla(dq, dk, dv, dgk, output_final_state=True)
-        o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, output_final_state=True)
+    mesh = init_device_mesh("cpu", (1,))
+    q, k, v, gk, _ = gla_inputs(1, 20, 2, 8, 8)
+    dq, dk, dv, dgk = (distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v, gk))
+    o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, output_final_state=True)
+    for chunk_gla in (gla_op.chunk_gla, torch_gla.chunk_gla):  # the op wrapper hands DTensors to the torch GLA
+        o, ht = chunk_gla(dq, dk, dv, dgk, output_final_state=True)
+        assert isinstance(o, DTensor)
         assert_rel_close(o.full_tensor(), o_ref, what="DTensor o")
         assert_rel_close(ht.full_tensor(), ht_ref, what="DTensor final state")
-    finally:
-        dist.destroy_process_group()
 
 
 # --- whole model -----------------------------------------------------------------------
@@ -381,7 +366,7 @@ def tokens(T=80):  # > 64 tokens, or the layer always picks fused_recurrent
 @pytest.mark.parametrize("fuse_swiglu", [True, False])
 @pytest.mark.parametrize("fuse_norm", [True, False])
 def test_gla_model_forward_backward(fuse_norm, fuse_swiglu):
-    model = tiny_gla(fuse_norm=fuse_norm, fuse_swiglu=fuse_swiglu)
+    model = kernels.portable(tiny_gla(fuse_norm=fuse_norm, fuse_swiglu=fuse_swiglu))
     x = tokens()
     loss = model(input_ids=x, labels=x).loss
     assert torch.isfinite(loss) and 3.0 < loss.item() < 7.0  # ~ln(128) at init
@@ -392,7 +377,7 @@ def test_gla_model_forward_backward(fuse_norm, fuse_swiglu):
 
 
 def test_gla_model_short_conv_and_torch_loss():
-    model = tiny_gla(use_short_conv=True, fuse_cross_entropy=False)
+    model = kernels.portable(tiny_gla(use_short_conv=True, fuse_cross_entropy=False))
     x = tokens()
     out = model(input_ids=x, labels=x)
     assert torch.isfinite(out.loss)
@@ -402,10 +387,10 @@ def test_gla_model_short_conv_and_torch_loss():
 
 def test_gla_model_attn_modes_agree():
     x = tokens()
-    base = tiny_gla(attn_mode="chunk")
+    base = kernels.portable(tiny_gla(attn_mode="chunk"))
     logits = {"chunk": base(input_ids=x).logits}
     for mode in ("fused_recurrent", "fused_chunk"):
-        model = tiny_gla(attn_mode=mode)
+        model = kernels.portable(tiny_gla(attn_mode=mode))
         model.load_state_dict(base.state_dict())
         logits[mode] = model(input_ids=x).logits
     assert_rel_close(logits["fused_recurrent"], logits["chunk"], what="fused_recurrent vs chunk logits")
@@ -414,7 +399,7 @@ def test_gla_model_attn_modes_agree():
 
 def test_gla_model_incremental_decoding_matches_full_forward():
     """Exercises every state convention: GLA state (state_v_first), conv caches, conv decode step."""
-    model = tiny_gla(use_short_conv=True).eval()
+    model = kernels.portable(tiny_gla(use_short_conv=True)).eval()
     x = tokens(T=73)
     with torch.no_grad():
         full = model(input_ids=x).logits
@@ -425,4 +410,3 @@ def test_gla_model_incremental_decoding_matches_full_forward():
             steps.append(out.logits)
             cache = out.past_key_values
     assert_rel_close(torch.cat(steps, dim=1), full, what="incremental logits")
-

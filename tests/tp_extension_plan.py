@@ -2,22 +2,18 @@
 
 ``gla_ext`` is GLA under a model type titan_ext does not know: without the
 plan below, TP stops with "no tensor-parallel plan for model_type 'gla_ext'".
-The plan reuses GLA's attention and MLP plans and logs a marker per block,
-so a test can see it was the one applied.
+The plan reuses GLA's attention and MLP plans.
 """
 
 import dataclasses
 
-import titan_ext  # noqa: F401  (CPU mode, kernels, titan_ext's train specs)
-from fla.models import GLAConfig
-from torchtitan.protocols.train_spec import register_train_spec
-from torchtitan.tools.logging import logger
+from fla.models import GLAConfig, GLAForCausalLM
+from torchtitan.protocols import train_spec
 
+import titan_ext  # noqa: F401  (titan_ext's train specs)
 from model_plans import GLATPPlan, register_tp_plan
-from titan_ext.models.gla import GLAForTitan, GLAModelArgs
+from titan_ext.models.gla import GLAModelArgs
 from titan_ext.train_specs import hf_train_spec
-
-MARKER = "tp_extension_plan: ExtGLATPPlan block plan"
 
 
 class GLAExtConfig(GLAConfig):
@@ -27,27 +23,22 @@ class GLAExtConfig(GLAConfig):
         super().__init__(**kwargs)
 
 
+class GLAExtForCausalLM(GLAForCausalLM):
+    config_class = GLAExtConfig
+
+
 @dataclasses.dataclass
 class GLAExtModelArgs(GLAModelArgs):
-    hf_config_class = GLAExtConfig
-
-
-class GLAExtForTitan(GLAForTitan):
-    config_class = GLAExtConfig
+    model_type = "gla_ext"
+    hf_config = "tp_extension_plan:GLAExtConfig"
+    hf_model = "tp_extension_plan:GLAExtForCausalLM"
 
 
 @register_tp_plan("gla_ext")
 class ExtGLATPPlan(GLATPPlan):
-    def block_plan(self):
-        logger.info(MARKER)
-        return super().block_plan()
+    pass
 
 
-register_train_spec(
-    "tp_ext_gla",
-    hf_train_spec(
-        "tp_ext_gla",
-        GLAExtForTitan,
-        {"debugmodel": GLAExtModelArgs(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=2048)},
-    ),
-)
+if "tp_ext_gla" not in train_spec._extra_train_specs:
+    debug = GLAExtModelArgs(hidden_size=64, num_hidden_layers=2, num_heads=4, vocab_size=2048)
+    train_spec.register_train_spec("tp_ext_gla", hf_train_spec({"debugmodel": debug}))

@@ -1,22 +1,19 @@
 """fla and HF Llama-style models for stock torchtitan 0.2.x.
 
-Importing this package, through ``[experimental] custom_import = "titan_ext"``,
-registers its train specs and datasets with torchtitan, routes fla's Triton
-kernels to torch implementations for non-CUDA tensors, lets fla's softmax
-attention run on PyTorch SDPA when flash-attn is missing, and, when the machine
-has no accelerator, points torchtitan at the CPU and gloo.
+``import titan_ext`` registers titan_ext's train specs and its shipped dataset
+with torchtitan, and changes nothing else. When torchtitan's ``Trainer``
+imports it as ``[experimental] custom_import``, it also sets up that job
+(``titan_ext.job.on_trainer_import``): checks the config, and on a machine
+without an accelerator points torchtitan at the CPU. Every change to a host
+library is listed in ``titan_ext.host_patches``.
 """
 
-from titan_ext import kernels
-from titan_ext.cpu_mode import enable_cpu_mode
+from titan_ext import job
 from titan_ext.data import register_datasets
-from titan_ext.models import sdpa_attention
 from titan_ext.train_specs import TRAIN_SPECS, register_train_specs
 
-kernels.install()
-sdpa_attention.install()
-enable_cpu_mode()
 register_datasets()
 register_train_specs()
+job.on_trainer_import()
 
 __all__ = ["TRAIN_SPECS"]

@@ -29,18 +29,24 @@ output plus fla's fp32 intra-chunk matrix ``A`` (``[B, T, H, chunk]``).
 
 from __future__ import annotations
 
-import torch.nn as nn
-from torchtitan.distributed import activation_checkpoint as titan_ac
-from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
-from torchtitan.tools.logging import logger
+import copy
+import logging
 
-from titan_ext.compile import model_compile_enabled
-from titan_ext.kernels import gla_op
+import torch.nn as nn
+
+from titan_ext import compat
+from titan_ext.errors import ConfigError
+
+logger = logging.getLogger()
 
 MODES = ("none", "full", "selective", "memory_budget")
 
-# Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA core.
-OP_SAC_SAVE_LIST = _op_sac_save_list | gla_op.SAVE_LIST
+
+def op_sac_save_list() -> set:
+    """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA core."""
+    from titan_ext.kernels import gla_op
+
+    return compat.torchtitan_ac().op_sac_save_list | gla_op.SAVE_LIST
 
 
 def layer_frequency(option: str) -> int | None:
@@ -49,49 +55,61 @@ def layer_frequency(option: str) -> int | None:
         return None
     if option.isdigit() and int(option) > 0:
         return int(option)
-    raise ValueError(
+    raise ConfigError(
         f"--activation_checkpoint.selective_ac_option={option!r} is invalid; "
         "use 'op' or a positive integer N (checkpoint every Nth block)"
     )
 
 
-def validate_ac_config(ac_config, compile_enabled: bool) -> None:
+def check_ac(ac_config, compile_enabled: bool) -> None:
     """Reject a bad mode or option before any model is touched."""
     if ac_config.mode not in MODES:
-        raise ValueError(f"--activation_checkpoint.mode={ac_config.mode!r} is invalid; use one of {', '.join(MODES)}")
+        raise ConfigError(f"--activation_checkpoint.mode={ac_config.mode!r} is invalid; use one of {', '.join(MODES)}")
     if ac_config.mode == "selective":
         layer_frequency(ac_config.selective_ac_option)
     if ac_config.mode == "memory_budget" and not compile_enabled:
-        raise ValueError(
+        raise ConfigError(
             "--activation_checkpoint.mode=memory_budget works only with a compiled model; "
             "set --compile.enable (components include 'model') or pick another mode"
         )
 
 
-def wrap_block(block: nn.Module, index: int, ac_config, base_fqn: str) -> nn.Module:
-    """The block, checkpointed as the mode says (index counts blocks from 0)."""
-    if ac_config.mode == "full":
-        return titan_ac._apply_full_ac(block, ac_config)
-    frequency = layer_frequency(ac_config.selective_ac_option)
-    if frequency is None:
-        return titan_ac._apply_op_sac(block, ac_config, base_fqn=base_fqn, op_sac_save_list=OP_SAC_SAVE_LIST)
-    return titan_ac._apply_full_ac(block, ac_config) if (index + 1) % frequency == 0 else block
+def ac_choice(job_config):
+    from titan_ext.job import ACChoice
 
-
-def apply_ac(model: nn.Module, job_config) -> None:
-    """Checkpoint the blocks of ``model.get_decoder().layers`` per ``--activation_checkpoint.*``."""
     ac_config = job_config.activation_checkpoint
-    compile_enabled = model_compile_enabled(job_config)
-    validate_ac_config(ac_config, compile_enabled)
-    if ac_config.mode == "none":
+    every = layer_frequency(ac_config.selective_ac_option) if ac_config.mode == "selective" else None
+    return ACChoice(mode=ac_config.mode, every=every, config=copy.deepcopy(ac_config))
+
+
+def wrap_block(block: nn.Module, index: int, choice, base_fqn: str) -> nn.Module:
+    """The block, checkpointed as the choice says (index counts blocks from 0)."""
+    ac = compat.torchtitan_ac()
+    if choice.mode == "full":
+        return ac.apply_full_ac(block, choice.config)
+    if choice.every is None:
+        return ac.apply_op_sac(block, choice.config, base_fqn=base_fqn, op_sac_save_list=op_sac_save_list())
+    return ac.apply_full_ac(block, choice.config) if (index + 1) % choice.every == 0 else block
+
+
+def apply_ac(model: nn.Module, choice, dump_folder: str = "") -> None:
+    """Checkpoint the blocks of ``model.get_decoder().layers`` as the job plan chose."""
+    if choice.mode == "none":
         return
     decoder = model.get_decoder()
-    if ac_config.mode == "memory_budget":
+    if choice.mode == "memory_budget":
         # torchtitan's apply_ac only sets the partitioner's budget in this mode.
-        titan_ac.apply_ac(decoder, ac_config, model_compile_enabled=True, base_folder=job_config.job.dump_folder)
+        compat.torchtitan_ac().apply_ac(decoder, choice.config, model_compile_enabled=True, base_folder=dump_folder)
         return
     layers = decoder.layers
+    prefix = layers_fqn(model)
     for index, (name, block) in enumerate(list(layers.named_children())):
-        layers.register_module(name, wrap_block(block, index, ac_config, base_fqn=f"model.layers.{name}"))
-    option = f" ({ac_config.selective_ac_option})" if ac_config.mode == "selective" else ""
-    logger.info(f"Applied {ac_config.mode}{option} activation checkpointing to {len(layers)} blocks")
+        layers.register_module(name, wrap_block(block, index, choice, base_fqn=f"{prefix}.{name}"))
+    option = f" ({choice.config.selective_ac_option})" if choice.mode == "selective" else ""
+    logger.info(f"Applied {choice.mode}{option} activation checkpointing to {len(layers)} blocks")
+
+
+def layers_fqn(model: nn.Module) -> str:
+    """The FQN of the decoder's block list (``model.layers`` in HF layouts), found rather than assumed."""
+    layers = model.get_decoder().layers
+    return next(name for name, module in model.named_modules() if module is layers)

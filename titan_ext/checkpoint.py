@@ -4,30 +4,30 @@ titan_ext models keep HF's parameter names, so the state-dict mapping is the
 identity except for tied embeddings: HF's safetensors hold the shared tensor
 once, under the input embedding's name.
 
-Before the model is built, ``titan_ext.preflight`` checks the directory's
-``config.json`` against the flavor (``check_hf_config``). Saving adds the ``config.json`` that torchtitan never writes:
-the adapter never learns the output directory, so ``install_hf_config_export()`` wraps
-``CheckpointManager.dcp_save``, the one place that knows both the directory
-and that it is an HF save, and rank 0 writes the config after the tensors.
+Before the model is built, ``titan_ext.preflight`` checks a checkpoint to be
+loaded against the model (``check_hf_config``, ``expected_state``). After
+an HF save, torchtitan's folder holds only the weights (and its per-rank
+``sharded/`` parts): ``finish_hf_export`` makes it a self-contained HF
+directory (``config.json``, the tokenizer files, no ``sharded/``) when the
+job closes.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+import re
+import shutil
 from typing import Any
 
-import torch.distributed as dist
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_ext.models.hf_adapter import HFModelArgs
+from titan_ext.errors import ConfigError
 
 # Fields that change neither the parameters nor the math: a checkpoint may differ in them.
 _NOT_ARCHITECTURE = {"initializer_range", "attn_mode", "fuse_norm", "fuse_swiglu"}
 
 
-def checkpoint_config(model_args: HFModelArgs):
+def checkpoint_config(model_args):
     """The HF config a checkpoint records: the architecture without training-only overrides."""
     return model_args.hf_config_class(**model_args.architecture())
 
@@ -35,8 +35,13 @@ def checkpoint_config(model_args: HFModelArgs):
 class HFStateDictAdapter(StateDictAdapter):
     """Identity mapping between a titan_ext model and its HF checkpoint, minus tied duplicates."""
 
-    def __init__(self, model_args: HFModelArgs, hf_assets_path: str | None):
-        super().__init__(model_args, hf_assets_path)
+    def __init__(self, model_args, hf_assets_path: str | None):
+        from titan_ext.data import resolve_asset_path
+
+        path = resolve_asset_path(hf_assets_path or "")
+        # torchtitan warns when the assets lack a safetensors index; without one it writes a single file anyway.
+        has_index = bool(path) and os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+        super().__init__(model_args, path if has_index else None)
         self.model_args = model_args
 
     def _tied_key(self) -> str | None:
@@ -54,44 +59,61 @@ class HFStateDictAdapter(StateDictAdapter):
     def hf_config(self):
         return checkpoint_config(self.model_args)
 
-    def save_hf_config(self, directory: str) -> None:
-        self.hf_config().save_pretrained(directory)
 
-
-def check_hf_config(model_args: HFModelArgs, path: str) -> None:
+def check_hf_config(model_args, path: str) -> None:
     """Fail in one line when the HF directory's architecture differs from the flavor's."""
     source = f"--checkpoint.initial_load_path={path!r}"
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"{source} has no config.json; point it at an HF model directory (config.json + safetensors)")
+        raise ConfigError(f"{source} has no config.json; point it at an HF model directory (config.json + safetensors)")
     theirs = model_args.hf_config_class.from_pretrained(path).to_dict()
     ours = checkpoint_config(model_args).to_dict()
     if theirs.get("model_type") != ours["model_type"]:
-        raise ValueError(
+        raise ConfigError(
             f"{source} holds a {theirs.get('model_type')!r} model, not {ours['model_type']!r}; "
             "pick the train spec (--model.name) for that architecture"
         )
     fields = sorted(set(model_args.architecture()) - _NOT_ARCHITECTURE)
     diffs = [f"{k}={ours.get(k)!r} (flavor) vs {theirs.get(k)!r} (checkpoint)" for k in fields if ours.get(k) != theirs.get(k)]
     if diffs:
-        raise ValueError(
+        raise ConfigError(
             f"{source}: config.json does not match --model.flavor: {'; '.join(diffs)}; "
             "pick the matching flavor or pass --titan_ext.hf_config with that config.json"
         )
 
 
-def install_hf_config_export() -> None:
-    """Make HF saves through a titan_ext adapter write ``config.json`` (idempotent)."""
-    original = CheckpointManager.dcp_save
-    if getattr(original, "_titan_ext_writes_config", False):
-        return
+def expected_state(model_args) -> dict[str, tuple[int, ...]]:
+    """Parameter FQN -> shape of the model these args build (on the meta device: nothing allocated)."""
+    import torch
 
-    @functools.wraps(original)
-    def dcp_save(self, state_dict, checkpoint_id, *args, to_hf: bool = False, **kwargs):
-        result = original(self, state_dict, checkpoint_id, *args, to_hf=to_hf, **kwargs)
-        rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        if to_hf and rank0 and isinstance(self.sd_adapter, HFStateDictAdapter):
-            self.sd_adapter.save_hf_config(checkpoint_id)
-        return result
+    from titan_ext.models.adapter import build_model
 
-    dcp_save._titan_ext_writes_config = True
-    CheckpointManager.dcp_save = dcp_save
+    with torch.device("meta"):
+        model = build_model(model_args)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def last_hf_save(checkpoint_dir: str) -> str | None:
+    """The newest ``step-N`` folder holding consolidated safetensors, or None."""
+    steps = []
+    for name in os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []:
+        folder = os.path.join(checkpoint_dir, name)
+        if re.fullmatch(r"step-\d+", name) and any(f.endswith(".safetensors") for f in os.listdir(folder)):
+            steps.append((int(name.split("-")[1]), folder))
+    return max(steps)[1] if steps else None
+
+
+def finish_hf_export(model_args, checkpoint_dir: str, hf_assets_path: str) -> str | None:
+    """Make the last HF save a self-contained HF directory: config.json, tokenizer files, no ``sharded/``."""
+    folder = last_hf_save(checkpoint_dir)
+    if folder is None:
+        return None
+    checkpoint_config(model_args).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        source = os.path.join(hf_assets_path, name)
+        if hf_assets_path and os.path.isfile(source):
+            shutil.copy(source, folder)
+    shutil.rmtree(os.path.join(folder, "sharded"), ignore_errors=True)
+    return folder

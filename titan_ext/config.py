@@ -5,7 +5,10 @@ the section (and its ``--titan_ext.*`` flags); torchtitan merges this
 ``JobConfig`` into its own before the trainer starts.
 """
 
+import sys
 from dataclasses import dataclass, field
+
+from titan_ext import compat
 
 
 @dataclass
@@ -30,5 +33,22 @@ class TitanExt:
 
 
 @dataclass
-class JobConfig:
+class TitanExtJobConfig:
     titan_ext: TitanExt = field(default_factory=TitanExt)
+
+
+def __getattr__(name: str):
+    """``JobConfig``: what torchtitan's ConfigManager reads from ``custom_config_module``.
+
+    torchtitan reads it while parsing, before its Trainer exists, right after
+    importing this module and so the titan_ext package. The package is then
+    forgotten, so that the Trainer's own import of it (``custom_import``)
+    runs ``titan_ext/__init__.py`` again and sets up the job: a cached module
+    would run nothing.
+    """
+    if name != "JobConfig":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if compat.parsing_torchtitan_config():
+        sys.modules.pop("titan_ext", None)
+    return TitanExtJobConfig
+

@@ -1,21 +1,29 @@
-"""Run stock ``torchtitan.train`` on a machine without an accelerator.
+"""CPU mode: stock ``torchtitan.train`` on a machine without an accelerator.
 
 torchtitan 0.2.2 picks its device once, at import, and falls back to
-``"cuda"`` when nothing is available; several modules copied that choice
-into their own globals. This module rebinds every copy to the CPU and a
-small device-module shim, so the trainer uses gloo and CPU tensors. On a
-machine with an accelerator it does nothing.
+``"cuda"`` when nothing is available. In CPU mode the patches in
+``titan_ext.host_patches.CPU_MODE`` point it at the CPU and gloo, for
+torchtitan's own models as well as titan_ext's. CPU mode is decided once per
+process, when torchtitan's Trainer imports titan_ext:
+
+* on when no accelerator exists, with one WARNING line saying so;
+* an error, not a silent CPU run, when NVIDIA devices or
+  ``CUDA_VISIBLE_DEVICES`` are there but torch cannot use CUDA;
+* forced with ``TITAN_EXT_CPU=1`` (debugging on a GPU machine).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import resource
 import types
 
 import torch
 
-from torchtitan.tools.logging import logger
+from titan_ext.errors import ConfigError
+
+FORCE_ENV = "TITAN_EXT_CPU"
 
 
 class _CPUDeviceModule:
@@ -59,26 +67,30 @@ class _CPUDeviceModule:
 CPU_DEVICE_MODULE = _CPUDeviceModule()
 
 
-def has_accelerator() -> bool:
-    return torch.accelerator.is_available()
+def nvidia_hint() -> str | None:
+    """Why this machine looks like it should have CUDA, or None."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible not in (None, "", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} is set"
+    devices = sorted(glob.glob("/dev/nvidia[0-9]*"))
+    if devices:
+        return f"NVIDIA devices are present ({devices[0]})"
+    return None
 
 
-def enable_cpu_mode() -> bool:
-    """Point torchtitan at the CPU when no accelerator exists; return whether it did."""
-    if has_accelerator():
+def wanted() -> bool:
+    """Whether this process should run torchtitan on the CPU; a machine with unusable CUDA is an error."""
+    if os.environ.get(FORCE_ENV) == "1":
+        return True
+    if torch.accelerator.is_available():
         return False
-    import torchtitan.components.metrics as metrics
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.distributed.utils as dist_utils
-    import torchtitan.tools.utils as tools_utils
-
-    for module in (tools_utils, dist_utils, metrics):
-        module.device_type = "cpu"
-        module.device_module = CPU_DEVICE_MODULE
-    parallel_dims.device_type = "cpu"
-    if not getattr(enable_cpu_mode, "_logged", False):
-        logger.info("titan_ext: no accelerator found; torchtitan runs on CPU with gloo")
-        enable_cpu_mode._logged = True
+    hint = nvidia_hint()
+    if hint is not None:
+        build = torch.__version__ if torch.version.cuda else f"{torch.__version__}, a CPU-only build"
+        raise ConfigError(
+            f"{hint} but torch ({build}) cannot use CUDA; install a CUDA build of torch or fix the driver, "
+            f"or set {FORCE_ENV}=1 to train on the CPU"
+        )
     return True
 
 

@@ -8,14 +8,11 @@ loads the shipped tokenizer from any working directory.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from datasets import Dataset
-from torchtitan.components.tokenizer import build_hf_tokenizer
-from torchtitan.hf_datasets import DatasetConfig
-from torchtitan.hf_datasets.text_datasets import DATASETS
+from titan_ext import inputs
+from titan_ext.errors import ConfigError
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 TINY_ASSETS = PACKAGE_ROOT / "assets" / "tiny"
@@ -24,7 +21,7 @@ TINY_DATASET = "titan_ext_tiny"
 
 def resolve_asset_path(path: str) -> str:
     """A ``titan_ext/...`` path that is not under the working directory names the installed package's file."""
-    if os.path.exists(path):
+    if not path or os.path.exists(path):
         return path
     parts = Path(path).parts
     if parts and parts[0] == PACKAGE_ROOT.name:
@@ -32,32 +29,40 @@ def resolve_asset_path(path: str) -> str:
     return path
 
 
-def load_jsonl_text(path: str) -> Dataset:
-    path = resolve_asset_path(path)
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"--training.dataset_path={path!r}: no such file; give a JSON-lines file with a 'text' field "
-            f"or leave it unset to use the shipped corpus"
-        )
-    with open(path) as f:
-        return Dataset.from_list([json.loads(line) for line in f if line.strip()])
+def dataset_file(dataset_path: str | None) -> str:
+    """The JSON-lines file ``titan_ext_tiny`` reads: ``--training.dataset_path`` or the shipped corpus."""
+    return resolve_asset_path(dataset_path) if dataset_path else str(TINY_ASSETS / "corpus.jsonl")
+
+
+def load_jsonl_text(path: str):
+    from datasets import Dataset
+
+    return Dataset.from_list(inputs.load_jsonl_records(resolve_asset_path(path)))
 
 
 def register_datasets() -> None:
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
     DATASETS[TINY_DATASET] = DatasetConfig(
-        path=str(TINY_ASSETS / "corpus.jsonl"),
-        loader=load_jsonl_text,
-        sample_processor=lambda sample: sample["text"],
+        path=dataset_file(None), loader=load_jsonl_text, sample_processor=lambda sample: sample["text"]
     )
+
+
+def build_dataloader(*args, **kwargs):
+    from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+
+    return build_text_dataloader(*args, **kwargs)
 
 
 def build_tokenizer(job_config):
     """torchtitan's HF tokenizer, with ``titan_ext/...`` asset paths resolved."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
     path = resolve_asset_path(job_config.model.hf_assets_path)
     if not os.path.isdir(path):
-        raise ValueError(
+        raise ConfigError(
             f"--model.hf_assets_path={job_config.model.hf_assets_path!r}: no such directory; "
-            f"use 'titan_ext/assets/tiny' for the shipped tokenizer or a directory with tokenizer.json"
+            "use 'titan_ext/assets/tiny' for the shipped tokenizer or a directory with tokenizer.json"
         )
-    job_config.model.hf_assets_path = path
-    return build_hf_tokenizer(job_config)
+    return HuggingFaceTokenizer(path)

@@ -1,66 +1,95 @@
 """Float8 training through torchtitan's ``quantize.linear.float8`` converter, set up for HF layouts.
 
-``configure_float8(job_config, model_type)`` runs from the model args'
-``update_from_config``: after the job config is final and before torchtitan
-builds its converters (train.py: ``update_from_config`` -> model on meta ->
-``build_model_converters`` -> ``parallelize_fn``). It turns the converter's
-late or obscure failures into one-line errors and, when the user gave no
-``filter_fqns``, fills in defaults for the architecture (the converter skips
-every ``nn.Linear`` whose FQN contains an entry).
+torchtitan's converter swaps every ``nn.Linear`` whose dims are divisible by
+16 unless its FQN contains a ``filter_fqns`` entry. When the user gives no
+filters, titan_ext keeps a few linears of each architecture in high
+precision (``DEFAULT_FILTER_FQNS``): the job plan records them and
+``keep_high_precision`` turns those modules back into plain ``nn.Linear``
+right after the converter ran (on the meta device, before anything is
+sharded), so the job config is never rewritten.
 """
 
 from __future__ import annotations
 
-from torchtitan.tools.logging import logger
-from torchtitan.tools.utils import has_cuda_capability
+import logging
 
-from titan_ext.compile import model_compile_enabled
+import torch.nn as nn
+
+from titan_ext.errors import ConfigError
+
+logger = logging.getLogger()
 
 CONVERTER = "quantize.linear.float8"
 
 # Linears that float8 would slow down or hurt: GLA's low-rank gate (``gk_proj.0``/``.1``,
 # rank 16: too little work to pay for the casts) and the output head (precision of the logits).
-DEFAULT_FILTER_FQNS: dict[str, list[str]] = {"gla": ["gk_proj", "lm_head"]}
-FALLBACK_FILTER_FQNS = ["lm_head"]
+DEFAULT_FILTER_FQNS: dict[str, tuple[str, ...]] = {"gla": ("gk_proj", "lm_head")}
+FALLBACK_FILTER_FQNS = ("lm_head",)
 
 
-def default_filter_fqns(model_type: str) -> list[str]:
-    return list(DEFAULT_FILTER_FQNS.get(model_type, FALLBACK_FILTER_FQNS))
+def default_filter_fqns(model_type: str) -> tuple[str, ...]:
+    return DEFAULT_FILTER_FQNS.get(model_type, FALLBACK_FILTER_FQNS)
 
 
-def check_converter_names(converters: list[str]) -> None:
-    """torchtitan looks names up in a dict and fails with a bare ``KeyError: 'float8'``."""
-    for name in converters:
-        if name in ("float8", "fp8", "linear.float8"):
-            raise ValueError(f"--model.converters: {name!r} is not a converter name; use {CONVERTER!r}")
+def check_float8(job_config) -> None:
+    """Hardware and compile constraints, in one line each (torchtitan fails late and obscurely)."""
+    from torchtitan.tools.utils import has_cuda_capability
 
+    from titan_ext.compile import model_compile_enabled
 
-def check_hardware(float8_config, compile_enabled: bool) -> None:
+    if CONVERTER not in job_config.model.converters:
+        return
+    float8_config = job_config.quantize.linear.float8
     if float8_config.emulate:
-        if compile_enabled:
-            raise ValueError(
+        if model_compile_enabled(job_config):
+            raise ConfigError(
                 "--quantize.linear.float8.emulate does not work with a compiled model; "
                 "drop --compile.enable (or 'model' from --compile.components) or the emulate flag"
             )
         return
     if not has_cuda_capability(8, 9):
-        raise ValueError(
+        raise ConfigError(
             f"--model.converters {CONVERTER} needs a CUDA GPU with compute capability >= 8.9 (H100, L40S, ...); "
             "set --quantize.linear.float8.emulate to test it elsewhere"
         )
 
 
-def configure_float8(job_config, model_type: str) -> None:
-    """Validate the Float8 setup and apply default filters; does nothing without Float8."""
-    converters = list(job_config.model.converters)
-    check_converter_names(converters)
-    if CONVERTER not in converters:
-        return
-    float8_config = job_config.quantize.linear.float8
-    check_hardware(float8_config, model_compile_enabled(job_config))
-    if not float8_config.filter_fqns:
-        float8_config.filter_fqns = default_filter_fqns(model_type)
+def float8_choice(job_config, model_type: str):
+    from titan_ext.job import Float8Choice
+
+    if CONVERTER not in job_config.model.converters:
+        return None
+    given = tuple(job_config.quantize.linear.float8.filter_fqns)
+    if given:
+        return Float8Choice(filter_fqns=given, high_precision=())
+    defaults = default_filter_fqns(model_type)
+    return Float8Choice(filter_fqns=defaults, high_precision=defaults)
+
+
+def keep_high_precision(model: nn.Module, fqn_parts: tuple[str, ...]) -> list[str]:
+    """Turn converted linears whose FQN contains one of ``fqn_parts`` back into ``nn.Linear``; returns their FQNs."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    restored = []
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, Float8Linear) and any(part in fqn for part in fqn_parts):
+            parent_fqn, _, name = fqn.rpartition(".")
+            model.get_submodule(parent_fqn).register_module(name, _plain_linear(module))
+            restored.append(fqn)
+    if restored:
         logger.info(
-            f"Float8: no --quantize.linear.float8.filter_fqns given; keeping {float8_config.filter_fqns} "
-            "in high precision"
+            f"Float8: no --quantize.linear.float8.filter_fqns given; kept {list(fqn_parts)} in high precision "
+            f"({len(restored)} linears)"
         )
+    return restored
+
+
+def _plain_linear(module: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` owning the same parameters (unwrapping torchao's float8 all-gather weight, if any)."""
+    weight = module.weight
+    inner = getattr(weight, "_tensor", None)
+    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    linear.weight = weight if inner is None else nn.Parameter(inner, requires_grad=weight.requires_grad)
+    if module.bias is not None:
+        linear.bias = module.bias
+    return linear

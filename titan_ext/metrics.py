@@ -1,8 +1,12 @@
-"""torchtitan's metrics processor, plus an optional full-precision JSON-lines log.
+"""torchtitan's metrics processor, plus an optional full-precision JSON-lines log, plus the job's end.
 
 The console log rounds the loss to 5 decimals; comparing runs (parity,
 exact resume) needs every bit, so ``--titan_ext.metrics_jsonl PATH`` makes
 rank 0 append each logged step's metrics there as JSON.
+
+The processor is also the one component of a train spec that torchtitan
+closes at the end of a job, after the checkpointer: its ``close`` completes
+an HF export (``titan_ext.checkpoint.finish_hf_export``) on rank 0.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
+
+from titan_ext.checkpoint import finish_hf_export
 
 
 class JsonlLogger(BaseLogger):
@@ -32,9 +38,22 @@ class JsonlLogger(BaseLogger):
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None) -> MetricsProcessor:
+    from titan_ext import job
+
     processor = titan_build_metrics_processor(job_config, parallel_dims, model_args, tag)
-    section = getattr(job_config, "titan_ext", None)
-    path = section.metrics_jsonl if section is not None else ""
-    if path and (not dist.is_initialized() or dist.get_rank() == 0):
-        processor.logger = JsonlLogger(processor.logger, path)
+    plan = job.current()
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if plan.metrics_jsonl and rank0:
+        processor.logger = JsonlLogger(processor.logger, plan.metrics_jsonl)
+    if plan.hf_export and rank0 and model_args is not None:
+        checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+        processor.close = _then(processor.close, lambda: finish_hf_export(model_args, checkpoint_dir, plan.hf_assets_path))
     return processor
+
+
+def _then(first, second):
+    def both():
+        first()
+        second()
+
+    return both

@@ -11,6 +11,10 @@ small all-reduce) and then, per ``[titan_ext] nonfinite_loss``:
 - ``"skip"``: drop the step's update (the LR schedule still advances), log it;
 - ``"off"``: no check, no sync (for the last bit of speed).
 
+Validation reuses the training loss function; it runs without gradients,
+and only losses computed with gradients are watched, so a non-finite
+validation loss is reported by the validator and never stops training.
+
 torchtitan builds the loss and the optimizers in separate calls, so a
 module-level guard links them for the job being built.
 """
@@ -19,19 +23,24 @@ from __future__ import annotations
 
 import functools
 
+import logging
+
 import torch
 import torch.distributed as dist
-from torchtitan.tools.logging import logger
+
+from titan_ext.errors import ConfigError
+
+logger = logging.getLogger()
 
 POLICIES = ("stop", "skip", "off")
 
 
-def nonfinite_policy(job_config) -> str:
-    section = getattr(job_config, "titan_ext", None)
-    policy = getattr(section, "nonfinite_loss", "stop")
-    if policy not in POLICIES:
-        raise ValueError(f"--titan_ext.nonfinite_loss={policy!r} is not one of {list(POLICIES)}")
-    return policy
+def policy(section) -> str:
+    """``[titan_ext] nonfinite_loss`` (``section`` may be None without ``custom_config_module``)."""
+    value = getattr(section, "nonfinite_loss", "stop")
+    if value not in POLICIES:
+        raise ConfigError(f"--titan_ext.nonfinite_loss={value!r} is not one of {list(POLICIES)}; pick one of them")
+    return value
 
 
 class NonFiniteLossGuard:
@@ -66,23 +75,35 @@ _guard = NonFiniteLossGuard()
 
 
 def watch_loss(build_loss_fn):
-    """Wrap a train spec's ``build_loss_fn`` so the built loss reports to the guard."""
+    """Wrap a train spec's ``build_loss_fn`` so the built loss reports training losses to the guard."""
 
     @functools.wraps(build_loss_fn)
     def build(job_config, **kwargs):
+        from titan_ext import job
+
         loss_fn = build_loss_fn(job_config, **kwargs)
-        _guard.start_job(nonfinite_policy(job_config))
+        _guard.start_job(job.current().nonfinite)
         if _guard.policy == "off":
             return loss_fn
 
         def loss_with_check(pred, labels):
             loss = loss_fn(pred, labels)
-            _guard.record(loss)
+            if torch.is_grad_enabled():  # training, not validation
+                _guard.record(loss)
             return loss
 
         return loss_with_check
 
     return build
+
+
+def _cross_entropy(job_config, **kwargs):
+    from torchtitan.components.loss import build_cross_entropy_loss
+
+    return build_cross_entropy_loss(job_config, **kwargs)
+
+
+build_watched_loss = watch_loss(_cross_entropy)
 
 
 def guard_optimizer_step(build_lr_schedulers_fn):

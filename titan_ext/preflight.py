@@ -1,43 +1,118 @@
-"""Check a job's config against its model and world size before any model is built.
+"""Every check of a job's config, run before any process group or model exists.
 
-torchtitan would otherwise report these mistakes late (after meta init,
-sharding or a checkpoint read) and deep in a stack trace. ``check_job`` runs
-from ``HFModelArgs.update_from_config``, the first hook that sees both the
-job config and the model's architecture; each failure is one line naming
-the option, its value and the fix.
+``check_job_config`` runs when torchtitan's Trainer imports titan_ext, for
+any model (torchtitan's own too): numbers, parallel degrees against the world
+size, names, and the data file. ``check_model_job`` runs once titan_ext's
+model args see the config: what depends on the architecture (TP, AC with
+compile, Float8, the HF config, checkpoints to load). Each failure is one
+``ConfigError`` line naming the option, its value and the fix.
 """
 
 from __future__ import annotations
 
-from titan_ext.activation_checkpoint import validate_ac_config
-from titan_ext.compile import model_compile_enabled, validate_compile_config
-from titan_ext.nonfinite import nonfinite_policy
-from titan_ext.tensor_parallel import check_async_tp, check_tp
+from titan_ext import inputs
+from titan_ext.errors import ConfigError
+
+_checked: set[int] = set()
 
 
-def check_parallelism(model_args, job_config) -> None:
-    parallelism = job_config.parallelism
-    if parallelism.context_parallel_degree > 1:
-        raise ValueError(
-            f"--parallelism.context_parallel_degree={parallelism.context_parallel_degree} is not supported "
-            "for titan_ext models; set it to 1"
+def check_job_config(job_config, world_size: int) -> None:
+    inputs.check_positive_numbers(job_config)
+    inputs.check_parallel_degrees(job_config, world_size)
+    inputs.check_names(job_config)
+    _check_model_name_and_flavor(job_config)
+    _check_dataset(job_config)
+    _check_titan_ext_parallelism(job_config)
+    _checked.add(id(job_config))
+
+
+def check_job_config_once(job_config, world_size: int) -> None:
+    """For jobs built without the import hook (titan_ext was imported earlier in the process)."""
+    if id(job_config) not in _checked:
+        check_job_config(job_config, world_size)
+
+
+def _titan_ext_spec(name: str) -> bool:
+    from titan_ext.train_specs import TRAIN_SPECS
+
+    return name in TRAIN_SPECS
+
+
+def _check_model_name_and_flavor(job_config) -> None:
+    """Only titan_ext's and torchtitan's specs exist yet when ``custom_import`` is titan_ext itself."""
+    from torchtitan.protocols import train_spec as registry
+
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if job_config.experimental.custom_import == "titan_ext":
+        from torchtitan.experiments import _supported_experiments
+        from torchtitan.models import _supported_models
+
+        known = {*registry._extra_train_specs, *_supported_models, *_supported_experiments}
+        if name not in known:
+            raise ConfigError(f"--model.name={name!r} is not a registered train spec; choose one of {sorted(known)}")
+    if _titan_ext_spec(name):
+        flavors = registry.get_train_spec(name).model_args
+        if flavor not in flavors:
+            raise ConfigError(f"--model.flavor={flavor!r} is not a flavor of {name}; choose one of {sorted(flavors)}")
+
+
+def _check_dataset(job_config) -> None:
+    from titan_ext.data import TINY_DATASET, dataset_file
+
+    if job_config.training.dataset == TINY_DATASET:
+        inputs.check_jsonl_dataset(dataset_file(job_config.training.dataset_path))
+
+
+def _check_titan_ext_parallelism(job_config) -> None:
+    """What titan_ext's specs do not support yet, or what torchtitan would get wrong."""
+    p = job_config.parallelism
+    if not _titan_ext_spec(job_config.model.name):
+        return
+    if p.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} is not supported for titan_ext "
+            "models yet; set it to 1 and use FSDP/TP"
         )
-    if parallelism.tensor_parallel_degree > 1:
-        check_async_tp(job_config)
-        check_tp(model_args.to_hf_config(), parallelism.tensor_parallel_degree, job_config)
+    if p.context_parallel_degree > 1:
+        raise ConfigError(
+            f"--parallelism.context_parallel_degree={p.context_parallel_degree} is not supported for titan_ext "
+            "models yet; set it to 1"
+        )
+    shard = p.data_parallel_shard_degree
+    if p.data_parallel_replicate_degree > 1 and shard == 1 and p.tensor_parallel_degree > 1:
+        raise ConfigError(
+            "DDP (--parallelism.data_parallel_replicate_degree) cannot combine with "
+            f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}; use HSDP (also set "
+            "--parallelism.data_parallel_shard_degree > 1) or FSDP instead"
+        )
+    if p.enable_async_tensor_parallel and not (job_config.compile.enable and "model" in job_config.compile.components):
+        raise ConfigError(
+            "--parallelism.enable_async_tensor_parallel needs the model compiled (its collective-matmul fusion "
+            "is an inductor pass); add --compile.enable with 'model' in --compile.components, or drop async TP"
+        )
 
 
-def check_initial_hf_checkpoint(model_args, job_config) -> None:
-    checkpoint = job_config.checkpoint
-    if checkpoint.enable and checkpoint.initial_load_in_hf and checkpoint.initial_load_path:
-        from titan_ext.checkpoint import check_hf_config
+def check_model_job(model_args, job_config) -> None:
+    """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``."""
+    from titan_ext import activation_checkpoint, float8, tensor_parallel
+    from titan_ext.compile import model_compile_enabled
 
-        check_hf_config(model_args, checkpoint.initial_load_path)
+    tensor_parallel.check_tp(model_args, job_config)
+    activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
+    float8.check_float8(job_config)
+    _check_checkpoint_to_load(model_args, job_config)
 
 
-def check_job(model_args, job_config) -> None:
-    check_parallelism(model_args, job_config)
-    validate_ac_config(job_config.activation_checkpoint, model_compile_enabled(job_config))
-    validate_compile_config(job_config.compile)
-    nonfinite_policy(job_config)
-    check_initial_hf_checkpoint(model_args, job_config)
+def _check_checkpoint_to_load(model_args, job_config) -> None:
+    from titan_ext.checkpoint import check_hf_config, expected_state
+
+    found = inputs.checkpoint_to_load(job_config)
+    if found is None:
+        return
+    path, kind = found
+    option = "--checkpoint.initial_load_path" if path == job_config.checkpoint.initial_load_path else "--checkpoint.folder"
+    if kind == "hf":
+        inputs.check_hf_checkpoint_dir(path, option)
+        check_hf_config(model_args, path)
+    else:
+        inputs.check_dcp_checkpoint(path, expected_state(model_args), f"{option} ({path})")

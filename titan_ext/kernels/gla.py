@@ -31,6 +31,14 @@ import torch.nn.functional as F
 CHUNK_SIZE = 16
 
 
+def fla_chunk_size(seq_len: int) -> int:
+    """The chunk fla's ``chunk_gla`` uses for ``seq_len`` tokens: the next power of two, clamped to [16, 64]."""
+    size = 16
+    while size < seq_len and size < 64:
+        size *= 2
+    return size
+
+
 def _chunked_recurrence(q, k, v, gk, gv, h0, chunk_size):
     """Run the recurrence for ``[B, H, T, *]`` inputs (q already scaled); return ``o, h_T``."""
     B, H, T, K = q.shape

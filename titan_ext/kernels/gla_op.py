@@ -22,32 +22,21 @@ as fla does for non-fp32 gates). Anywhere else, the portable torch GLA
 it recomputes the forward, fine for a path that exists for correctness.
 
 DTensor inputs (a TP plan that hands the mixer DTensors; the bundled plans
-give it local shards) skip the ops and keep the per-device dispatch of
-``titan_ext.kernels.device_dispatch``.
+give it local shards) skip the ops: fla's kernel on CUDA, the portable GLA
+elsewhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import fla.ops.gla.chunk as fla_chunk
 import torch
-from fla.ops.utils import prepare_chunk_indices
-from fla.utils import input_guard
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from titan_ext import compat
 from titan_ext.kernels import gla as portable
+from titan_ext.kernels.gla import fla_chunk_size
 
 _FP32 = torch.float32
-
-
-def fla_chunk_size(seq_len: int) -> int:
-    """fla's chunk for ``chunk_gla``: the next power of two of ``T``, clamped to [16, 64]."""
-    size = 16
-    while size < seq_len and size < 64:
-        size *= 2
-    return size
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -55,31 +44,42 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0, dtype=_FP32)
 
 
-def _chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu):
+def _chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu):
     if cu_seqlens is None:
         return None
-    return prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+    return fla.prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
-@input_guard  # contiguous inputs, current device = theirs: what ChunkGLAFunction does around the same calls
 def _fla_forward(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    fla = compat.fla_gla_drivers()
     chunk_size = fla_chunk_size(q.shape[1])
-    _, A, _, ht, o = fla_chunk.chunk_gla_fwd(
-        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size, chunk_indices=_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu),
-    )
+
+    # input_guard: contiguous inputs, current device = theirs (what ChunkGLAFunction does around the same call)
+    @fla.input_guard
+    def run(q, k, v, g, initial_state, cu_seqlens):
+        return fla.chunk_gla_fwd(
+            q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size, chunk_indices=_chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu),
+        )
+
+    _, A, _, ht, o = run(q, k, v, g, initial_state, cu_seqlens)
     return o, ht, A
 
 
-@input_guard
 def _fla_backward(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    fla = compat.fla_gla_drivers()
     chunk_size = fla_chunk_size(q.shape[1])
-    return fla_chunk.chunk_gla_bwd(
-        q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state, h=None, A=A, do=do,
-        dht=dht, state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-        chunk_indices=_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu),
-    )
+
+    @fla.input_guard
+    def run(q, k, v, g, A, initial_state, do, dht, cu_seqlens):
+        return fla.chunk_gla_bwd(
+            q=q, k=k, v=v, g=g, g_cumsum=None, scale=scale, initial_state=initial_state, h=None, A=A, do=do,
+            dht=dht, state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+            chunk_indices=_chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu),
+        )
+
+    return run(q, k, v, g, A, initial_state, do, dht, cu_seqlens)
 
 
 def _portable_forward(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
@@ -90,24 +90,8 @@ def _portable_forward(q, k, v, g, scale, initial_state, output_final_state, stat
     return o.to(v.dtype).contiguous(), (ht.contiguous() if ht is not None else None), None
 
 
-def _autograd_inside_kernel():
-    """Autograd back on inside a custom op's kernel, where the dispatcher has excluded its keys.
-
-    The portable backward differentiates the portable forward. ``torch.func.vjp``
-    would avoid touching dispatch keys but breaks under any active dispatch mode
-    (functorch shows the mode its wrapped tensors: "Cannot access storage of
-    TensorWrapper"), e.g. ``torch.library.opcheck``'s schema and fake-tensor checks.
-    """
-    keys = torch._C.DispatchKey
-    autograd = torch._C.DispatchKeySet(keys.AutogradFunctionality)
-    for key in (keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
-        autograd = autograd | torch._C.DispatchKeySet(key)
-    include, exclude = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
-    return torch._C._ForceDispatchKeyGuard(include, exclude - autograd)
-
-
 def _portable_backward(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu):
-    with _autograd_inside_kernel(), torch.enable_grad():
+    with compat.autograd_enabled_inside_kernel(), torch.enable_grad():
         primals = [x.detach().requires_grad_() for x in (q, k, v, g)]
         h0 = initial_state.detach().requires_grad_() if initial_state is not None else None
         o, ht = portable.chunk_gla(
@@ -204,24 +188,24 @@ def _check_inputs(q, k, v, g, initial_state, cu_seqlens) -> None:
         raise ValueError(f"v must be [B, T, H, V] with q's B, T, H; got {tuple(v.shape)} for q {tuple(q.shape)}.")
 
 
-def as_torch_op(original: Callable, fallback: Callable) -> Callable:
-    """A drop-in for fla's ``chunk_gla`` that runs the ops; DTensor inputs go to ``fallback``."""
+def _dtensor_fallback(*args):
+    """DTensor inputs: fla's kernel on CUDA, the portable torch GLA elsewhere (both take DTensors' local math)."""
+    if args[0].device.type == "cuda":
+        return compat.fla_gla_drivers().chunk_gla(*args)
+    return portable.chunk_gla(*args)
 
-    def chunk_gla(
-        q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
-        cu_seqlens=None, cu_seqlens_cpu=None,
-    ):
-        args = (q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
-        if any(isinstance(x, DTensor) for x in (q, k, v, g, initial_state)):
-            return fallback(*args)
-        _check_inputs(q, k, v, g, initial_state, cu_seqlens)
-        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        o, ht, _ = torch.ops.titan_ext.chunk_gla_fwd(
-            q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu
-        )
-        return o, (ht if output_final_state else None)
 
-    chunk_gla.__doc__ = original.__doc__
-    chunk_gla._titan_ext_original = original
-    chunk_gla._titan_ext_portable = portable.chunk_gla
-    return chunk_gla
+def chunk_gla(
+    q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+    cu_seqlens=None, cu_seqlens_cpu=None,
+):
+    """fla's ``chunk_gla`` (same arguments and returns) through ``titan_ext::chunk_gla_fwd``/``bwd``."""
+    args = (q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
+    if any(isinstance(x, DTensor) for x in (q, k, v, g, initial_state)):
+        return _dtensor_fallback(*args)
+    _check_inputs(q, k, v, g, initial_state, cu_seqlens)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, ht, _ = torch.ops.titan_ext.chunk_gla_fwd(
+        q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu
+    )
+    return o, (ht if output_final_state else None)

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from fla.models import GLAConfig, GLAForCausalLM
-
-from titan_ext.models.hf_adapter import HFModelArgs, TitanCausalLM
-
-# fla's chunked GLA kernels work on blocks of this many tokens.
-GLA_CHUNK_SIZE = 64
+from titan_ext.kernels.gla import fla_chunk_size
+from titan_ext.models.args import HFModelArgs
 
 
 @dataclasses.dataclass
 class GLAModelArgs(HFModelArgs):
-    hf_config_class = GLAConfig
+    model_type = "gla"
+    hf_config = "fla.models:GLAConfig"
+    hf_model = "fla.models:GLAForCausalLM"
 
     hidden_size: int = 1024
     num_hidden_layers: int = 24
@@ -53,13 +51,17 @@ class GLAModelArgs(HFModelArgs):
         """
         key_dim = int(self.hidden_size * self.expand_k)
         value_dim = int(self.hidden_size * self.expand_v)
-        chunk = min(GLA_CHUNK_SIZE, seq_len)
+        chunk = fla_chunk_size(seq_len)
         forward = 2 * chunk * (key_dim + value_dim) + 4 * key_dim * value_dim // self.num_heads
         return 3 * self.num_hidden_layers * forward
 
 
-class GLAForTitan(TitanCausalLM, GLAForCausalLM):
-    pass
+def __getattr__(name: str):
+    if name == "GLAForTitan":  # built on first use: importing this module does not import fla
+        from titan_ext.models.adapter import titan_class
+
+        return titan_class(GLAModelArgs)
+    raise AttributeError(name)
 
 
 # 340M and 1.3B follow fla-hub's gla-340M/gla-1.3B checkpoints, 7B flame's gla_7B config.

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from titan_ext.models.hf_adapter import HFModelArgs, TitanCausalLM
+from titan_ext.models.args import HFModelArgs
 
 
 def llama3_rope(factor: float, original_context: int = 8192, theta: float = 500000.0) -> dict:
@@ -23,7 +21,9 @@ def llama3_rope(factor: float, original_context: int = 8192, theta: float = 5000
 
 @dataclasses.dataclass
 class LlamaModelArgs(HFModelArgs):
-    hf_config_class = LlamaConfig
+    model_type = "llama"
+    hf_config = "transformers:LlamaConfig"
+    hf_model = "transformers:LlamaForCausalLM"
 
     vocab_size: int = 128256
     hidden_size: int = 2048
@@ -55,8 +55,12 @@ class LlamaModelArgs(HFModelArgs):
         return 12 * self.num_hidden_layers * self.num_attention_heads * head_dim * seq_len
 
 
-class LlamaForTitan(TitanCausalLM, LlamaForCausalLM):
-    pass
+def __getattr__(name: str):
+    if name == "LlamaForTitan":  # built on first use: importing this module does not import transformers' Llama
+        from titan_ext.models.adapter import titan_class
+
+        return titan_class(LlamaModelArgs)
+    raise AttributeError(name)
 
 
 # 1B and 3B are Llama-3.2-1B/3B, 8B is Llama-3.1-8B (their HF config.json files).

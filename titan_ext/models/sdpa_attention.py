@@ -1,15 +1,14 @@
 """fla's softmax ``Attention`` without the flash-attn package: PyTorch SDPA behind flash-attn's API.
 
 fla's ``Attention`` layer calls ``flash_attn_func`` (a module global of
-``fla.layers.attn``) and refuses to build when it is ``None``. ``install()``
-binds that global, only when flash-attn is missing, to ``sdpa_attn_func``:
+``fla.layers.attn``) and refuses to build when it is ``None``. When
+flash-attn is missing, titan_ext's own fla Transformer is built with
+``sdpa_attn_func`` in its place (``host_patches.BUILD``, during construction
+only) and its Attention modules call it (``titan_ext.kernels.global_names``):
 flash-attn's call contract over ``torch.nn.functional.scaled_dot_product_attention``.
 The layer itself (projections, qk_norm, rotary, parameter names) stays fla's,
 so the math and the checkpoints are fla's. With flash-attn installed nothing
 changes.
-
-fla's rotary embedding is a Triton kernel; ``titan_ext.kernels`` routes it
-to torch off CUDA, like fla's other kernels.
 """
 
 from __future__ import annotations
@@ -54,12 +53,3 @@ def sdpa_attn_varlen_func(*args, **kwargs):
         "fla Attention got attention_mask or cu_seqlens, which need the flash-attn package; "
         "install flash-attn or train on unpadded, unpacked batches (as torchtitan does)"
     )
-
-
-def install() -> None:
-    """Use SDPA where fla would use flash-attn, if flash-attn is missing (idempotent)."""
-    import fla.layers.attn as attn
-
-    if attn.flash_attn_func is None and not flash_attn_available():
-        attn.flash_attn_func = sdpa_attn_func
-        attn.flash_attn_varlen_func = sdpa_attn_varlen_func

@@ -1,7 +1,7 @@
 """fla's softmax-attention ``TransformerForCausalLM`` as a torchtitan model.
 
 Without the flash-attn package, attention runs through PyTorch SDPA
-(``sdpa_attention.install()``, done when ``titan_ext`` is imported);
+(``titan_ext.models.sdpa_attention``, bound into titan_ext's model only);
 parameter names and math stay fla's.
 """
 
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from fla.models import TransformerConfig, TransformerForCausalLM
-
-from titan_ext.models.hf_adapter import HFModelArgs, TitanCausalLM
+from titan_ext.models.args import HFModelArgs
 
 
 @dataclasses.dataclass
 class TransformerModelArgs(HFModelArgs):
-    hf_config_class = TransformerConfig
+    model_type = "transformer"
+    hf_config = "fla.models:TransformerConfig"
+    hf_model = "fla.models:TransformerForCausalLM"
 
     hidden_size: int = 1024
     num_hidden_layers: int = 24
@@ -52,8 +52,12 @@ class TransformerModelArgs(HFModelArgs):
         return 12 * self.num_hidden_layers * self.hidden_size * keys
 
 
-class TransformerForTitan(TitanCausalLM, TransformerForCausalLM):
-    pass
+def __getattr__(name: str):
+    if name == "TransformerForTitan":  # built on first use: importing this module does not import fla
+        from titan_ext.models.adapter import titan_class
+
+        return titan_class(TransformerModelArgs)
+    raise AttributeError(name)
 
 
 # 340M, 1B and 7B are flame's configs/transformer_*.json (fla-hub's transformer checkpoints).

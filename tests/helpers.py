@@ -1,0 +1,50 @@
+"""Plain helpers shared by several test files (fixtures live in ``conftest.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_GLA_TOML = REPO / "train_configs" / "debug_gla.toml"
+
+
+def job_config(*flags: str, config_file: Path | str = DEBUG_GLA_TOML):
+    """torchtitan's parsed ``JobConfig`` for a shipped TOML plus command-line ``flags``."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(config_file), *flags])
+
+
+def assert_rel_close(actual, expected, tol=1e-5, what=""):
+    """Relative error in the Frobenius norm: ||a - e|| <= tol * ||e||."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    err = (actual.double() - expected.double()).norm()
+    ref = expected.double().norm().clamp_min(1e-12)
+    assert err <= tol * ref, f"{what}: relative error {(err / ref).item():.2e} > {tol:.0e}"
+
+
+def gla_inputs(B, T, H, K, V, seed=0, with_h0=True, dtype=torch.float32, device="cpu"):
+    """q, k, v, log-space gate, and an fp32 initial state (fla requires fp32 states)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=dtype):
+        return torch.randn(*shape, generator=g, dtype=dtype).to(device)
+
+    q, k, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, V)
+    gk = F.logsigmoid(4 * randn(B, T, H, K))  # some gates near 0, some strongly decaying
+    h0 = randn(B, H, K, V, dtype=torch.float32) if with_h0 else None
+    return q, k, v, gk, h0
+
+
+def leaves(*xs):
+    """Fresh leaf copies that require grad (None stays None)."""
+    return [None if x is None else x.clone().requires_grad_() for x in xs]
+
+
+def backward_with_random_cotangents(outputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outputs if o is not None)
+    loss.backward()

@@ -1,0 +1,511 @@
+"""Every bad input ends in one ``ConfigError`` line naming the input and the fix; good inputs pass.
+
+In-process and fast: real torchtitan job configs (parsed from
+``train_configs/debug_gla.toml``), real HF config classes, DCP folders written
+with ``torch.distributed.checkpoint.save`` and hand-made safetensors files.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib
+import json
+import os
+import shutil
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_inputs():
+    """``titan_ext.inputs``; if the package's ``__init__`` does not import, load the modules without it."""
+    try:
+        return importlib.import_module("titan_ext.inputs")
+    except ImportError:
+        for name in [m for m in sys.modules if m == "titan_ext" or m.startswith("titan_ext.")]:
+            del sys.modules[name]
+        package = types.ModuleType("titan_ext")
+        package.__path__ = [str(REPO / "titan_ext")]
+        sys.modules["titan_ext"] = package
+        return importlib.import_module("titan_ext.inputs")
+
+
+inputs = _import_inputs()
+from titan_ext.errors import ConfigError  # noqa: E402  (after the package is importable)
+
+
+@functools.cache
+def _parsed():
+    from torchtitan.config import ConfigManager
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return ConfigManager().parse_args(["--job.config_file", "train_configs/debug_gla.toml"])
+    finally:
+        os.chdir(cwd)
+
+
+def job(fields: dict | None = None, dump: Path | None = None):
+    """A real job config (debug_gla.toml, parsed once) with ``{"section.name": value}`` set, as a TOML would."""
+    config = copy.deepcopy(_parsed())
+    for path, value in {**(fields or {}), **({"job.dump_folder": str(dump)} if dump else {})}.items():
+        section, name = path.split(".")
+        setattr(getattr(config, section), name, value)
+    return config
+
+
+def fails(call, *phrases: str) -> str:
+    """Run ``call``; it must raise one single-line ``ConfigError`` holding every phrase."""
+    with pytest.raises(ConfigError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for phrase in phrases:
+        assert phrase in message, f"{phrase!r} not in {message!r}"
+    assert ";" in message, f"no fix after a semicolon: {message!r}"
+    return message
+
+
+# ---------------------------------------------------------------- JSON-lines datasets
+
+GOOD_JSONL = '{"text": "a"}\n\n{"text": "b", "id": 2}\n'
+BAD_JSONL = {
+    "missing": (None, "no such file"),
+    "directory": ("<dir>", "is a directory"),
+    "empty": ("\n  \n", "holds no records"),
+    "not json": ('{"text": "a"}\n{"text": "b"}\n{oops\n', "line 3 is not JSON"),
+    "not an object": ('{"text": "a"}\n["text"]\n', "line 2 is a JSON list, not an object"),
+    "no text field": ('{"text": "a"}\n{"txt": "b"}\n', "line 2 has no 'text' field"),
+    "text not a string": ('{"text": 5}\n', "line 1 has a 'text' field of type int, not a string"),
+    "not utf-8": (b'{"text": "a"}\n\xff\xfe\x00garbage\n', "line 2 is not JSON"),
+}
+
+
+def write_jsonl(tmp_path: Path, content) -> str:
+    path = tmp_path / "data.jsonl"
+    if content == "<dir>":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    return str(path)
+
+
+@pytest.mark.parametrize("check", [inputs.check_jsonl_dataset, inputs.load_jsonl_records])
+@pytest.mark.parametrize("case", list(BAD_JSONL))
+def test_bad_jsonl_dataset(tmp_path, check, case):
+    content, phrase = BAD_JSONL[case]
+    path = write_jsonl(tmp_path, content)
+    fails(lambda: check(path), f"--training.dataset_path={path!r}", phrase)
+
+
+def test_jsonl_custom_field_and_option(tmp_path):
+    path = write_jsonl(tmp_path, '{"text": "a"}\n')
+    fails(lambda: inputs.check_jsonl_dataset(path, "body", "--validation.dataset_path"),
+          "--validation.dataset_path=", "line 1 has no 'body' field")  # fmt: skip
+
+
+def test_jsonl_preflight_reads_max_lines_only(tmp_path):
+    path = write_jsonl(tmp_path, '{"text": "a"}\n' * 3 + "{oops\n")
+    inputs.check_jsonl_dataset(path, max_lines=3)
+    fails(lambda: inputs.check_jsonl_dataset(path, max_lines=None), "line 4 is not JSON")
+    fails(lambda: inputs.load_jsonl_records(path), "line 4 is not JSON")
+
+
+def test_good_jsonl_dataset(tmp_path):
+    path = write_jsonl(tmp_path, GOOD_JSONL)
+    inputs.check_jsonl_dataset(path)
+    assert inputs.load_jsonl_records(path) == [{"text": "a"}, {"text": "b", "id": 2}]
+
+
+# ---------------------------------------------------------------- HF config.json overrides
+
+
+@dataclasses.dataclass
+class GLAArgs:  # annotations are strings here (``from __future__ import annotations``), as in titan_ext
+    vocab_size: int = 32000
+    tie_word_embeddings: bool = False
+    hidden_size: int = 1024
+    num_hidden_layers: int = 24
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    expand_k: float = 0.5
+    hidden_ratio: int | None = 4
+    feature_map: str | None = None
+    norm_eps: float = 1e-6
+
+
+@dataclasses.dataclass
+class LlamaArgs:
+    hidden_size: int = 2048
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    rope_parameters: dict = dataclasses.field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def gla_config():
+    from fla.models import GLAConfig
+
+    return GLAConfig
+
+
+@pytest.fixture(scope="module")
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig
+
+
+SOURCE = "--titan_ext.hf_config='/p/config.json'"
+BAD_GLA = {
+    "typo": ({"num_hiden_layers": 3}, "unknown key 'num_hiden_layers'", "rename it to 'num_hidden_layers'"),
+    "unknown, no close name": ({"zzz_frobnicate": 1}, "unknown key 'zzz_frobnicate'", "remove it"),
+    "rope key on gla": ({"rope_theta": 10000.0}, "unknown key 'rope_theta'", "GLAConfig"),
+    "bool for int": ({"num_heads": True}, "num_heads=True has type bool", "needs int"),
+    "float for int": ({"hidden_size": 64.0}, "hidden_size=64.0 has type float", "needs int"),
+    "string for int": ({"vocab_size": "2048"}, "vocab_size='2048' has type str", "needs int"),
+    "None for int": ({"num_heads": None}, "num_heads=None has type NoneType", "needs int"),
+    "int for bool": ({"tie_word_embeddings": 1}, "tie_word_embeddings=1 has type int", "needs bool"),
+    "str for optional int": ({"num_kv_heads": "2"}, "num_kv_heads='2'", "needs int | None"),
+    "zero layers": ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be > 0"),
+    "negative vocab": ({"vocab_size": -5}, "vocab_size=-5 must be > 0"),
+    "zero ratio": ({"expand_k": 0}, "expand_k=0 must be > 0"),
+    "negative eps": ({"norm_eps": -1e-6}, "norm_eps=-1e-06 must be > 0"),
+    "heads do not split width": ({"hidden_size": 64, "num_heads": 3}, "hidden_size=64 is not divisible by num_heads=3"),
+    "kv heads do not split heads": ({"num_heads": 4, "num_kv_heads": 3}, "num_heads=4 is not divisible by num_kv_heads=3"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_GLA))
+def test_bad_hf_config_gla(gla_config, case):
+    config, *phrases = BAD_GLA[case]
+    fails(lambda: inputs.check_hf_config_fields(config, gla_config, GLAArgs, SOURCE), SOURCE, *phrases)
+
+
+BAD_LLAMA = {
+    "typo": ({"num_attention_head": 8}, "unknown key 'num_attention_head'", "rename it to 'num_attention_heads'"),
+    "kv heads": ({"num_attention_heads": 8, "num_key_value_heads": 3}, "num_attention_heads=8 is not divisible by num_key_value_heads=3"),
+    "heads without head_dim": ({"hidden_size": 100, "num_attention_heads": 8}, "hidden_size=100 is not divisible", "or give head_dim"),
+    "negative eps": ({"rms_norm_eps": 0.0}, "rms_norm_eps=0.0 must be > 0"),
+    "list for dict": ({"rope_parameters": [1]}, "rope_parameters=[1] has type list", "needs dict"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_LLAMA))
+def test_bad_hf_config_llama(llama_config, case):
+    config, *phrases = BAD_LLAMA[case]
+    fails(lambda: inputs.check_hf_config_fields(config, llama_config, LlamaArgs, SOURCE), SOURCE, *phrases)
+
+
+def test_good_hf_configs(gla_config, llama_config):
+    gla = {"model_type": "gla", "architectures": ["GLAForCausalLM"], "torch_dtype": "bfloat16",
+           "transformers_version": "4.45.0", "hidden_size": 64, "num_heads": 4, "num_kv_heads": None,
+           "expand_k": 1, "norm_eps": 1e-6, "feature_map": None, "auto_map": {"AutoConfig": "x.Y"}}  # fmt: skip
+    inputs.check_hf_config_fields(gla, gla_config, GLAArgs, SOURCE)
+    # Llama-3.2-1B's config.json: older spellings rope_theta/rope_scaling (mapped to rope_parameters), head_dim set.
+    llama = {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "pretraining_tp": 1,
+             "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+             "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "attn_implementation": "sdpa"}  # fmt: skip
+    inputs.check_hf_config_fields(llama, llama_config, LlamaArgs, SOURCE)
+    # head_dim waives heads | hidden_size (Llama-3.2-3B: 3072 / 24 heads of 128).
+    inputs.check_hf_config_fields({"hidden_size": 100, "num_attention_heads": 8, "head_dim": 16},
+                                  llama_config, LlamaArgs, SOURCE)  # fmt: skip
+
+
+# ---------------------------------------------------------------- HF safetensors directories
+
+
+def hf_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "hf"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "gla"}))
+    save_file({"a": torch.zeros(64, 64), "b": torch.ones(8)}, str(path / "model.safetensors"))
+    return path
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+BAD_HF_DIRS = {
+    "missing": (lambda p: p.rename(p.parent / "gone"), "is not a directory"),
+    "a file": (lambda p: shutil.rmtree(p) or p.write_text("x"), "is not a directory"),
+    "no config.json": (lambda p: (p / "config.json").unlink(), "has no config.json"),
+    "config not json": (lambda p: (p / "config.json").write_text("{oops"), "config.json is not valid JSON"),
+    "config not object": (lambda p: (p / "config.json").write_text("[1]"), "config.json holds no JSON object"),
+    "no safetensors": (lambda p: (p / "model.safetensors").unlink(), "holds no *.safetensors file"),
+    "garbage file": (lambda p: (p / "model.safetensors").write_bytes(os.urandom(300)), "model.safetensors has no readable safetensors header"),
+    "tiny file": (lambda p: (p / "model.safetensors").write_bytes(b"abc"), "has no readable safetensors header"),
+    "header not json": (lambda p: (p / "model.safetensors").write_bytes((5).to_bytes(8, "little") + b"{oops"), "has no readable safetensors header"),
+    "cut in half": (lambda p: cut_in_half(p / "model.safetensors"), "model.safetensors is truncated"),
+    "stray bytes": (lambda p: (p / "model.safetensors").open("ab").write(b"xyz"), "model.safetensors has 3 stray bytes"),
+    "missing shard": (lambda p: (p / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}})),
+        "names model-00002-of-00002.safetensors, which is missing"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_HF_DIRS))
+def test_bad_hf_checkpoint_dir(tmp_path, case):
+    damage, phrase = BAD_HF_DIRS[case]
+    path = hf_dir(tmp_path)
+    damage(path)
+    fails(lambda: inputs.check_hf_checkpoint_dir(str(path)), f"--checkpoint.initial_load_path={str(path)!r}", phrase)
+
+
+def test_truncation_caught_by_header_only(tmp_path):
+    """Cutting just the last byte is caught too (the header still parses)."""
+    path = hf_dir(tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:-1])
+    fails(lambda: inputs.check_hf_checkpoint_dir(str(path), "--model.hf_assets_path"), "--model.hf_assets_path=",
+          f"({len(data) - 1} of {len(data)} bytes)")  # fmt: skip
+
+
+def test_good_hf_checkpoint_dir(tmp_path):
+    path = hf_dir(tmp_path)
+    save_file({"c": torch.zeros(3)}, str(path / "model-2.safetensors"))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model.safetensors", "c": "model-2.safetensors"}})
+    )
+    inputs.check_hf_checkpoint_dir(str(path))
+
+
+# ---------------------------------------------------------------- torch DCP checkpoints
+
+# As torchtitan writes them: plain parameter FQNs next to optimizer/lr_scheduler/dataloader/train_state entries.
+EXPECTED = {"model.embeddings.weight": (32, 8), "model.layers.0.attn.q_proj.weight": (4, 8), "lm_head.weight": (32, 8)}
+
+
+def save_dcp(path: Path, shapes: dict[str, tuple[int, ...]]) -> str:
+    state = {key: torch.zeros(shape) for key, shape in shapes.items()}
+    state["optimizer"] = {"state": {"lm_head.weight": {"exp_avg": torch.zeros(2)}}}
+    state["train_state"] = {"step": 10}
+    with warnings.catch_warnings():  # no process group: DCP warns that it saves as a single process
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path))
+    return str(path)
+
+
+def break_metadata(path: Path, how: str) -> None:
+    data = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes({"cut": data[: len(data) // 2], "garbage": b"not a pickle", "empty": b""}[how])
+
+
+OPTION = "--checkpoint.initial_load_path"
+BAD_DCP = {
+    "missing folder": (lambda p: None, {}, "holds no readable checkpoint (no .metadata)"),
+    "no .metadata": (lambda p: (p / ".metadata").unlink(), EXPECTED, "holds no readable checkpoint (no .metadata)"),
+    "truncated .metadata": (lambda p: break_metadata(p, "cut"), EXPECTED, ".metadata is unreadable (UnpicklingError)"),
+    "garbage .metadata": (lambda p: break_metadata(p, "garbage"), EXPECTED, ".metadata is unreadable"),
+    "empty .metadata": (lambda p: break_metadata(p, "empty"), EXPECTED, ".metadata is unreadable (EOFError)"),
+    "other model": (lambda p: None, {"model.embed_tokens.weight": (32, 8), "lm_head.weight": (32, 8),
+                                     "model.layers.0.self_attn.q_proj.weight": (4, 8)},
+                    "written by another model or flavor: no 'model.embed_tokens.weight' (and 1 more)"),
+    "train_state is no tensor": (lambda p: None, {**EXPECTED, "train_state.step": ()}, "no 'train_state.step'"),
+    "other flavor": (lambda p: None, {**EXPECTED, "lm_head.weight": (64, 8)},
+                     "holds 'lm_head.weight' of shape [32, 8], this model needs [64, 8]"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_DCP))
+def test_bad_dcp_checkpoint(tmp_path, case):
+    damage, expected, phrase = BAD_DCP[case]
+    path = tmp_path / "step-10"
+    if case != "missing folder":
+        save_dcp(path, EXPECTED)
+    damage(path)
+    message = fails(lambda: inputs.check_dcp_checkpoint(str(path), expected, OPTION), f"{OPTION}={str(path)!r}", phrase)
+    if expected is not EXPECTED and case != "missing folder":
+        assert "--model.name/--model.flavor" in message
+
+
+def test_good_dcp_checkpoint(tmp_path):
+    path = save_dcp(tmp_path / "step-10", {**EXPECTED, "extra.weight": (2,)})
+    inputs.check_dcp_checkpoint(path, EXPECTED, OPTION)
+    inputs.check_dcp_checkpoint(path, {"lm_head.weight": (32, 8)}, OPTION)
+
+
+# ---------------------------------------------------------------- which checkpoint torchtitan loads
+
+
+def make_steps(dump: Path, complete=(), partial=()) -> Path:
+    folder = dump / "checkpoint"
+    for step in complete:
+        save_dcp(folder / f"step-{step}", {"w": (2,)})
+    for step in partial:
+        (folder / f"step-{step}").mkdir(parents=True)
+        (folder / f"step-{step}" / "__0_0.distcp").write_bytes(b"partial")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def test_checkpoint_to_load(tmp_path):
+    dump = tmp_path / "run"
+    initial = save_dcp(tmp_path / "seed" / "step-0", {"w": (2,)})
+    hf = str(hf_dir(tmp_path))
+    on = {"checkpoint.enable": True}
+    assert inputs.checkpoint_to_load(job(dump=dump)) is None  # checkpointing off
+    assert inputs.checkpoint_to_load(job(on, dump)) is None  # nothing yet
+    assert inputs.checkpoint_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) == (initial, "dcp")
+    hf_fields = {**on, "checkpoint.initial_load_in_hf": True, "checkpoint.initial_load_path": hf}
+    assert inputs.checkpoint_to_load(job(hf_fields, dump)) == (hf, "hf")
+    assert inputs.checkpoint_to_load(job({**on, "checkpoint.initial_load_in_hf": True}, dump)) == (
+        "titan_ext/assets/tiny", "hf")  # fmt: skip
+    seed = {**on, "checkpoint.create_seed_checkpoint": True, "checkpoint.initial_load_path": str(tmp_path / "no")}
+    assert inputs.checkpoint_to_load(job(seed, dump)) is None  # a seed run saves, loads nothing
+    folder = make_steps(dump, complete=(5, 10), partial=(15,))
+    latest = job({**on, "checkpoint.initial_load_path": initial}, dump)
+    assert inputs.checkpoint_to_load(latest) == (str(folder / "step-10"), "dcp")  # step-15 is unfinished
+    assert inputs.checkpoint_to_load(job({**on, "checkpoint.load_step": 5}, dump)) == (str(folder / "step-5"), "dcp")
+
+
+def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
+    """torchtitan 0.2.2: once the folder exists, initial_load_path is ignored; no finished step = fresh start."""
+    dump = tmp_path / "run"
+    make_steps(dump, partial=(5,))
+    initial = save_dcp(tmp_path / "seed" / "step-0", {"w": (2,)})
+    config = job({"checkpoint.enable": True, "checkpoint.initial_load_path": initial}, dump)
+    assert inputs.checkpoint_to_load(config) is None
+
+
+BAD_LOADS = {
+    "load_step not saved": (dict(complete=(5,), partial=(10,)), {"checkpoint.load_step": 10},
+                            "--checkpoint.load_step=10: no readable step-10 in", "(complete steps: [5])"),
+    "load_step without folder": (None, {"checkpoint.load_step": 5}, "--checkpoint.load_step=5 but", "does not exist"),
+    "initial path missing": (None, {"checkpoint.initial_load_path": "{tmp}/nowhere"},
+                             "--checkpoint.initial_load_path=", "holds no readable checkpoint (no .metadata)"),
+    "initial path without .metadata": (None, {"checkpoint.initial_load_path": "{tmp}"},
+                                       "holds no readable checkpoint (no .metadata)"),
+    "hf without model_only": (None, {"checkpoint.initial_load_in_hf": True, "checkpoint.initial_load_model_only": False},
+                              "--checkpoint.initial_load_in_hf loads only the model", "initial_load_model_only"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_LOADS))
+def test_bad_checkpoint_to_load(tmp_path, case):
+    steps, fields, *phrases = BAD_LOADS[case]
+    dump = tmp_path / "run"
+    if steps:
+        make_steps(dump, **steps)
+    fields = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in fields.items()}
+    config = job({"checkpoint.enable": True, **fields}, dump)
+    fails(lambda: inputs.checkpoint_to_load(config), *phrases)
+
+
+# ---------------------------------------------------------------- numbers and parallel degrees
+
+BAD_NUMBERS = {
+    "seq_len": ({"training.seq_len": 0}, "--training.seq_len=0 must be positive"),
+    "local batch": ({"training.local_batch_size": -2}, "--training.local_batch_size=-2 must be positive"),
+    "steps": ({"training.steps": 0}, "--training.steps=0 must be positive"),
+    "global batch 0": ({"training.global_batch_size": 0}, "--training.global_batch_size=0 is invalid"),
+    "global batch -3": ({"training.global_batch_size": -3}, "--training.global_batch_size=-3 is invalid"),
+    "tp 0": ({"parallelism.tensor_parallel_degree": 0}, "--parallelism.tensor_parallel_degree=0 must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_NUMBERS))
+def test_bad_positive_numbers(case):
+    fields, phrase = BAD_NUMBERS[case]
+    config = job(fields)
+    fails(lambda: inputs.check_positive_numbers(config), phrase)
+
+
+def test_good_positive_numbers():
+    inputs.check_positive_numbers(job())
+    inputs.check_positive_numbers(job({"training.global_batch_size": 16}))
+
+
+def degrees(**values) -> dict:
+    return {f"parallelism.{name}_degree": value for name, value in values.items()}
+
+
+BAD_DEGREES = {
+    "tp 0": (2, degrees(tensor_parallel=0), "--parallelism.tensor_parallel_degree=0 must be >= 1"),
+    "pp -1": (2, degrees(pipeline_parallel=-1), "--parallelism.pipeline_parallel_degree=-1 must be >= 1"),
+    "cp 0": (2, degrees(context_parallel=0), "context_parallel_degree=0 must be >= 1"),
+    "ep 0": (2, degrees(expert_parallel=0), "expert_parallel_degree=0 must be >= 1"),
+    "etp 0": (2, degrees(expert_tensor_parallel=0), "expert_tensor_parallel_degree=0 must be >= 1"),
+    "replicate 0": (2, degrees(data_parallel_replicate=0), "data_parallel_replicate_degree=0 must be >= 1"),
+    "shard -2": (2, degrees(data_parallel_shard=-2), "data_parallel_shard_degree=-2 must be -1 (the remaining ranks) or >= 1"),
+    "product too big": (2, degrees(data_parallel_shard=2, tensor_parallel=2),
+                        "--parallelism.data_parallel_shard_degree=2 x --parallelism.tensor_parallel_degree=2 = 4 ranks, "
+                        "but torchrun started 2 (WORLD_SIZE)"),
+    "product too small": (4, degrees(data_parallel_shard=1),
+                          "--parallelism.data_parallel_shard_degree=1 = 1 ranks, but torchrun started 4"),
+    "rest does not divide": (6, degrees(tensor_parallel=4),
+                             "--parallelism.tensor_parallel_degree=4 = 4 ranks does not divide the 6 ranks"),
+    "others exceed world": (2, degrees(tensor_parallel=4), "does not divide the 2 ranks"),
+    "etp neither 1 nor tp": (8, degrees(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=4),
+                             "--parallelism.expert_tensor_parallel_degree=4 must be 1 or --parallelism.tensor_parallel_degree=2"),
+    "ep does not split": (2, degrees(expert_parallel=4),
+                          "--parallelism.expert_parallel_degree=4 x --parallelism.expert_tensor_parallel_degree=1 does not divide"),
+    "global batch": (2, {"training.global_batch_size": 12},
+                     "--training.global_batch_size=12 is not a multiple of --training.local_batch_size=4 x 2 data-parallel ranks = 8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_DEGREES))
+def test_bad_parallel_degrees(case):
+    world_size, fields, phrase = BAD_DEGREES[case]
+    config = job(fields)
+    fails(lambda: inputs.check_parallel_degrees(config, world_size), phrase)
+
+
+def test_good_parallel_degrees():
+    inputs.check_parallel_degrees(job(), 2)  # shard -1 takes both ranks
+    inputs.check_parallel_degrees(job(degrees(tensor_parallel=2, data_parallel_shard=1)), 2)
+    inputs.check_parallel_degrees(job({**degrees(tensor_parallel=2), "training.global_batch_size": 24}), 6)
+    inputs.check_parallel_degrees(job(degrees(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2)), 8)
+
+
+# ---------------------------------------------------------------- registry names
+
+# TOML values reach torchtitan unvalidated (its CLI checks only some, e.g. the AC mode).
+BAD_NAMES = {
+    "dataset": ({"training.dataset": "c5"}, "--training.dataset='c5' is not a registered dataset",
+                "use one of c4, c4_test, c4_validation"),
+    "validation dataset": ({"validation.enable": True, "validation.dataset": "c4_valid"},
+                           "--validation.dataset='c4_valid' is not a registered dataset", "use 'c4_validation'"),
+    "ac mode": ({"activation_checkpoint.mode": "fullx"}, "--activation_checkpoint.mode='fullx' is not a mode", "use 'full'"),
+    "compile backend": ({"compile.backend": "inductr"}, "--compile.backend='inductr' is not a torch.compile backend",
+                        "use 'inductor'"),
+    "compile component": ({"compile.components": ["model", "los"]}, "--compile.components: 'los' is not a component",
+                          "use 'loss'"),
+    "converter float8": ({"model.converters": ["float8"]}, "--model.converters: 'float8' is not a converter name",
+                         "use 'quantize.linear.float8'"),
+    "converter fp8": ({"model.converters": ["fp8"]}, "'fp8' is not a converter name", "use 'quantize.linear.float8'"),
+    "converter typo": ({"model.converters": ["quantize.linear.mxx"]}, "'quantize.linear.mxx'", "use 'quantize.linear.mx'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_NAMES))
+def test_bad_names(case):
+    fields, *phrases = BAD_NAMES[case]
+    config = job({"training.dataset": "c4_test", **fields})
+    fails(lambda: inputs.check_names(config), *phrases)
+
+
+def test_good_names():
+    config = job({"training.dataset": "c4_test", "model.converters": ["quantize.linear.float8"],
+                  "compile.backend": "aot_eager", "activation_checkpoint.mode": "selective",
+                  "validation.enable": True, "validation.dataset": "c4_validation"})  # fmt: skip
+    inputs.check_names(config)

@@ -1,0 +1,128 @@
+"""Every private API of torchtitan, fla and torch that titan_ext uses, looked up here and only when needed.
+
+A patch release may rename any of these. Nothing here runs at ``import
+titan_ext``: each accessor resolves its symbols on first use (a GLA model's
+kernels, activation checkpointing, ...), so a rename breaks only the feature
+that needs the symbol, and it fails in one line naming the versions titan_ext
+was checked against.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import types
+
+SUPPORTED = {
+    "torchtitan": "0.2.2 (0.2.x)",
+    "flash-linear-attention": "0.6.0 (0.6.x)",
+    "torch": "2.11-2.13",
+}
+
+
+class CompatError(RuntimeError):
+    """A private symbol titan_ext relies on is missing from the installed package."""
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _lookup(package: str, module: str, *names: str) -> types.SimpleNamespace:
+    try:
+        owner = importlib.import_module(module)
+        return types.SimpleNamespace(**{name: getattr(owner, name) for name in names})
+    except (ImportError, AttributeError) as error:
+        raise CompatError(
+            f"titan_ext needs {module}.{'/'.join(names)} ({error}); installed {package} {_version(package)}, "
+            f"supported {SUPPORTED[package]}: install a supported version"
+        ) from None
+
+
+@functools.cache
+def torchtitan_ac() -> types.SimpleNamespace:
+    """torchtitan's activation-checkpoint helpers (``_apply_full_ac``, ``_apply_op_sac``) and Llama's save list."""
+    ac = _lookup("torchtitan", "torchtitan.distributed.activation_checkpoint", "apply_ac", "_apply_full_ac", "_apply_op_sac")
+    save = _lookup("torchtitan", "torchtitan.models.llama3.infra.parallelize", "_op_sac_save_list")
+    return types.SimpleNamespace(
+        apply_ac=ac.apply_ac, apply_full_ac=ac._apply_full_ac, apply_op_sac=ac._apply_op_sac,
+        op_sac_save_list=save._op_sac_save_list,
+    )
+
+
+@functools.cache
+def fla_gla_drivers() -> types.SimpleNamespace:
+    """fla's GLA forward/backward drivers (what ``ChunkGLAFunction`` runs) and their helpers."""
+    drivers = _lookup("flash-linear-attention", "fla.ops.gla.chunk", "chunk_gla_fwd", "chunk_gla_bwd", "chunk_gla")
+    helpers = _lookup("flash-linear-attention", "fla.ops.utils", "prepare_chunk_indices")
+    guard = _lookup("flash-linear-attention", "fla.utils", "input_guard")
+    return types.SimpleNamespace(**vars(drivers), **vars(helpers), **vars(guard))
+
+
+def autograd_enabled_inside_kernel():
+    """A guard that turns autograd back on inside a custom op's kernel (torch's dispatch-key internals).
+
+    The dispatcher excludes the autograd keys while an op's kernel runs; the
+    portable GLA backward differentiates its forward there.
+    """
+    C = torch_c()
+    keys = C.DispatchKey
+    autograd = C.DispatchKeySet(keys.AutogradFunctionality)
+    for key in (keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
+        autograd = autograd | C.DispatchKeySet(key)
+    include, exclude = C._dispatch_tls_local_include_set(), C._dispatch_tls_local_exclude_set()
+    return C._ForceDispatchKeyGuard(include, exclude - autograd)
+
+
+def torch_c():
+    import torch
+
+    for name in ("_ForceDispatchKeyGuard", "_dispatch_tls_local_include_set", "_dispatch_tls_local_exclude_set"):
+        if not hasattr(torch._C, name):
+            raise CompatError(f"titan_ext needs torch._C.{name}; installed torch {torch.__version__}, supported {SUPPORTED['torch']}")
+    return torch._C
+
+
+def importing_trainer_job_config():
+    """The ``JobConfig`` of the torchtitan ``Trainer`` whose ``__init__`` is importing titan_ext, else None.
+
+    torchtitan imports ``[experimental] custom_import`` first thing in
+    ``Trainer.__init__`` (train.py, 0.2.2), before it picks the device: the
+    only moment titan_ext can set up a job for torchtitan's own code. The
+    frame is recognised by its file and function (``-m torchtitan.train`` runs
+    that file as ``__main__``), so a subclass of Trainer counts.
+    """
+    train_py = _origin("torchtitan.train")
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_filename == train_py and "job_config" in frame.f_locals:
+            return frame.f_locals["job_config"]
+        frame = frame.f_back
+    return None
+
+
+@functools.cache
+def _origin(module: str) -> str | None:
+    spec = importlib.util.find_spec(module)
+    return spec.origin if spec else None
+
+
+def parsing_torchtitan_config() -> bool:
+    """Whether torchtitan's ``ConfigManager`` is importing titan_ext (for ``custom_config_module``).
+
+    That import comes before the Trainer exists; see ``titan_ext/__init__.py``.
+    """
+    manager_py = _origin("torchtitan.config.manager")
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_maybe_add_custom_config" and frame.f_code.co_filename == manager_py:
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,54 @@
+"""A configuration mistake ends the job in one line.
+
+Checks raise ``ConfigError`` with one line naming the option, its value and
+the fix. ``config_boundary`` wraps every titan_ext hook torchtitan calls: it
+turns a ``ConfigError`` into that line, logged once (rank 0), and a quiet
+``SystemExit(2)`` on every rank, so neither the ranks nor torchrun's summary
+print a Python traceback. Outside those hooks (tests, scripts) the error is an
+ordinary ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+EXIT_CODE = 2
+
+logger = logging.getLogger("titan_ext")
+
+
+class ConfigError(ValueError):
+    """A bad option, flag or file: one line that names it and the fix."""
+
+
+def rank() -> int:
+    """This process's global rank, before or after the process group exists."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def exit_with(error: ConfigError) -> None:
+    """Log the error's one line on rank 0 and leave quietly (no traceback) with ``EXIT_CODE``."""
+    if rank() == 0:
+        logging.getLogger().error(f"titan_ext: {error}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+    raise SystemExit(EXIT_CODE) from None
+
+
+def config_boundary(fn):
+    """Run a hook torchtitan calls; a ``ConfigError`` ends the job in one line."""
+
+    @functools.wraps(fn)
+    def hook(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ConfigError as error:
+            exit_with(error)
+
+    return hook

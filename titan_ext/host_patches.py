@@ -1,0 +1,264 @@
+"""Every change titan_ext makes to the libraries it runs inside, in one place.
+
+``import titan_ext`` changes none of them. What changes, and when:
+
+* ``CPU_MODE``: when torchtitan's ``Trainer`` imports titan_ext (its
+  ``custom_import``) on a machine without an accelerator (or with
+  ``TITAN_EXT_CPU=1``), stock torchtitan is pointed at the CPU and gloo.
+  These stay for the rest of that process, which is that job's; ``undo()``
+  restores every original.
+* ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
+* ``BUILD``: only while titan_ext builds one of its own models (``building()``).
+* ``MODEL_KERNELS``: not a change to any library: titan_ext's own model
+  instances call these instead of fla's kernels (``titan_ext.kernels.bind``:
+  the modules get subclasses whose methods see other globals). fla's modules
+  and classes stay as shipped, so any other fla model in the process, e.g.
+  an evaluation script's, runs fla's code.
+
+Each row: the target, why, the versions it was checked against, and how it is
+undone. ``tests/test_host_patches.py`` checks that import changes nothing and
+that ``undo()`` restores every original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+TORCHTITAN = "torchtitan 0.2.2"
+FLA = "fla 0.6.0"
+TORCH = "torch 2.11-2.13"
+
+
+@dataclass(frozen=True)
+class Patch:
+    target: str
+    """``module:attribute`` or ``module:Class.attribute``."""
+    why: str
+    checked: str
+    new: Callable[[object], object]
+    """The original -> what the target becomes."""
+
+    def owner_and_name(self) -> tuple[object, str]:
+        module, _, path = self.target.partition(":")
+        owner = importlib.import_module(module)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        return owner, name
+
+    def apply(self) -> Callable[[], None]:
+        """Rebind the target; returns the undo (restores the original object)."""
+        owner, name = self.owner_and_name()
+        original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        setattr(owner, name, self.new(original))
+        return lambda: setattr(owner, name, original)
+
+
+def _cpu_device_module(_original):
+    from titan_ext.cpu_mode import CPU_DEVICE_MODULE
+
+    return CPU_DEVICE_MODULE
+
+
+def _always_sum_on_gloo(original):
+    """FSDP reduces with PREMUL_SUM when a divide factor is set; gloo has no PREMUL_SUM, so force SUM."""
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        original(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    return set_gradient_divide_factor
+
+
+def _no_peak_flops(_original):
+    """A CPU has no peak in torchtitan's table: report MFU as 0 without its lspci/A100 warnings."""
+    return lambda device_name: math.inf
+
+
+_CPU = "torchtitan picks its device once at import and falls back to 'cuda' without an accelerator"
+CPU_MODE: tuple[Patch, ...] = (
+    Patch("torchtitan.tools.utils:device_type", _CPU, TORCHTITAN, lambda _: "cpu"),
+    Patch("torchtitan.tools.utils:device_module", _CPU + "; the trainer calls set_device/memory stats", TORCHTITAN, _cpu_device_module),
+    Patch("torchtitan.distributed.utils:device_type", _CPU + "; gloo instead of nccl", TORCHTITAN, lambda _: "cpu"),
+    Patch("torchtitan.distributed.utils:device_module", _CPU + "; barrier needs an int device", TORCHTITAN, _cpu_device_module),
+    Patch("torchtitan.distributed.parallel_dims:device_type", _CPU + "; meshes on cpu", TORCHTITAN, lambda _: "cpu"),
+    Patch("torchtitan.components.metrics:device_type", _CPU + "; memory monitor", TORCHTITAN, lambda _: "cpu"),
+    Patch("torchtitan.components.metrics:device_module", _CPU + "; memory monitor", TORCHTITAN, _cpu_device_module),
+    Patch("torchtitan.tools.utils:get_peak_flops", "no CPU entry; warns twice per rank and assumes an A100", TORCHTITAN, _no_peak_flops),
+    Patch(
+        "torch.distributed.fsdp:FSDPModule.set_gradient_divide_factor",
+        "torchtitan's own apply_fsdp sets factor 1.0, which reduces with PREMUL_SUM: gloo lacks it",
+        TORCH, _always_sum_on_gloo,
+    ),
+)
+
+# Python warnings a CPU run cannot act on: (message regex, why).
+CPU_MODE_WARNINGS: tuple[tuple[str, str], ...] = (
+    ("Triton is not supported on current platform", "fla, on import: titan_ext's portable kernels run instead"),
+    ("DTensor (random operators|manual_seed)", "torch: gloo meshes; titan_ext does not draw random numbers on DTensors"),
+    ("Set timeout is now only supported", "torch, for gloo groups after step 1; the timeout is still applied"),
+    ("'set_vital' is deprecated", "torchdata's dataloader, on every job"),
+)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *parts: str):
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
+
+
+# Log records a CPU run cannot act on: (logger, message part, why).
+CPU_MODE_LOGS: tuple[tuple[str, str, str], ...] = (
+    ("torchao", "Failed to load", "torchao's CUDA extensions (mxfp8, cutlass), on import"),
+    ("torch.utils._pytree", "is an Enum subclass", "torchao registers enums with torch.compile, on import"),
+)
+
+
+class _OneLineModelArgs(logging.Filter):
+    """torchtitan logs the model args as indented JSON (~26 lines per rank); keep it to one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Building ") and "with {\n" in message:
+            head, _, body = message.partition("with {\n")
+            record.msg, record.args = f"{head.rstrip()} with {{{' '.join(body.split())}", None
+        return True
+
+
+JOB: tuple[tuple[str, str], ...] = (
+    ("root logger: filter _OneLineModelArgs", "the model-args dump, one line instead of ~26 per rank"),
+    # Flags torch reads, set by the apply_* that needs them (as torchtitan's own do):
+    ("torch._dynamo.config.optimize_ddp", "'ddp_optimizer' for DDP with compile (titan_ext.parallelize.apply_ddp)"),
+    ("torch._inductor.config._micro_pipeline_tp", "async TP (model_plans.enable_async_tp)"),
+)
+
+
+def _sdpa_for_flash_attn(name: str):
+    def new(original):
+        from titan_ext.models import sdpa_attention
+
+        return getattr(sdpa_attention, name) if original is None else original
+
+    return new
+
+
+BUILD: tuple[Patch, ...] = (
+    Patch(
+        "fla.layers.attn:flash_attn_func",
+        "fla's Attention refuses to build without the flash-attn package; its forward then runs on SDPA "
+        "(titan_ext binds sdpa_attention into the built model)",
+        FLA, _sdpa_for_flash_attn("sdpa_attn_func"),
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """An fla kernel and what titan_ext's own models call instead (``titan_ext.kernels``)."""
+
+    fla: str
+    replacement: str
+    why: str
+    paths: tuple[str, ...] = ("portable",)
+    """Kernel paths that use it: ``portable`` (any non-CUDA run), ``fla`` (CUDA)."""
+
+
+_TRITON = "Triton kernel; fails off CUDA with '0 active drivers'"
+MODEL_KERNELS: tuple[Kernel, ...] = (
+    Kernel(
+        "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:chunk_gla",
+        "GLA's training kernel as torch ops: op-level SAC can save it and compile keeps it in the graph "
+        "(fla's is a Triton autograd.Function behind torch.compiler.disable); fla's kernels run inside on CUDA",
+        ("portable", "fla"),
+    ),
+    Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", "titan_ext.kernels.gla:fused_chunk_gla", _TRITON),
+    Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", "titan_ext.kernels.gla:fused_recurrent_gla", _TRITON),
+    Kernel("fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.norms:rms_norm", _TRITON),
+    Kernel("fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.norms:rms_norm_gated", _TRITON),
+    Kernel("fla.modules.activations.ops:swish", "titan_ext.kernels.activations:swish", _TRITON),
+    Kernel("fla.modules.activations.ops:sigmoid", "titan_ext.kernels.activations:sigmoid", _TRITON),
+    Kernel("fla.modules.activations.ops:logsigmoid", "titan_ext.kernels.activations:logsigmoid", _TRITON),
+    Kernel("fla.modules.activations.ops:swiglu", "titan_ext.kernels.activations:swiglu", _TRITON),
+    Kernel("fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.activations:swiglu_linear", _TRITON),
+    Kernel("fla.modules.rotary.ops:rotary_embedding", "titan_ext.kernels.rotary:rotary_embedding", _TRITON),
+    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.conv:causal_conv1d", _TRITON),
+    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.conv:causal_conv1d_update", _TRITON),
+    Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
+    Kernel(
+        "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss.forward",
+        "titan_ext.kernels.losses:fused_cross_entropy_forward", "asserts CUDA before reaching its kernel",
+    ),
+    Kernel(
+        "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss",
+        "titan_ext.kernels.losses:fused_linear_cross_entropy_loss", _TRITON,
+    ),
+)
+
+
+_undo_stack: list[Callable[[], None]] = []
+_applied: set[str] = set()
+
+
+def apply(patches: tuple[Patch, ...]) -> None:
+    """Apply rows of a table; ``undo()`` reverts them, last first."""
+    for patch in patches:
+        _undo_stack.append(patch.apply())
+
+
+def apply_cpu_mode() -> None:
+    """``CPU_MODE`` and its warning/log filters, once per process (a process may run several jobs)."""
+    if "cpu_mode" in _applied:
+        return
+    _applied.add("cpu_mode")
+    apply(CPU_MODE)
+    for message, _ in CPU_MODE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+        _undo_stack.append(lambda m=message: _remove_warning_filter(m))
+    for name, part, _ in CPU_MODE_LOGS:
+        log_filter = _DropMessages(part)
+        logging.getLogger(name).addFilter(log_filter)
+        _undo_stack.append(lambda n=name, f=log_filter: logging.getLogger(n).removeFilter(f))
+
+
+def apply_job() -> None:
+    if "job" in _applied:
+        return
+    _applied.add("job")
+    log_filter = _OneLineModelArgs()
+    logging.getLogger().addFilter(log_filter)
+    _undo_stack.append(lambda: logging.getLogger().removeFilter(log_filter))
+
+
+def _remove_warning_filter(message: str) -> None:
+    warnings.filters[:] = [f for f in warnings.filters if not (f[0] == "ignore" and f[1] is not None and f[1].pattern == message)]
+
+
+def undo() -> None:
+    while _undo_stack:
+        _undo_stack.pop()()
+    _applied.clear()
+
+
+def active() -> bool:
+    return bool(_undo_stack)
+
+
+@contextlib.contextmanager
+def building(patches: tuple[Patch, ...] = BUILD) -> Iterator[None]:
+    """``BUILD`` rows while titan_ext constructs a model; restored right after."""
+    undos = [patch.apply() for patch in patches]
+    try:
+        yield
+    finally:
+        for undo_one in reversed(undos):
+            undo_one()

@@ -1,0 +1,190 @@
+"""One titan_ext job: the config checked once, every decision made once, in a frozen ``JobPlan``.
+
+Two moments of torchtitan's ``Trainer.__init__`` belong to titan_ext:
+
+1. ``on_trainer_import``: torchtitan imports titan_ext (``custom_import``)
+   before it picks a device. The job-wide checks run here (numbers, degrees
+   against the world size, names, data files) and CPU mode is decided, so a
+   mistake ends the job before any process group or model exists.
+2. ``plan_job``: torchtitan hands titan_ext's model args the job config
+   (``update_from_config``). The model-specific checks run and the
+   ``JobPlan`` is built: TP, AC, compile, Float8, FSDP/DDP, kernels, the
+   non-finite policy, HF export. Every ``apply_*`` reads the plan; nothing is
+   written back into the job config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from titan_ext import compat, cpu_mode, host_patches, preflight
+from titan_ext.errors import ConfigError, exit_with, rank
+
+logger = logging.getLogger()
+
+_cpu_mode = False
+
+
+def on_trainer_import() -> None:
+    """Set up the job of the torchtitan Trainer importing titan_ext; outside a Trainer, do nothing."""
+    global _cpu_mode
+    job_config = compat.importing_trainer_job_config()
+    if job_config is None:
+        return
+    try:
+        preflight.check_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        _cpu_mode = cpu_mode.wanted()
+    except ConfigError as error:
+        exit_with(error)
+    host_patches.apply_job()
+    if _cpu_mode:
+        host_patches.apply_cpu_mode()
+        if rank() == 0:
+            logger.warning(
+                "titan_ext: CPU mode: no accelerator in use, torchtitan runs on the CPU with gloo "
+                f"(fla models on titan_ext's portable kernels; {cpu_mode.FORCE_ENV}=1 forces this on a GPU machine)"
+            )
+
+
+def in_cpu_mode() -> bool:
+    return _cpu_mode
+
+
+@dataclass(frozen=True)
+class TPChoice:
+    degree: int
+    plan_cls: type
+    sequence_parallel: bool
+    loss_parallel: bool
+    float8: bool
+    async_tp: bool
+
+
+@dataclass(frozen=True)
+class ACChoice:
+    mode: str
+    """none, full, selective (every Nth block, or per op), memory_budget."""
+    every: int | None
+    """selective: checkpoint every Nth block; None means per-op SAC."""
+    config: object
+    """A copy of torchtitan's [activation_checkpoint] section, for its wrappers."""
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    model: bool
+    loss: bool
+    backend: str
+
+
+@dataclass(frozen=True)
+class Float8Choice:
+    filter_fqns: tuple[str, ...]
+    high_precision: tuple[str, ...]
+    """titan_ext's default filters: linears it keeps in high precision after torchtitan's converter ran."""
+
+
+@dataclass(frozen=True)
+class DataParallelChoice:
+    kind: str
+    """fsdp, hsdp, ddp or none."""
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reshard_blocks: bool
+    reshard_head: bool
+    cpu_offload: bool
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    model_name: str
+    flavor: str
+    model_type: str
+    kernel_path: str
+    """fla (CUDA: fla's kernels) or portable (torch code); see titan_ext.kernels."""
+    tp: TPChoice | None
+    ac: ACChoice
+    compile: CompileChoice
+    float8: Float8Choice | None
+    data_parallel: DataParallelChoice
+    nonfinite: str
+    metrics_jsonl: str
+    hf_export: bool
+    """--checkpoint.last_save_in_hf: titan_ext completes the folder (config.json, tokenizer)."""
+    hf_assets_path: str
+
+
+def plan_job(model_args, job_config) -> JobPlan:
+    """Check the job against the model, then decide everything; the plan becomes ``current()``."""
+    global _current
+    preflight.check_job_config_once(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    preflight.check_model_job(model_args, job_config)
+    _current = _build(model_args, job_config)
+    return _current
+
+
+def _build(model_args, job_config) -> JobPlan:
+    from titan_ext import activation_checkpoint, data, float8, nonfinite, tensor_parallel
+    from titan_ext.compile import model_compile_enabled
+
+    section = getattr(job_config, "titan_ext", None)
+    training, parallelism = job_config.training, job_config.parallelism
+    return JobPlan(
+        model_name=job_config.model.name,
+        flavor=job_config.model.flavor,
+        model_type=model_args.model_type,
+        kernel_path="portable" if _cpu_mode or not torch.cuda.is_available() else "fla",
+        tp=tensor_parallel.tp_choice(model_args, job_config),
+        ac=activation_checkpoint.ac_choice(job_config),
+        compile=CompileChoice(
+            model=model_compile_enabled(job_config),
+            loss=job_config.compile.enable and "loss" in job_config.compile.components,
+            backend=job_config.compile.backend,
+        ),
+        float8=float8.float8_choice(job_config, model_args.model_type),
+        data_parallel=_data_parallel(job_config),
+        nonfinite=nonfinite.policy(section),
+        metrics_jsonl=getattr(section, "metrics_jsonl", ""),
+        hf_export=job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf,
+        hf_assets_path=data.resolve_asset_path(job_config.model.hf_assets_path),
+    )
+
+
+def _data_parallel(job_config) -> DataParallelChoice:
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    p = job_config.parallelism
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
+    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world // others
+    replicate = p.data_parallel_replicate_degree
+    kind = "hsdp" if shard > 1 and replicate > 1 else "fsdp" if shard > 1 else "ddp" if replicate > 1 else "none"
+    policy = p.fsdp_reshard_after_forward
+    return DataParallelChoice(
+        kind=kind,
+        param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+        # "default": reshard blocks (without PP), keep the final norm and head gathered from forward into backward.
+        reshard_blocks=policy == "always" or (policy == "default" and p.pipeline_parallel_degree == 1),
+        reshard_head=policy == "always",
+        cpu_offload=job_config.training.enable_cpu_offload,
+    )
+
+
+_current: JobPlan | None = None
+
+
+def current() -> JobPlan:
+    """The plan of the job being built in this process (torchtitan builds one job at a time)."""
+    if _current is None:
+        raise RuntimeError("no titan_ext job is being built (the model args' update_from_config has not run)")
+    return _current
+
+
+def replace(plan: JobPlan, **changes) -> JobPlan:
+    return dataclasses.replace(plan, **changes)

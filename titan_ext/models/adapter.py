@@ -1,0 +1,87 @@
+"""torchtitan's model contract over a Hugging Face causal LM class.
+
+An adapted model keeps the HF parameter names (so HF checkpoints load with an
+identity mapping) and adds what torchtitan's trainer calls: construction from
+a model-args dataclass on the meta device, ``init_weights`` after
+``to_empty``, and ``forward(tokens) -> logits``. Labels are never passed to
+the HF forward: torchtitan's labels are already shifted, and its loss is a
+sum over tokens that the trainer normalizes. fla models get their kernels
+bound at construction (``titan_ext.kernels``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn as nn
+
+from titan_ext import kernels
+from titan_ext.models.args import HFModelArgs, resolve
+
+
+class TitanCausalLM:
+    """Mixin placed before an HF ``*ForCausalLM`` class in the bases (``titan_class`` does it)."""
+
+    def __init__(self, model_args: HFModelArgs):
+        with build_context(model_args):
+            super().__init__(model_args.to_hf_config())
+        self.model_args = model_args
+        if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
+            kernels.bind(self, kernel_path())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
+        return self.lm_head(hidden)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Initialize every parameter and buffer in place (also on DTensor shards).
+
+        HF's own initializer skips modules it marks as initialized; torchtitan
+        calls this after ``to_empty``, when every tensor holds garbage, so each
+        module's ``_init_weights`` runs unconditionally.
+        """
+        for module in self.modules():
+            self._init_weights(module)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+        if buffer_device is not None:
+            move_buffers(self, buffer_device)
+
+
+def kernel_path() -> str:
+    """fla's kernels on CUDA, torch code anywhere else or in CPU mode (``titan_ext.kernels``)."""
+    from titan_ext.job import in_cpu_mode
+
+    return "fla" if torch.cuda.is_available() and not in_cpu_mode() else "portable"
+
+
+def build_context(model_args: HFModelArgs):
+    """``host_patches.BUILD`` while an fla Transformer is constructed (its Attention checks for flash-attn)."""
+    if model_args.model_type == "transformer":
+        from titan_ext.host_patches import building
+
+        return building()
+    return contextlib.nullcontext()
+
+
+@functools.cache
+def titan_class(args_class: type[HFModelArgs]) -> type:
+    """``TitanCausalLM`` + the HF class of ``args_class``, e.g. ``GLAForTitan``."""
+    hf_class = resolve(args_class.hf_model)
+    name = hf_class.__name__.replace("ForCausalLM", "ForTitan")
+    return type(name, (TitanCausalLM, hf_class), {"__module__": __name__})
+
+
+def build_model(model_args: HFModelArgs) -> nn.Module:
+    """A train spec's ``model_cls``: the adapted model for these args."""
+    return titan_class(type(model_args))(model_args)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Put every buffer (e.g. rotary ``inv_freq``) on ``device``: with CPU offload, parameters
+    stay on the CPU while buffers must sit where the forward runs."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, buffer.to(device))

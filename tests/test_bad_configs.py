@@ -1,8 +1,11 @@
-"""Bad configs stop the job before any model is built, exit non-zero, and say what to change.
+"""Bad configs end the job before any model is built, in one line naming the option and the fix.
 
-Every case is a real ``torchrun -m torchtitan.train`` launch. They are
-started together (each spends its time importing) and checked one test
-per case.
+Every class of bad input is checked in-process, through the same functions a
+job runs (``preflight.check_job_config`` at the Trainer's import of
+titan_ext, then the model args' ``update_from_config``). Two real 2-rank
+launches, started together, check what the user sees: the line once (rank
+0), exit code 2 on every rank, no Python traceback from any rank, and nothing
+printed by the ranks after it.
 """
 
 import json
@@ -10,106 +13,189 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from launch import CONFIGS, REPO
+from torch.distributed.checkpoint import save as dcp_save
+from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import get_train_spec
 
-# Printed by the trainer once the model is built on the meta device; a fast failure never gets there.
-MODEL_BUILT = "Model fla_gla debugmodel size"
-
+import titan_ext  # noqa: F401  (train specs)
+from titan_ext import preflight
+from titan_ext.checkpoint import checkpoint_config
+from titan_ext.errors import ConfigError
 
 GLA = ["--job.config_file", str(CONFIGS / "debug_gla.toml")]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+HF_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
+DCP_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_path"]
 
-# Files each case may point at, written into the test's folder ({tmp}).
-FILES = {
-    "heads3.json": json.dumps({"num_heads": 3}),
-    "mlp101.json": json.dumps({"intermediate_size": 101}),
-    "bad.json": "{oops",
-    "hf_mismatch/config.json": json.dumps(
-        {"model_type": "gla", "hidden_size": 128, "num_hidden_layers": 2, "num_heads": 4, "vocab_size": 2048}
+
+def write_inputs(tmp):
+    """Files the cases point at ({tmp}/...)."""
+    files = {
+        "heads3.json": json.dumps({"num_heads": 3}),
+        "mlp101.json": json.dumps({"intermediate_size": 101}),
+        "typo.json": json.dumps({"num_hiden_layers": 4}),
+        "wrong_type.json": json.dumps({"hidden_size": "64"}),
+        "impossible.json": json.dumps({"num_hidden_layers": 0}),
+        "bad.json": "{oops",
+        "empty.jsonl": "",
+        "not_json.jsonl": '{"text": "fine"}\nnot json\n',
+        "no_text.jsonl": '{"body": "x"}\n',
+        "hf_mismatch/config.json": json.dumps(
+            {"model_type": "gla", "hidden_size": 128, "num_hidden_layers": 2, "num_heads": 4, "vocab_size": 2048}
+        ),
+        "hf_other_model/config.json": json.dumps({"model_type": "llama"}),
+        "no_step/readme.txt": "nothing here",
+        "ac_fullish.toml": (CONFIGS / "debug_gla.toml").read_text().replace('mode = "none"', 'mode = "fullish"'),
+    }
+    for name, content in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(content)
+    (tmp / "a_directory.jsonl").mkdir()
+    debug_gla = checkpoint_config(get_train_spec("fla_gla").model_args["debugmodel"])
+    for name, body in (("hf_corrupt", b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}"), ("hf_truncated", None)):
+        debug_gla.save_pretrained(tmp / name)
+        if body is None:  # a valid header promising 4 KiB of data, then the file ends
+            header = json.dumps({"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}).encode()
+            body = len(header).to_bytes(8, "little") + header + b"\0" * 100
+        (tmp / name / "model.safetensors").write_bytes(body)
+    dcp_save({"lm_head.weight": torch.zeros(3, 3)}, checkpoint_id=str(tmp / "dcp_other_model"))
+    (tmp / "dcp_corrupt").mkdir()
+    (tmp / "dcp_corrupt" / ".metadata").write_bytes(b"\x80\x04garbage")
+
+
+# name -> (CLI arguments, world size, expected message)
+CASES = {
+    # names
+    "unknown model name": ([*GLA, "--model.name", "fla_glx"], 1, "--model.name='fla_glx' is not a registered train spec"),
+    "unknown flavor": ([*GLA, "--model.flavor", "huge"], 1, "--model.flavor='huge' is not a flavor of fla_gla"),
+    "unknown dataset": ([*GLA, "--training.dataset", "c5"], 1, "--training.dataset"),
+    # (the CLI flag is checked by tyro; a TOML value is not)
+    "unknown ac mode": (["--job.config_file", "{tmp}/ac_fullish.toml"], 1, "--activation_checkpoint.mode"),
+    "unknown compile backend": ([*GLA, "--compile.enable", "--compile.backend", "inductr"], 1, "--compile.backend"),
+    "unknown converter": ([*GLA, "--model.converters", "float8"], 1, "use 'quantize.linear.float8'"),
+    "bad nonfinite policy": ([*GLA, "--titan_ext.nonfinite_loss", "ignore"], 1, "--titan_ext.nonfinite_loss='ignore'"),
+    # numbers and degrees
+    "zero seq_len": ([*GLA, "--training.seq_len", "0"], 1, "--training.seq_len"),
+    "negative batch": ([*GLA, "--training.local_batch_size", "-2"], 1, "--training.local_batch_size"),
+    "zero steps": ([*GLA, "--training.steps", "0"], 1, "--training.steps"),
+    "zero tp degree": ([*GLA, "--parallelism.tensor_parallel_degree", "0"], 1, "--parallelism.tensor_parallel_degree"),
+    "degrees vs world size": ([*GLA, "--parallelism.data_parallel_shard_degree", "2", *TP2[:2]], 2, "WORLD_SIZE"),
+    # parallelism titan_ext cannot do
+    "pipeline parallel": ([*GLA, "--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline_parallel_degree=2"),
+    "context parallel": ([*GLA, "--parallelism.context_parallel_degree", "2"], 2, "context_parallel_degree=2"),
+    "ddp with tp": (
+        [*GLA, *TP2, "--parallelism.data_parallel_replicate_degree", "2"], 4, "DDP (--parallelism.data_parallel_replicate_degree)"
     ),
-    "no_config_module.toml": (CONFIGS / "debug_gla.toml").read_text().replace(
-        'custom_config_module = "titan_ext.config"', ""
-    ) + '\n[titan_ext]\nnonfinite_loss = "skip"\n',
+    "async tp without compiling the model": (
+        [*GLA, *TP2, "--parallelism.enable_async_tensor_parallel", "--compile.enable", "--compile.components", "loss"],
+        2, "--parallelism.enable_async_tensor_parallel needs the model compiled",
+    ),
+    "tp does not divide heads": ([*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/heads3.json"], 2, "num_heads=3 is not divisible"),
+    "tp does not divide mlp width": (
+        [*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/mlp101.json"], 2, "intermediate_size=101 is not divisible"
+    ),
+    "seq_len not divisible under sp": ([*GLA, *TP2, "--training.seq_len", "127"], 2, "--training.seq_len=127 is not divisible"),
+    # [titan_ext] hf_config
+    "hf_config path missing": ([*GLA, "--titan_ext.hf_config", "{tmp}/nowhere.json"], 1, "no such file"),
+    "hf_config not json": ([*GLA, "--titan_ext.hf_config", "{tmp}/bad.json"], 1, "is not valid JSON"),
+    "hf_config unknown field": ([*GLA, "--titan_ext.hf_config", "{tmp}/typo.json"], 1, "num_hiden_layers"),
+    "hf_config wrong type": ([*GLA, "--titan_ext.hf_config", "{tmp}/wrong_type.json"], 1, "hidden_size"),
+    "hf_config impossible value": ([*GLA, "--titan_ext.hf_config", "{tmp}/impossible.json"], 1, "num_hidden_layers"),
+    # data files
+    "dataset path missing": ([*GLA, "--training.dataset_path", "{tmp}/missing.jsonl"], 1, "missing.jsonl"),
+    "dataset path empty": ([*GLA, "--training.dataset_path", "{tmp}/empty.jsonl"], 1, "empty.jsonl"),
+    "dataset not json lines": ([*GLA, "--training.dataset_path", "{tmp}/not_json.jsonl"], 1, "line 2"),
+    "dataset without text field": ([*GLA, "--training.dataset_path", "{tmp}/no_text.jsonl"], 1, "'text'"),
+    "dataset path is a directory": ([*GLA, "--training.dataset_path", "{tmp}/a_directory.jsonl"], 1, "a_directory.jsonl"),
+    # checkpoints
+    "hf checkpoint config mismatch": (
+        [*GLA, *HF_LOAD, "{tmp}/hf_mismatch"], 1, "config.json does not match --model.flavor: hidden_size=64 (flavor) vs 128"
+    ),
+    "hf checkpoint of another model": ([*GLA, *HF_LOAD, "{tmp}/hf_other_model"], 1, "hf_other_model"),
+    "hf safetensors corrupt": ([*GLA, *HF_LOAD, "{tmp}/hf_corrupt"], 1, "model.safetensors"),
+    "hf safetensors truncated": ([*GLA, *HF_LOAD, "{tmp}/hf_truncated"], 1, "model.safetensors"),
+    "dcp checkpoint of another model": ([*GLA, *DCP_LOAD, "{tmp}/dcp_other_model"], 1, "another model or flavor"),
+    "dcp metadata corrupt": ([*GLA, *DCP_LOAD, "{tmp}/dcp_corrupt"], 1, "dcp_corrupt"),
+    "folder with no readable step": ([*GLA, *DCP_LOAD, "{tmp}/no_step"], 1, "no_step"),
+    # Float8
+    "float8 without a float8 gpu or emulation": (
+        [*GLA, "--model.converters", "quantize.linear.float8"], 1, "needs a CUDA GPU with compute capability >= 8.9"
+    ),
 }
 
-# name -> (processes, CLI arguments, expected message)
-CASES = {
-    "unknown model name": (
-        1, [*GLA, "--model.name", "fla_glx"], "--model.name='fla_glx' is not a registered train spec; choose one of ["
+
+def first_error(argv: list[str], world: int) -> str:
+    """What a job with these flags reports, through the checks a job runs, or '' if none."""
+    job_config = ConfigManager().parse_args(argv)
+    try:
+        preflight.check_job_config(job_config, world_size=world)
+        model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+        type(model_args).update_from_config.__wrapped__(model_args, job_config)  # without the SystemExit boundary
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bad_configs")
+    write_inputs(folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_is_one_line_naming_it(tmp, name, monkeypatch):
+    argv, world, expected = CASES[name]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    message = first_error([arg.replace("{tmp}", str(tmp)) for arg in argv], world)
+    assert expected in message, f"{name}: got {message!r}"
+    assert "\n" not in message and ";" in message, f"{name}: not one line with a fix: {message!r}"
+
+
+def test_a_good_config_passes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert first_error(GLA, 1) == ""
+
+
+# ---- what the user sees: two real launches -------------------------------------------------------
+
+LAUNCHES = {
+    # found when the Trainer imports titan_ext, before any process group exists
+    "at import": (
+        ["--parallelism.data_parallel_shard_degree", "4"],
+        "titan_ext: --parallelism.data_parallel_shard_degree=4",
     ),
-    "unknown flavor": (
-        1, [*GLA, "--model.flavor", "huge"],
-        "--model.flavor='huge' is not a flavor of fla_gla; choose one of ['1.3B', '340M', '7B', 'debugmodel']",
-    ),
-    "tp does not divide heads": (
-        2, [*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/heads3.json"],
-        "num_heads=3 is not divisible by --parallelism.tensor_parallel_degree=2",
-    ),
-    "tp does not divide mlp width": (
-        2, [*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/mlp101.json"],
-        "intermediate_size=101 is not divisible by --parallelism.tensor_parallel_degree=2",
-    ),
-    "seq_len not divisible under sp": (
-        2, [*GLA, *TP2, "--training.seq_len", "127"],
-        "--training.seq_len=127 is not divisible by --parallelism.tensor_parallel_degree=2",
-    ),
-    "async tp without compile": (
-        2, [*GLA, *TP2, "--parallelism.enable_async_tensor_parallel"],
-        "--parallelism.enable_async_tensor_parallel needs torch.compile",
-    ),
-    # torchtitan parses the TOML before titan_ext is imported; its own message names the section.
-    "titan_ext section without custom_config_module": (
-        1, ["--job.config_file", "{tmp}/no_config_module.toml"],
-        "Invalid field names in <class 'torchtitan.config.job_config.JobConfig'> data: {'titan_ext'}",
-    ),
-    "hf_config path missing": (
-        1, [*GLA, "--titan_ext.hf_config", "{tmp}/nowhere.json"], "nowhere.json': no such file; point it at an HF config.json"
-    ),
-    "hf_config not json": (1, [*GLA, "--titan_ext.hf_config", "{tmp}/bad.json"], "bad.json' is not valid JSON"),
-    "hf checkpoint config mismatch": (
-        1,
-        [*GLA, "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", "{tmp}/hf_mismatch"],
-        "config.json does not match --model.flavor: hidden_size=64 (flavor) vs 128 (checkpoint)",
-    ),
-    "float8 without a float8 gpu or emulation": (
-        1, [*GLA, "--model.converters", "quantize.linear.float8"],
-        "--model.converters quantize.linear.float8 needs a CUDA GPU with compute capability >= 8.9",
-    ),
-    "float8 under torchtitan's unregistered name": (
-        1, [*GLA, "--model.converters", "float8"], "--model.converters: 'float8' is not a converter name; use 'quantize.linear.float8'"
-    ),
-    "dataset path missing": (
-        1, [*GLA, "--training.dataset_path", "{tmp}/missing.jsonl"], "missing.jsonl': no such file; give a JSON-lines file"
-    ),
+    # found once the model args see the config, after the process group exists
+    "at model args": ([*TP2, "--titan_ext.hf_config", "{tmp}/heads3.json"], "titan_ext: num_heads=3 is not divisible"),
 }
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bad_configs")
-    for name, content in FILES.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_text(content)
+def launches(tmp):
     procs = {}
-    for name, (nproc, args, expected) in CASES.items():
-        args = [arg.replace("{tmp}", str(tmp)) for arg in args]
-        dump = tmp / name.replace(" ", "_")
+    for name, (flags, _) in LAUNCHES.items():
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "torchtitan.train", *args, "--job.dump_folder", str(dump),
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "torchtitan.train", *GLA, "--job.dump_folder", str(tmp / name.replace(" ", "_")),
+            *(flag.replace("{tmp}", str(tmp)) for flag in flags),
         ]
-        procs[name] = (subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), expected)
-    results = {}
-    for name, (proc, expected) in procs.items():
-        output, _ = proc.communicate(timeout=900)
-        results[name] = (proc.returncode, output, expected)
-    return results
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return {name: (proc.communicate(timeout=600)[0], proc.returncode) for name, proc in procs.items()}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bad_config_fails_fast_with_one_clear_line(outcomes, name):
-    returncode, output, expected = outcomes[name]
-    assert returncode != 0, f"{name}: the job did not fail\n{output[-3000:]}"
-    lines = [line for line in output.splitlines() if expected in line]
-    assert lines, f"{name}: expected message not found: {expected!r}\n{output[-4000:]}"
-    assert MODEL_BUILT not in output, f"{name}: failed only after building the model"
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_the_user_sees_one_line_and_no_traceback(launches, name):
+    output, code = launches[name]
+    expected = LAUNCHES[name][1]
+    lines = output.splitlines()
+    hits = [i for i, line in enumerate(lines) if expected in line]
+    assert code != 0 and len(hits) == 1, f"{name}: exit {code}, line found {len(hits)}x\n{output[-4000:]}"
+    assert "exitcode  : 2" in output, output[-3000:]
+    after = lines[hits[0] + 1:]
+    assert not any(line.startswith(("[titan]", "[rank")) for line in after), "\n".join(after[:20])
+    # The only traceback is torchrun's own (its ChildFailedError summary), not a rank's.
+    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
+    assert all("torch/distributed/run.py" in "\n".join(lines[i:i + 12]) for i in tracebacks), output[-4000:]
+    assert "error_file: <N/A>" in output

@@ -10,12 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 import json
 import os
 import shutil
-import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -24,24 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+from titan_ext import inputs
+from titan_ext.errors import ConfigError
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _import_inputs():
-    """``titan_ext.inputs``; if the package's ``__init__`` does not import, load the modules without it."""
-    try:
-        return importlib.import_module("titan_ext.inputs")
-    except ImportError:
-        for name in [m for m in sys.modules if m == "titan_ext" or m.startswith("titan_ext.")]:
-            del sys.modules[name]
-        package = types.ModuleType("titan_ext")
-        package.__path__ = [str(REPO / "titan_ext")]
-        sys.modules["titan_ext"] = package
-        return importlib.import_module("titan_ext.inputs")
-
-
-inputs = _import_inputs()
-from titan_ext.errors import ConfigError  # noqa: E402  (after the package is importable)
 
 
 @functools.cache

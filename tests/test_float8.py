@@ -1,4 +1,4 @@
-"""Float8 via torchtitan's quantize.linear.float8 converter: default filters, errors, an emulated run."""
+"""Float8 via torchtitan's quantize.linear.float8 converter: checks, the plan's filters, and high-precision linears."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import copy
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.nn as nn
-from launch import torchrun
+from helpers import job_config
+from torchao.float8.float8_linear import Float8Linear as Float8LinearModule
 from torchtitan.components.quantization.float8 import Float8LinearConverter
 from torchtitan.config.job_config import Compile, Float8Linear
 
-import titan_ext  # noqa: F401
-from titan_ext.float8 import CONVERTER, configure_float8
+from titan_ext.errors import ConfigError
+from titan_ext.float8 import CONVERTER, check_float8, float8_choice, keep_high_precision
+from titan_ext.job import Float8Choice
 from titan_ext.models.gla import GLAForTitan, gla_flavors
 
 
@@ -25,66 +28,91 @@ def job(converters=(CONVERTER,), emulate=True, filter_fqns=(), compile_enable=Fa
     )
 
 
-def test_default_filters_applied_when_none_given():
-    config = job()
-    configure_float8(config, "gla")
-    assert config.quantize.linear.float8.filter_fqns == ["gk_proj", "lm_head"]
-    config = job()
-    configure_float8(config, "llama")
-    assert config.quantize.linear.float8.filter_fqns == ["lm_head"]
+# ---- checks --------------------------------------------------------------------------------------
 
 
-def test_user_filters_are_kept():
-    config = job(filter_fqns=["o_proj"])
-    configure_float8(config, "gla")
-    assert config.quantize.linear.float8.filter_fqns == ["o_proj"]
+def test_checks_pass_without_float8_or_with_emulate():
+    check_float8(job(converters=(), emulate=False, compile_enable=True))
+    check_float8(job(emulate=True))
 
 
-def test_no_float8_no_change():
-    config = job(converters=())
-    configure_float8(config, "gla")
-    assert config.quantize.linear.float8.filter_fqns == []
-
-
-@pytest.mark.parametrize("name", ["float8", "fp8"])
-def test_wrong_converter_name_names_the_right_one(name):
-    with pytest.raises(ValueError, match=rf"--model.converters: '{name}' is not a converter name; use 'quantize.linear.float8'"):
-        configure_float8(job(converters=[name]), "gla")
-
-
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a float8 GPU")
 def test_no_float8_gpu_without_emulate_is_one_line_error():
-    with pytest.raises(ValueError) as info:
-        configure_float8(job(emulate=False), "gla")
+    with pytest.raises(ConfigError) as info:
+        check_float8(job(emulate=False))
     message = str(info.value)
     assert "compute capability >= 8.9" in message and "--quantize.linear.float8.emulate" in message
     assert "\n" not in message
 
 
 def test_emulate_with_compile_is_one_line_error():
-    with pytest.raises(ValueError, match="--quantize.linear.float8.emulate does not work with a compiled model"):
-        configure_float8(job(compile_enable=True), "gla")
+    with pytest.raises(ConfigError, match="--quantize.linear.float8.emulate does not work with a compiled model"):
+        check_float8(job(compile_enable=True))
 
 
-def test_torchtitan_converter_with_defaults_keeps_filtered_linears():
+# ---- the plan's choice ------------------------------------------------------------------------------
+
+
+def test_default_filters_per_architecture_without_rewriting_the_config():
     config = job()
-    configure_float8(config, "gla")
-    model = GLAForTitan(copy.deepcopy(gla_flavors["debugmodel"]))
+    assert float8_choice(config, "gla") == Float8Choice(("gk_proj", "lm_head"), ("gk_proj", "lm_head"))
+    assert float8_choice(config, "llama") == Float8Choice(("lm_head",), ("lm_head",))
+    assert config.quantize.linear.float8.filter_fqns == []  # the job config is left as the user gave it
+
+
+def test_user_filters_are_kept_and_nothing_is_restored():
+    assert float8_choice(job(filter_fqns=["o_proj"]), "gla") == Float8Choice(("o_proj",), ())
+
+
+def test_no_float8_no_choice():
+    assert float8_choice(job(converters=()), "gla") is None
+
+
+# ---- torchtitan's converter, then keep_high_precision ---------------------------------------------
+
+
+def converted_debug_gla(device: str):
+    """A debug GLA after torchtitan's converter ran with no filters (every 16-divisible linear converted)."""
+    config = job_config("--model.converters", CONVERTER, "--quantize.linear.float8.emulate")
+    assert config.quantize.linear.float8.filter_fqns == []
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GLAForTitan(copy.deepcopy(gla_flavors["debugmodel"]))
     Float8LinearConverter(config, SimpleNamespace(dp_shard_enabled=False)).convert(model)
-    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    kept = {n for n, k in kinds.items() if k == "Linear"}
-    assert kept == {n for n in kinds if "gk_proj" in n or n == "lm_head"}, kinds
-    assert any(k == "Float8Linear" for k in kinds.values())
+    return model
 
 
-def test_emulated_float8_run_trains(tmp_path):
-    run = torchrun(
-        "debug_gla.toml", tmp_path, "--debug.seed", "0", "--training.steps", "6",
-        "--model.converters", CONVERTER, "--quantize.linear.float8.emulate",
-        "--model.print_after_conversion",
-    ).check()
-    assert "Swapped to Float8Linear" in run.output
-    assert run.output.count("Float8Linear(") > 0
-    assert len(run.losses) == 6 and run.losses[-1] < run.losses[0], run.losses
-    head = [line for line in run.output.splitlines() if "(lm_head):" in line or "(0): Linear(" in line]
-    assert "Float8: no --quantize.linear.float8.filter_fqns given" in run.output
-    assert head and all("Float8Linear" not in line for line in head), head
+def linear_kinds(model):
+    return {name: type(m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_keep_high_precision_restores_exactly_the_filtered_linears(device):
+    model = converted_debug_gla(device)
+    assert all(kind is Float8LinearModule for kind in linear_kinds(model).values())
+    parameters = {name: p for name, p in model.named_parameters()}
+
+    restored = keep_high_precision(model, ("gk_proj", "lm_head"))
+    kinds = linear_kinds(model)
+    expected = {n for n in kinds if "gk_proj" in n or n == "lm_head"}
+    assert set(restored) == expected and len(expected) == 5  # gk_proj.0/.1 in 2 layers, lm_head
+    assert {n for n, kind in kinds.items() if kind is nn.Linear} == expected
+    assert {n for n, kind in kinds.items() if kind is Float8LinearModule} == set(kinds) - expected
+    # the same parameters, under the same names (checkpoints and optimizers see no change)
+    assert {name: p for name, p in model.named_parameters()}.keys() == parameters.keys()
+    assert all(p is parameters[name] for name, p in model.named_parameters())
+    assert keep_high_precision(model, ("gk_proj", "lm_head")) == []  # nothing left to restore
+
+
+def test_converted_model_trains_emulated_on_cpu():
+    model = converted_debug_gla("cpu")
+    keep_high_precision(model, ("gk_proj", "lm_head"))
+    with torch.no_grad():
+        model.init_weights()
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    assert logits.shape == (2, 32, 2048) and torch.isfinite(logits).all()
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    assert 5.0 < loss.item() < 10.0  # ~ln(2048) at init
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

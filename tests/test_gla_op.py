@@ -10,16 +10,17 @@ from __future__ import annotations
 
 from unittest import mock
 
-import fla.layers.gla
+import fla.ops.gla
 import pytest
 import torch
+from fla.layers.gla import GatedLinearAttention
+from helpers import gla_inputs, leaves
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import titan_ext  # noqa: F401  (installs the ops into fla)
+import titan_ext.kernels as kernels
+from titan_ext import compat
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels import gla_op
-
-from test_portable_kernels import gla_inputs, leaves
 
 FWD, BWD = torch.ops.titan_ext.chunk_gla_fwd.default, torch.ops.titan_ext.chunk_gla_bwd.default
 
@@ -28,9 +29,12 @@ def inputs(B=2, T=37, H=3, K=8, V=16, dtype=torch.float64, h0=True, device="cpu"
     return gla_inputs(B, T, H, K, V, with_h0=h0, dtype=dtype, device=device)
 
 
-def test_fla_chunk_gla_is_the_op_wrapper():
-    assert fla.layers.gla.chunk_gla.__module__ == gla_op.__name__
-    assert fla.layers.gla.chunk_gla._titan_ext_portable is portable.chunk_gla
+@pytest.mark.parametrize("path", ["portable", "fla"])
+def test_bound_gla_layers_call_the_op_wrapper_on_both_paths(path):
+    assert kernels.replacements(path)[fla.ops.gla.chunk_gla] is gla_op.chunk_gla
+    layer = kernels.bind(GatedLinearAttention(hidden_size=32, num_heads=2, layer_idx=0), path)
+    assert type(layer).forward.__globals__["chunk_gla"] is gla_op.chunk_gla
+    assert GatedLinearAttention.forward.__globals__["chunk_gla"] is fla.ops.gla.chunk_gla  # fla unchanged
     assert gla_op.SAVE_LIST == {FWD}
 
 
@@ -57,9 +61,9 @@ def test_opcheck(h0, final_state, state_v_first, lengths):
 
 
 def assert_op_matches(reference, q, k, v, g, state, grad_tol):
-    """The op path (fla's name) against ``reference``: outputs bit for bit, gradients within ``grad_tol``."""
+    """The op path against ``reference``: outputs bit for bit, gradients within ``grad_tol``."""
     ours, ref = leaves(q, k, v, g, state), leaves(q, k, v, g, state)
-    o, ht = fla.layers.gla.chunk_gla(*ours[:4], initial_state=ours[4], output_final_state=True)
+    o, ht = gla_op.chunk_gla(*ours[:4], initial_state=ours[4], output_final_state=True)
     o_ref, ht_ref = reference(*ref[:4], initial_state=ref[4], output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
@@ -79,11 +83,11 @@ def test_op_gradients_equal_the_portable_autograd_path(h0):
 def test_op_checks_arguments_like_fla():
     q, k, v, g, state = inputs(B=2)
     with pytest.raises(ValueError, match="With `cu_seqlens` the batch size must be 1, not 2"):
-        fla.layers.gla.chunk_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 37]))
+        gla_op.chunk_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 37]))
     with pytest.raises(ValueError, match="initial_state must be float32"):
-        fla.layers.gla.chunk_gla(q, k, v, g, initial_state=state.double())
+        gla_op.chunk_gla(q, k, v, g, initial_state=state.double())
     with pytest.raises(ValueError, match="q, k and g must have one shape"):
-        fla.layers.gla.chunk_gla(q, k[..., :4], v, g)
+        gla_op.chunk_gla(q, k[..., :4], v, g)
 
 
 @pytest.mark.parametrize("T, chunk", [(1, 16), (16, 16), (20, 32), (64, 64), (2048, 64)])
@@ -105,12 +109,13 @@ def test_cuda_path_wiring_to_fla_drivers():
     """What reaches fla's drivers and what comes back (the kernels themselves need a GPU)."""
     q, k, v, g, state = inputs(B=1, T=100)
     cu = torch.tensor([0, 40, 100])
-    with mock.patch.object(gla_op.fla_chunk, "chunk_gla_fwd", return_value=("gc", "A", "h", "ht", "o")) as fwd:
+    drivers = compat.fla_gla_drivers()
+    with mock.patch.object(drivers, "chunk_gla_fwd", return_value=("gc", "A", "h", "ht", "o")) as fwd:
         assert gla_op._fla_forward(q, k, v, g, 0.3, None, True, True, cu, None) == ("o", "ht", "A")
     kwargs = fwd.call_args.kwargs
     assert kwargs["g_cumsum"] is None and kwargs["chunk_size"] == 64 and kwargs["state_v_first"]
     assert kwargs["chunk_indices"].tolist() == [[0, 0], [1, 0]]
-    with mock.patch.object(gla_op.fla_chunk, "chunk_gla_bwd", return_value="grads") as bwd:
+    with mock.patch.object(drivers, "chunk_gla_bwd", return_value="grads") as bwd:
         assert gla_op._fla_backward(q, k, v, g, "A", state, v, None, 0.3, False, None, None) == "grads"
     kwargs = bwd.call_args.kwargs
     assert kwargs["A"] == "A" and kwargs["h"] is None and kwargs["g_cumsum"] is None
@@ -122,4 +127,4 @@ def test_cuda_path_wiring_to_fla_drivers():
 def test_cuda_op_matches_fla_chunk_gla(h0):
     """The same kernels on the same inputs; gradients get bf16 slack in case a backward kernel is not deterministic."""
     q, k, v, g, state = inputs(B=2, T=300, H=4, K=64, V=64, dtype=torch.bfloat16, h0=h0, device="cuda")
-    assert_op_matches(fla.layers.gla.chunk_gla._titan_ext_original, q, k, v, g, state, grad_tol=1e-2)
+    assert_op_matches(fla.ops.gla.chunk_gla, q, k, v, g, state, grad_tol=1e-2)

@@ -1,31 +1,37 @@
 """The fla_gla train spec, model adapter, CPU mode, data and FSDP wiring, in one process."""
 
 import json
-import math
-import os
 
 import pytest
 import torch
-import titan_ext  # noqa: F401  (registers specs, installs CPU mode)
-from torchtitan.config import ConfigManager
+from helpers import job_config
 from torchtitan.protocols.train_spec import get_train_spec
 
-from titan_ext.models.gla import GLA_CHUNK_SIZE, GLAForTitan, GLAModelArgs, gla_flavors
-
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs", "debug_gla.toml")
-
-
-def job_config(*args):
-    return ConfigManager().parse_args(["--job.config_file", CONFIG, *args])
+import titan_ext  # noqa: F401  (registers the train specs and the shipped dataset)
+from titan_ext.errors import EXIT_CODE, ConfigError
+from titan_ext.models.adapter import build_model
+from titan_ext.models.args import load_hf_config_json
+from titan_ext.models.gla import GLAForTitan, GLAModelArgs, gla_flavors
 
 
 def test_spec_registered_with_flavors():
     spec = get_train_spec("fla_gla")
     assert set(spec.model_args) == {"debugmodel", "340M", "1.3B", "7B"}
-    assert spec.model_cls is GLAForTitan
+    assert spec.model_cls is build_model
     args = spec.model_args["340M"]
     assert (args.hidden_size, args.num_hidden_layers, args.num_heads) == (1024, 24, 4)
     assert (args.expand_k, args.expand_v, args.hidden_ratio, args.vocab_size) == (0.5, 1.0, 4, 32000)
+    assert spec.model_args["340M"] is not spec.model_args["340M"]  # a fresh copy per lookup
+
+
+def test_build_model_makes_the_titan_class_with_portable_kernels():
+    from fla.layers.gla import GatedLinearAttention
+
+    with torch.device("meta"):
+        model = build_model(gla_flavors["debugmodel"])
+    assert type(model) is GLAForTitan
+    attn = model.model.layers[0].attn
+    assert isinstance(attn, GatedLinearAttention) and type(attn) is not GatedLinearAttention  # bound on CPU
 
 
 def test_340M_matches_public_parameter_count():
@@ -68,20 +74,32 @@ def test_forward_returns_logits_and_trains_on_cpu():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_flops_are_linear_attention_flops():
+def test_gla_mixer_cost_per_token_stops_growing_at_fla_chunk():
+    """Linear attention: beyond fla's largest chunk (64) the per-token mixer cost is flat."""
     args = gla_flavors["340M"]
+    at_64 = args.mixer_flops_per_token(64)
+    assert all(args.mixer_flops_per_token(n) == at_64 for n in (65, 128, 2048, 8192, 131072))
+    assert args.mixer_flops_per_token(16) < args.mixer_flops_per_token(32) < at_64  # smaller chunks below 64
+
+
+def test_gla_flops_of_the_debug_model_by_hand():
+    """debugmodel: hidden 64, 2 layers, 4 heads, vocab 2048, key dim 32, value dim 64, MLP width 256.
+
+    Parameters: embeddings and lm_head 2048 * 64 = 131072 each; final norm 64; per layer
+    attn_norm 64 + q 2048 + k 2048 + v 4096 + g 4096 + gk (64*16 + 16*32 + 32) 1568 + o 4096
+    + g_norm 16 + mlp_norm 64 + gate/up/down 3 * 64 * 256 = 67248. Total 396704.
+    Mixer at seq_len 2048 (chunk 64), per layer forward 2*64*(32+64) + 4*32*64/4 = 14336;
+    x3 for training, x2 layers = 86016. FLOPs = 6 * (396704 - 131072) + 86016.
+    """
     with torch.device("meta"):
-        model = GLAForTitan(args)
-    nparams, flops = args.get_nparams_and_flops(model, 2048)
-    embedding = args.vocab_size * args.hidden_size
-    key_dim, value_dim = 512, 1024
-    mixer = 3 * 24 * (2 * GLA_CHUNK_SIZE * (key_dim + value_dim) + 4 * key_dim * value_dim // 4)
-    assert flops == 6 * (nparams - embedding) + mixer
-    # No softmax-attention term: the cost per token does not grow with the sequence.
-    assert args.get_nparams_and_flops(model, 8192)[1] == flops
+        model = GLAForTitan(gla_flavors["debugmodel"])
+    nparams, flops = gla_flavors["debugmodel"].get_nparams_and_flops(model, 2048)
+    assert nparams == 396_704
+    assert flops == 1_679_808
 
 
-def test_hf_config_overrides_flavor(tmp_path):
+def test_hf_config_overrides_flavor(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gla", "hidden_size": 96, "num_heads": 2, "architectures": ["x"]}))
     args = GLAModelArgs(**gla_flavors["debugmodel"].architecture())
@@ -94,6 +112,7 @@ def test_hf_config_overrides_flavor(tmp_path):
     [
         (None, "no such file"),
         ("{not json", "is not valid JSON"),
+        ("[1, 2]", "holds no JSON object"),
         ('{"model_type": "llama"}', "does not match this train spec's 'gla'"),
     ],
 )
@@ -101,26 +120,97 @@ def test_hf_config_errors_are_one_line(tmp_path, content, message):
     path = tmp_path / "config.json"
     if content is not None:
         path.write_text(content)
-    args = GLAModelArgs()
-    with pytest.raises(ValueError, match=message) as err:
-        args.update_from_config(job_config("--titan_ext.hf_config", str(path)))
+    source = f"--titan_ext.hf_config={str(path)!r}"
+    with pytest.raises(ConfigError, match=message) as err:
+        GLAModelArgs().update_from_hf_config(load_hf_config_json(str(path)), source)
     assert "--titan_ext.hf_config" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_cpu_mode_rebinds_torchtitan_device():
+def test_update_from_config_turns_a_config_error_into_exit_2(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit) as exit_info:
+        GLAModelArgs().update_from_config(job_config("--titan_ext.hf_config", str(path)))
+    assert exit_info.value.code == EXIT_CODE == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "does not match this train spec's 'gla'" in errors[0] and "\n" not in errors[0]
+
+
+# ---- CPU mode ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_nvidia_env(monkeypatch):
+    import titan_ext.cpu_mode as cpu_mode
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv(cpu_mode.FORCE_ENV, raising=False)
+    if torch.accelerator.is_available() or cpu_mode.nvidia_hint() is not None:
+        pytest.skip("this machine has (or looks like it has) an accelerator")
+    return cpu_mode
+
+
+def test_cpu_mode_wanted_without_accelerator(no_nvidia_env):
+    assert no_nvidia_env.nvidia_hint() is None
+    assert no_nvidia_env.wanted() is True
+
+
+def test_cuda_visible_devices_without_cuda_is_a_one_line_error(no_nvidia_env, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError) as err:
+        no_nvidia_env.wanted()
+    message = str(err.value)
+    assert "CUDA_VISIBLE_DEVICES" in message and "TITAN_EXT_CPU" in message and "\n" not in message
+
+
+def test_force_env_wins_over_an_accelerator(no_nvidia_env, monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert no_nvidia_env.wanted() is False
+    monkeypatch.setenv(no_nvidia_env.FORCE_ENV, "1")
+    assert no_nvidia_env.wanted() is True
+
+
+def test_apply_cpu_mode_rebinds_torchtitan_devices_and_undo_restores_them():
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
+    from torch.distributed.fsdp import FSDPModule
 
-    assert not torch.accelerator.is_available()
-    for module in (tools_utils, dist_utils, metrics, parallel_dims):
-        assert module.device_type == "cpu", module.__name__
-    device_module = tools_utils.device_module
-    assert isinstance(device_module.current_device(), int)
-    assert device_module.memory_stats()["reserved_bytes.all.peak"] > 0
-    monitor = metrics.build_device_memory_monitor()
-    assert monitor.get_peak_stats().max_reserved_gib > 0
+    from titan_ext import host_patches
+    from titan_ext.cpu_mode import CPU_DEVICE_MODULE
+
+    if host_patches.active():
+        pytest.skip("host patches are already applied in this process")
+    targets = [(tools_utils, "device_type"), (tools_utils, "device_module"), (tools_utils, "get_peak_flops"),
+               (dist_utils, "device_type"), (dist_utils, "device_module"), (parallel_dims, "device_type"),
+               (metrics, "device_type"), (metrics, "device_module")]
+    originals = {(m.__name__, name): getattr(m, name) for m, name in targets}
+    divide_factor = vars(FSDPModule)["set_gradient_divide_factor"]
+    assert {p.target for p in host_patches.CPU_MODE} >= {f"{m}:{n}" for m, n in originals}
+
+    host_patches.apply_cpu_mode()
+    try:
+        for module in (tools_utils, dist_utils, metrics, parallel_dims):
+            assert module.device_type == "cpu", module.__name__
+        for module in (tools_utils, dist_utils, metrics):
+            assert module.device_module is CPU_DEVICE_MODULE, module.__name__
+        assert vars(FSDPModule)["set_gradient_divide_factor"] is not divide_factor
+        assert isinstance(CPU_DEVICE_MODULE.current_device(), int)
+        assert CPU_DEVICE_MODULE.memory_stats()["reserved_bytes.all.peak"] > 0
+        monitor = metrics.build_device_memory_monitor()
+        assert monitor.get_peak_stats().max_reserved_gib > 0
+    finally:
+        host_patches.undo()
+    assert not host_patches.active()
+    for (module_name, name), original in originals.items():
+        module = {m.__name__: m for m, _ in targets}[module_name]
+        assert getattr(module, name) is original, f"{module_name}.{name} not restored"
+    assert vars(FSDPModule)["set_gradient_divide_factor"] is divide_factor
+
+
+# ---- data ---------------------------------------------------------------------------------------
 
 
 def test_shipped_tokenizer_and_corpus_load_from_any_directory(tmp_path, monkeypatch):
@@ -129,7 +219,9 @@ def test_shipped_tokenizer_and_corpus_load_from_any_directory(tmp_path, monkeypa
     from titan_ext.data import TINY_DATASET, build_tokenizer
 
     monkeypatch.chdir(tmp_path)
-    tokenizer = build_tokenizer(job_config())
+    config = job_config()
+    tokenizer = build_tokenizer(config)
+    assert config.model.hf_assets_path == "titan_ext/assets/tiny"  # resolved, not written back
     assert tokenizer.get_vocab_size() <= gla_flavors["debugmodel"].vocab_size
     ids = tokenizer.encode("The fox found a map near the river.", add_bos=True, add_eos=True)
     assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
@@ -141,31 +233,48 @@ def test_shipped_tokenizer_and_corpus_load_from_any_directory(tmp_path, monkeypa
 def test_missing_assets_and_dataset_fail_clearly(tmp_path):
     from titan_ext.data import build_tokenizer, load_jsonl_text
 
-    with pytest.raises(ValueError, match="--model.hf_assets_path='nowhere'"):
+    with pytest.raises(ConfigError, match="--model.hf_assets_path='nowhere'"):
         build_tokenizer(job_config("--model.hf_assets_path", "nowhere"))
-    with pytest.raises(ValueError, match="--training.dataset_path="):
+    with pytest.raises(ConfigError, match="--training.dataset_path=.*no such file"):
         load_jsonl_text(str(tmp_path / "missing.jsonl"))
 
 
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
+def test_jsonl_text_loads_records_and_names_a_bad_line(tmp_path):
+    from titan_ext.data import load_jsonl_text
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "a"}\n\n{"text": "b", "id": 2}\n')
+    assert load_jsonl_text(str(good))["text"] == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n{"body": "b"}\n')
+    with pytest.raises(ConfigError, match="line 2 has no 'text' field"):
+        load_jsonl_text(str(bad))
 
 
-@pytest.mark.parametrize("policy,blocks_reshard,head_reshard", [("default", True, False), ("always", True, True), ("never", False, False)])
-def test_apply_fsdp_groups_policies_and_precision(one_rank_group, policy, blocks_reshard, head_reshard):
+# ---- FSDP -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy,blocks_reshard,head_reshard", [("default", True, False), ("always", True, True), ("never", False, False)]
+)
+def test_apply_fsdp_groups_policies_and_precision(gloo_group, monkeypatch, policy, blocks_reshard, head_reshard):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
+    from titan_ext.job import _data_parallel
     from titan_ext.parallelize import apply_fsdp
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    dp = _data_parallel(job_config(
+        "--parallelism.fsdp_reshard_after_forward", policy, "--training.enable_cpu_offload",
+        "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
+    ))
+    assert (dp.param_dtype, dp.reduce_dtype, dp.cpu_offload) == (torch.bfloat16, torch.float32, True)
+    assert (dp.reshard_blocks, dp.reshard_head) == (blocks_reshard, head_reshard)
 
     model = build_debug()
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
-    apply_fsdp(model, mesh, torch.bfloat16, torch.float32, cpu_offload=True, reshard_after_forward_policy=policy)
+    apply_fsdp(model, mesh, dp)
 
     def state(module):
         assert isinstance(module, FSDPModule), type(module)
@@ -185,20 +294,11 @@ def test_apply_fsdp_groups_policies_and_precision(one_rank_group, policy, blocks
     assert (head_group.post_forward_mesh_info is not None) == head_reshard
 
 
-def test_unknown_reshard_policy_is_rejected():
-    from titan_ext.parallelize import _reshard_after_forward
+def test_default_reshard_policy_keeps_blocks_gathered_with_pipeline_parallel(monkeypatch):
+    from titan_ext.job import _data_parallel
 
-    with pytest.raises(ValueError, match="fsdp_reshard_after_forward='sometimes'"):
-        _reshard_after_forward("sometimes", False)
-
-
-def test_cpu_mode_changes_nothing_when_an_accelerator_exists(monkeypatch):
-    import torchtitan.tools.utils as tools_utils
-
-    import titan_ext.cpu_mode as cpu_mode
-
-    monkeypatch.setattr(cpu_mode, "has_accelerator", lambda: True)
-    monkeypatch.setattr(tools_utils, "device_type", "cuda")
-    monkeypatch.setattr(tools_utils, "device_module", torch.cuda)
-    assert cpu_mode.enable_cpu_mode() is False
-    assert tools_utils.device_type == "cuda" and tools_utils.device_module is torch.cuda
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = job_config("--parallelism.fsdp_reshard_after_forward", "default")
+    config.parallelism.pipeline_parallel_degree = 2
+    dp = _data_parallel(config)
+    assert (dp.reshard_blocks, dp.reshard_head) == (False, False)

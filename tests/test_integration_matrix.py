@@ -6,12 +6,17 @@ Rows that cannot run on CPU are reported as skipped, with the reason.
 import math
 
 import pytest
-from integration_matrix import ALL_ROWS, RTOL, SPECS, applies, compare, run_matrix, table
+from integration_matrix import ALL_ROWS, RTOL, SPECS, Matrix, applies, compare, run_matrix, table
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    results, seconds = run_matrix(tmp_path_factory.mktemp("matrix"), list(SPECS), ALL_ROWS)
+def matrix_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("matrix")
+
+
+@pytest.fixture(scope="module")
+def matrix(matrix_root):
+    results, seconds = run_matrix(matrix_root, list(SPECS), ALL_ROWS)
     print(f"\n{table(results)}\nmatrix: {seconds:.0f} s")
     return {(r.spec, r.row): r for r in results}
 
@@ -46,3 +51,24 @@ def metrics(*losses, grad=1.0, first=1):
 def test_compare_flags_what_differs(run, problem):
     rel, detail = compare(run, metrics(2.0, 1.0), [1, 2])
     assert (problem in detail) if problem else (detail == "" and rel <= RTOL), (rel, detail)
+
+
+@pytest.mark.parametrize("spec", ["fla_gla", "fla_transformer", "hf_llama"])
+def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec):
+    """The ``hf`` row's export, as a user loads it: model and tokenizer from the folder, then ``generate``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from titan_ext import kernels
+
+    assert matrix[spec, "hf"].status == "ok", matrix[spec, "hf"].detail
+    folder = Matrix(matrix_root, [spec], ["hf"]).hf_export_folder(spec, "base")
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    if spec.startswith("fla_"):
+        kernels.portable(model)  # fla's Triton kernels need a GPU; this model alone runs torch code
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer("The fox found a map", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 4

@@ -317,6 +317,8 @@ def test_short_convolution():
 
 
 def test_cross_entropy_losses():
+    from titan_ext.kernels import losses
+
     logits, target = torch.randn(12, 30), torch.randint(0, 30, (12,))
     target[3] = -100
     for smoothing in (0.0, 0.1):
@@ -327,12 +329,37 @@ def test_cross_entropy_losses():
             logits,
         )
     x, weight = torch.randn(12, 8), torch.randn(30, 8)
-    linear_loss = kernels.portable(FusedLinearCrossEntropyLoss())
     check_same(
-        lambda x, w: linear_loss(x, target, w),
+        lambda x, w: losses.fused_linear_cross_entropy_loss(x, target, w),
         lambda x, w: F.cross_entropy(x @ w.T, target),
         x, weight,
     )
+
+
+# fla's loss modules are built inside the model's forward (fla.models.modeling_utils: a fresh
+# FusedCrossEntropyLoss / FusedLinearCrossEntropyLoss per call), so binding the model never
+# reaches them; FusedLinearCrossEntropyLoss.forward is also behind torch.compiler.disable, whose
+# wrapper hides fla's globals from titan_ext.kernels.binding.
+LOSS_NOT_BOUND = "titan_ext bug: fla's fused losses are not reached by kernels.portable (see comment)"
+
+
+@pytest.mark.xfail(reason=LOSS_NOT_BOUND, strict=True, raises=RuntimeError)
+def test_bound_fused_linear_cross_entropy_module():
+    x, weight, target = torch.randn(12, 8), torch.randn(30, 8), torch.randint(0, 30, (12,))
+    loss = kernels.portable(FusedLinearCrossEntropyLoss())
+    assert_rel_close(loss(x, target, weight), F.cross_entropy(x @ weight.T, target), what="loss")
+
+
+@pytest.mark.xfail(reason=LOSS_NOT_BOUND, strict=True, raises=(AssertionError, RuntimeError))
+@pytest.mark.parametrize("fused", ["fuse_cross_entropy", "fuse_linear_cross_entropy"])
+def test_bound_gla_model_loss_with_labels(fused):
+    flags = {"fuse_cross_entropy": fused == "fuse_cross_entropy", "fuse_linear_cross_entropy": fused != "fuse_cross_entropy"}
+    model = kernels.portable(tiny_gla(**flags))
+    x = tokens()
+    loss = model(input_ids=x, labels=x).loss
+    logits = model(input_ids=x).logits
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+    assert_rel_close(loss, expected, what="model loss")
 
 
 def test_dtensor_on_cpu_takes_the_torch_path(gloo_group):
@@ -366,7 +393,8 @@ def tokens(T=80):  # > 64 tokens, or the layer always picks fused_recurrent
 @pytest.mark.parametrize("fuse_swiglu", [True, False])
 @pytest.mark.parametrize("fuse_norm", [True, False])
 def test_gla_model_forward_backward(fuse_norm, fuse_swiglu):
-    model = kernels.portable(tiny_gla(fuse_norm=fuse_norm, fuse_swiglu=fuse_swiglu))
+    # torch's loss: see test_bound_gla_model_loss_with_labels for fla's fused one
+    model = kernels.portable(tiny_gla(fuse_norm=fuse_norm, fuse_swiglu=fuse_swiglu, fuse_cross_entropy=False))
     x = tokens()
     loss = model(input_ids=x, labels=x).loss
     assert torch.isfinite(loss) and 3.0 < loss.item() < 7.0  # ~ln(128) at init

@@ -1,4 +1,4 @@
-"""TP plans without a trainer: registry, validation, Float8 choice, and the collectives one block issues.
+"""TP plans without a trainer: registry, validation, the job plan's TP choice, and the collectives one block issues.
 
 Collectives are counted on torch's "fake" process group (world size 2, one
 process): DTensor issues the same collectives as on gloo, only their data is
@@ -16,9 +16,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import titan_ext  # noqa: F401  (fla's kernels in torch for CPU)
 from model_plans import (
     GLATPPlan,
+    IfPresent,
     LlamaTPPlan,
     TPOptions,
     TPPlan,
@@ -30,7 +30,17 @@ from model_plans import (
     resolve,
     validate_tp,
 )
-from titan_ext.tensor_parallel import apply_tp_from_config, check_async_tp, float8_tp_enabled, tp_options
+from titan_ext import kernels
+from titan_ext.errors import ConfigError
+from titan_ext.job import TPChoice
+from titan_ext.models.gla import GLAModelArgs
+from titan_ext.tensor_parallel import (
+    apply_tp_from_plan,
+    check_tp,
+    float8_tp_enabled,
+    sequence_parallel_enabled,
+    tp_choice,
+)
 
 TP = 2
 
@@ -108,19 +118,23 @@ def test_validation_passes_what_tp_can_split():
     validate_tp(gla_config(num_heads=3, hidden_size=96), 1, 127, True)  # no TP, nothing to check
 
 
-# ---- options from the job config ---------------------------------------------------------------
+# ---- the job plan's choice -----------------------------------------------------------------------
 
 
-def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None, async_tp=False, compile=False):
+def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None, async_tp=False, degree=TP, seq_len=128):
     titan_ext_section = SimpleNamespace() if disable_sp is None else SimpleNamespace(disable_sequence_parallel=disable_sp)
     return SimpleNamespace(
         model=SimpleNamespace(converters=list(converters)),
         quantize=SimpleNamespace(linear=SimpleNamespace(float8=SimpleNamespace(recipe_name=recipe))),
-        parallelism=SimpleNamespace(disable_loss_parallel=disable_loss_parallel, enable_async_tensor_parallel=async_tp),
-        compile=SimpleNamespace(enable=compile),
-        training=SimpleNamespace(seq_len=128),
+        parallelism=SimpleNamespace(tensor_parallel_degree=degree, disable_loss_parallel=disable_loss_parallel,
+                                    enable_async_tensor_parallel=async_tp),
+        training=SimpleNamespace(seq_len=seq_len),
         titan_ext=titan_ext_section,
     )
+
+
+def debug_gla_args(**kw):
+    return GLAModelArgs(hidden_size=64, num_hidden_layers=1, num_heads=4, vocab_size=128, **kw)
 
 
 @pytest.mark.parametrize(
@@ -136,33 +150,41 @@ def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None
 )
 def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
     assert float8_tp_enabled(job(converters, recipe)) is float8
-    plan = GLATPPlan(tp_options(job(converters, recipe)))
+    choice = tp_choice(debug_gla_args(), job(converters, recipe))
+    assert choice.float8 is float8
+    plan = choice.plan_cls(TPOptions(float8=choice.float8))
     styles = {**plan.block_plan(), **plan.model_plan()}
     for fqn in ("attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "attn.o_proj", "mlp.down_proj", "mlp"):
         assert (type(styles[fqn]).__module__.startswith("torchao.float8")) is float8, (fqn, styles[fqn])
     assert type(styles["lm_head"]) is ColwiseParallel  # the head stays high precision, as in torchtitan
 
 
-def test_loss_and_sequence_parallel_options():
-    assert tp_options(job()) == TPOptions(sequence_parallel=True, loss_parallel=True, float8=False)
-    assert tp_options(job(disable_loss_parallel=True, disable_sp=True)) == TPOptions(False, False, False)
+def test_tp_choice_maps_the_job_options():
+    assert tp_choice(debug_gla_args(), job(degree=1)) is None
+    assert tp_choice(debug_gla_args(), job()) == TPChoice(
+        degree=TP, plan_cls=GLATPPlan, sequence_parallel=True, loss_parallel=True, float8=False, async_tp=False)
+    choice = tp_choice(debug_gla_args(), job(disable_loss_parallel=True, disable_sp=True, async_tp=True))
+    assert (choice.sequence_parallel, choice.loss_parallel, choice.async_tp) == (False, False, True)
+    assert sequence_parallel_enabled(job()) and not sequence_parallel_enabled(job(disable_sp=True))
+
+
+def test_lm_head_layout_follows_loss_parallel():
     head = GLATPPlan(TPOptions(loss_parallel=True)).model_plan()["lm_head"]
     assert head.output_layouts[0].is_shard(-1) and not head.use_local_output
     head = GLATPPlan(TPOptions(loss_parallel=False)).model_plan()["lm_head"]
     assert head.output_layouts[0].is_replicate() and head.use_local_output
 
 
-def test_async_tp_needs_compile():
-    with pytest.raises(ValueError, match="--parallelism.enable_async_tensor_parallel needs torch.compile"):
-        check_async_tp(job(async_tp=True))
-    check_async_tp(job(async_tp=True, compile=True))
-
-
-def test_async_tp_checked_before_anything_is_sharded():
-    model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="needs torch.compile"):
-        apply_tp_from_config(model, SimpleNamespace(tp=2), job(async_tp=True))
-    assert not isinstance(model.weight, DTensor)
+def test_check_tp_turns_validation_into_a_config_error():
+    check_tp(debug_gla_args(), job())
+    check_tp(GLAModelArgs(hidden_size=96, num_heads=6), job(degree=1))  # no TP, nothing to check
+    with pytest.raises(ConfigError) as e:
+        check_tp(GLAModelArgs(hidden_size=96, num_heads=6), job(degree=4))
+    assert "num_heads=6 is not divisible by --parallelism.tensor_parallel_degree=4" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="--training.seq_len=127"):
+        check_tp(debug_gla_args(), job(seq_len=127))
+    check_tp(debug_gla_args(), job(seq_len=127, disable_sp=True))
 
 
 # ---- models on a fake 2-rank group ---------------------------------------------------------------
@@ -180,7 +202,7 @@ def tiny_gla(**kw):
 
     config = GLAConfig(hidden_size=64, num_hidden_layers=1, num_heads=4, vocab_size=128,
                        fuse_cross_entropy=False, fuse_linear_cross_entropy=False, **kw)
-    return GLAForCausalLM(config)
+    return kernels.portable(GLAForCausalLM(config))
 
 
 def tiny_llama():
@@ -194,12 +216,13 @@ def tiny_llama():
 def tiny_transformer():
     from fla.models import TransformerConfig, TransformerForCausalLM
 
-    from titan_ext.models import sdpa_attention
+    from titan_ext.host_patches import building
 
-    sdpa_attention.install()  # SDPA in place of flash-attn, which this machine lacks
     config = TransformerConfig(hidden_size=64, num_hidden_layers=1, num_heads=4, num_kv_heads=2, vocab_size=128,
                                qk_norm=True, fuse_cross_entropy=False, fuse_linear_cross_entropy=False)
-    return TransformerForCausalLM(config)
+    with building():  # fla's Attention refuses to build without flash-attn otherwise
+        model = TransformerForCausalLM(config)
+    return kernels.portable(model)  # SDPA in place of flash-attn, torch RMSNorm and rotary
 
 
 BUILDERS = {
@@ -266,6 +289,42 @@ def test_float8_styles_fall_back_where_the_converter_left_a_linear(mesh):
     assert type(resolved["mlp.down_proj"]) is RowwiseParallel
     assert type(resolved["mlp"]) is PrepareModuleInput
     assert "attn.g_norm" not in resolved  # fused variant: g_norm_swish_gate instead
+
+
+def test_a_typo_in_a_plan_entry_is_a_one_line_error_naming_it(mesh):
+    class Typo(GLATPPlan):
+        def attn_plan(self):
+            plan = super().attn_plan()
+            plan["attn.q_prj"] = plan.pop("attn.q_proj")
+            return plan
+
+    with pytest.raises(ValueError) as e:
+        apply_tp(tiny_gla(), mesh, Typo())
+    message = str(e.value)
+    assert "Typo names 'attn.q_prj'" in message and "IfPresent" in message and "\n" not in message
+
+
+def test_an_if_present_entry_for_a_missing_module_is_skipped():
+    block = tiny_gla().model.layers[0]
+    style = ColwiseParallel()
+    plan = {"attn.q_proj": style, "attn.not_there": IfPresent(RowwiseParallel())}
+    assert resolve(plan, block) == {"attn.q_proj": style}
+    with pytest.raises(ValueError, match="my plan names 'attn.not_there'"):
+        resolve({"attn.not_there": RowwiseParallel()}, block, "my plan")
+
+
+@pytest.mark.parametrize("fuse_swiglu", [True, False])
+@pytest.mark.parametrize("fuse_norm", [True, False])
+def test_shipped_gla_plan_fits_every_fusion_setting(mesh, fuse_norm, fuse_swiglu):
+    model = tiny_gla(fuse_norm=fuse_norm, fuse_swiglu=fuse_swiglu)
+    choice = TPChoice(degree=TP, plan_cls=GLATPPlan, sequence_parallel=True, loss_parallel=False, float8=False,
+                      async_tp=False)
+    apply_tp_from_plan(model, mesh, choice)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    attn = model.model.layers[0].attn
+    assert hasattr(attn, "g_norm_swish_gate") is fuse_norm  # fla builds one of the two head norms
+    logits = model.lm_head(model.model(input_ids=torch.randint(0, 128, (2, 16))).last_hidden_state)
+    assert logits.shape == (2, 16, 128)
 
 
 def test_base_plan_needs_an_attention_plan():

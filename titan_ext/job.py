@@ -15,7 +15,6 @@ Two moments of torchtitan's ``Trainer.__init__`` belong to titan_ext:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -133,7 +132,6 @@ def _build(model_args, job_config) -> JobPlan:
     from titan_ext.compile import model_compile_enabled
 
     section = getattr(job_config, "titan_ext", None)
-    training, parallelism = job_config.training, job_config.parallelism
     return JobPlan(
         model_name=job_config.model.name,
         flavor=job_config.model.flavor,
@@ -184,7 +182,3 @@ def current() -> JobPlan:
     if _current is None:
         raise RuntimeError("no titan_ext job is being built (the model args' update_from_config has not run)")
     return _current
-
-
-def replace(plan: JobPlan, **changes) -> JobPlan:
-    return dataclasses.replace(plan, **changes)

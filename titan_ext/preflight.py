@@ -112,7 +112,7 @@ def _check_checkpoint_to_load(model_args, job_config) -> None:
     path, kind = found
     option = "--checkpoint.initial_load_path" if path == job_config.checkpoint.initial_load_path else "--checkpoint.folder"
     if kind == "hf":
+        check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
         inputs.check_hf_checkpoint_dir(path, option)
-        check_hf_config(model_args, path)
     else:
         inputs.check_dcp_checkpoint(path, expected_state(model_args), f"{option} ({path})")

@@ -1,0 +1,129 @@
+"""``import titan_ext`` leaves its hosts alone; every change it makes is in ``host_patches`` and undoes exactly."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+from launch import REPO
+
+import titan_ext  # noqa: F401
+from titan_ext import host_patches, kernels
+
+# Run in a fresh interpreter: the test process has imported titan_ext (and built models) long before.
+IMPORT_CHANGES_NOTHING = r"""
+import json, sys, types, warnings
+import fla, fla.layers.gla, fla.layers.attn, fla.models, fla.modules, fla.ops.gla
+import torch, torchtitan.protocols.train_spec, torchtitan.tools.utils, torchtitan.distributed.utils
+import torchtitan.components.checkpoint, torchtitan.components.metrics, transformers
+from torch.distributed.fsdp import FSDPModule
+
+def snapshot():
+    seen = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("fla", "torchtitan", "transformers")):
+            continue
+        for key, value in list(vars(module).items()):
+            if callable(value) or isinstance(value, (str, types.ModuleType)):
+                seen[f"{name}.{key}"] = id(value)
+        for key, value in list(vars(module).items()):
+            if isinstance(value, type) and value.__module__ == name:
+                for attr, member in vars(value).items():
+                    seen[f"{name}.{key}.{attr}"] = id(member)
+    seen["FSDPModule.set_gradient_divide_factor"] = id(FSDPModule.set_gradient_divide_factor)
+    seen["warnings.filters"] = len(warnings.filters)
+    return seen
+
+before = snapshot()
+chunk_gla = fla.layers.gla.chunk_gla
+import titan_ext
+after = snapshot()
+changed = sorted(k for k in before if after.get(k) != before[k])
+# fla as shipped: its own GLA model still calls its Triton kernels (no GPU here) ...
+model = fla.models.GLAForCausalLM(fla.models.GLAConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64))
+try:
+    model(torch.randint(0, 64, (1, 80)))
+    shipped = "ran"
+except RuntimeError as error:
+    shipped = str(error)
+# ... while titan_ext's own model, in the same process, runs on titan_ext's kernels
+from titan_ext.models.gla import GLAForTitan, gla_flavors
+ours = GLAForTitan(gla_flavors["debugmodel"])
+ours.init_weights()
+finite = bool(ours(torch.randint(0, 2048, (1, 80))).isfinite().all())
+print(json.dumps({"changed": changed, "shipped": shipped, "chunk_gla_is_fla": fla.layers.gla.chunk_gla is chunk_gla,
+                  "attn_flash": repr(fla.layers.attn.flash_attn_func), "ours_finite": finite,
+                  "heavy": [m for m in ("fla", "transformers", "torchao") if m in sys.modules]}))
+"""
+
+
+def test_import_changes_nothing_in_fla_torchtitan_transformers_or_torch():
+    proc = subprocess.run([sys.executable, "-c", IMPORT_CHANGES_NOTHING], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Registration only: torchtitan's train-spec and dataset registries are dicts, mutated in place.
+    assert result["changed"] == [], result["changed"][:20]
+    assert result["chunk_gla_is_fla"] and result["attn_flash"] == "None"
+    assert "0 active drivers" in result["shipped"], result["shipped"]
+    assert result["ours_finite"]
+
+
+def test_import_does_not_import_fla_or_transformers():
+    code = "import sys, titan_ext; print([m for m in ('fla', 'transformers', 'torchao') if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_row_says_why_and_for_which_versions():
+    for patch in (*host_patches.CPU_MODE, *host_patches.BUILD):
+        owner, name = patch.owner_and_name()  # the target exists in the installed version
+        assert hasattr(owner, name), patch.target
+        assert patch.why and patch.checked, patch.target
+    for path in kernels.PATHS:
+        assert kernels.replacements(path)  # every MODEL_KERNELS row resolves
+
+
+def test_undo_restores_every_original():
+    originals = {}
+    for patch in host_patches.CPU_MODE:
+        owner, name = patch.owner_and_name()
+        originals[patch.target] = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+    host_patches.undo()  # whatever earlier tests left
+    filters = list(warnings.filters)
+    host_patches.apply_job()
+    host_patches.apply_cpu_mode()
+    host_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
+    import torchtitan.tools.utils as tools_utils
+
+    assert tools_utils.device_type == "cpu" and len(warnings.filters) > len(filters)
+    host_patches.undo()
+    for patch in host_patches.CPU_MODE:
+        owner, name = patch.owner_and_name()
+        now = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        assert now is originals[patch.target], patch.target
+    assert warnings.filters == filters
+    assert not host_patches.active()
+
+
+def test_build_patches_last_only_while_building():
+    import fla.layers.attn as attn
+
+    before = attn.flash_attn_func
+    with host_patches.building():
+        assert attn.flash_attn_func is not None
+    assert attn.flash_attn_func is before
+
+
+@pytest.mark.parametrize("path", kernels.PATHS)
+def test_binding_one_model_leaves_fla_classes_alone(path):
+    import fla.layers.gla as gla
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    model = GLAForCausalLM(GLAConfig(hidden_size=32, num_hidden_layers=1, num_heads=2, vocab_size=64))
+    layer = model.model.layers[0].attn
+    kernels.bind(model, path)
+    assert type(layer) is not gla.GatedLinearAttention and isinstance(layer, gla.GatedLinearAttention)
+    assert type(layer).forward.__code__ is gla.GatedLinearAttention.forward.__code__  # fla's own code
+    assert gla.chunk_gla.__module__.startswith("fla.")

@@ -1,15 +1,28 @@
-"""fla's ``Attention`` on PyTorch SDPA (no flash-attn) against explicit softmax attention, fp32."""
+"""fla's ``Attention`` on PyTorch SDPA (no flash-attn) against explicit softmax attention, fp32.
+
+fla's layer refuses to build without flash-attn except inside ``host_patches.building()``;
+``kernels.portable`` then gives that one layer SDPA (and torch rotary/RMSNorm). fla is not changed.
+"""
 
 import math
 
+import fla.layers.attn
 import pytest
 import torch
+from fla.layers.attn import Attention
 
-import titan_ext  # noqa: F401  (portable fla kernels: RMSNorm for qk_norm)
+from titan_ext import kernels
+from titan_ext.host_patches import building
 from titan_ext.models import sdpa_attention
 
-sdpa_attention.install()
-from fla.layers.attn import Attention  # noqa: E402
+FLASH_ATTN_AS_SHIPPED = fla.layers.attn.flash_attn_func
+
+
+def attention(**kwargs) -> Attention:
+    """fla's Attention layer, bound to SDPA (and torch rotary/RMSNorm)."""
+    with building():
+        layer = Attention(**kwargs)
+    return kernels.portable(layer)
 
 
 def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -52,7 +65,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 )
 def test_sdpa_attention_matches_softmax_reference(num_kv_heads, qk_norm, window, device):
     torch.manual_seed(0)
-    layer = Attention(hidden_size=64, num_heads=4, num_kv_heads=num_kv_heads, qk_norm=qk_norm, window_size=window, layer_idx=0)
+    layer = attention(hidden_size=64, num_heads=4, num_kv_heads=num_kv_heads, qk_norm=qk_norm, window_size=window, layer_idx=0)
     layer.to(device)
     if qk_norm:
         with torch.no_grad():
@@ -73,15 +86,27 @@ def test_sdpa_attention_matches_softmax_reference(num_kv_heads, qk_norm, window,
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_fallback_only_without_flash_attn():
-    import fla.layers.attn as attn
+@pytest.mark.skipif(sdpa_attention.flash_attn_available(), reason="flash-attn is installed: no fallback")
+def test_fallback_only_inside_the_bound_layer():
+    assert FLASH_ATTN_AS_SHIPPED is None
+    with pytest.raises(ImportError, match="flash-attn"):  # fla's own check, outside building()
+        Attention(hidden_size=64, num_heads=4, layer_idx=0)
+    layer = attention(hidden_size=64, num_heads=4, layer_idx=0)
+    assert type(layer).forward.__globals__["flash_attn_func"] is sdpa_attention.sdpa_attn_func
+    assert Attention.forward.__globals__["flash_attn_func"] is None
+    # building() restored fla's global, and binding never touched it
+    assert fla.layers.attn.flash_attn_func is FLASH_ATTN_AS_SHIPPED
 
-    expected = sdpa_attention.sdpa_attn_func if not sdpa_attention.flash_attn_available() else attn.flash_attn_func
-    assert attn.flash_attn_func is expected
+
+def test_fla_module_global_is_unchanged_after_building_and_binding():
+    attention(hidden_size=64, num_heads=4, layer_idx=0)(torch.randn(1, 4, 64))
+    assert fla.layers.attn.flash_attn_func is FLASH_ATTN_AS_SHIPPED
+    if not sdpa_attention.flash_attn_available():
+        assert fla.layers.attn.flash_attn_func is None  # what fla ships without flash-attn
 
 
 def test_padded_batches_fail_clearly():
-    layer = Attention(hidden_size=64, num_heads=4, layer_idx=0)
+    layer = attention(hidden_size=64, num_heads=4, layer_idx=0)
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, :2] = 0
     with pytest.raises(ValueError, match="need the flash-attn package"):

@@ -110,7 +110,13 @@ def _check_checkpoint_to_load(model_args, job_config) -> None:
     if found is None:
         return
     path, kind = found
-    option = "--checkpoint.initial_load_path" if path == job_config.checkpoint.initial_load_path else "--checkpoint.folder"
+    checkpoint = job_config.checkpoint
+    if path == checkpoint.initial_load_path:
+        option = "--checkpoint.initial_load_path"
+    elif kind == "hf":  # initial_load_in_hf without a path loads the HF assets
+        option = "--model.hf_assets_path"
+    else:
+        option = "--checkpoint.folder"
     if kind == "hf":
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
         inputs.check_hf_checkpoint_dir(path, option)

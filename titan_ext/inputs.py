@@ -9,6 +9,8 @@ or mid-load) with an assert, a ``KeyError`` or an unpickling traceback.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import difflib
 import itertools
@@ -107,8 +109,8 @@ _HF_METADATA = {"auto_map"}
 def _consumes(config_class, key: str, value) -> bool:
     """Whether the class reads ``key``: an older spelling (Llama's ``rope_theta``, ``torch_dtype``)
     is mapped onto another field and dropped, while an unknown key is kept verbatim in ``to_dict()``."""
-    try:
-        return key not in config_class(**{key: value}).to_dict()
+    try:  # a copy: transformers writes into nested dicts it is given (Llama's rope_scaling gains rope_theta)
+        return key not in config_class(**{key: copy.deepcopy(value)}).to_dict()
     except Exception:  # the class validated the key itself (and rejected this value): it knows it
         return True
 

@@ -297,7 +297,7 @@ def test_apply_fsdp_groups_policies_and_precision(gloo_group, monkeypatch, polic
 def test_default_reshard_policy_keeps_blocks_gathered_with_pipeline_parallel(monkeypatch):
     from titan_ext.job import _data_parallel
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a PP=2 job has (at least) 2 ranks
     config = job_config("--parallelism.fsdp_reshard_after_forward", "default")
     config.parallelism.pipeline_parallel_degree = 2
     dp = _data_parallel(config)

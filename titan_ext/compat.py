@@ -98,12 +98,18 @@ def importing_trainer_job_config():
     frame is recognised by its file and function (``-m torchtitan.train`` runs
     that file as ``__main__``), so a subclass of Trainer counts.
     """
-    train_py = _origin("torchtitan.train")
-    frame = sys._getframe(1)
+    frame = _frame_on_stack("torchtitan.train", "__init__", lambda f: "job_config" in f.f_locals)
+    return None if frame is None else frame.f_locals["job_config"]
+
+
+def _frame_on_stack(module: str, function: str, accept=lambda frame: True):
+    """The innermost caller frame running ``function`` of ``module``'s file (matched by file, not by
+    module object: ``-m torchtitan.train`` runs that file as ``__main__``)."""
+    path = _origin(module)
+    frame = sys._getframe(2)
     while frame is not None:
-        code = frame.f_code
-        if code.co_name == "__init__" and code.co_filename == train_py and "job_config" in frame.f_locals:
-            return frame.f_locals["job_config"]
+        if frame.f_code.co_name == function and frame.f_code.co_filename == path and accept(frame):
+            return frame
         frame = frame.f_back
     return None
 
@@ -117,12 +123,6 @@ def _origin(module: str) -> str | None:
 def parsing_torchtitan_config() -> bool:
     """Whether torchtitan's ``ConfigManager`` is importing titan_ext (for ``custom_config_module``).
 
-    That import comes before the Trainer exists; see ``titan_ext/__init__.py``.
+    That import comes before the Trainer exists; see ``titan_ext.config.__getattr__``.
     """
-    manager_py = _origin("torchtitan.config.manager")
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_maybe_add_custom_config" and frame.f_code.co_filename == manager_py:
-            return True
-        frame = frame.f_back
-    return False
+    return _frame_on_stack("torchtitan.config.manager", "_maybe_add_custom_config") is not None

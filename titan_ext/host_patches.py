@@ -35,6 +35,22 @@ FLA = "fla 0.6.0"
 TORCH = "torch 2.11-2.13"
 
 
+def owner_and_name(target: str) -> tuple[object, str]:
+    """``"module:Class.attr"`` -> (the module or class holding it, ``"attr"``), importing the module."""
+    module, _, path = target.partition(":")
+    owner = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner, name
+
+
+def resolve(target: str):
+    """The object a target names; a class attribute as defined on the class (not bound)."""
+    owner, name = owner_and_name(target)
+    return vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+
+
 @dataclass(frozen=True)
 class Patch:
     target: str
@@ -45,17 +61,12 @@ class Patch:
     """The original -> what the target becomes."""
 
     def owner_and_name(self) -> tuple[object, str]:
-        module, _, path = self.target.partition(":")
-        owner = importlib.import_module(module)
-        *parents, name = path.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        return owner, name
+        return owner_and_name(self.target)
 
     def apply(self) -> Callable[[], None]:
         """Rebind the target; returns the undo (restores the original object)."""
         owner, name = self.owner_and_name()
-        original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        original = resolve(self.target)
         setattr(owner, name, self.new(original))
         return lambda: setattr(owner, name, original)
 

@@ -411,7 +411,7 @@ def _product_text(parallelism, names) -> str:
     return " x ".join(f"--parallelism.{n}={getattr(parallelism, n)}" for n in shown)
 
 
-def _shard_degree(parallelism, world_size: int) -> int:
+def shard_degree(parallelism, world_size: int) -> int:
     """The FSDP degree the mesh gets: ``-1`` takes the ranks the other degrees leave."""
     others = [n for n in _MESH if n != "data_parallel_shard_degree"]
     rest = math.prod(getattr(parallelism, n) for n in others)
@@ -468,7 +468,7 @@ def check_parallel_degrees(job_config, world_size: int) -> None:
     """The degrees torchtitan's ``ParallelDims`` accepts for ``world_size`` ranks, and a batch they split."""
     parallelism = job_config.parallelism
     _degrees_at_least_one(parallelism)
-    shard = _shard_degree(parallelism, world_size)
+    shard = shard_degree(parallelism, world_size)
     _check_expert_degrees(parallelism, shard)
     _check_global_batch(job_config.training, parallelism.data_parallel_replicate_degree * shard)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_ext import compat, cpu_mode, host_patches, preflight
+from titan_ext import compat, cpu_mode, host_patches, inputs, preflight
 from titan_ext.errors import ConfigError, exit_with, rank
 
 logger = logging.getLogger()
@@ -54,6 +54,11 @@ def in_cpu_mode() -> bool:
     return _cpu_mode
 
 
+def kernel_path() -> str:
+    """fla's kernels on CUDA, torch code anywhere else or in CPU mode (``titan_ext.kernels``)."""
+    return "fla" if torch.cuda.is_available() and not _cpu_mode else "portable"
+
+
 @dataclass(frozen=True)
 class TPChoice:
     degree: int
@@ -77,7 +82,6 @@ class ACChoice:
 @dataclass(frozen=True)
 class CompileChoice:
     model: bool
-    loss: bool
     backend: str
 
 
@@ -101,9 +105,6 @@ class DataParallelChoice:
 
 @dataclass(frozen=True)
 class JobPlan:
-    model_name: str
-    flavor: str
-    model_type: str
     kernel_path: str
     """fla (CUDA: fla's kernels) or portable (torch code); see titan_ext.kernels."""
     tp: TPChoice | None
@@ -133,17 +134,10 @@ def _build(model_args, job_config) -> JobPlan:
 
     section = getattr(job_config, "titan_ext", None)
     return JobPlan(
-        model_name=job_config.model.name,
-        flavor=job_config.model.flavor,
-        model_type=model_args.model_type,
-        kernel_path="portable" if _cpu_mode or not torch.cuda.is_available() else "fla",
+        kernel_path=kernel_path(),
         tp=tensor_parallel.tp_choice(model_args, job_config),
         ac=activation_checkpoint.ac_choice(job_config),
-        compile=CompileChoice(
-            model=model_compile_enabled(job_config),
-            loss=job_config.compile.enable and "loss" in job_config.compile.components,
-            backend=job_config.compile.backend,
-        ),
+        compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
         float8=float8.float8_choice(job_config, model_args.model_type),
         data_parallel=_data_parallel(job_config),
         nonfinite=nonfinite.policy(section),
@@ -157,9 +151,7 @@ def _data_parallel(job_config) -> DataParallelChoice:
     from torchtitan.config import TORCH_DTYPE_MAP
 
     p = job_config.parallelism
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree * p.context_parallel_degree
-    shard = p.data_parallel_shard_degree if p.data_parallel_shard_degree != -1 else world // others
+    shard = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1")))
     replicate = p.data_parallel_replicate_degree
     kind = "hsdp" if shard > 1 and replicate > 1 else "fsdp" if shard > 1 else "ddp" if replicate > 1 else "none"
     policy = p.fsdp_reshard_after_forward

@@ -11,6 +11,7 @@ compile, Float8, the HF config, checkpoints to load). Each failure is one
 from __future__ import annotations
 
 from titan_ext import inputs
+from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError
 
 _checked: set[int] = set()
@@ -85,7 +86,7 @@ def _check_titan_ext_parallelism(job_config) -> None:
             f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}; use HSDP (also set "
             "--parallelism.data_parallel_shard_degree > 1) or FSDP instead"
         )
-    if p.enable_async_tensor_parallel and not (job_config.compile.enable and "model" in job_config.compile.components):
+    if p.enable_async_tensor_parallel and not model_compile_enabled(job_config):
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs the model compiled (its collective-matmul fusion "
             "is an inductor pass); add --compile.enable with 'model' in --compile.components, or drop async TP"
@@ -95,7 +96,6 @@ def _check_titan_ext_parallelism(job_config) -> None:
 def check_model_job(model_args, job_config) -> None:
     """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``."""
     from titan_ext import activation_checkpoint, float8, tensor_parallel
-    from titan_ext.compile import model_compile_enabled
 
     tensor_parallel.check_tp(model_args, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))

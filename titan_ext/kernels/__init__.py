@@ -25,12 +25,11 @@ wraps every dispatched call in ``torch.compiler.disable``.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 
 import torch.nn as nn
 
-from titan_ext.host_patches import MODEL_KERNELS
+from titan_ext.host_patches import MODEL_KERNELS, resolve
 from titan_ext.kernels.binding import bind as _bind
 
 PATHS = ("fla", "portable")
@@ -38,20 +37,12 @@ PATHS = ("fla", "portable")
 __all__ = ["PATHS", "bind", "portable", "replacements"]
 
 
-def _resolve(target: str):
-    module, _, path = target.partition(":")
-    value = importlib.import_module(module)
-    for name in path.split("."):
-        value = vars(value)[name] if isinstance(value, type) else getattr(value, name)
-    return value
-
-
 @functools.cache
 def replacements(path: str) -> dict[object, Callable]:
     """fla object -> titan_ext's replacement, for one kernel path."""
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; one of {PATHS}")
-    return {_resolve(k.fla): _resolve(k.replacement) for k in MODEL_KERNELS if path in k.paths}
+    return {resolve(k.fla): resolve(k.replacement) for k in MODEL_KERNELS if path in k.paths}
 
 
 @functools.cache

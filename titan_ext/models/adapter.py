@@ -18,7 +18,9 @@ import torch
 import torch.nn as nn
 
 from titan_ext import kernels
-from titan_ext.models.args import HFModelArgs, resolve
+from titan_ext.host_patches import resolve
+from titan_ext.job import kernel_path
+from titan_ext.models.args import HFModelArgs
 
 
 class TitanCausalLM:
@@ -48,13 +50,6 @@ class TitanCausalLM:
             self.tie_weights()
         if buffer_device is not None:
             move_buffers(self, buffer_device)
-
-
-def kernel_path() -> str:
-    """fla's kernels on CUDA, torch code anywhere else or in CPU mode (``titan_ext.kernels``)."""
-    from titan_ext.job import in_cpu_mode
-
-    return "fla" if torch.cuda.is_available() and not in_cpu_mode() else "portable"
 
 
 def build_context(model_args: HFModelArgs):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 from typing import Any, ClassVar
@@ -12,12 +11,7 @@ from torchtitan.protocols.model import BaseModelArgs
 
 from titan_ext import inputs, job
 from titan_ext.errors import ConfigError, config_boundary
-
-
-def resolve(path: str):
-    """``"package.module:Name"`` -> the object (imported on first use)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+from titan_ext.host_patches import resolve
 
 
 def load_hf_config_json(path: str) -> dict[str, Any]:

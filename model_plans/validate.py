@@ -1,46 +1,46 @@
-"""Divisibility checks for TP, run on the model config before anything is built or computed."""
+"""Can TP split this model? Checked on a meta-device model before anything real is built.
+
+The sizes to split follow from the plan: every linear a block plan shards
+colwise must split its outputs, every rowwise one its inputs. Head counts come
+from the config (the plan shards by whole heads, and a user fixes the field
+the message names). The model-level plan only shards the vocabulary, which
+DTensor splits unevenly when it must (embedding, lm_head and loss parallel
+give the same loss with 33 tokens on 2 ranks), so it is not checked.
+"""
 
 from __future__ import annotations
 
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from model_plans.apply import resolve
+from model_plans.base import TPPlan
+
 DEGREE = "--parallelism.tensor_parallel_degree"
 
-
-def _first(config, *names):
-    """(name, value) of the first field present and not None; fla and HF spell head counts differently."""
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return name, value
-    return None
+_HEAD_FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"))
+"""fla's and HF's spellings of the head counts."""
 
 
-def mlp_width(config) -> int | None:
-    """The MLP's hidden width; fla derives it from ``hidden_ratio`` when ``intermediate_size`` is None."""
-    if getattr(config, "intermediate_size", None) is not None:
-        return config.intermediate_size
-    ratio = getattr(config, "hidden_ratio", None)
-    if ratio is None:
+def _heads(config) -> list[tuple[str, int]]:
+    found = []
+    for spellings in _HEAD_FIELDS:
+        for name in spellings:
+            if getattr(config, name, None) is not None:
+                found.append((name, getattr(config, name)))
+                break
+    return found
+
+
+def _split_size(style, module: nn.Module) -> tuple[str, int] | None:
+    """(attribute, size) of the dimension ``style`` splits in ``module``, for linears."""
+    if not isinstance(module, nn.Linear):
         return None
-    width = int(config.hidden_size * ratio * 2 / 3)
-    return 256 * ((width + 255) // 256)
-
-
-def _sizes(config) -> list[tuple[str, int]]:
-    """Every size TP splits across ranks, named as in the config."""
-    sizes = []
-    heads = _first(config, "num_heads", "num_attention_heads")
-    if heads is not None:
-        sizes.append(heads)
-    kv_heads = _first(config, "num_kv_heads", "num_key_value_heads")
-    if kv_heads is not None:
-        sizes.append(kv_heads)
-    for expand in ("expand_k", "expand_v"):
-        if getattr(config, expand, None) is not None:
-            sizes.append((f"hidden_size * {expand}", round(config.hidden_size * getattr(config, expand))))
-    width = mlp_width(config)
-    if width is not None:
-        sizes.append(("intermediate_size", width))
-    return sizes
+    if isinstance(style, ColwiseParallel):  # torchao's Float8 styles subclass these
+        return "out_features", module.out_features
+    if isinstance(style, RowwiseParallel):
+        return "in_features", module.in_features
+    return None
 
 
 def _unsupported(config) -> list[tuple[str, object, str]]:
@@ -55,21 +55,29 @@ def _unsupported(config) -> list[tuple[str, object, str]]:
     return found
 
 
-def validate_tp(config, tp_degree: int, seq_len: int | None = None, sequence_parallel: bool = True) -> None:
-    """Raise ``ValueError`` (one line naming the field, its value and the degree) if TP cannot split this model.
+def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | None = None) -> None:
+    """Raise ``ValueError`` (one line naming the field or module, its size and the degree) if TP cannot split ``model``.
 
-    ``config`` is the HF config (``model.config``) or anything with its fields.
+    ``model`` may live on the meta device; it needs the HF ``config``.
     """
     if tp_degree <= 1:
         return
+    config = model.config
     for name, value, fix in _unsupported(config):
         raise ValueError(f"{name}={value} is not supported with {DEGREE}={tp_degree}; {fix}")
-    for name, value in _sizes(config):
+    for name, value in _heads(config):
         if value % tp_degree:
-            raise ValueError(
-                f"{name}={value} is not divisible by {DEGREE}={tp_degree}; pick a degree that divides it"
-            )
-    if sequence_parallel and seq_len is not None and seq_len % tp_degree:
+            raise ValueError(f"{name}={value} is not divisible by {DEGREE}={tp_degree}; pick a degree that divides it")
+    name = type(plan).__name__
+    for index, block in enumerate(model.get_submodule(plan.layers)):
+        for fqn, style in resolve(plan.block_plan(), block, name).items():
+            split = _split_size(style, block.get_submodule(fqn))
+            if split is not None and split[1] % tp_degree:
+                raise ValueError(
+                    f"{plan.layers}.{index}.{fqn}.{split[0]}={split[1]} is not divisible by {DEGREE}={tp_degree} "
+                    f"({name} splits it); pick a degree that divides it, or change the config field that sets it"
+                )
+    if plan.options.sequence_parallel and seq_len is not None and seq_len % tp_degree:
         raise ValueError(
             f"--training.seq_len={seq_len} is not divisible by {DEGREE}={tp_degree} with sequence parallel on; "
             "pick a divisible seq_len or set [titan_ext] disable_sequence_parallel = true"

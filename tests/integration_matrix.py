@@ -111,8 +111,8 @@ SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
     "fla_transformer": Spec(
         "debug_transformer.toml",
-        recompiles="fla's RotaryEmbedding builds its cos/sin cache lazily per block (_seq_len_cached is guarded): "
-        "one recompile per block in step 1; open",
+        recompiles="fla's RotaryEmbedding fills its cos/sin cache lazily in step 1 (_seq_len_cached is a "
+        "guarded int): each block's code recompiles once, at step 2 (tests/test_ac_compile.py)",
     ),
     "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).

@@ -33,7 +33,8 @@ DCP_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_path"]
 def write_inputs(tmp):
     """Files the cases point at ({tmp}/...)."""
     files = {
-        "heads3.json": json.dumps({"num_heads": 3}),
+        "heads3.json": json.dumps({"num_heads": 3, "hidden_size": 96}),
+        "unbuildable.json": json.dumps({"num_heads": 3}),  # fla: key dim 32 does not split into 3 heads
         "mlp101.json": json.dumps({"intermediate_size": 101}),
         "typo.json": json.dumps({"num_hiden_layers": 4}),
         "wrong_type.json": json.dumps({"hidden_size": "64"}),
@@ -94,7 +95,10 @@ CASES = {
     ),
     "tp does not divide heads": ([*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/heads3.json"], 2, "num_heads=3 is not divisible"),
     "tp does not divide mlp width": (
-        [*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/mlp101.json"], 2, "intermediate_size=101 is not divisible"
+        [*GLA, *TP2, "--titan_ext.hf_config", "{tmp}/mlp101.json"], 2, "mlp.gate_proj.out_features=101 is not divisible"
+    ),
+    "config the library cannot build": (
+        [*GLA, "--titan_ext.hf_config", "{tmp}/unbuildable.json"], 1, "GLAForCausalLM cannot be built from this config"
     ),
     "seq_len not divisible under sp": ([*GLA, *TP2, "--training.seq_len", "127"], 2, "--training.seq_len=127 is not divisible"),
     # [titan_ext] hf_config
@@ -193,8 +197,11 @@ def test_the_user_sees_one_line_and_no_traceback(launches, name):
     hits = [i for i, line in enumerate(lines) if expected in line]
     assert code != 0 and len(hits) == 1, f"{name}: exit {code}, line found {len(hits)}x\n{output[-4000:]}"
     assert "exitcode  : 2" in output, output[-3000:]
+    # Nothing after it but the other rank's earlier progress (ranks are not in step before the
+    # check: "Starting job" may come late) and torchrun's summary: no second error, no warning.
     after = lines[hits[0] + 1:]
-    assert not any(line.startswith(("[titan]", "[rank")) for line in after), "\n".join(after[:20])
+    assert not any(" - ERROR - " in line or " - WARNING - " in line or line.startswith("[rank") for line in after), (
+        "\n".join(after[:20]))
     # The only traceback is torchrun's own (its ChildFailedError summary), not a rank's.
     tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
     assert all("torch/distributed/run.py" in "\n".join(lines[i:i + 12]) for i in tracebacks), output[-4000:]

@@ -336,21 +336,14 @@ def test_cross_entropy_losses():
     )
 
 
-# fla's loss modules are built inside the model's forward (fla.models.modeling_utils: a fresh
-# FusedCrossEntropyLoss / FusedLinearCrossEntropyLoss per call), so binding the model never
-# reaches them; FusedLinearCrossEntropyLoss.forward is also behind torch.compiler.disable, whose
-# wrapper hides fla's globals from titan_ext.kernels.binding.
-LOSS_NOT_BOUND = "titan_ext bug: fla's fused losses are not reached by kernels.portable (see comment)"
-
-
-@pytest.mark.xfail(reason=LOSS_NOT_BOUND, strict=True, raises=RuntimeError)
+# fla builds its loss module inside the model's forward (fla.models.modeling_utils), so binding
+# the model must reach the class, not only instances that exist at bind time.
 def test_bound_fused_linear_cross_entropy_module():
     x, weight, target = torch.randn(12, 8), torch.randn(30, 8), torch.randint(0, 30, (12,))
     loss = kernels.portable(FusedLinearCrossEntropyLoss())
     assert_rel_close(loss(x, target, weight), F.cross_entropy(x @ weight.T, target), what="loss")
 
 
-@pytest.mark.xfail(reason=LOSS_NOT_BOUND, strict=True, raises=(AssertionError, RuntimeError))
 @pytest.mark.parametrize("fused", ["fuse_cross_entropy", "fuse_linear_cross_entropy"])
 def test_bound_gla_model_loss_with_labels(fused):
     flags = {"fuse_cross_entropy": fused == "fuse_cross_entropy", "fuse_linear_cross_entropy": fused != "fuse_cross_entropy"}

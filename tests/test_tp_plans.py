@@ -78,44 +78,67 @@ def test_register_a_user_plan_and_refuse_a_clash():
 # ---- validation --------------------------------------------------------------------------------
 
 
-def gla_config(**kw):
-    base = dict(hidden_size=64, num_heads=4, num_kv_heads=None, expand_k=0.5, expand_v=1.0,
-                hidden_ratio=4, intermediate_size=None, use_short_conv=False, tie_word_embeddings=False)
-    return SimpleNamespace(**{**base, **kw})
+def meta_gla(**kw):
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    base = dict(hidden_size=64, num_heads=4, num_hidden_layers=2, vocab_size=33, expand_k=0.5, expand_v=1.0,
+                hidden_ratio=4, use_short_conv=False, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return GLAForCausalLM(GLAConfig(**{**base, **kw}))
 
 
-def llama_config(**kw):
+def meta_llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                tie_word_embeddings=False)
-    return SimpleNamespace(**{**base, **kw})
+                num_hidden_layers=2, vocab_size=33, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**{**base, **kw}))
+
+
+DEGREE = "is not divisible by --parallelism.tensor_parallel_degree"
 
 
 @pytest.mark.parametrize(
-    "config,degree,seq_len,sp,expected",
+    "build,degree,seq_len,sp,expected",
     [
-        (gla_config(num_heads=6, hidden_size=96), 4, None, True, "num_heads=6 is not divisible by --parallelism.tensor_parallel_degree=4"),
-        (gla_config(num_kv_heads=1), 2, None, True, "num_kv_heads=1 is not divisible by --parallelism.tensor_parallel_degree=2"),
-        (gla_config(num_heads=2, hidden_size=66), 2, None, True, "hidden_size * expand_k=33 is not divisible"),
-        (gla_config(num_heads=2, hidden_size=66, expand_k=1.0, expand_v=0.5), 2, None, True, "hidden_size * expand_v=33 is not divisible"),
-        (gla_config(intermediate_size=130), 4, None, True, "intermediate_size=130 is not divisible by --parallelism.tensor_parallel_degree=4"),
-        (llama_config(num_attention_heads=3), 2, None, True, "num_attention_heads=3 is not divisible"),
-        (llama_config(num_key_value_heads=1), 2, None, True, "num_key_value_heads=1 is not divisible"),
-        (gla_config(), 2, 127, True, "--training.seq_len=127 is not divisible by --parallelism.tensor_parallel_degree=2"),
-        (gla_config(use_short_conv=True), 2, None, True, "use_short_conv=True is not supported"),
-        (llama_config(tie_word_embeddings=True), 2, None, True, "tie_word_embeddings=True is not supported"),
+        (lambda: meta_gla(num_heads=6, hidden_size=96), 4, None, True, f"num_heads=6 {DEGREE}=4"),
+        (lambda: meta_gla(num_kv_heads=1), 2, None, True, f"num_kv_heads=1 {DEGREE}=2"),
+        # sizes the plan splits, read from the modules it names (fla sizes attention by whole heads)
+        (lambda: meta_gla(intermediate_size=130), 4, None, True, f"model.layers.0.mlp.gate_proj.out_features=130 {DEGREE}=4"),
+        (lambda: meta_gla(hidden_size=72, num_heads=2, hidden_ratio=2), 8, None, True, "num_heads=2"),
+        (lambda: meta_llama(num_attention_heads=3, hidden_size=48), 2, None, True, "num_attention_heads=3 is not divisible"),
+        (lambda: meta_llama(num_key_value_heads=1), 2, None, True, "num_key_value_heads=1 is not divisible"),
+        (lambda: meta_llama(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8, None, True, f"model.layers.0.mlp.gate_proj.out_features=100 {DEGREE}=8"),
+        (meta_gla, 2, 127, True, f"--training.seq_len=127 {DEGREE}=2"),
+        (lambda: meta_gla(use_short_conv=True), 2, None, True, "use_short_conv=True is not supported"),
+        (lambda: meta_llama(tie_word_embeddings=True), 2, None, True, "tie_word_embeddings=True is not supported"),
     ],
 )
-def test_validation_names_field_value_and_degree(config, degree, seq_len, sp, expected):
+def test_validation_names_field_value_and_degree(build, degree, seq_len, sp, expected):
+    model = build()
+    plan = get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp))
     with pytest.raises(ValueError) as e:
-        validate_tp(config, degree, seq_len, sp)
+        validate_tp(model, plan, degree, seq_len)
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_validation_passes_what_tp_can_split():
-    validate_tp(gla_config(), 2, 128, True)
-    validate_tp(gla_config(), 2, 127, False)  # no sequence sharding, any length
-    validate_tp(llama_config(), 2, 128, True)
-    validate_tp(gla_config(num_heads=3, hidden_size=96), 1, 127, True)  # no TP, nothing to check
+    gla, llama = meta_gla(), meta_llama()
+    validate_tp(gla, GLATPPlan(), 2, 128)  # the vocabulary (33) may split unevenly
+    validate_tp(gla, GLATPPlan(TPOptions(sequence_parallel=False)), 2, 127)  # no sequence sharding, any length
+    validate_tp(llama, LlamaTPPlan(), 2, 128)
+    validate_tp(meta_gla(num_heads=3, hidden_size=96), GLATPPlan(), 1, 127)  # no TP, nothing to check
+
+
+def test_validation_reads_the_mlp_width_fla_derives():
+    """fla sizes the MLP from hidden_ratio when intermediate_size is None (192 * 4 * 2/3 rounded up to
+    a multiple of 256 = 512): the check sees the built width, which 3 does not divide, though the heads
+    (6) and the attention widths (96, 192) split."""
+    model = meta_gla(hidden_size=192, num_heads=6, hidden_ratio=4, intermediate_size=None)
+    assert model.model.layers[0].mlp.gate_proj.out_features == 512
+    with pytest.raises(ValueError, match=f"mlp.gate_proj.out_features=512 {DEGREE}=3"):
+        validate_tp(model, GLATPPlan(), 3, None)
 
 
 # ---- the job plan's choice -----------------------------------------------------------------------
@@ -176,15 +199,27 @@ def test_lm_head_layout_follows_loss_parallel():
 
 
 def test_check_tp_turns_validation_into_a_config_error():
-    check_tp(debug_gla_args(), job())
-    check_tp(GLAModelArgs(hidden_size=96, num_heads=6), job(degree=1))  # no TP, nothing to check
+    from titan_ext.models.adapter import meta_model
+
+    debug, six_heads = meta_model(debug_gla_args()), meta_model(GLAModelArgs(hidden_size=96, num_heads=6))
+    check_tp(debug, job())
+    check_tp(six_heads, job(degree=1))  # no TP, nothing to check
     with pytest.raises(ConfigError) as e:
-        check_tp(GLAModelArgs(hidden_size=96, num_heads=6), job(degree=4))
+        check_tp(six_heads, job(degree=4))
     assert "num_heads=6 is not divisible by --parallelism.tensor_parallel_degree=4" in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="--training.seq_len=127"):
-        check_tp(debug_gla_args(), job(seq_len=127))
-    check_tp(debug_gla_args(), job(seq_len=127, disable_sp=True))
+        check_tp(debug, job(seq_len=127))
+    check_tp(debug, job(seq_len=127, disable_sp=True))
+
+
+def test_a_config_the_library_refuses_is_one_line_before_the_build():
+    from titan_ext.models.adapter import meta_model
+
+    with pytest.raises(ConfigError) as e:
+        meta_model(GLAModelArgs(hidden_size=64, num_heads=3))  # fla: key dim 32 does not split into 3 heads
+    assert "GLAForCausalLM cannot be built from this config (AssertionError: key dim must be divisible" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 # ---- models on a fake 2-rank group ---------------------------------------------------------------

@@ -5,7 +5,7 @@ identity except for tied embeddings: HF's safetensors hold the shared tensor
 once, under the input embedding's name.
 
 Before the model is built, ``titan_ext.preflight`` checks a checkpoint to be
-loaded against the model (``check_hf_config``, ``expected_state``). After
+loaded against the model (``check_hf_config``; DCP shapes against a meta model). After
 an HF save, torchtitan's folder holds only the weights (and its per-rank
 ``sharded/`` parts): ``finish_hf_export`` makes it a self-contained HF
 directory (``config.json``, the tokenizer files, no ``sharded/``) when the
@@ -79,17 +79,6 @@ def check_hf_config(model_args, path: str) -> None:
             f"{source}: config.json does not match --model.flavor: {'; '.join(diffs)}; "
             "pick the matching flavor or pass --titan_ext.hf_config with that config.json"
         )
-
-
-def expected_state(model_args) -> dict[str, tuple[int, ...]]:
-    """Parameter FQN -> shape of the model these args build (on the meta device: nothing allocated)."""
-    import torch
-
-    from titan_ext.models.adapter import build_model
-
-    with torch.device("meta"):
-        model = build_model(model_args)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")

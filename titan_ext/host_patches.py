@@ -132,6 +132,7 @@ class _DropMessages(logging.Filter):
 CPU_MODE_LOGS: tuple[tuple[str, str, str], ...] = (
     ("torchao", "Failed to load", "torchao's CUDA extensions (mxfp8, cutlass), on import"),
     ("torch.utils._pytree", "is an Enum subclass", "torchao registers enums with torch.compile, on import"),
+    ("", "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "torchtitan sets an NCCL variable; gloo never reads it"),
 )
 
 
@@ -178,6 +179,8 @@ class Kernel:
     """An fla kernel and what titan_ext's own models call instead (``titan_ext.kernels``)."""
 
     fla: str
+    """A function, a method (``module:Class.method``), or a class: a bound model then builds the
+    replacement, a subclass of fla's, wherever fla's code names the class."""
     replacement: str
     why: str
     paths: tuple[str, ...] = ("portable",)
@@ -202,12 +205,24 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
     Kernel("fla.modules.activations.ops:swiglu", "titan_ext.kernels.activations:swiglu", _TRITON),
     Kernel("fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.activations:swiglu_linear", _TRITON),
     Kernel("fla.modules.rotary.ops:rotary_embedding", "titan_ext.kernels.rotary:rotary_embedding", _TRITON),
+    Kernel(
+        "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache", "titan_ext.kernels.rotary:update_cos_sin_cache",
+        "its cache check calls tensor.is_inference(), which dynamo cannot trace: a graph break in every compiled "
+        "block on every step once the cache is filled",
+        ("portable", "fla"),
+    ),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.conv:causal_conv1d", _TRITON),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.conv:causal_conv1d_update", _TRITON),
     Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
     Kernel(
-        "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss.forward",
-        "titan_ext.kernels.losses:fused_cross_entropy_forward", "asserts CUDA before reaching its kernel",
+        "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss",
+        "titan_ext.kernels.losses:FusedCrossEntropyLoss",
+        "forward asserts CUDA before reaching its kernel; a class row, since fla models build it inside forward",
+    ),
+    Kernel(
+        "fla.modules.fused_linear_cross_entropy.ops:FusedLinearCrossEntropyLoss",
+        "titan_ext.kernels.losses:FusedLinearCrossEntropyLoss",
+        "Triton forward behind torch.compiler.disable; a class row, since fla models build it inside forward",
     ),
     Kernel(
         "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss",

@@ -96,15 +96,17 @@ def _check_titan_ext_parallelism(job_config) -> None:
 def check_model_job(model_args, job_config) -> None:
     """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``."""
     from titan_ext import activation_checkpoint, float8, tensor_parallel
+    from titan_ext.models.adapter import meta_model
 
-    tensor_parallel.check_tp(model_args, job_config)
+    model = meta_model(model_args)  # a config the library refuses stops here
+    tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)
-    _check_checkpoint_to_load(model_args, job_config)
+    _check_checkpoint_to_load(model_args, model, job_config)
 
 
-def _check_checkpoint_to_load(model_args, job_config) -> None:
-    from titan_ext.checkpoint import check_hf_config, expected_state
+def _check_checkpoint_to_load(model_args, model, job_config) -> None:
+    from titan_ext.checkpoint import check_hf_config
 
     found = inputs.checkpoint_to_load(job_config)
     if found is None:
@@ -121,4 +123,5 @@ def _check_checkpoint_to_load(model_args, job_config) -> None:
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
         inputs.check_hf_checkpoint_dir(path, option)
     else:
-        inputs.check_dcp_checkpoint(path, expected_state(model_args), f"{option} ({path})")
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        inputs.check_dcp_checkpoint(path, shapes, f"{option} ({path})")

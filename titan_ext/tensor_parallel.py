@@ -30,17 +30,18 @@ def float8_tp_enabled(job_config) -> bool:
     return job_config.quantize.linear.float8.recipe_name in (None, "tensorwise")
 
 
-def check_tp(model_args, job_config) -> None:
-    """What TP needs from the architecture (divisibility, supported features, a registered plan)."""
+def check_tp(model: nn.Module, job_config) -> None:
+    """What TP needs from the architecture (``model`` on the meta device): a registered plan whose
+    entries the model has, and sizes it can split."""
     degree = job_config.parallelism.tensor_parallel_degree
     if degree <= 1:
         return
-    from model_plans import get_tp_plan, validate_tp
+    from model_plans import TPOptions, get_tp_plan, validate_tp
 
-    config = model_args.to_hf_config()
     try:
-        get_tp_plan(config.model_type)
-        validate_tp(config, degree, job_config.training.seq_len, sequence_parallel_enabled(job_config))
+        plan_cls = get_tp_plan(model.config.model_type)
+        plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config)))
+        validate_tp(model, plan, degree, job_config.training.seq_len)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

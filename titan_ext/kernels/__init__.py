@@ -11,8 +11,8 @@ path once (``titan_ext.job.JobPlan.kernel_path``):
 
 ``bind(model, path)`` applies a path to one model (``binding``): fla's modules
 and classes are never changed. ``portable(model)`` is the public entry point
-for running an fla model, e.g. one exported by titan_ext and loaded with
-``from_pretrained``, on a machine without a GPU.
+for running an fla model on a machine without a GPU; ``from_pretrained`` loads
+one (e.g. titan_ext's HF export) and makes it portable.
 
 Why not fla's backend registry (``fla/backends.py``)? It swaps *internal*
 helpers inside fla's hand-written autograd Functions (a torch backend would
@@ -34,7 +34,7 @@ from titan_ext.kernels.binding import bind as _bind
 
 PATHS = ("fla", "portable")
 
-__all__ = ["PATHS", "bind", "portable", "replacements"]
+__all__ = ["PATHS", "bind", "from_pretrained", "portable", "replacements"]
 
 
 @functools.cache
@@ -72,3 +72,21 @@ def portable(model: nn.Module) -> nn.Module:
     then ``model.generate(...)`` works without a GPU. Only this model changes.
     """
     return bind(model, "portable")
+
+
+def from_pretrained(path, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)``, made ``portable``.
+
+    Needed rather than ``portable(AutoModelForCausalLM.from_pretrained(...))``
+    for fla's transformer without flash-attn: its Attention refuses to be
+    built at all, so the build runs under ``host_patches.BUILD``.
+    """
+    import fla  # noqa: F401  (registers fla's model types with transformers)
+    from transformers import AutoModelForCausalLM
+
+    from titan_ext.host_patches import building
+
+    with building():
+        loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    portable(loaded[0] if isinstance(loaded, tuple) else loaded)
+    return loaded

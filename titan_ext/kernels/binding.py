@@ -65,8 +65,11 @@ def bound_class(cls: type, replacements: Replacements, key: str, names: ModuleNa
 
     Methods are taken along the MRO (the first definition wins, as Python
     resolves them); a method that is itself replaced (``Class.forward``) is
-    swapped whole.
+    swapped whole. A class replaced by a subclass of its own becomes that subclass.
     """
+    replacement = replacements.get(cls) if _hashable(cls) else None
+    if isinstance(replacement, type) and issubclass(replacement, cls):
+        return replacement
     cache_key = (cls, key)
     if cache_key not in _bound_classes:
         methods = {}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fla.modules.fused_cross_entropy.ops import FusedCrossEntropyLoss as _FlaCrossEntropyLoss
+from fla.modules.fused_linear_cross_entropy.ops import FusedLinearCrossEntropyLoss as _FlaLinearCrossEntropyLoss
 from fla.modules.l2warp import l2_warp
 
 
@@ -42,8 +44,29 @@ def cross_entropy_loss(
     return loss, torch.where(valid, z_loss, 0.0).detach()
 
 
+class FusedCrossEntropyLoss(_FlaCrossEntropyLoss):
+    """fla's module with a torch forward (fla's asserts CUDA before it reaches the kernel).
+
+    A subclass, not a new forward on fla's class: fla models build their loss
+    module inside ``forward``, so a bound model must construct this class.
+    """
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor):
+        return fused_cross_entropy_forward(self, input, target)
+
+
+class FusedLinearCrossEntropyLoss(_FlaLinearCrossEntropyLoss):
+    """fla's module with a torch forward (fla's is Triton, behind ``torch.compiler.disable``)."""
+
+    def forward(self, x: torch.Tensor, target: torch.LongTensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        return fused_linear_cross_entropy_loss(
+            x, target, weight, bias, self.ignore_index, self.label_smoothing, self.logit_scale,
+            self.logit_softcapping, self.num_chunks, self.reduction, self.use_l2warp, self.l2_penalty_factor,
+            self.accumulate_grad_in_fp32, self.process_group,
+        )
+
+
 def fused_cross_entropy_forward(self, input: torch.Tensor, target: torch.Tensor):
-    """Replacement ``FusedCrossEntropyLoss.forward`` (fla's asserts CUDA before it reaches the kernel)."""
     loss, z_loss = cross_entropy_loss(
         input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale,
         self.logit_softcapping, self.ignore_index, process_group=self.process_group,

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from titan_ext import kernels
+from titan_ext.errors import ConfigError
 from titan_ext.host_patches import resolve
 from titan_ext.job import kernel_path
 from titan_ext.models.args import HFModelArgs
@@ -72,6 +73,26 @@ def titan_class(args_class: type[HFModelArgs]) -> type:
 def build_model(model_args: HFModelArgs) -> nn.Module:
     """A train spec's ``model_cls``: the adapted model for these args."""
     return titan_class(type(model_args))(model_args)
+
+
+def meta_model(model_args: HFModelArgs) -> nn.Module:
+    """The model these args build, on the meta device (nothing allocated): for checks before the real build.
+
+    A config the model's own library refuses (fla asserts, transformers raises)
+    is a ``ConfigError`` here, one line, rather than a trace from every rank later.
+    """
+    try:
+        with torch.device("meta"):
+            return build_model(model_args)
+    except ConfigError:
+        raise
+    except Exception as error:  # whatever the library raises: its message is the diagnosis
+        name = model_args.hf_model.rpartition(":")[2]
+        detail = " ".join(str(error).split()) or "no message"
+        raise ConfigError(
+            f"{name} cannot be built from this config ({type(error).__name__}: {detail}); "
+            "fix the model config (--model.flavor, [titan_ext] hf_config)"
+        ) from None
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> None:

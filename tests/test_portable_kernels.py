@@ -38,8 +38,15 @@ from titan_ext.kernels import gla as torch_gla
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
     assert len(portable) == len(MODEL_KERNELS)
-    # on CUDA only chunk_gla is replaced (by the op wrapper running fla's own drivers)
-    assert fla_path == {fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla}
+    # on CUDA only chunk_gla (the op wrapper running fla's own drivers) and the rotary cache check
+    from fla.modules.rotary.ops import RotaryEmbedding
+
+    from titan_ext.kernels import rotary
+
+    assert fla_path == {
+        fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
+        vars(RotaryEmbedding)["_update_cos_sin_cache"]: rotary.update_cos_sin_cache,
+    }
     assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla
     with pytest.raises(ValueError, match="unknown kernel path 'cuda'"):

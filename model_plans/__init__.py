@@ -12,7 +12,15 @@ from the user's own module::
 """
 
 from model_plans.apply import apply_tp, enable_async_tp, resolve
-from model_plans.base import IfPresent, TPOptions, TPPlan, get_tp_plan, register_tp_plan, registered_model_types
+from model_plans.base import (
+    IfPresent,
+    TPOptions,
+    TPPlan,
+    get_tp_plan,
+    plan_source,
+    register_tp_plan,
+    registered_model_types,
+)
 from model_plans.gla import GLATPPlan
 from model_plans.llama import LlamaTPPlan
 from model_plans.transformer import TransformerTPPlan
@@ -28,6 +36,7 @@ __all__ = [
     "apply_tp",
     "enable_async_tp",
     "get_tp_plan",
+    "plan_source",
     "register_tp_plan",
     "registered_model_types",
     "resolve",

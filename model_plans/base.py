@@ -134,18 +134,28 @@ class TPPlan:
 _PLANS: dict[str, type[TPPlan]] = {}
 
 
+def _shipped(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "model_plans"
+
+
 def register_tp_plan(model_type: str):
-    """Class decorator: ``@register_tp_plan("my_type")`` makes ``get_tp_plan`` find the class."""
+    """Class decorator: ``@register_tp_plan("my_type")`` makes ``get_tp_plan`` find the class.
+
+    A user's plan replaces a shipped one for the same model type (``plan_source``
+    says so, and the job logs it); two user plans for one type are an error.
+    """
 
     def register(cls: type[TPPlan]) -> type[TPPlan]:
         if not (isinstance(cls, type) and issubclass(cls, TPPlan)):
             raise TypeError(f"register_tp_plan({model_type!r}) needs a TPPlan subclass, got {cls!r}")
-        if model_type in _PLANS and _PLANS[model_type] is not cls:
+        current = _PLANS.get(model_type)
+        if current is not None and current is not cls and not _shipped(current) and not _shipped(cls):
             raise ValueError(
-                f"a TP plan for model_type {model_type!r} is already registered ({_PLANS[model_type].__qualname__}); "
-                "register yours under a new model_type"
+                f"a TP plan for model_type {model_type!r} is already registered ({current.__module__}.{current.__qualname__}); "
+                "register one plan per model_type"
             )
-        _PLANS[model_type] = cls
+        if current is None or not _shipped(cls):  # a shipped plan never replaces a user's
+            _PLANS[model_type] = cls
         return cls
 
     return register
@@ -162,3 +172,8 @@ def get_tp_plan(model_type: str) -> type[TPPlan]:
             "Register one with @model_plans.register_tp_plan(model_type) in your custom_import module"
         )
     return _PLANS[model_type]
+
+
+def plan_source(plan_cls: type[TPPlan]) -> str:
+    """Where a plan comes from, for the job's log: shipped, or the user's module."""
+    return "shipped with titan_ext" if _shipped(plan_cls) else f"registered by {plan_cls.__module__}"

@@ -451,7 +451,7 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     else:
         rtol = LOG_RTOL if spec == "llama3" else ROWS[row].rtol
         checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, rtol)))
-    if row == "tp_ext" and "Applied ExtGLATPPlan tensor parallelism" not in job_log(matrix, jobs[0]):
+    if row == "tp_ext" and "Applied ExtGLATPPlan (registered by tp_extension_plan" not in job_log(matrix, jobs[0]):
         checks.append(("user plan", math.inf, "the log does not name ExtGLATPPlan"))
     worst = max(rel for _, rel, _ in checks)
     problems = [f"{what}: {problem}" for what, _, problem in checks if problem]

@@ -62,15 +62,23 @@ def test_unknown_model_type_lists_registered_ones():
     assert "\n" not in msg
 
 
-def test_register_a_user_plan_and_refuse_a_clash():
-    @register_tp_plan("test_only_gla_variant")
+def test_a_user_plan_replaces_the_shipped_one_and_a_second_user_plan_clashes(monkeypatch):
+    from model_plans import base, plan_source
+
+    monkeypatch.setattr(base, "_PLANS", dict(base._PLANS))  # the registry as shipped, restored after
+    assert plan_source(get_tp_plan("gla")) == "shipped with titan_ext"
+
+    @register_tp_plan("gla")
     class Mine(GLATPPlan):
         pass
 
-    assert get_tp_plan("test_only_gla_variant") is Mine
-    assert "test_only_gla_variant" in registered_model_types()
+    assert get_tp_plan("gla") is Mine and plan_source(Mine) == f"registered by {__name__}"
+    register_tp_plan("gla")(GLATPPlan)  # a shipped plan (re-registered) never replaces a user's
+    assert get_tp_plan("gla") is Mine
     with pytest.raises(ValueError, match="already registered"):
         register_tp_plan("gla")(type("Other", (GLATPPlan,), {}))
+    register_tp_plan("test_only_gla_variant")(Mine)
+    assert "test_only_gla_variant" in registered_model_types()
     with pytest.raises(TypeError):
         register_tp_plan("not_a_plan")(object)
 

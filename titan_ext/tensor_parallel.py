@@ -66,7 +66,7 @@ def tp_choice(model_args, job_config):
 
 def apply_tp_from_plan(model: nn.Module, tp_mesh, choice) -> None:
     """Shard ``model`` over the TP mesh with the plan class the job plan chose."""
-    from model_plans import TPOptions, apply_tp, enable_async_tp
+    from model_plans import TPOptions, apply_tp, enable_async_tp, plan_source
 
     options = TPOptions(sequence_parallel=choice.sequence_parallel, loss_parallel=choice.loss_parallel, float8=choice.float8)
     plan = choice.plan_cls(options)
@@ -74,7 +74,8 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice) -> None:
     if choice.async_tp:
         enable_async_tp(tp_mesh)
     logger.info(
-        f"Applied {type(plan).__name__} tensor parallelism (degree {choice.degree}): "
+        f"Applied {type(plan).__name__} ({plan_source(choice.plan_cls)}, for model_type "
+        f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
         f"float8={options.float8}, async={choice.async_tp}"
     )

@@ -206,3 +206,19 @@ def test_the_user_sees_one_line_and_no_traceback(launches, name):
     tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
     assert all("torch/distributed/run.py" in "\n".join(lines[i:i + 12]) for i in tracebacks), output[-4000:]
     assert "error_file: <N/A>" in output
+
+
+@pytest.mark.parametrize("rank,prefix", [("0", "titan_ext: "), ("1", "titan_ext (rank 1 only): ")])
+def test_exit_with_logs_once_on_rank_0_and_other_ranks_wait_for_it(monkeypatch, caplog, rank, prefix):
+    """Other ranks sleep first (torchrun stops them once rank 0 has printed and left); only a rank
+    that rank 0 never outlives, e.g. one whose own file is bad, prints its own line."""
+    from titan_ext import errors
+
+    slept = []
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    with pytest.raises(SystemExit) as exit_info:
+        errors.exit_with(ConfigError("--x=1 is bad; use 2"))
+    assert exit_info.value.code == errors.EXIT_CODE
+    assert [r.getMessage() for r in caplog.records] == [f"{prefix}--x=1 is bad; use 2"]
+    assert slept == ([] if rank == "0" else [errors.OTHER_RANKS_WAIT_S])

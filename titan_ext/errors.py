@@ -2,7 +2,7 @@
 
 Checks raise ``ConfigError`` with one line naming the option, its value and
 the fix. ``config_boundary`` wraps every titan_ext hook torchtitan calls: it
-turns a ``ConfigError`` into that line, logged once (rank 0), and a quiet
+turns a ``ConfigError`` into that line, logged once (rank 0; see ``exit_with``), and a quiet
 ``SystemExit(2)`` on every rank, so neither the ranks nor torchrun's summary
 print a Python traceback. Outside those hooks (tests, scripts) the error is an
 ordinary ``ValueError``.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 EXIT_CODE = 2
 
@@ -32,12 +33,24 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+OTHER_RANKS_WAIT_S = 10.0
+
+
 def exit_with(error: ConfigError) -> None:
-    """Log the error's one line on rank 0 and leave quietly (no traceback) with ``EXIT_CODE``."""
-    if rank() == 0:
-        logging.getLogger().error(f"titan_ext: {error}")
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+    """Log the error's one line on rank 0 and leave quietly (no traceback) with ``EXIT_CODE``.
+
+    Every rank runs the same checks, but not in step: a rank that leaves first
+    makes torchrun stop the others, possibly before rank 0 has printed. So the
+    other ranks wait for rank 0 to print and exit (torchrun then stops them);
+    a rank whose input alone is bad (rank 0 never fails) speaks for itself.
+    """
+    own_rank = rank()
+    if own_rank != 0:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    prefix = "titan_ext" if own_rank == 0 else f"titan_ext (rank {own_rank} only)"
+    logging.getLogger().error(f"{prefix}: {error}")
+    for handler in logging.getLogger().handlers:
+        handler.flush()
     raise SystemExit(EXIT_CODE) from None
 
 

@@ -78,9 +78,14 @@ def nvidia_hint() -> str | None:
     return None
 
 
+def forced() -> bool:
+    """``TITAN_EXT_CPU=1``: CPU mode (and portable kernels) even where CUDA works."""
+    return os.environ.get(FORCE_ENV) == "1"
+
+
 def wanted() -> bool:
     """Whether this process should run torchtitan on the CPU; a machine with unusable CUDA is an error."""
-    if os.environ.get(FORCE_ENV) == "1":
+    if forced():
         return True
     if torch.accelerator.is_available():
         return False

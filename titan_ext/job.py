@@ -56,7 +56,7 @@ def in_cpu_mode() -> bool:
 
 def kernel_path() -> str:
     """fla's kernels on CUDA, torch code anywhere else or in CPU mode (``titan_ext.kernels``)."""
-    return "fla" if torch.cuda.is_available() and not _cpu_mode else "portable"
+    return "fla" if torch.cuda.is_available() and not (_cpu_mode or cpu_mode.forced()) else "portable"
 
 
 @dataclass(frozen=True)

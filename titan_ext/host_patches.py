@@ -197,6 +197,14 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", "titan_ext.kernels.gla:fused_chunk_gla", _TRITON),
     Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", "titan_ext.kernels.gla:fused_recurrent_gla", _TRITON),
+    Kernel(
+        "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", "titan_ext.kernels.gated_delta:chunk_gated_delta_rule",
+        _TRITON,
+    ),
+    Kernel(
+        "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
+        "titan_ext.kernels.gated_delta:fused_recurrent_gated_delta_rule", _TRITON,
+    ),
     Kernel("fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.norms:rms_norm", _TRITON),
     Kernel("fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.norms:rms_norm_gated", _TRITON),
     Kernel("fla.modules.activations.ops:swish", "titan_ext.kernels.activations:swish", _TRITON),

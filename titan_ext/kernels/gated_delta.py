@@ -1,0 +1,131 @@
+"""fla's Gated DeltaNet core off CUDA: the chunked gated delta rule as plain torch ops.
+
+Same arguments and conventions as ``fla.ops.gated_delta_rule``'s
+``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule``: ``q``/``k``
+are ``[B, T, H, K]``, ``v`` is ``[B, T, HV, V]`` (grouped values: value head
+``i`` reads query/key head ``i // (HV // H)``), ``g`` (log decay) and ``beta``
+are ``[B, T, HV]``, states are ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+``state_v_first``). The options fla's ``GatedDeltaNet`` layer asks its kernel
+to fuse (L2-normalised q/k, the gate ``-exp(A_log) * softplus(g + dt_bias)``,
+``sigmoid(beta)``, doubled for negative eigenvalues) are applied first.
+Fixed-length batches only (no ``cu_seqlens``).
+
+Per chunk of ``C`` tokens with in-chunk cumulative decay ``G`` and start
+state ``S``, the delta rule's corrections ``U`` solve one unit-lower-triangular
+system, ``(I + A) U = diag(beta) V - diag(beta * exp(G)) K S`` with
+``A[t, s] = beta_t exp(G_t - G_s) k_t.k_s`` for ``s < t``; then
+``O = exp(G) * (Q S) + (QK^T * decay mask) U`` and the state moves on. Autograd
+differentiates it; fla's naive recurrent form is the reference in the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+
+CHUNK = 64
+L2NORM_EPS = 1e-6
+"""fla's ``l2norm_fwd`` default."""
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _delta_rule(q, k, v, g, beta, state):
+    """``[B, H, T, *]`` float32 inputs (T a multiple of ``CHUNK``), state ``[B, H, K, V]`` -> (o, final state)."""
+    B, H, T, K = k.shape
+    n = T // CHUNK
+    q, k, v = (x.reshape(B, H, n, CHUNK, -1) for x in (q, k, v))
+    g, beta = (x.reshape(B, H, n, CHUNK) for x in (g, beta))
+    G = g.cumsum(-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
+    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    A = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay * (1 - eye)  # strictly lower
+    solve = lambda rhs: torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # noqa: E731
+    w_v = solve(beta.unsqueeze(-1) * v)  # U = w_v - w_k @ S
+    w_k = solve((beta * G.exp()).unsqueeze(-1) * k)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    outputs = []
+    for i in range(n):
+        u = w_v[:, :, i] - w_k[:, :, i] @ state
+        outputs.append(G[:, :, i].exp().unsqueeze(-1) * (q[:, :, i] @ state) + qk[:, :, i] @ u)
+        last = G[:, :, i, -1:]
+        state = last.exp().unsqueeze(-1) * state + ((last - G[:, :, i]).exp().unsqueeze(-1) * k[:, :, i]).transpose(-1, -2) @ u
+    return torch.stack(outputs, dim=2).reshape(B, H, T, -1), state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    **unused,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's ``chunk_gated_delta_rule`` in torch."""
+    if cu_seqlens is not None or unused.get("cp_context") is not None:
+        raise ValueError("the gated delta rule off CUDA supports fixed-length batches, not cu_seqlens or context parallel")
+    if unused.get("gk") is not None or unused.get("gv") is not None:
+        raise ValueError("the gated delta rule off CUDA supports a per-head scalar gate g, not gk/gv")
+    H, HV, out_dtype = q.shape[2], v.shape[2], v.dtype
+    if HV % H:
+        raise ValueError(f"num_v_heads (HV={HV}) must be divisible by num_heads (H={H})")
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    q, k = q.float(), k.float()
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q), _l2norm(k)
+    if HV > H:
+        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
+    g = naive_gdn_gate(g, A_log, dt_bias) if use_gate_in_kernel else g.float()
+    beta = beta.float()
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    B, T = q.shape[:2]
+    pad = -T % CHUNK  # padded tokens: zero k, v, beta and gate leave the state untouched
+    q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)) for x in (q * scale, k, v.float()))
+    g, beta = (F.pad(x.transpose(1, 2), (0, pad)) for x in (g, beta))
+    if initial_state is None:
+        state = q.new_zeros(B, HV, k.shape[-1], v.shape[-1])
+    else:
+        state = initial_state.float().transpose(-1, -2) if state_v_first else initial_state.float()
+    o, state = _delta_rule(q, k, v, g, beta, state)
+    o = o[:, :, :T].transpose(1, 2).to(out_dtype)
+    final = (state.transpose(-1, -2) if state_v_first else state) if output_final_state else None
+    return o, final
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's decoding entry point (its own argument order); the math is the chunked form's."""
+    if g is None or beta is None:
+        raise ValueError("the gated delta rule off CUDA needs both g and beta")
+    return chunk_gated_delta_rule(
+        q, k, v, g, beta, scale, initial_state, output_final_state, gk=gk, gv=gv, **options
+    )

@@ -168,6 +168,10 @@ ROWS = {
                   rtol=TP_RTOL, specs=("fla_gla",)),
     "float8_emulate": Row(1, (*parallel(), "--model.converters", "quantize.linear.float8",
                               "--quantize.linear.float8.emulate"), kind="trains", specs=("fla_gla",)),
+    # titan_ext_stream over parquet shards with a shuffle buffer: a resumed run replays the same batches.
+    "stream_resume": Row(2, (*parallel(shard=2), "--training.dataset", "titan_ext_stream", "--training.dataset_path",
+                             "{shards}", "--titan_ext.shuffle_buffer", "16"), kind="stream_resume", cost=2,
+                         specs=("fla_gla",)),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
                     specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
@@ -233,6 +237,11 @@ class Matrix:
     def corpus(self) -> Path:
         return self.root / "corpus.jsonl"
 
+    @property
+    def shards(self) -> Path:
+        """The corpus as 4 parquet shards, for ``titan_ext_stream``."""
+        return self.root / "shards"
+
     def job(self, spec: str, variant: str, name: str, world: int, *flags: str, folder: str = "", env=()) -> Job:
         """A job named ``name`` training in ``folder`` (default: its own, named after it)."""
         id_ = f"{spec}.{variant}.{name}"
@@ -264,8 +273,9 @@ class Matrix:
         """The jobs of one row, in the order they must run."""
         variant = variant or self.variant(spec, row)
         r = ROWS[row]
-        train = (*self.from_seed(spec, variant), *r.flags)
-        if r.kind == "resume":
+        flags = tuple(flag.replace("{shards}", str(self.shards)) for flag in r.flags)
+        train = (*self.from_seed(spec, variant), *flags)
+        if r.kind in ("resume", "stream_resume"):
             every2 = (*train, "--checkpoint.interval", "2")
             return [self.job(spec, variant, row, r.world, *every2),
                     self.job(spec, variant, row + "@resumed", r.world, *every2, "--checkpoint.load_step", "2",
@@ -313,6 +323,14 @@ class Matrix:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         block = [line for line in CORPUS.read_text().splitlines() if line.strip()][:CORPUS_BLOCK]
         self.corpus.write_text("\n".join(block * MAX_DP) + "\n")
+        if any(ROWS[row].kind == "stream_resume" for row in self.rows if row in ROWS):
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            self.shards.mkdir(exist_ok=True)
+            records = [json.loads(line) for line in block * MAX_DP]
+            for shard in range(4):
+                pq.write_table(pa.Table.from_pylist(records[shard::4]), self.shards / f"part-{shard}.parquet")
         for spec in self.specs:
             if SPECS[spec].tp_hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
@@ -434,6 +452,14 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         checks.append(("vs single", *compare(full, ref, all_steps)))
         rel, problem = compare(resumed, full, all_steps[2:])
         checks.append(("resumed vs uninterrupted", 0.0, problem or (f"not bit-identical (rel {rel:.1e})" if rel else "")))
+    elif kind == "stream_resume":  # other data than the single-process reference: compare with itself
+        full, resumed = (read_metrics(matrix, job) for job in jobs)
+        losses = series(full)["loss"]
+        checks.append(("trains", 0.0, "" if len(losses) == STEPS and losses[-1] < losses[0] else f"losses {losses}"))
+        streamed = f"Streaming {matrix.shards} (titan_ext_stream" in job_log(matrix, jobs[0])
+        checks.append(("streamed", 0.0, "" if streamed else "the log does not show titan_ext_stream reading the shards"))
+        rel, problem = compare(resumed, full, all_steps[2:])
+        checks.append(("resumed vs uninterrupted", 0.0, problem or (f"not bit-identical (rel {rel:.1e})" if rel else "")))
     elif kind == "hf":
         export, imported = (read_metrics(matrix, job) for job in jobs)
         checks.append(("HF export step 1 vs single", *compare(export, ref, [1])))
@@ -458,7 +484,9 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     if problems:
         return Result(spec, row, "MISMATCH", worst, "; ".join(problems))
     note = "reference" if row == "single" and variant == "base" else f"vs single{'' if variant == 'base' else ' (untied)'}"
-    if kind == "resume":
+    if kind == "stream_resume":
+        note = "trains; resumed == uninterrupted"
+    elif kind == "resume":
         note += "; resumed == uninterrupted"
     return Result(spec, row, "ok", worst, note)
 

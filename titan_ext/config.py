@@ -27,6 +27,13 @@ class TitanExt:
     """What a NaN/Inf loss does: "stop" the job before that step's update and
     checkpoint, "skip" the step's update, or "off" (no check, no per-step sync)."""
 
+    text_field: str = "text"
+    """The record field holding the text, for ``dataset = "titan_ext_stream"``."""
+
+    shuffle_buffer: int = 10000
+    """Documents in the seeded shuffle buffer of ``dataset = "titan_ext_stream"`` (0: stream order).
+    The buffer is part of the checkpoint, so a resumed run sees the same documents."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -41,18 +41,27 @@ def load_jsonl_text(path: str):
 
 
 def register_datasets() -> None:
+    """``titan_ext_tiny`` and ``titan_ext_stream`` in torchtitan's registry (its config checks look there)."""
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    from titan_ext.text_stream import STREAM_DATASET, open_stream
 
     DATASETS[TINY_DATASET] = DatasetConfig(
         path=dataset_file(None), loader=load_jsonl_text, sample_processor=lambda sample: sample["text"]
     )
+    # built by titan_ext's own dataloader (build_dataloader), which reads [titan_ext] text_field
+    DATASETS[STREAM_DATASET] = DatasetConfig(path="", loader=open_stream, sample_processor=lambda sample: sample["text"])
 
 
-def build_dataloader(*args, **kwargs):
+def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs):
+    from titan_ext.text_stream import STREAM_DATASET, build_stream_dataloader
+
+    if job_config.training.dataset == STREAM_DATASET:
+        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs)
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
-    return build_text_dataloader(*args, **kwargs)
+    return build_text_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs)
 
 
 def build_tokenizer(job_config):

@@ -1,0 +1,124 @@
+"""``dataset = "titan_ext_stream"``: shard folders streamed, split across ranks, shuffled, resumed exactly."""
+
+import json
+
+import pytest
+from helpers import job_config
+
+from titan_ext.errors import ConfigError
+from titan_ext.text_stream import ShuffledStream, StreamedTextDataset, check_stream, open_stream
+
+DOCS = [f"document {i} " + "word " * (i % 7) for i in range(120)]
+
+
+class CharTokenizer:
+    """Enough of torchtitan's tokenizer for packing: one id per character, BOS 1, EOS 2."""
+
+    def encode(self, text, add_bos=False, add_eos=False):
+        return [1] * add_bos + [3 + ord(c) % 50 for c in text] + [2] * add_eos
+
+
+def write_shards(folder, fmt, docs=DOCS, shards=4, field="text"):
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        part = [{field: d, "id": i} for i, d in enumerate(docs) if i % shards == s]
+        if fmt == "jsonl":
+            (folder / f"part-{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(part), folder / f"part-{s}.parquet")
+    return folder
+
+
+def texts(dataset, n):
+    it = iter(dataset)
+    return [next(it)[0]["input"].tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_shard_folder_streams_every_document_once(tmp_path, fmt):
+    folder = write_shards(tmp_path / fmt, fmt)
+    assert sorted(r["text"] for r in open_stream(str(folder))) == sorted(DOCS)
+    assert sorted(r["text"] for r in open_stream(str(folder / f"*.{fmt}"))) == sorted(DOCS)  # a glob
+    check_stream(str(folder), "text")
+
+
+def test_ranks_see_disjoint_documents(tmp_path):
+    folder = str(write_shards(tmp_path / "d", "jsonl"))
+
+    def ids(rank):
+        data = StreamedTextDataset(folder, CharTokenizer(), 16, rank, 2, shuffle_buffer=0, infinite=False).documents
+        return [r["id"] for r in data]
+
+    zero, one = ids(0), ids(1)
+    assert zero and one and not set(zero) & set(one) and sorted(zero + one) == list(range(len(DOCS)))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_replays_exactly_with_the_shuffle_buffer(tmp_path, rank):
+    folder = str(write_shards(tmp_path / "d", "parquet"))
+
+    def dataset():
+        return StreamedTextDataset(folder, CharTokenizer(), 32, rank, 2, shuffle_buffer=8, seed=3)
+
+    straight = texts(dataset(), 40)  # past one epoch of this rank's documents: the re-loop too
+    first = dataset()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    resumed = dataset()
+    resumed.load_state_dict(state)
+    assert texts(resumed, 35) == straight[5:]
+    assert straight[:5] != texts(StreamedTextDataset(folder, CharTokenizer(), 32, rank, 2, shuffle_buffer=0), 5)
+
+
+def test_the_shuffle_buffer_alone_is_a_seeded_permutation():
+    class Stream(list):
+        def state_dict(self):
+            return {}
+
+    order = list(ShuffledStream(Stream(range(50)), 10, seed=0))
+    assert sorted(order) == list(range(50)) and order != list(range(50))
+    assert order == list(ShuffledStream(Stream(range(50)), 10, seed=0))
+
+
+@pytest.mark.parametrize(
+    "setup,path,phrase",
+    [
+        ("empty dir", "{tmp}/empty", "holds no .arrow/.json/.jsonl/.parquet file"),
+        ("glob", "{tmp}/nothing/*.parquet", "matches no file"),
+        ("no text field", "{tmp}/body", "records have no string 'text' field (fields: ['body', 'id'])"),
+        ("empty shards", "{tmp}/blank", "holds no record"),
+        ("mixed", "{tmp}/mixed", "mixes ['json', 'parquet'] shards"),
+        ("missing", "", "is empty"),
+    ],
+)
+def test_bad_stream_inputs_are_one_line(tmp_path, setup, path, phrase):
+    (tmp_path / "empty").mkdir()
+    write_shards(tmp_path / "body", "jsonl", field="body")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.jsonl").write_text("")
+    write_shards(tmp_path / "mixed", "jsonl", shards=1)
+    write_shards(tmp_path / "mixed", "parquet", shards=1)
+    with pytest.raises(ConfigError) as e:
+        check_stream(path.replace("{tmp}", str(tmp_path)), "text")
+    assert phrase in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_preflight_checks_the_stream_and_its_options(tmp_path):
+    from titan_ext import preflight
+
+    folder = write_shards(tmp_path / "d", "jsonl", field="body")
+    config = job_config("--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder))
+    with pytest.raises(ConfigError, match="set \\[titan_ext\\] text_field"):
+        preflight.check_job_config(config, world_size=1)
+    config = job_config("--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder),
+                        "--titan_ext.text_field", "body")  # fmt: skip
+    preflight.check_job_config(config, world_size=1)
+    config = job_config("--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder),
+                        "--titan_ext.text_field", "body", "--titan_ext.shuffle_buffer", "-1")  # fmt: skip
+    with pytest.raises(ConfigError, match="--titan_ext.shuffle_buffer=-1 is negative"):
+        preflight.check_job_config(config, world_size=1)

@@ -1,0 +1,181 @@
+"""Any text dataset, streamed: ``[training] dataset = "titan_ext_stream"``.
+
+``--training.dataset_path`` names a local file, a directory of shards, or a
+glob (parquet, JSON lines, arrow), or else an HF dataset (its ``train``
+split). The ``datasets`` library streams it (nothing is read whole);
+``split_dataset_by_node`` gives each data-parallel rank its own shards or
+examples; a seeded shuffle buffer mixes documents. Documents are tokenized
+with BOS/EOS and packed into ``seq_len + 1`` windows, as torchtitan's text
+datasets do.
+
+Resuming is exact: the checkpointed state holds the stream position, the
+shuffle buffer and its RNG, and the partial token window. (``datasets``' own
+shuffle buffer is not part of its state, so a resumed run would see other
+documents.)
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+
+from titan_ext.errors import ConfigError
+
+STREAM_DATASET = "titan_ext_stream"
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
+OPTION = "--training.dataset_path"
+
+
+def local_shards(path: str) -> tuple[str, list[str]] | None:
+    """(``datasets`` builder, files) for a local file, directory or glob; None for an HF dataset name."""
+    if os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
+        where = f"the directory {path!r}"
+    elif glob.has_magic(path):
+        files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise ConfigError(f"{OPTION}={path!r} matches no file; fix the pattern")
+        where = f"the files {path!r} matches"
+    elif os.path.isfile(path):
+        files, where = [path], f"{path!r}"
+    else:
+        return None
+    formats = {FORMATS.get(os.path.splitext(f)[1]) for f in files} - {None}
+    if not formats:
+        raise ConfigError(
+            f"{OPTION}={path!r}: {where} holds no {'/'.join(sorted(FORMATS))} file; "
+            "point it at text shards in one of those formats"
+        )
+    if len(formats) > 1:
+        raise ConfigError(f"{OPTION}={path!r} mixes {sorted(formats)} shards; keep one format per dataset")
+    (builder,) = formats
+    files = [f for f in files if FORMATS.get(os.path.splitext(f)[1]) == builder]
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError(f"{OPTION}={path!r} holds no record (empty files); an empty dataset would never yield a batch")
+    return builder, files
+
+
+def open_stream(path: str):
+    """The dataset at ``path`` as a ``datasets`` streaming ``IterableDataset``."""
+    from datasets import load_dataset
+
+    if not path:
+        raise ConfigError(f"{OPTION} is empty; {STREAM_DATASET} streams the files or HF dataset it names")
+    shards = local_shards(path)
+    try:
+        if shards is None:
+            return load_dataset(path, split="train", streaming=True)
+        builder, files = shards
+        return load_dataset(builder, data_files=files, split="train", streaming=True)
+    except ConfigError:
+        raise
+    except Exception as error:  # datasets' errors for a name it cannot find or files it cannot read
+        detail = " ".join(str(error).split())[:300]
+        raise ConfigError(
+            f"{OPTION}={path!r} cannot be streamed ({type(error).__name__}: {detail}); "
+            "give local parquet/JSON-lines/arrow shards or an HF dataset available offline"
+        ) from None
+
+
+def check_stream(path: str, text_field: str) -> None:
+    """Preflight: the stream opens, is not empty, and its first record has a string ``text_field``."""
+    first = next(iter(open_stream(path)), None)
+    if first is None:
+        raise ConfigError(f"{OPTION}={path!r} holds no record; an empty dataset would never yield a batch")
+    if not isinstance(first.get(text_field), str):
+        raise ConfigError(
+            f"{OPTION}={path!r}: records have no string {text_field!r} field (fields: {sorted(first)}); "
+            "set [titan_ext] text_field to the field holding the text"
+        )
+
+
+class ShuffledStream:
+    """A seeded shuffle buffer over a ``datasets`` stream, with its buffer and RNG in the state."""
+
+    def __init__(self, data, size: int, seed: int):
+        self.data, self.size = data, size
+        self.buffer: list[dict] = []
+        self.rng = random.Random(seed)
+
+    def __iter__(self):
+        for sample in self.data:
+            if len(self.buffer) < self.size:
+                self.buffer.append(sample)
+                continue
+            index = self.rng.randrange(self.size)
+            out, self.buffer[index] = self.buffer[index], sample
+            yield out
+        while self.buffer:  # the stream ended: drain in random order
+            yield self.buffer.pop(self.rng.randrange(len(self.buffer)))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self.data.state_dict(), "buffer": list(self.buffer), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state["data"])
+        self.buffer = list(state["buffer"])
+        self.rng.setstate(state["rng"])
+
+
+class StreamedTextDataset(IterableDataset, Stateful):
+    """Packed ``(input, label)`` windows of ``seq_len`` tokens from one data-parallel rank's stream."""
+
+    def __init__(self, path, tokenizer, seq_len, dp_rank, dp_world_size, text_field="text", shuffle_buffer=0,
+                 seed=0, infinite=True):
+        from datasets.distributed import split_dataset_by_node
+
+        data = split_dataset_by_node(open_stream(path), dp_rank, dp_world_size)
+        self.documents = ShuffledStream(data, shuffle_buffer, seed) if shuffle_buffer > 0 else data
+        self.tokenizer, self.seq_len, self.text_field, self.infinite = tokenizer, seq_len, text_field, infinite
+        self.tokens: list[int] = []
+
+    def __iter__(self):
+        window = self.seq_len + 1
+        while True:
+            for sample in self.documents:
+                self.tokens.extend(self.tokenizer.encode(sample[self.text_field], add_bos=True, add_eos=True))
+                while len(self.tokens) >= window:
+                    x = torch.tensor(self.tokens[:window], dtype=torch.long)
+                    self.tokens = self.tokens[window:]
+                    yield {"input": x[:-1]}, x[1:]
+            if not self.infinite:
+                return
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens": list(self.tokens), "documents": self.documents.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens = list(state["tokens"])
+        self.documents.load_state_dict(state["documents"])
+
+
+def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
+    """torchtitan's data-parallel dataloader over ``StreamedTextDataset``."""
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    section = getattr(job_config, "titan_ext", None)
+    shuffle_buffer = getattr(section, "shuffle_buffer", 0)
+    logging.getLogger().info(
+        f"Streaming {job_config.training.dataset_path} ({STREAM_DATASET}, shuffle buffer {shuffle_buffer}, "
+        f"data-parallel rank {dp_rank} of {dp_world_size})"
+    )
+    dataset = StreamedTextDataset(
+        job_config.training.dataset_path, tokenizer, job_config.training.seq_len, dp_rank, dp_world_size,
+        text_field=getattr(section, "text_field", "text"),
+        shuffle_buffer=shuffle_buffer,
+        seed=job_config.debug.seed or 0,
+        infinite=infinite,
+    )
+    from dataclasses import asdict
+
+    return ParallelAwareDataloader(
+        dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+        **asdict(job_config.training.dataloader), batch_size=job_config.training.local_batch_size,
+    )

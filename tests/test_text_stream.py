@@ -122,3 +122,14 @@ def test_preflight_checks_the_stream_and_its_options(tmp_path):
                         "--titan_ext.text_field", "body", "--titan_ext.shuffle_buffer", "-1")  # fmt: skip
     with pytest.raises(ConfigError, match="--titan_ext.shuffle_buffer=-1 is negative"):
         preflight.check_job_config(config, world_size=1)
+
+
+def test_a_rank_without_documents_stops_instead_of_spinning(tmp_path):
+    folder = write_shards(tmp_path / "one", "jsonl", docs=["only one document"], shards=1)
+    with pytest.raises(ConfigError, match="data-parallel rank 1 of 2 gets no document"):  # before any batch
+        StreamedTextDataset(str(folder), CharTokenizer(), 8, 1, 2)  # rank 1 of 2: nothing left for it
+    StreamedTextDataset(str(folder), CharTokenizer(), 8, 0, 2)
+    emptied = StreamedTextDataset(str(folder), CharTokenizer(), 8, 0, 2)
+    emptied.documents = []  # a stream that ran dry after the check: a pass without documents stops too
+    with pytest.raises(ConfigError, match="got no document"):
+        next(iter(emptied))

@@ -132,14 +132,21 @@ class StreamedTextDataset(IterableDataset, Stateful):
         from datasets.distributed import split_dataset_by_node
 
         data = split_dataset_by_node(open_stream(path), dp_rank, dp_world_size)
+        if next(iter(split_dataset_by_node(open_stream(path), dp_rank, dp_world_size)), None) is None:
+            raise ConfigError(  # a probe on its own stream: ``data``'s position stays at the start
+                f"{OPTION}={path!r}: data-parallel rank {dp_rank} of {dp_world_size} gets no document; "
+                "give the dataset at least one record (better: one shard) per data-parallel rank"
+            )
         self.documents = ShuffledStream(data, shuffle_buffer, seed) if shuffle_buffer > 0 else data
         self.tokenizer, self.seq_len, self.text_field, self.infinite = tokenizer, seq_len, text_field, infinite
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.tokens: list[int] = []
 
     def __iter__(self):
         window = self.seq_len + 1
         while True:
-            for sample in self.documents:
+            documents = 0
+            for documents, sample in enumerate(self.documents, 1):
                 self.tokens.extend(self.tokenizer.encode(sample[self.text_field], add_bos=True, add_eos=True))
                 while len(self.tokens) >= window:
                     x = torch.tensor(self.tokens[:window], dtype=torch.long)
@@ -147,6 +154,11 @@ class StreamedTextDataset(IterableDataset, Stateful):
                     yield {"input": x[:-1]}, x[1:]
             if not self.infinite:
                 return
+            if documents == 0:  # looping again would spin forever without a batch
+                raise ConfigError(
+                    f"{OPTION}: data-parallel rank {self.dp_rank} of {self.dp_world_size} got no document; "
+                    "give the dataset at least one record (better: one shard) per data-parallel rank"
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens": list(self.tokens), "documents": self.documents.state_dict()}

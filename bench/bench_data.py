@@ -1,0 +1,89 @@
+"""Throughput of titan_ext_stream's data path alone (read, shuffle, tokenize, pack, batch), in one run.
+
+A generated folder of parquet shards (the shipped corpus repeated up to ``--mb``
+megabytes) is read through torchtitan's dataloader as a training job builds it,
+with and without the shuffle buffer. Each row: tokens/s over ``--batches``
+batches after the first, and its ratio to the first row. The model never runs:
+this is the ceiling the data path puts on training throughput.
+
+    python bench/bench_data.py               # 100 MB, 8 shards, batch 16 x 2048
+    python bench/bench_data.py --mb 1 --batches 20 --seq 128 --batch 4   # quick check (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "titan_ext" / "assets" / "tiny" / "corpus.jsonl"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=100.0, help="size of the generated text, in MB")
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batches", type=int, default=200, help="batches timed (after the first)")
+    parser.add_argument("--buffer", type=int, default=10000, help="the shuffle buffer of the buffered row")
+    return parser.parse_args(argv)
+
+
+def write_shards(folder: Path, mb: float, shards: int) -> int:
+    """Parquet shards of about ``mb`` MB of text; returns the document count."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
+    docs, size, i = [], 0, 0
+    while size < mb * 1e6:
+        text = texts[i % len(texts)]
+        docs.append({"text": f"{i} {text}"})
+        size += len(text) + 1
+        i += 1
+    for s in range(shards):
+        pq.write_table(pa.Table.from_pylist(docs[s::shards]), folder / f"part-{s:03d}.parquet")
+    return len(docs)
+
+
+def measure(folder: Path, args, buffer: int) -> float:
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.config import ConfigManager
+
+    from titan_ext.text_stream import build_stream_dataloader
+
+    config = ConfigManager().parse_args([
+        "--job.config_file", str(REPO / "train_configs" / "debug_gla.toml"),
+        "--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder),
+        "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
+        "--titan_ext.shuffle_buffer", str(buffer),
+    ])
+    tokenizer = HuggingFaceTokenizer(str(REPO / "titan_ext" / "assets" / "tiny"))
+    batches = iter(build_stream_dataloader(1, 0, tokenizer, config))
+    next(batches)  # opening the stream and filling the buffer are not throughput
+    start = time.perf_counter()
+    for _ in range(args.batches):
+        next(batches)
+    return args.batches * args.batch * args.seq / (time.perf_counter() - start)
+
+
+def main(argv=None) -> list[tuple[str, float]]:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        count = write_shards(folder, args.mb, args.shards)
+        rows = [("stream order", measure(folder, args, 0)), (f"shuffle buffer {args.buffer}", measure(folder, args, args.buffer))]
+    print(f"titan_ext_stream: {args.mb:g} MB in {args.shards} parquet shards ({count} documents), "
+          f"batch {args.batch} x {args.seq}, {args.batches} batches timed")
+    print(f"{'row':<24}{'tokens/s':>14}{'ratio':>8}")
+    for name, tps in rows:
+        print(f"{name:<24}{tps:>14,.0f}{tps / rows[0][1]:>8.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ are ``[B, T, HV]``, states are ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
 ``state_v_first``). The options fla's ``GatedDeltaNet`` layer asks its kernel
 to fuse (L2-normalised q/k, the gate ``-exp(A_log) * softplus(g + dt_bias)``,
 ``sigmoid(beta)``, doubled for negative eigenvalues) are applied first.
-Fixed-length batches only (no ``cu_seqlens``).
+With ``cu_seqlens`` (batch 1) each packed sequence runs from its own state.
 
 Per chunk of ``C`` tokens with in-chunk cumulative decay ``G`` and start
 state ``S``, the delta rule's corrections ``U`` solve one unit-lower-triangular
@@ -78,8 +78,10 @@ def chunk_gated_delta_rule(
     **unused,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's ``chunk_gated_delta_rule`` in torch."""
-    if cu_seqlens is not None or unused.get("cp_context") is not None:
-        raise ValueError("the gated delta rule off CUDA supports fixed-length batches, not cu_seqlens or context parallel")
+    if unused.get("cp_context") is not None:
+        raise ValueError("the gated delta rule off CUDA does not support context parallel (cp_context)")
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {q.shape[0]}.")
     if unused.get("gk") is not None or unused.get("gv") is not None:
         raise ValueError("the gated delta rule off CUDA supports a per-head scalar gate g, not gk/gv")
     H, HV, out_dtype = q.shape[2], v.shape[2], v.dtype
@@ -96,17 +98,31 @@ def chunk_gated_delta_rule(
     beta = beta.float()
     if use_beta_sigmoid_in_kernel:
         beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    B, T = q.shape[:2]
-    pad = -T % CHUNK  # padded tokens: zero k, v, beta and gate leave the state untouched
-    q, k, v = (F.pad(x.transpose(1, 2), (0, 0, 0, pad)) for x in (q * scale, k, v.float()))
-    g, beta = (F.pad(x.transpose(1, 2), (0, pad)) for x in (g, beta))
-    if initial_state is None:
-        state = q.new_zeros(B, HV, k.shape[-1], v.shape[-1])
-    else:
-        state = initial_state.float().transpose(-1, -2) if state_v_first else initial_state.float()
-    o, state = _delta_rule(q, k, v, g, beta, state)
-    o = o[:, :, :T].transpose(1, 2).to(out_dtype)
-    final = (state.transpose(-1, -2) if state_v_first else state) if output_final_state else None
+    q, v = q * scale, v.float()
+    h0 = initial_state
+    if h0 is not None:
+        h0 = h0.float().transpose(-1, -2) if state_v_first else h0.float()
+
+    def run(span, state):
+        """``[B, T, H, *]`` slices of one sequence each -> (o ``[B, H, T, V]``, final state)."""
+        T = q[:, span].shape[1]
+        pad = -T % CHUNK  # padded tokens: zero k, v, beta and gate leave the state untouched
+        qs, ks, vs = (F.pad(x[:, span].transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
+        gs, bs = (F.pad(x[:, span].transpose(1, 2), (0, pad)) for x in (g, beta))
+        if state is None:
+            state = qs.new_zeros(qs.shape[0], HV, ks.shape[-1], vs.shape[-1])
+        o, state = _delta_rule(qs, ks, vs, gs, bs, state)
+        return o[:, :, :T], state
+
+    if cu_seqlens is None:
+        o, ht = run(slice(None), h0)
+    else:  # packed sequences (batch 1): each from its own initial state
+        bounds = cu_seqlens.tolist()
+        runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1])
+                for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        o, ht = torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
+    o = o.transpose(1, 2).to(out_dtype)
+    final = (ht.transpose(-1, -2) if state_v_first else ht) if output_final_state else None
     return o, final
 
 

@@ -105,9 +105,36 @@ def test_fla_module_global_is_unchanged_after_building_and_binding():
         assert fla.layers.attn.flash_attn_func is None  # what fla ships without flash-attn
 
 
-def test_padded_batches_fail_clearly():
+def test_padded_batches_attend_to_their_tokens_only():
+    """A padding mask goes through fla's unpadding to the varlen SDPA: each row's real tokens see only
+    themselves, exactly as that row alone."""
+    torch.manual_seed(0)
     layer = attention(hidden_size=64, num_heads=4, layer_idx=0)
+    x = torch.randn(2, 8, 64)
     mask = torch.ones(2, 8, dtype=torch.long)
-    mask[0, :2] = 0
-    with pytest.raises(ValueError, match="need the flash-attn package"):
-        layer(torch.randn(2, 8, 64), attention_mask=mask)
+    mask[0, :3] = 0  # row 0: left padding
+    with torch.no_grad():
+        padded = layer(x, attention_mask=mask)[0]
+        alone = layer(x[:1, 3:])[0]
+    assert (padded[0, 3:] - alone[0]).abs().max() <= 1e-5 * alone.abs().max()
+    assert (padded[1] - layer(x[1:])[0][0]).abs().max() <= 1e-5
+
+
+def test_packed_documents_through_the_transformer_equal_each_document_alone():
+    """fla's varlen interface (batch 1 + cu_seqlens) on titan_ext's CPU path: SDPA's varlen attention and
+    rotary positions that restart at each document, so nothing crosses a boundary."""
+    from fla.models import TransformerConfig, TransformerForCausalLM
+
+    config = TransformerConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, num_kv_heads=2, vocab_size=100)
+    torch.manual_seed(0)
+    with building():
+        model = kernels.portable(TransformerForCausalLM(config))
+    lengths = (30, 7, 19)
+    docs = [torch.randint(3, 100, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    cu_seqlens = torch.tensor([0, 30, 37, 56])
+    with torch.no_grad():
+        packed = model(input_ids=torch.cat(docs, dim=1), cu_seqlens=cu_seqlens).logits
+        alone = torch.cat([model(input_ids=d).logits for d in docs], dim=1)
+        unmasked = model(input_ids=torch.cat(docs, dim=1)).logits
+    assert (packed - alone).abs().max() <= 1e-5 * alone.abs().max()
+    assert (unmasked - alone).abs().max() > 1e-3  # without cu_seqlens the documents see each other

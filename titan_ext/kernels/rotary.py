@@ -1,4 +1,4 @@
-"""fla's rotary embedding off CUDA, through fla's own torch reference."""
+"""fla's rotary embedding off CUDA, through fla's own torch reference (and its cache check under compile)."""
 
 import torch
 from fla.modules.rotary.ops import RotaryEmbedding, rotary_embedding_ref
@@ -7,11 +7,21 @@ _fla_update_cos_sin_cache = vars(RotaryEmbedding)["_update_cos_sin_cache"]
 
 
 def rotary_embedding(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, chunk_indices=None):
-    """fla's ``rotary_embedding`` for one shared integer offset, through fla's torch reference."""
-    if cu_seqlens is not None or not isinstance(seqlen_offsets, int):
-        raise ValueError("rotary embeddings off CUDA support one integer offset, not cu_seqlens or per-sequence offsets")
-    length = x.shape[1]
-    positions = slice(seqlen_offsets, seqlen_offsets + length)
+    """fla's ``rotary_embedding`` through fla's torch reference: ``x`` is ``[B, T, H, D]``.
+
+    Offsets are one integer or one per sequence (``[N]``); with ``cu_seqlens``
+    (batch 1, packed sequences) positions restart at each sequence, as in fla.
+    """
+    T = x.shape[1]
+    if cu_seqlens is None:
+        ramp = torch.arange(T, device=x.device)
+        positions = ramp + seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[:, None] + ramp
+    else:
+        bounds = cu_seqlens.tolist()
+        positions = torch.cat([
+            torch.arange(eos - bos, device=x.device) + (seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[n])
+            for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))
+        ])  # fmt: skip
     return rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
 
 

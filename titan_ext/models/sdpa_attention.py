@@ -48,8 +48,16 @@ def sdpa_attn_func(q, k, v, causal: bool = True, window_size: tuple[int, int] = 
     return o.transpose(1, 2)
 
 
-def sdpa_attn_varlen_func(*args, **kwargs):
-    raise ValueError(
-        "fla Attention got attention_mask or cu_seqlens, which need the flash-attn package; "
-        "install flash-attn or train on unpadded, unpacked batches (as torchtitan does)"
-    )
+def sdpa_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1), **unused,
+) -> torch.Tensor:
+    """``flash_attn_varlen_func`` over SDPA: packed ``[total, H, D]`` sequences, each attending only to itself."""
+    if unused:
+        raise ValueError(f"titan_ext's SDPA varlen attention does not take {sorted(unused)}; install flash-attn")
+    q_bounds, k_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = [
+        sdpa_attn_func(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal, window_size)[0]
+        for qs, qe, ks, ke in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:])
+    ]
+    return torch.cat(outs, dim=0)

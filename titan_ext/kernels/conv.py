@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_ext.kernels.norms import _upcast
+from titan_ext.kernels.varlen import sequence_spans
 
 
 def _conv(x, weight, bias, residual, initial_state, activation):
@@ -60,11 +61,8 @@ def causal_conv1d(
         y, xp = _conv(x, weight, bias, residual, initial_state, activation)
         final = xp[..., -W:]
     else:
-        if x.shape[0] != 1:
-            raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {x.shape[0]}.")
-        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         ys, finals = [], []
-        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for n, (bos, eos) in enumerate(sequence_spans(cu_seqlens, cu_seqlens_cpu, x.shape[0])):
             y_n, xp = _conv(
                 x[:, bos:eos], weight, bias, None if residual is None else residual[:, bos:eos],
                 None if initial_state is None else initial_state[n : n + 1], activation,

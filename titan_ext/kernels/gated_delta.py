@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from fla.ops.gated_delta_rule.gate import naive_gdn_gate
 
+from titan_ext.kernels.varlen import sequence_spans
+
 CHUNK = 64
 L2NORM_EPS = 1e-6
 """fla's ``l2norm_fwd`` default."""
@@ -80,8 +82,7 @@ def chunk_gated_delta_rule(
     """fla's ``chunk_gated_delta_rule`` in torch."""
     if unused.get("cp_context") is not None:
         raise ValueError("the gated delta rule off CUDA does not support context parallel (cp_context)")
-    if cu_seqlens is not None and q.shape[0] != 1:
-        raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {q.shape[0]}.")
+    spans = None if cu_seqlens is None else sequence_spans(cu_seqlens, batch_size=q.shape[0])
     if unused.get("gk") is not None or unused.get("gv") is not None:
         raise ValueError("the gated delta rule off CUDA supports a per-head scalar gate g, not gk/gv")
     H, HV, out_dtype = q.shape[2], v.shape[2], v.dtype
@@ -114,12 +115,10 @@ def chunk_gated_delta_rule(
         o, state = _delta_rule(qs, ks, vs, gs, bs, state)
         return o[:, :, :T], state
 
-    if cu_seqlens is None:
+    if spans is None:
         o, ht = run(slice(None), h0)
     else:  # packed sequences (batch 1): each from its own initial state
-        bounds = cu_seqlens.tolist()
-        runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1])
-                for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))]
+        runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
         o, ht = torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
     o = o.transpose(1, 2).to(out_dtype)
     final = (ht.transpose(-1, -2) if state_v_first else ht) if output_final_state else None

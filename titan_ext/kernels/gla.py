@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_ext.kernels.varlen import sequence_spans
+
 CHUNK_SIZE = 16
 
 
@@ -114,8 +116,7 @@ def gla(
     ``fused_recurrent`` semantics). With ``cu_seqlens`` (``B`` must be 1) each
     packed sequence runs separately with its own initial state.
     """
-    if cu_seqlens is not None and q.shape[0] != 1:
-        raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {q.shape[0]}.")
+    spans = None if cu_seqlens is None else sequence_spans(cu_seqlens, cu_seqlens_cpu, q.shape[0])
     if scale is None:
         scale = q.shape[-1] ** -0.5
     out_dtype = q.dtype
@@ -140,12 +141,11 @@ def gla(
         o, h = _chunked_recurrence(*xs, h_init, chunk_size)
         return (o.flip(2) if reverse else o), h
 
-    if cu_seqlens is None:
+    if spans is None:
         o, ht = run(slice(None), h0)
     else:
-        bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         outs, states = [], []
-        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for n, (bos, eos) in enumerate(spans):
             o_n, h_n = run(slice(bos, eos), None if h0 is None else h0[n : n + 1])
             outs.append(o_n)
             states.append(h_n)

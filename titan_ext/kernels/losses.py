@@ -52,7 +52,16 @@ class FusedCrossEntropyLoss(_FlaCrossEntropyLoss):
     """
 
     def forward(self, input: torch.Tensor, target: torch.Tensor):
-        return fused_cross_entropy_forward(self, input, target)
+        loss, z_loss = cross_entropy_loss(
+            input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale,
+            self.logit_softcapping, self.ignore_index, process_group=self.process_group,
+        )
+        if self.reduction != "none":
+            loss, z_loss = loss.sum(), z_loss.sum()
+            if self.reduction == "mean":
+                total = (target != self.ignore_index).sum()
+                loss, z_loss = loss / total, z_loss / total
+        return (loss, z_loss) if self.return_z_loss else loss
 
 
 class FusedLinearCrossEntropyLoss(_FlaLinearCrossEntropyLoss):
@@ -64,19 +73,6 @@ class FusedLinearCrossEntropyLoss(_FlaLinearCrossEntropyLoss):
             self.logit_softcapping, self.num_chunks, self.reduction, self.use_l2warp, self.l2_penalty_factor,
             self.accumulate_grad_in_fp32, self.process_group,
         )
-
-
-def fused_cross_entropy_forward(self, input: torch.Tensor, target: torch.Tensor):
-    loss, z_loss = cross_entropy_loss(
-        input, target, self.label_smoothing, self.logit_scale, self.lse_square_scale,
-        self.logit_softcapping, self.ignore_index, process_group=self.process_group,
-    )
-    if self.reduction != "none":
-        loss, z_loss = loss.sum(), z_loss.sum()
-        if self.reduction == "mean":
-            total = (target != self.ignore_index).sum()
-            loss, z_loss = loss / total, z_loss / total
-    return (loss, z_loss) if self.return_z_loss else loss
 
 
 def fused_linear_cross_entropy_loss(

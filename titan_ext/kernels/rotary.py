@@ -3,6 +3,8 @@
 import torch
 from fla.modules.rotary.ops import RotaryEmbedding, rotary_embedding_ref
 
+from titan_ext.kernels.varlen import sequence_spans
+
 _fla_update_cos_sin_cache = vars(RotaryEmbedding)["_update_cos_sin_cache"]
 
 
@@ -17,10 +19,9 @@ def rotary_embedding(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         ramp = torch.arange(T, device=x.device)
         positions = ramp + seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[:, None] + ramp
     else:
-        bounds = cu_seqlens.tolist()
         positions = torch.cat([
             torch.arange(eos - bos, device=x.device) + (seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[n])
-            for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))
+            for n, (bos, eos) in enumerate(sequence_spans(cu_seqlens, batch_size=x.shape[0]))
         ])  # fmt: skip
     return rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
 

@@ -18,6 +18,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from titan_ext.kernels.varlen import sequence_spans
+
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
@@ -55,9 +57,8 @@ def sdpa_attn_varlen_func(
     """``flash_attn_varlen_func`` over SDPA: packed ``[total, H, D]`` sequences, each attending only to itself."""
     if unused:
         raise ValueError(f"titan_ext's SDPA varlen attention does not take {sorted(unused)}; install flash-attn")
-    q_bounds, k_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outs = [
         sdpa_attn_func(q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], causal, window_size)[0]
-        for qs, qe, ks, ke in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:])
+        for (qs, qe), (ks, ke) in zip(sequence_spans(cu_seqlens_q), sequence_spans(cu_seqlens_k))
     ]
     return torch.cat(outs, dim=0)

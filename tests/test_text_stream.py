@@ -133,3 +133,11 @@ def test_a_rank_without_documents_stops_instead_of_spinning(tmp_path):
     emptied.documents = []  # a stream that ran dry after the check: a pass without documents stops too
     with pytest.raises(ConfigError, match="got no document"):
         next(iter(emptied))
+
+
+def test_a_job_without_the_titan_ext_section_gets_the_documented_defaults():
+    from types import SimpleNamespace
+
+    from titan_ext.text_stream import stream_options
+
+    assert stream_options(SimpleNamespace()) == ("text", 10000)  # README: text_field "text", shuffle_buffer 10000

@@ -59,16 +59,15 @@ def _check_model_name_and_flavor(job_config) -> None:
 
 def _check_dataset(job_config) -> None:
     from titan_ext.data import TINY_DATASET, dataset_file
-    from titan_ext.text_stream import STREAM_DATASET, check_stream
+    from titan_ext.text_stream import STREAM_DATASET, check_stream, stream_options
 
     if job_config.training.dataset == TINY_DATASET:
         inputs.check_jsonl_dataset(dataset_file(job_config.training.dataset_path))
     if job_config.training.dataset == STREAM_DATASET:
-        section = getattr(job_config, "titan_ext", None)
-        buffer = getattr(section, "shuffle_buffer", 0)
+        text_field, buffer = stream_options(job_config)
         if buffer < 0:
             raise ConfigError(f"--titan_ext.shuffle_buffer={buffer} is negative; use 0 (stream order) or more")
-        check_stream(job_config.training.dataset_path, getattr(section, "text_field", "text"))
+        check_stream(job_config.training.dataset_path, text_field)
 
 
 def _check_titan_ext_parallelism(job_config) -> None:

@@ -168,19 +168,26 @@ class StreamedTextDataset(IterableDataset, Stateful):
         self.documents.load_state_dict(state["documents"])
 
 
+def stream_options(job_config) -> tuple[str, int]:
+    """``[titan_ext] text_field`` and ``shuffle_buffer``; the section's own defaults when the job has none."""
+    from titan_ext.config import TitanExt
+
+    section = getattr(job_config, "titan_ext", None) or TitanExt()
+    return section.text_field, section.shuffle_buffer
+
+
 def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
     """torchtitan's data-parallel dataloader over ``StreamedTextDataset``."""
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
-    section = getattr(job_config, "titan_ext", None)
-    shuffle_buffer = getattr(section, "shuffle_buffer", 0)
+    text_field, shuffle_buffer = stream_options(job_config)
     logging.getLogger().info(
         f"Streaming {job_config.training.dataset_path} ({STREAM_DATASET}, shuffle buffer {shuffle_buffer}, "
         f"data-parallel rank {dp_rank} of {dp_world_size})"
     )
     dataset = StreamedTextDataset(
         job_config.training.dataset_path, tokenizer, job_config.training.seq_len, dp_rank, dp_world_size,
-        text_field=getattr(section, "text_field", "text"),
+        text_field=text_field,
         shuffle_buffer=shuffle_buffer,
         seed=job_config.debug.seed or 0,
         infinite=infinite,

@@ -2,7 +2,8 @@
 
 A generated folder of parquet shards (the shipped corpus repeated up to ``--mb``
 megabytes) is read through torchtitan's dataloader as a training job builds it,
-with and without the shuffle buffer. Each row: tokens/s over ``--batches``
+in stream order, with the shuffle buffer, and with the buffer and document
+masking (``positions`` and boundary labels per window). Each row: tokens/s over ``--batches``
 batches after the first, and its ratio to the first row. The model never runs:
 this is the ceiling the data path puts on training throughput.
 
@@ -50,7 +51,7 @@ def write_shards(folder: Path, mb: float, shards: int) -> int:
     return len(docs)
 
 
-def measure(folder: Path, args, buffer: int) -> float:
+def measure(folder: Path, args, buffer: int, document_mask: bool = False) -> float:
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import ConfigManager
 
@@ -60,7 +61,7 @@ def measure(folder: Path, args, buffer: int) -> float:
         "--job.config_file", str(REPO / "train_configs" / "debug_gla.toml"),
         "--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder),
         "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
-        "--titan_ext.shuffle_buffer", str(buffer),
+        "--titan_ext.shuffle_buffer", str(buffer), *(["--titan_ext.document_mask"] if document_mask else []),
     ])
     tokenizer = HuggingFaceTokenizer(str(REPO / "titan_ext" / "assets" / "tiny"))
     batches = iter(build_stream_dataloader(1, 0, tokenizer, config))
@@ -76,12 +77,16 @@ def main(argv=None) -> list[tuple[str, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         count = write_shards(folder, args.mb, args.shards)
-        rows = [("stream order", measure(folder, args, 0)), (f"shuffle buffer {args.buffer}", measure(folder, args, args.buffer))]
+        rows = [
+            ("stream order", measure(folder, args, 0)),
+            (f"shuffle buffer {args.buffer}", measure(folder, args, args.buffer)),
+            (f"shuffle buffer {args.buffer} + document mask", measure(folder, args, args.buffer, document_mask=True)),
+        ]
     print(f"titan_ext_stream: {args.mb:g} MB in {args.shards} parquet shards ({count} documents), "
           f"batch {args.batch} x {args.seq}, {args.batches} batches timed")
-    print(f"{'row':<24}{'tokens/s':>14}{'ratio':>8}")
+    print(f"{'row':<40}{'tokens/s':>14}{'ratio':>8}")
     for name, tps in rows:
-        print(f"{name:<24}{tps:>14,.0f}{tps / rows[0][1]:>8.2f}")
+        print(f"{name:<40}{tps:>14,.0f}{tps / rows[0][1]:>8.2f}")
     return rows
 
 

@@ -4,7 +4,9 @@ Rows, all at the same model, batch and sequence length:
   (a) plain loop over fla's model: bf16 autocast, fp32 params, fused AdamW;
   (b) titan_ext through ``torchrun -m torchtitan.train``, bf16 mixed precision;
   (c) (b) + per-block compile;
-  (d) (c) + Float8 (``quantize.linear.float8``).
+  (d) (c) + Float8 (``quantize.linear.float8``);
+  (e) (b) + document masking (``[titan_ext] document_mask``: fla's packed
+      ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(d) turn it off).
 Each row: median tokens/s over the steps after warm-up, ratio to (a), peak
 memory, and MFU from the spec's FLOPs per token (``get_nparams_and_flops``)
 and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
@@ -153,16 +155,18 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
 def titan_rows(args) -> list[Row]:
     compile_flags = ["--compile.enable", "--compile.backend", args.compile_backend]
     float8 = ["--model.converters", "quantize.linear.float8"]
-    rows = [torchtitan_run("(b) titan_ext bf16", args, [])]
-    rows.append(torchtitan_run("(c) (b) + compile", args, compile_flags))
+    unmasked = ["--titan_ext.no-document_mask"]
+    rows = [torchtitan_run("(b) titan_ext bf16", args, unmasked)]
+    rows.append(torchtitan_run("(c) (b) + compile", args, unmasked + compile_flags))
     if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
-        rows.append(torchtitan_run("(d) (c) + Float8", args, compile_flags + float8))
+        rows.append(torchtitan_run("(d) (c) + Float8", args, unmasked + compile_flags + float8))
     else:
         # torchao's emulation is eager-only; without a float8 GPU this row is (b) + emulated Float8.
         note = "no float8 GPU: emulated Float8, eager (emulation cannot compile)"
         print(f"(d): {note}")
         emulate = float8 + ["--quantize.linear.float8.emulate"]
-        rows.append(torchtitan_run("(d) (b) + Float8 emulated", args, emulate, note))
+        rows.append(torchtitan_run("(d) (b) + Float8 emulated", args, unmasked + emulate, note))
+    rows.append(torchtitan_run("(e) (b) + document mask", args, ["--titan_ext.document_mask"]))
     return rows
 
 

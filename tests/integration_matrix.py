@@ -39,6 +39,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   differently) and so compare with an untied single-process run.
 - ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
   FSDP2 must match one process like titan_ext's specs do.
+- ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
+  that masks too (the "docs" variant: its own seed and single-process run).
 - Some rows belong to one spec (``Row.specs``): a user's TP plan from
   ``custom_import`` (``tp_ext``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
@@ -134,6 +136,8 @@ class Row:
     env: tuple[tuple[str, str], ...] = ()
     expect: str = ""
     """kind "fails": the job's error must contain this."""
+    documents: bool = False
+    """Document masking on, in this row and in the single-process run it is compared with."""
 
     @property
     def tp(self) -> bool:
@@ -168,10 +172,13 @@ ROWS = {
                   rtol=TP_RTOL, specs=("fla_gla",)),
     "float8_emulate": Row(1, (*parallel(), "--model.converters", "quantize.linear.float8",
                               "--quantize.linear.float8.emulate"), kind="trains", specs=("fla_gla",)),
-    # titan_ext_stream over parquet shards with a shuffle buffer: a resumed run replays the same batches.
+    # titan_ext_stream over parquet shards with a shuffle buffer and document masking: a resumed run replays
+    # the same batches (positions included).
     "stream_resume": Row(2, (*parallel(shard=2), "--training.dataset", "titan_ext_stream", "--training.dataset_path",
-                             "{shards}", "--titan_ext.shuffle_buffer", "16"), kind="stream_resume", cost=2,
-                         specs=("fla_gla",)),
+                             "{shards}", "--titan_ext.shuffle_buffer", "16", "--titan_ext.document_mask"),
+                         kind="stream_resume", cost=2, specs=("fla_gla",)),
+    # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
+    "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
                     specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
@@ -223,14 +230,20 @@ class Matrix:
         return applies(spec, row)
 
     def variant(self, spec: str, row: str) -> str:
-        return "untied" if ROWS[row].tp and SPECS[spec].tp_hf_config else "base"
+        """What the row and its single-process reference share: "base", "untied", "docs" or "untied+docs"."""
+        r = ROWS[row]
+        tags = ["untied"] * bool(r.tp and SPECS[spec].tp_hf_config) + ["docs"] * r.documents
+        return "+".join(tags) or "base"
 
     def variant_flags(self, spec: str, variant: str) -> tuple[str, ...]:
         spec_def = SPECS[spec]
         flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus),
                  *spec_def.flags)
-        if variant == "untied":
+        tags = variant.split("+")
+        if "untied" in tags:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
+        if "docs" in tags:
+            flags += ("--titan_ext.document_mask",)
         return flags
 
     @property
@@ -483,7 +496,7 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     problems = [f"{what}: {problem}" for what, _, problem in checks if problem]
     if problems:
         return Result(spec, row, "MISMATCH", worst, "; ".join(problems))
-    note = "reference" if row == "single" and variant == "base" else f"vs single{'' if variant == 'base' else ' (untied)'}"
+    note = "reference" if row == "single" and variant == "base" else f"vs single{'' if variant == 'base' else f' ({variant})'}"
     if kind == "stream_resume":
         note = "trains; resumed == uninterrupted"
     elif kind == "resume":

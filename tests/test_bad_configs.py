@@ -36,6 +36,7 @@ def write_inputs(tmp):
         "heads3.json": json.dumps({"num_heads": 3, "hidden_size": 96}),
         "unbuildable.json": json.dumps({"num_heads": 3}),  # fla: key dim 32 does not split into 3 heads
         "mlp101.json": json.dumps({"intermediate_size": 101}),
+        "fused_chunk.json": json.dumps({"attn_mode": "fused_chunk"}),
         "typo.json": json.dumps({"num_hiden_layers": 4}),
         "wrong_type.json": json.dumps({"hidden_size": "64"}),
         "impossible.json": json.dumps({"num_hidden_layers": 0}),
@@ -113,6 +114,18 @@ CASES = {
     "dataset not json lines": ([*GLA, "--training.dataset_path", "{tmp}/not_json.jsonl"], 1, "line 2"),
     "dataset without text field": ([*GLA, "--training.dataset_path", "{tmp}/no_text.jsonl"], 1, "'text'"),
     "dataset path is a directory": ([*GLA, "--training.dataset_path", "{tmp}/a_directory.jsonl"], 1, "a_directory.jsonl"),
+    # document masking where the boundaries cannot reach the model, or the model cannot honour them
+    "document mask on a dataset without boundaries": (
+        [*GLA, "--titan_ext.document_mask", "--training.dataset", "c4_test"], 1, "--titan_ext.document_mask needs"
+    ),
+    "document mask for torchtitan's own model": (
+        [*GLA, "--titan_ext.document_mask", "--model.name", "llama3", "--model.flavor", "debugmodel"], 1,
+        "--titan_ext.document_mask applies to titan_ext's models, not --model.name='llama3'",
+    ),
+    "document mask with a gla mode that ignores it": (
+        [*GLA, "--titan_ext.document_mask", "--titan_ext.hf_config", "{tmp}/fused_chunk.json"], 1,
+        "GLA's attn_mode 'fused_chunk' takes no cu_seqlens",
+    ),
     # checkpoints
     "hf checkpoint config mismatch": (
         [*GLA, *HF_LOAD, "{tmp}/hf_mismatch"], 1, "config.json does not match --model.flavor: hidden_size=64 (flavor) vs 128"

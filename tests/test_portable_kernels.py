@@ -323,6 +323,23 @@ def test_short_convolution():
     assert_rel_close(torch.cat([y_a, y_b], 1), y_full, what="conv with cache")
 
 
+def test_short_convolution_of_packed_sequences_sees_each_sequence_alone():
+    conv = kernels.portable(ShortConvolution(hidden_size=12, kernel_size=4, bias=True, activation="silu"))
+    lengths = [5, 1, 2, 9]  # shorter and longer than the kernel
+    x = torch.randn(1, sum(lengths), 12, requires_grad=True)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    alone = torch.cat([conv(part)[0] for part in x.split(lengths, dim=1)], dim=1)
+    packed, _ = conv(x, cu_seqlens=cu_seqlens)  # training: tensor ops, no loop over sequences
+    looped, states = conv(x, cu_seqlens=cu_seqlens, output_final_state=True)  # with states: one by one
+    assert_rel_close(packed, alone, tol=1e-6, what="packed conv")
+    assert_rel_close(looped, alone, tol=1e-6, what="packed conv with final states")
+    assert states.shape[0] == len(lengths)
+    grad = torch.randn_like(alone)
+    (g_alone,) = torch.autograd.grad(alone, x, grad)
+    (g_packed,) = torch.autograd.grad(packed, x, grad)
+    assert_rel_close(g_packed, g_alone, tol=1e-6, what="packed conv gradient")
+
+
 def test_cross_entropy_losses():
     from titan_ext.kernels import losses
 

@@ -126,3 +126,11 @@ def parsing_torchtitan_config() -> bool:
     That import comes before the Trainer exists; see ``titan_ext.config.__getattr__``.
     """
     return _frame_on_stack("torchtitan.config.manager", "_maybe_add_custom_config") is not None
+
+
+def maybe_mark_dynamic(tensor, dim: int) -> None:
+    """Ask dynamo to trace ``tensor``'s ``dim`` as a symbol from the first compile (``torch._dynamo``,
+    not re-exported by ``torch.compiler`` in 2.11-2.13); a no-op for eager code."""
+    import torch._dynamo
+
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)

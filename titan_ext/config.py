@@ -34,6 +34,12 @@ class TitanExt:
     """Documents in the seeded shuffle buffer of ``dataset = "titan_ext_stream"`` (0: stream order).
     The buffer is part of the checkpoint, so a resumed run sees the same documents."""
 
+    document_mask: bool = False
+    """Train each packed window as its separate documents: attention and
+    recurrent state stay inside a document, positions restart, no label
+    crosses a boundary (``titan_ext.documents``). Needs dataset
+    ``titan_ext_stream`` or ``titan_ext_tiny``."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -55,10 +55,17 @@ def register_datasets() -> None:
 
 
 def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs):
+    """torchtitan's text dataloader; titan_ext's streaming one for ``titan_ext_stream``, and for
+    ``titan_ext_tiny`` with document masking (torchtitan's does not emit document boundaries)."""
+    from titan_ext import documents
     from titan_ext.text_stream import STREAM_DATASET, build_stream_dataloader
 
-    if job_config.training.dataset == STREAM_DATASET:
+    dataset = job_config.training.dataset
+    if dataset == STREAM_DATASET:
         return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs)
+    if dataset == TINY_DATASET and documents.enabled(job_config):
+        path = dataset_file(job_config.training.dataset_path)
+        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, path=path, **kwargs)
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
     return build_text_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs)

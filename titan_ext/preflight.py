@@ -4,7 +4,7 @@
 any model (torchtitan's own too): numbers, parallel degrees against the world
 size, names, and the data file. ``check_model_job`` runs once titan_ext's
 model args see the config: what depends on the architecture (TP, AC with
-compile, Float8, the HF config, checkpoints to load). Each failure is one
+compile, Float8, document masking, the HF config, checkpoints to load). Each failure is one
 ``ConfigError`` line naming the option, its value and the fix.
 """
 
@@ -23,6 +23,7 @@ def check_job_config(job_config, world_size: int) -> None:
     inputs.check_names(job_config)
     _check_model_name_and_flavor(job_config)
     _check_dataset(job_config)
+    _check_document_mask(job_config)
     _check_titan_ext_parallelism(job_config)
     _checked.add(id(job_config))
 
@@ -70,6 +71,17 @@ def _check_dataset(job_config) -> None:
         check_stream(job_config.training.dataset_path, text_field)
 
 
+def _check_document_mask(job_config) -> None:
+    from titan_ext import documents
+
+    if documents.enabled(job_config) and not _titan_ext_spec(job_config.model.name):
+        raise ConfigError(
+            f"{documents.OPTION} applies to titan_ext's models, not --model.name={job_config.model.name!r} "
+            "(torchtitan's own models mask documents with their flex-attention flavors); turn it off"
+        )
+    documents.check_dataset(job_config)
+
+
 def _check_titan_ext_parallelism(job_config) -> None:
     """What titan_ext's specs do not support yet, or what torchtitan would get wrong."""
     p = job_config.parallelism
@@ -101,10 +113,11 @@ def _check_titan_ext_parallelism(job_config) -> None:
 
 def check_model_job(model_args, job_config) -> None:
     """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``."""
-    from titan_ext import activation_checkpoint, float8, tensor_parallel
+    from titan_ext import activation_checkpoint, documents, float8, tensor_parallel
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
+    documents.check_model(model_args, job_config)
     tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)

@@ -6,7 +6,8 @@ split). The ``datasets`` library streams it (nothing is read whole);
 ``split_dataset_by_node`` gives each data-parallel rank its own shards or
 examples; a seeded shuffle buffer mixes documents. Documents are tokenized
 with BOS/EOS and packed into ``seq_len + 1`` windows, as torchtitan's text
-datasets do.
+datasets do. With ``[titan_ext] document_mask`` each window also carries
+its document boundaries (``titan_ext.documents``).
 
 Resuming is exact: the checkpointed state holds the stream position, the
 shuffle buffer and its RNG, and the partial token window. (``datasets``' own
@@ -26,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from titan_ext import documents
 from titan_ext.errors import ConfigError
 
 STREAM_DATASET = "titan_ext_stream"
@@ -128,7 +130,7 @@ class StreamedTextDataset(IterableDataset, Stateful):
     """Packed ``(input, label)`` windows of ``seq_len`` tokens from one data-parallel rank's stream."""
 
     def __init__(self, path, tokenizer, seq_len, dp_rank, dp_world_size, text_field="text", shuffle_buffer=0,
-                 seed=0, infinite=True):
+                 seed=0, infinite=True, document_mask=False):
         from datasets.distributed import split_dataset_by_node
 
         data = split_dataset_by_node(open_stream(path), dp_rank, dp_world_size)
@@ -140,18 +142,20 @@ class StreamedTextDataset(IterableDataset, Stateful):
         self.documents = ShuffledStream(data, shuffle_buffer, seed) if shuffle_buffer > 0 else data
         self.tokenizer, self.seq_len, self.text_field, self.infinite = tokenizer, seq_len, text_field, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.document_mask = document_mask
         self.tokens: list[int] = []
+        self.starts: list[int] = []  # with document masking: where in ``tokens`` each document begins
 
     def __iter__(self):
         window = self.seq_len + 1
         while True:
             documents = 0
             for documents, sample in enumerate(self.documents, 1):
+                if self.document_mask:
+                    self.starts.append(len(self.tokens))
                 self.tokens.extend(self.tokenizer.encode(sample[self.text_field], add_bos=True, add_eos=True))
                 while len(self.tokens) >= window:
-                    x = torch.tensor(self.tokens[:window], dtype=torch.long)
-                    self.tokens = self.tokens[window:]
-                    yield {"input": x[:-1]}, x[1:]
+                    yield self._sample(window)
             if not self.infinite:
                 return
             if documents == 0:  # looping again would spin forever without a batch
@@ -160,11 +164,21 @@ class StreamedTextDataset(IterableDataset, Stateful):
                     "give the dataset at least one record (better: one shard) per data-parallel rank"
                 )
 
+    def _sample(self, window: int):
+        """The next window: ``({"input"}, labels)``, or with document masking ``({"input", "positions"}, labels)``."""
+        x = torch.tensor(self.tokens[:window], dtype=torch.long)
+        self.tokens = self.tokens[window:]
+        if not self.document_mask:
+            return {"input": x[:-1]}, x[1:]
+        inside = [start for start in self.starts if start < window]
+        self.starts = [start - window for start in self.starts[len(inside):]]
+        return documents.window_sample(x, inside)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"tokens": list(self.tokens), "documents": self.documents.state_dict()}
+        return {"tokens": list(self.tokens), "starts": list(self.starts), "documents": self.documents.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.tokens = list(state["tokens"])
+        self.tokens, self.starts = list(state["tokens"]), list(state["starts"])
         self.documents.load_state_dict(state["documents"])
 
 
@@ -176,21 +190,24 @@ def stream_options(job_config) -> tuple[str, int]:
     return section.text_field, section.shuffle_buffer
 
 
-def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True):
-    """torchtitan's data-parallel dataloader over ``StreamedTextDataset``."""
+def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True, path=None):
+    """torchtitan's data-parallel dataloader over ``StreamedTextDataset`` (of ``path``, else the dataset path)."""
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
+    path = path or job_config.training.dataset_path
     text_field, shuffle_buffer = stream_options(job_config)
+    document_mask = documents.enabled(job_config)
     logging.getLogger().info(
-        f"Streaming {job_config.training.dataset_path} ({STREAM_DATASET}, shuffle buffer {shuffle_buffer}, "
-        f"data-parallel rank {dp_rank} of {dp_world_size})"
+        f"Streaming {path} ({STREAM_DATASET}, shuffle buffer {shuffle_buffer}, "
+        f"document mask {'on' if document_mask else 'off'}, data-parallel rank {dp_rank} of {dp_world_size})"
     )
     dataset = StreamedTextDataset(
-        job_config.training.dataset_path, tokenizer, job_config.training.seq_len, dp_rank, dp_world_size,
+        path, tokenizer, job_config.training.seq_len, dp_rank, dp_world_size,
         text_field=text_field,
         shuffle_buffer=shuffle_buffer,
         seed=job_config.debug.seed or 0,
         infinite=infinite,
+        document_mask=document_mask,
     )
     from dataclasses import asdict
 

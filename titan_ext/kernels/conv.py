@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_ext.kernels.norms import _upcast
-from titan_ext.kernels.varlen import sequence_spans
+from titan_ext.kernels.varlen import check_packed_batch, sequence_spans
 
 
 def _conv(x, weight, bias, residual, initial_state, activation):
@@ -23,14 +23,32 @@ def _conv(x, weight, bias, residual, initial_state, activation):
     head = xt.new_zeros(B, D, W) if initial_state is None else _upcast(initial_state)
     xp = torch.cat([head, xt], dim=-1)
     y = F.conv1d(xp[..., 1:], _upcast(weight).unsqueeze(1), None if bias is None else _upcast(bias), groups=D)
+    return _activate_add(y.transpose(1, 2), activation, residual).to(x.dtype), xp
+
+
+def _activate_add(y, activation, residual):
     if activation in ("silu", "swish"):
         y = F.silu(y)
     elif activation is not None:
         raise ValueError(f"Unsupported activation: {activation}")
-    y = y.transpose(1, 2)
-    if residual is not None:
-        y = y + _upcast(residual)
-    return y.to(x.dtype), xp
+    return y if residual is None else y + _upcast(residual)
+
+
+def _conv_packed(x, weight, bias, residual, cu_seqlens, activation):
+    """``[1, T, D]`` packed sequences, each convolved alone: tap ``s`` reaches back ``s`` tokens only
+    inside the token's own sequence. Tensor ops throughout (no loop over sequences, no host sync),
+    so compiled code is one graph for any number of sequences."""
+    T, W = x.shape[1], weight.shape[-1]
+    ramp = torch.arange(T, device=x.device)
+    position = ramp - cu_seqlens[torch.searchsorted(cu_seqlens[1:], ramp, right=True)]
+    xu, w = _upcast(x), _upcast(weight)
+    y = xu * w[:, W - 1]
+    for s in range(1, W):
+        earlier = F.pad(xu, (0, 0, s, 0))[:, :T]  # x[t - s]
+        y = y + earlier * (position >= s)[None, :, None] * w[:, W - 1 - s]
+    if bias is not None:
+        y = y + _upcast(bias)
+    return _activate_add(y, activation, residual).to(x.dtype)
 
 
 def causal_conv1d(
@@ -60,6 +78,10 @@ def causal_conv1d(
     if cu_seqlens is None:
         y, xp = _conv(x, weight, bias, residual, initial_state, activation)
         final = xp[..., -W:]
+    elif initial_state is None and not output_final_state:  # training on packed documents
+        check_packed_batch(x.shape[0])
+        y = _conv_packed(x, weight, bias, residual, cu_seqlens, activation)
+        final = None
     else:
         ys, finals = [], []
         for n, (bos, eos) in enumerate(sequence_spans(cu_seqlens, cu_seqlens_cpu, x.shape[0])):

@@ -9,7 +9,12 @@ def sequence_spans(
     cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None, batch_size: int = 1
 ) -> list[tuple[int, int]]:
     """``(start, end)`` of each packed sequence; fla packs them into one row, so ``batch_size`` must be 1."""
-    if batch_size != 1:
-        raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {batch_size}.")
+    check_packed_batch(batch_size)
     bounds = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def check_packed_batch(batch_size: int) -> None:
+    """fla packs sequences into one row: with ``cu_seqlens`` the batch size must be 1 (fla's message)."""
+    if batch_size != 1:
+        raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {batch_size}.")

@@ -3,7 +3,8 @@
 An adapted model keeps the HF parameter names (so HF checkpoints load with an
 identity mapping) and adds what torchtitan's trainer calls: construction from
 a model-args dataclass on the meta device, ``init_weights`` after
-``to_empty``, and ``forward(tokens) -> logits``. Labels are never passed to
+``to_empty``, and ``forward(tokens, positions=None) -> logits`` (``positions``
+comes from the dataloader with document masking: ``titan_ext.documents``). Labels are never passed to
 the HF forward: torchtitan's labels are already shifted, and its loss is a
 sum over tokens that the trainer normalizes. fla models get their kernels
 bound at construction (``titan_ext.kernels``).
@@ -17,7 +18,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from titan_ext import kernels
+from titan_ext import documents, kernels
 from titan_ext.errors import ConfigError
 from titan_ext.host_patches import resolve
 from titan_ext.job import kernel_path
@@ -34,9 +35,20 @@ class TitanCausalLM:
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
             kernels.bind(self, kernel_path())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
-        return self.lm_head(hidden)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself."""
+        if positions is None:
+            hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
+        elif self.model_args.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
+            flat = tokens.reshape(1, -1)
+            cu_seqlens = documents.cu_seqlens(positions)
+            hidden = self.model(input_ids=flat, cu_seqlens=cu_seqlens, use_cache=False, return_dict=True).last_hidden_state
+        else:  # transformers: rotary positions from position_ids, and a block-causal mask
+            hidden = self.model(
+                input_ids=tokens, position_ids=positions, attention_mask=documents.block_causal_mask(positions),
+                use_cache=False, return_dict=True,
+            ).last_hidden_state
+        return self.lm_head(hidden).view(*tokens.shape, -1)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize every parameter and buffer in place (also on DTensor shards).

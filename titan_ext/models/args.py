@@ -45,6 +45,10 @@ class HFModelArgs(BaseModelArgs):
     hf_model: ClassVar[str]
     """Import path of the HF causal-LM class."""
 
+    packed_layout: ClassVar[str] = "cu_seqlens"
+    """How the model takes packed documents (``titan_ext.documents``): fla's
+    ``cu_seqlens`` over one flattened row, or transformers' ``position_ids``."""
+
     vocab_size: int = 32000
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -91,6 +95,10 @@ class HFModelArgs(BaseModelArgs):
         if path:
             self.update_from_hf_config(load_hf_config_json(path), f"--titan_ext.hf_config={path!r}")
         job.plan_job(self, job_config)
+
+    def document_mask_blocker(self) -> str | None:
+        """Why this model cannot keep packed documents apart (a one-line reason and fix), or None."""
+        return None
 
     def mixer_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token of the token mixer beyond its projections."""

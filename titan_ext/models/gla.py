@@ -40,6 +40,14 @@ class GLAModelArgs(HFModelArgs):
         # torchtitan computes the loss from the logits; the model must not.
         return {"fuse_cross_entropy": False, "fuse_linear_cross_entropy": False}
 
+    def document_mask_blocker(self):
+        if self.attn_mode == "fused_chunk":
+            return (
+                "GLA's attn_mode 'fused_chunk' takes no cu_seqlens, so its state would cross documents; "
+                "use attn_mode 'chunk' (fla's default) or turn document_mask off"
+            )
+        return None
+
     def mixer_flops_per_token(self, seq_len: int) -> int:
         """Chunked GLA, per layer and token, forward (training is 3x):
 

@@ -22,6 +22,7 @@ def llama3_rope(factor: float, original_context: int = 8192, theta: float = 5000
 @dataclasses.dataclass
 class LlamaModelArgs(HFModelArgs):
     model_type = "llama"
+    packed_layout = "position_ids"
     hf_config = "transformers:LlamaConfig"
     hf_model = "transformers:LlamaForCausalLM"
 

@@ -50,6 +50,7 @@ def sdpa_attn_func(q, k, v, causal: bool = True, window_size: tuple[int, int] = 
     return o.transpose(1, 2)
 
 
+@torch.compiler.disable  # a loop over the sequences: one graph break, instead of a recompile per document count
 def sdpa_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal: bool = True,
     window_size: tuple[int, int] = (-1, -1), **unused,

@@ -39,6 +39,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   differently) and so compare with an untied single-process run.
 - ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
   FSDP2 must match one process like titan_ext's specs do.
+- ``cp2*``: GLA's sequences split over 2 context-parallel ranks (head-tail and contiguous pieces, with
+  FSDP2, TP2, full AC + compile), compared with one process.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - Some rows belong to one spec (``Row.specs``): a user's TP plan from
@@ -91,11 +93,12 @@ COMMON = (
 )
 
 
-def parallel(shard: int = 1, replicate: int = 1, tp: int = 1) -> tuple[str, ...]:
+def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1) -> tuple[str, ...]:
     return (
         "--parallelism.data_parallel_shard_degree", str(shard),
         "--parallelism.data_parallel_replicate_degree", str(replicate),
         "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.context_parallel_degree", str(cp),
     )
 
 
@@ -177,6 +180,15 @@ ROWS = {
     "stream_resume": Row(2, (*parallel(shard=2), "--training.dataset", "titan_ext_stream", "--training.dataset_path",
                              "{shards}", "--titan_ext.shuffle_buffer", "16", "--titan_ext.document_mask"),
                          kind="stream_resume", cost=2, specs=("fla_gla",)),
+    # Sequences split across ranks, GLA's states exchanged (titan_ext.context_parallel): torchtitan's
+    # head-tail pieces (2 per rank), contiguous pieces, and CP with FSDP and with TP.
+    "cp2": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
+    "cp2_contiguous": Row(2, (*parallel(cp=2), "--parallelism.context_parallel_load_balancer", "None"),
+                          rtol=TP_RTOL, specs=("fla_gla",)),
+    "cp2_fsdp2": Row(4, parallel(shard=2, cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
+    "cp2_tp2": Row(4, parallel(tp=2, cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
+    "cp2_ac_compile": Row(2, (*parallel(cp=2), *AC, "full", "--compile.enable", "--compile.backend", "aot_eager"),
+                          rtol=TP_RTOL, cost=3, specs=("fla_gla",)),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
@@ -195,7 +207,6 @@ def applies(spec: str, row: str) -> bool:
     return specs is None or spec in specs
 UNSUPPORTED = {
     "pp2": "titan_ext's train specs have no pipelining_fn (torchtitan's pipeline_llm hard-codes its Llama names)",
-    "cp2": "parallelize_hf_model rejects context parallel (torchtitan's CP hard-codes its attention names)",
     "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
     "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
 }

@@ -25,6 +25,8 @@ from titan_ext.checkpoint import checkpoint_config
 from titan_ext.errors import ConfigError
 
 GLA = ["--job.config_file", str(CONFIGS / "debug_gla.toml")]
+TRANSFORMER = ["--job.config_file", str(CONFIGS / "debug_transformer.toml")]
+CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 HF_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
 DCP_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_path"]
@@ -37,6 +39,7 @@ def write_inputs(tmp):
         "unbuildable.json": json.dumps({"num_heads": 3}),  # fla: key dim 32 does not split into 3 heads
         "mlp101.json": json.dumps({"intermediate_size": 101}),
         "fused_chunk.json": json.dumps({"attn_mode": "fused_chunk"}),
+        "short_conv.json": json.dumps({"use_short_conv": True}),
         "typo.json": json.dumps({"num_hiden_layers": 4}),
         "wrong_type.json": json.dumps({"hidden_size": "64"}),
         "impossible.json": json.dumps({"num_hidden_layers": 0}),
@@ -86,7 +89,18 @@ CASES = {
     "degrees vs world size": ([*GLA, "--parallelism.data_parallel_shard_degree", "2", *TP2[:2]], 2, "WORLD_SIZE"),
     # parallelism titan_ext cannot do
     "pipeline parallel": ([*GLA, "--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline_parallel_degree=2"),
-    "context parallel": ([*GLA, "--parallelism.context_parallel_degree", "2"], 2, "context_parallel_degree=2"),
+    "context parallel for a model without a cp path": (
+        [*TRANSFORMER, "--parallelism.context_parallel_degree", "2"], 2,
+        "--parallelism.context_parallel_degree=2: titan_ext has no context-parallel path for 'transformer'",
+    ),
+    "context parallel with gla short convolutions": (
+        [*GLA, *CP2, "--titan_ext.hf_config", "{tmp}/short_conv.json"], 2, "GLA's short convolutions would need"
+    ),
+    "context parallel with document masking": ([*GLA, *CP2, "--titan_ext.document_mask"], 2, "does not yet stop at document"),
+    "context parallel with a token-reordering balancer": (
+        [*GLA, *CP2, "--parallelism.context_parallel_load_balancer", "ptrr"], 2, "context_parallel_load_balancer='ptrr'"
+    ),
+    "context parallel pieces do not split seq_len": ([*GLA, *CP2, "--training.seq_len", "126"], 2, "4 equal pieces"),
     "ddp with tp": (
         [*GLA, *TP2, "--parallelism.data_parallel_replicate_degree", "2"], 4, "DDP (--parallelism.data_parallel_replicate_degree)"
     ),

@@ -8,7 +8,7 @@ Two moments of torchtitan's ``Trainer.__init__`` belong to titan_ext:
    mistake ends the job before any process group or model exists.
 2. ``plan_job``: torchtitan hands titan_ext's model args the job config
    (``update_from_config``). The model-specific checks run and the
-   ``JobPlan`` is built: TP, AC, compile, Float8, FSDP/DDP, kernels, the
+   ``JobPlan`` is built: TP, CP, AC, compile, Float8, FSDP/DDP, kernels, the
    non-finite policy, HF export. Every ``apply_*`` reads the plan; nothing is
    written back into the job config.
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_ext import compat, cpu_mode, host_patches, inputs, preflight
+from titan_ext.context_parallel import CPChoice
 from titan_ext.errors import ConfigError, exit_with, rank
 
 logger = logging.getLogger()
@@ -108,6 +109,7 @@ class JobPlan:
     kernel_path: str
     """fla (CUDA: fla's kernels) or portable (torch code); see titan_ext.kernels."""
     tp: TPChoice | None
+    cp: CPChoice | None
     ac: ACChoice
     compile: CompileChoice
     float8: Float8Choice | None
@@ -129,13 +131,14 @@ def plan_job(model_args, job_config) -> JobPlan:
 
 
 def _build(model_args, job_config) -> JobPlan:
-    from titan_ext import activation_checkpoint, data, float8, nonfinite, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, data, float8, nonfinite, tensor_parallel
     from titan_ext.compile import model_compile_enabled
 
     section = getattr(job_config, "titan_ext", None)
     return JobPlan(
         kernel_path=kernel_path(),
         tp=tensor_parallel.tp_choice(model_args, job_config),
+        cp=context_parallel.cp_choice(job_config),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
         float8=float8.float8_choice(job_config, model_args.model_type),
@@ -151,7 +154,8 @@ def _data_parallel(job_config) -> DataParallelChoice:
     from torchtitan.config import TORCH_DTYPE_MAP
 
     p = job_config.parallelism
-    shard = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1")))
+    # context-parallel ranks hold pieces of one batch: FSDP spans them too, summing their gradients
+    shard = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.context_parallel_degree
     replicate = p.data_parallel_replicate_degree
     kind = "hsdp" if shard > 1 and replicate > 1 else "fsdp" if shard > 1 else "ddp" if replicate > 1 else "none"
     policy = p.fsdp_reshard_after_forward

@@ -1,4 +1,4 @@
-"""``parallelize_fn`` for HF-layout models: TP, AC, compile, then FSDP/HSDP or DDP.
+"""``parallelize_fn`` for HF-layout models: TP, CP, AC, compile, then FSDP/HSDP or DDP.
 
 The order is torchtitan's. Each step is a small function over the HF layout
 (``model.model.layers``, ``model.model.norm``, ``model.lm_head``), because
@@ -32,6 +32,10 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         from titan_ext.tensor_parallel import apply_tp_from_plan
 
         apply_tp_from_plan(model, parallel_dims.get_mesh("tp"), plan.tp)
+    if plan.cp is not None:
+        from titan_ext.context_parallel import apply_cp
+
+        apply_cp(model, parallel_dims.get_mesh("cp"), plan.cp)
     apply_ac(model, plan.ac, dump_folder=job_config.job.dump_folder)
     if plan.compile.model:
         apply_compile(model, plan.compile.backend)

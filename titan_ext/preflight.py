@@ -4,7 +4,7 @@
 any model (torchtitan's own too): numbers, parallel degrees against the world
 size, names, and the data file. ``check_model_job`` runs once titan_ext's
 model args see the config: what depends on the architecture (TP, AC with
-compile, Float8, document masking, the HF config, checkpoints to load). Each failure is one
+compile, Float8, document masking, CP, the HF config, checkpoints to load). Each failure is one
 ``ConfigError`` line naming the option, its value and the fix.
 """
 
@@ -92,11 +92,6 @@ def _check_titan_ext_parallelism(job_config) -> None:
             f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} is not supported for titan_ext "
             "models yet; set it to 1 and use FSDP/TP"
         )
-    if p.context_parallel_degree > 1:
-        raise ConfigError(
-            f"--parallelism.context_parallel_degree={p.context_parallel_degree} is not supported for titan_ext "
-            "models yet; set it to 1"
-        )
     shard = p.data_parallel_shard_degree
     if p.data_parallel_replicate_degree > 1 and shard == 1 and p.tensor_parallel_degree > 1:
         raise ConfigError(
@@ -113,11 +108,12 @@ def _check_titan_ext_parallelism(job_config) -> None:
 
 def check_model_job(model_args, job_config) -> None:
     """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``."""
-    from titan_ext import activation_checkpoint, documents, float8, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, documents, float8, tensor_parallel
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
     documents.check_model(model_args, job_config)
+    context_parallel.check_cp(model_args, job_config)
     tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)

@@ -31,7 +31,7 @@ def rebased(fn: types.FunctionType, names: Mapping[str, object]) -> types.Functi
     through the module of that name (fla's, unchanged) instead of this dict.
     """
     scope = {**fn.__globals__, **names}
-    del scope["__name__"]
+    scope.pop("__name__", None)  # absent when fn is itself a rebased copy
     new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__

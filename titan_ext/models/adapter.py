@@ -35,9 +35,13 @@ class TitanCausalLM:
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
             kernels.bind(self, kernel_path())
 
+    positions_are_global = False
+    """Set by context parallelism: ``positions`` are torchtitan's places of the tokens in the whole
+    sequence (the mixers exchange states; nothing else reads them), not document positions."""
+
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself."""
-        if positions is None:
+        if positions is None or self.positions_are_global:
             hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
         elif self.model_args.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             flat = tokens.reshape(1, -1)

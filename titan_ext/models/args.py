@@ -49,6 +49,10 @@ class HFModelArgs(BaseModelArgs):
     """How the model takes packed documents (``titan_ext.documents``): fla's
     ``cu_seqlens`` over one flattened row, or transformers' ``position_ids``."""
 
+    cp_kernels: ClassVar[tuple[tuple[str, str], ...]] = ()
+    """Context parallelism (``titan_ext.context_parallel``): the kernels the token mixer calls by
+    global name, each with the name of its decay argument; empty: no CP path."""
+
     vocab_size: int = 32000
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -98,6 +102,12 @@ class HFModelArgs(BaseModelArgs):
 
     def document_mask_blocker(self) -> str | None:
         """Why this model cannot keep packed documents apart (a one-line reason and fix), or None."""
+        return None
+
+    def context_parallel_blocker(self) -> str | None:
+        """Why this model cannot split sequences across ranks (a one-line reason and fix), or None."""
+        if not self.cp_kernels:
+            return f"titan_ext has no context-parallel path for {self.model_type!r} models yet; set it to 1"
         return None
 
     def mixer_flops_per_token(self, seq_len: int) -> int:

@@ -13,6 +13,7 @@ class GLAModelArgs(HFModelArgs):
     model_type = "gla"
     hf_config = "fla.models:GLAConfig"
     hf_model = "fla.models:GLAForCausalLM"
+    cp_kernels = (("chunk_gla", "g"), ("fused_recurrent_gla", "gk"))
 
     hidden_size: int = 1024
     num_hidden_layers: int = 24
@@ -47,6 +48,14 @@ class GLAModelArgs(HFModelArgs):
                 "use attn_mode 'chunk' (fla's default) or turn document_mask off"
             )
         return None
+
+    def context_parallel_blocker(self):
+        if self.use_short_conv:
+            return ("GLA's short convolutions would need the previous rank's last tokens, which titan_ext does not "
+                    "exchange yet; set use_short_conv false or the CP degree to 1")
+        if self.attn_mode == "fused_chunk":
+            return "GLA's attn_mode 'fused_chunk' has no context-parallel path; use attn_mode 'chunk' (fla's default)"
+        return super().context_parallel_blocker()
 
     def mixer_flops_per_token(self, seq_len: int) -> int:
         """Chunked GLA, per layer and token, forward (training is 3x):

@@ -1,0 +1,88 @@
+"""GLA under context parallelism, in one process over a fake 2-rank group: its collectives and memory.
+
+Exactness across real ranks is the integration matrix's (``cp2*`` rows) and
+``test_state_passing.py``'s; here the fake group (collectives do nothing)
+lets one process count what one rank sends and keeps.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+from titan_ext import compat
+from titan_ext.context_parallel import CPChoice, apply_cp
+from titan_ext.models.adapter import build_model
+from titan_ext.models.gla import gla_flavors
+
+
+@pytest.fixture
+def cp_mesh():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def gla(layers=2):
+    args = copy.deepcopy(gla_flavors["debugmodel"])
+    args.num_hidden_layers = layers
+    torch.manual_seed(0)
+    model = build_model(args)
+    model.init_weights()
+    return model
+
+
+@pytest.mark.parametrize("pieces_per_rank", [1, 2])
+def test_each_gla_layer_sends_one_all_gather_of_its_states(cp_mesh, pieces_per_rank, monkeypatch):
+    model = gla(layers=3)
+    apply_cp(model, cp_mesh, CPChoice(2, pieces_per_rank))
+    B, T = 2, 128
+    tokens = torch.randint(0, 2048, (B, T))
+    sent = []
+    gather = compat.all_gather_autograd
+    monkeypatch.setattr(compat, "all_gather_autograd", lambda t, group: sent.append(t.nbytes) or gather(t, group))
+    with CommDebugMode() as comm:
+        logits = model(tokens)
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    assert counts == {"c10d_functional.all_gather_into_tensor": 3}, counts  # one per layer, nothing else
+    H, K, V = 4, 32 // 4, 64 // 4  # debug GLA: 4 heads, key dim 32, value dim 64
+    assert sent == [pieces_per_rank * B * H * K * (V + 1) * 4] * 3  # fp32 states and decays of this rank's pieces
+    print(f"\nCP=2, {pieces_per_rank} piece(s) per rank, batch {B}: each layer all-gathers {sent[0]} bytes per rank")
+    with CommDebugMode() as comm:
+        logits.float().sum().backward()
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    assert counts == {"c10d_functional.reduce_scatter_tensor": 3}, counts  # the all-gathers' backward
+
+
+def saved_bytes(model, tokens) -> int:
+    """Bytes autograd keeps for backward during one forward: the activation memory of a step."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens).float().sum()
+    return total
+
+
+def test_activation_memory_per_rank_halves_under_cp2(cp_mesh):
+    T = 16384
+    tokens = torch.randint(0, 2048, (1, T))
+    whole = saved_bytes(gla(), tokens)
+    model = gla()
+    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    piece = saved_bytes(model, tokens[:, : T // 2])  # what one CP rank holds
+    ratio = piece / whole
+    print(f"\nGLA debug model, {T} tokens: activations saved per rank {piece / 2**20:.1f} MiB under CP=2 "
+          f"vs {whole / 2**20:.1f} MiB at CP=1 (ratio {ratio:.3f})")
+    assert 0.45 < ratio < 0.6  # half, plus the exchanged states

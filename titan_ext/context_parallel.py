@@ -1,0 +1,102 @@
+"""Context parallelism for recurrent mixers: each rank holds a piece of every sequence, exactly.
+
+torchtitan shards the inputs, labels and positions along the sequence
+(``--parallelism.context_parallel_degree``); FSDP then spans the data-parallel
+and CP ranks, so each piece's gradients are summed. What its own CP does for
+softmax attention (ring SDPA), titan_ext does for linear recurrences: each
+token mixer's kernel call runs through ``kernels.state_passing.across_ranks``,
+one all-gather of the pieces' states per layer and step, and the result equals
+one process over the whole sequence.
+
+With torchtitan's default ``headtail`` load balancer each rank holds two pieces
+(``r`` and ``2N-1-r`` of ``2N``); with ``--parallelism.context_parallel_load_balancer
+None`` one contiguous piece, which costs a recurrence the same and launches
+half the kernels. Both are exact.
+
+An architecture opts in with ``cp_kernels`` on its model args: the global
+names its mixer calls and the name of each one's decay argument.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from titan_ext import documents
+from titan_ext.errors import ConfigError
+
+logger = logging.getLogger()
+
+OPTION = "--parallelism.context_parallel_degree"
+PIECES_PER_RANK = {None: 1, "headtail": 2}
+"""torchtitan's load balancer -> pieces of each sequence per CP rank (``state_passing.piece_order``)."""
+
+
+@dataclass(frozen=True)
+class CPChoice:
+    degree: int
+    pieces_per_rank: int
+
+
+def cp_choice(job_config) -> CPChoice | None:
+    p = job_config.parallelism
+    if p.context_parallel_degree <= 1:
+        return None
+    return CPChoice(p.context_parallel_degree, PIECES_PER_RANK[p.context_parallel_load_balancer])
+
+
+def check_cp(model_args, job_config) -> None:
+    """CP's preconditions, each a one-line error before the build."""
+    p = job_config.parallelism
+    degree = p.context_parallel_degree
+    if degree <= 1:
+        return
+    reason = model_args.context_parallel_blocker()
+    if reason:
+        raise ConfigError(f"{OPTION}={degree}: {reason}")
+    if documents.enabled(job_config):
+        raise ConfigError(
+            f"{OPTION}={degree} with {documents.OPTION}: the state exchange does not yet stop at document "
+            "boundaries; turn one of them off"
+        )
+    balancer = p.context_parallel_load_balancer
+    if balancer not in PIECES_PER_RANK:
+        raise ConfigError(
+            f"--parallelism.context_parallel_load_balancer={balancer!r} reorders tokens in a way a recurrence "
+            "cannot follow; use 'headtail' (the default) or None (contiguous pieces)"
+        )
+    pieces = degree * PIECES_PER_RANK[balancer]
+    seq_len = job_config.training.seq_len
+    if seq_len % pieces:
+        raise ConfigError(
+            f"--training.seq_len={seq_len} does not split into {pieces} equal pieces ({OPTION}={degree}"
+            f"{', head-tail: 2 per rank' if pieces > degree else ''}); use a multiple of {pieces}"
+        )
+    tp = p.tensor_parallel_degree
+    sequence_parallel = not getattr(getattr(job_config, "titan_ext", None), "disable_sequence_parallel", False)
+    if tp > 1 and sequence_parallel and (seq_len // degree) % tp:
+        raise ConfigError(
+            f"--training.seq_len={seq_len}: each rank's {seq_len // degree} tokens ({OPTION}={degree}) do not split "
+            f"over --parallelism.tensor_parallel_degree={tp} with sequence parallel on; use a multiple of {degree * tp}"
+        )
+
+
+def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
+    """Make each block's mixer pass states across ``cp_mesh`` (only this model's modules change)."""
+    from titan_ext.kernels import binding
+    from titan_ext.kernels.state_passing import across_ranks
+
+    group = cp_mesh.get_group()
+    names = type(model.model_args).cp_kernels
+    for block in model.get_decoder().layers:
+        mixer = block.attn
+        scope = type(mixer).forward.__globals__
+        replacements = {scope[name]: across_ranks(scope[name], gate, group, choice.pieces_per_rank) for name, gate in names}
+        binding.bind(mixer, replacements, key=f"context_parallel:{group.group_name}:{choice.pieces_per_rank}")
+    model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
+    logger.info(
+        f"Applied context parallelism ({choice.degree} ranks, {choice.pieces_per_rank} piece(s) per rank): "
+        f"{', '.join(name for name, _ in names)} pass their states across ranks"
+    )

@@ -40,7 +40,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
   FSDP2 must match one process like titan_ext's specs do.
 - ``cp2*``: GLA's sequences split over 2 context-parallel ranks (head-tail and contiguous pieces, with
-  FSDP2, TP2, full AC + compile), compared with one process.
+  FSDP2, TP2, full AC + compile, with short convolutions: the "conv" variant), compared with one process.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - Some rows belong to one spec (``Row.specs``): a user's TP plan from
@@ -141,6 +141,8 @@ class Row:
     """kind "fails": the job's error must contain this."""
     documents: bool = False
     """Document masking on, in this row and in the single-process run it is compared with."""
+    short_conv: bool = False
+    """GLA with short convolutions (``use_short_conv``), in this row and its single-process run."""
 
     @property
     def tp(self) -> bool:
@@ -187,6 +189,7 @@ ROWS = {
                           rtol=TP_RTOL, specs=("fla_gla",)),
     "cp2_fsdp2": Row(4, parallel(shard=2, cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
     "cp2_tp2": Row(4, parallel(tp=2, cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
+    "cp2_short_conv": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla",), short_conv=True),
     "cp2_ac_compile": Row(2, (*parallel(cp=2), *AC, "full", "--compile.enable", "--compile.backend", "aot_eager"),
                           rtol=TP_RTOL, cost=3, specs=("fla_gla",)),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
@@ -243,7 +246,7 @@ class Matrix:
     def variant(self, spec: str, row: str) -> str:
         """What the row and its single-process reference share: "base", "untied", "docs" or "untied+docs"."""
         r = ROWS[row]
-        tags = ["untied"] * bool(r.tp and SPECS[spec].tp_hf_config) + ["docs"] * r.documents
+        tags = ["untied"] * bool(r.tp and SPECS[spec].tp_hf_config) + ["docs"] * r.documents + ["conv"] * r.short_conv
         return "+".join(tags) or "base"
 
     def variant_flags(self, spec: str, variant: str) -> tuple[str, ...]:
@@ -255,6 +258,8 @@ class Matrix:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
         if "docs" in tags:
             flags += ("--titan_ext.document_mask",)
+        if "conv" in tags:
+            flags += ("--titan_ext.hf_config", str(self.root / "short_conv.json"))
         return flags
 
     @property
@@ -345,6 +350,7 @@ class Matrix:
     def write_inputs(self) -> None:
         for sub in ("metrics", "results", "logs"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "short_conv.json").write_text(json.dumps({"use_short_conv": True}))
         block = [line for line in CORPUS.read_text().splitlines() if line.strip()][:CORPUS_BLOCK]
         self.corpus.write_text("\n".join(block * MAX_DP) + "\n")
         if any(ROWS[row].kind == "stream_resume" for row in self.rows if row in ROWS):

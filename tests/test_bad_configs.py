@@ -39,7 +39,6 @@ def write_inputs(tmp):
         "unbuildable.json": json.dumps({"num_heads": 3}),  # fla: key dim 32 does not split into 3 heads
         "mlp101.json": json.dumps({"intermediate_size": 101}),
         "fused_chunk.json": json.dumps({"attn_mode": "fused_chunk"}),
-        "short_conv.json": json.dumps({"use_short_conv": True}),
         "typo.json": json.dumps({"num_hiden_layers": 4}),
         "wrong_type.json": json.dumps({"hidden_size": "64"}),
         "impossible.json": json.dumps({"num_hidden_layers": 0}),
@@ -92,9 +91,6 @@ CASES = {
     "context parallel for a model without a cp path": (
         [*TRANSFORMER, "--parallelism.context_parallel_degree", "2"], 2,
         "--parallelism.context_parallel_degree=2: titan_ext has no context-parallel path for 'transformer'",
-    ),
-    "context parallel with gla short convolutions": (
-        [*GLA, *CP2, "--titan_ext.hf_config", "{tmp}/short_conv.json"], 2, "GLA's short convolutions would need"
     ),
     "context parallel with document masking": ([*GLA, *CP2, "--titan_ext.document_mask"], 2, "does not yet stop at document"),
     "context parallel with a token-reordering balancer": (

@@ -30,9 +30,10 @@ def cp_mesh():
         dist.destroy_process_group()
 
 
-def gla(layers=2):
+def gla(layers=2, short_conv=False):
     args = copy.deepcopy(gla_flavors["debugmodel"])
     args.num_hidden_layers = layers
+    args.use_short_conv = short_conv
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
@@ -86,3 +87,13 @@ def test_activation_memory_per_rank_halves_under_cp2(cp_mesh):
     print(f"\nGLA debug model, {T} tokens: activations saved per rank {piece / 2**20:.1f} MiB under CP=2 "
           f"vs {whole / 2**20:.1f} MiB at CP=1 (ratio {ratio:.3f})")
     assert 0.45 < ratio < 0.6  # half, plus the exchanged states
+
+
+def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
+    model = gla(layers=2, short_conv=True)
+    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    with CommDebugMode() as comm:
+        model(torch.randint(0, 2048, (2, 128)))
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    # per layer: the GLA state, and the last 3 inputs of each of the q, k and v convolutions
+    assert counts == {"c10d_functional.all_gather_into_tensor": 2 * (1 + 3)}, counts

@@ -51,3 +51,37 @@ def test_pieces_with_exchanged_states_equal_one_pass(monkeypatch, world, pieces_
 def test_piece_order():
     assert [state_passing.piece_order(r, 4, 1) for r in range(4)] == [[0], [1], [2], [3]]
     assert [state_passing.piece_order(r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+
+
+@pytest.mark.parametrize("world,pieces_per_rank", [(2, 1), (3, 1), (2, 2)])
+def test_convolution_pieces_with_halos_equal_one_pass(monkeypatch, world, pieces_per_rank):
+    from titan_ext.kernels.conv import causal_conv1d
+
+    B, D, W = 2, 6, 4
+    chunks = world * pieces_per_rank
+    T = 5 * chunks  # pieces longer than the halo (W - 1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, D, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(D, W, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(D, dtype=torch.float64, generator=g)
+    cotangent = torch.randn(B, T, D, dtype=torch.float64, generator=g)
+    ref, _ = causal_conv1d(x=x, weight=weight, bias=bias, activation="silu")
+    ref_grads = torch.autograd.grad(ref, (x, weight), cotangent)
+
+    size = T // chunks
+    order = {r: state_passing.piece_order(r, world, pieces_per_rank) for r in range(world)}
+    local = {r: torch.cat([x[:, p * size:(p + 1) * size] for p in order[r]], dim=1) for r in range(world)}
+    tails = torch.stack([torch.stack([local[r][:, (i + 1) * size - (W - 1):(i + 1) * size]
+                                      for i in range(pieces_per_rank)]) for r in range(world)])
+    whole = torch.empty_like(ref)
+    for r in range(world):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+        monkeypatch.setattr(state_passing, "gather_pieces", lambda summary, group: tails)
+        conv = state_passing.conv_across_ranks(causal_conv1d, group=None, pieces_per_rank=pieces_per_rank)
+        y, _ = conv(x=local[r], weight=weight, bias=bias, activation="silu")
+        for i, p in enumerate(order[r]):
+            whole[:, p * size:(p + 1) * size] = y[:, i * size:(i + 1) * size]
+    assert_rel_close(whole, ref, tol=1e-12, what="output")
+    for got, want, name in zip(torch.autograd.grad(whole, (x, weight), cotangent), ref_grads, ("dx", "dweight")):
+        assert_rel_close(got, want, tol=1e-12, what=name)

@@ -5,8 +5,9 @@ torchtitan shards the inputs, labels and positions along the sequence
 and CP ranks, so each piece's gradients are summed. What its own CP does for
 softmax attention (ring SDPA), titan_ext does for linear recurrences: each
 token mixer's kernel call runs through ``kernels.state_passing.across_ranks``,
-one all-gather of the pieces' states per layer and step, and the result equals
-one process over the whole sequence.
+one all-gather of the pieces' states per layer and step (and one of the last
+inputs per short convolution), and the result equals one process over the
+whole sequence.
 
 With torchtitan's default ``headtail`` load balancer each rank holds two pieces
 (``r`` and ``2N-1-r`` of ``2N``); with ``--parallelism.context_parallel_load_balancer
@@ -86,17 +87,30 @@ def check_cp(model_args, job_config) -> None:
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     """Make each block's mixer pass states across ``cp_mesh`` (only this model's modules change)."""
     from titan_ext.kernels import binding
-    from titan_ext.kernels.state_passing import across_ranks
+    from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
     group = cp_mesh.get_group()
     names = type(model.model_args).cp_kernels
+    key = f"context_parallel:{group.group_name}:{choice.pieces_per_rank}"
     for block in model.get_decoder().layers:
         mixer = block.attn
         scope = type(mixer).forward.__globals__
         replacements = {scope[name]: across_ranks(scope[name], gate, group, choice.pieces_per_rank) for name, gate in names}
-        binding.bind(mixer, replacements, key=f"context_parallel:{group.group_name}:{choice.pieces_per_rank}")
+        binding.bind(mixer, replacements, key=f"{key}:mixer")
+        for conv in short_convolutions(mixer):  # each needs the previous piece's last inputs
+            kernel = type(conv).forward.__globals__["causal_conv1d"]
+            binding.bind(conv, {kernel: conv_across_ranks(kernel, group, choice.pieces_per_rank)}, key=f"{key}:conv")
     model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
     logger.info(
         f"Applied context parallelism ({choice.degree} ranks, {choice.pieces_per_rank} piece(s) per rank): "
         f"{', '.join(name for name, _ in names)} pass their states across ranks"
     )
+
+
+def short_convolutions(mixer: nn.Module) -> list[nn.Module]:
+    """fla's ``ShortConvolution`` modules inside ``mixer`` (none when fla is not its library)."""
+    if not type(mixer).__module__.startswith("fla."):
+        return []
+    from fla.modules import ShortConvolution
+
+    return [m for m in mixer.modules() if isinstance(m, ShortConvolution)]

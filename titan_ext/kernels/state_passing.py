@@ -17,7 +17,8 @@ The all-gather is differentiable (its backward sums each piece's gradient over
 the ranks), so gradients reach every earlier piece through the states, and the
 result equals one pass over the whole sequence. ``across_ranks`` wraps a kernel so; a mixer
 with another kind of state reuses ``gather_pieces``, ``piece_order`` and the
-fold with its own summary.
+fold with its own summary. A short convolution needs no state, only the
+previous piece's last inputs (``previous_tails``, ``conv_across_ranks``).
 """
 
 from __future__ import annotations
@@ -117,3 +118,42 @@ def across_ranks(kernel, gate: str, group, pieces_per_rank: int = 1):
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), final
 
     return kernel_across_ranks
+
+
+def previous_tails(x: Tensor, width: int, group, pieces_per_rank: int = 1) -> list[Tensor]:
+    """For each of this rank's pieces of ``x`` (``[B, T, ...]``, pieces back to back along T), the
+    last ``width`` steps of the piece before it in the sequence (zeros before the first piece):
+    the halo a causal convolution of ``width + 1`` taps needs. One all-gather, differentiable."""
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    T = x.shape[1] // pieces_per_rank
+    if width > T:
+        raise ValueError(f"a piece of {T} tokens cannot hold a halo of {width}; use longer sequences")
+    tails = torch.stack([x[:, (i + 1) * T - width:(i + 1) * T] for i in range(pieces_per_rank)])
+    every = gather_pieces(tails, group)  # [world, pieces, B, width, ...]
+    at = {p: every[r, i] for r in range(world) for i, p in enumerate(piece_order(r, world, pieces_per_rank))}
+    anchor = at[0] * 0  # keeps every rank in the all-gather's backward (see ``incoming_states``)
+    return [anchor if p == 0 else at[p - 1] + anchor for p in piece_order(rank, world, pieces_per_rank)]
+
+
+def conv_across_ranks(kernel, group, pieces_per_rank: int = 1):
+    """fla's ``causal_conv1d`` (keyword arguments, ``x`` ``[B, T, D]``) on this rank's pieces of
+    sequences split over ``group``: each piece starts from the previous piece's last inputs."""
+
+    @functools.wraps(kernel)
+    def conv_from_halo(x, weight, residual=None, initial_state=None, cu_seqlens=None, **kwargs):
+        if cu_seqlens is not None or initial_state is not None:
+            raise ValueError("a convolution split across context-parallel ranks takes no cu_seqlens or cache")
+        width = weight.shape[-1] - 1
+        halos = previous_tails(x, width, group, pieces_per_rank)
+        T = x.shape[1] // pieces_per_rank
+        outputs, final = [], None
+        for i, halo in enumerate(halos):
+            piece = slice(i * T, (i + 1) * T)
+            # fla's conv state holds the last W inputs, newest last, and reads state[..., 1:]
+            state = torch.nn.functional.pad(halo.transpose(1, 2), (1, 0)).contiguous()
+            y, final = kernel(x=x[:, piece], weight=weight, residual=None if residual is None else residual[:, piece],
+                              initial_state=state, **kwargs)
+            outputs.append(y)
+        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), final
+
+    return conv_from_halo

@@ -50,9 +50,6 @@ class GLAModelArgs(HFModelArgs):
         return None
 
     def context_parallel_blocker(self):
-        if self.use_short_conv:
-            return ("GLA's short convolutions would need the previous rank's last tokens, which titan_ext does not "
-                    "exchange yet; set use_short_conv false or the CP degree to 1")
         if self.attn_mode == "fused_chunk":
             return "GLA's attn_mode 'fused_chunk' has no context-parallel path; use attn_mode 'chunk' (fla's default)"
         return super().context_parallel_blocker()

@@ -143,6 +143,11 @@ class Row:
     """Document masking on, in this row and in the single-process run it is compared with."""
     short_conv: bool = False
     """GLA with short convolutions (``use_short_conv``), in this row and its single-process run."""
+    spec_rtol: tuple[tuple[str, float], ...] = ()
+    """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
+
+    def tolerance(self, spec: str) -> float:
+        return dict(self.spec_rtol).get(spec, self.rtol)
 
     @property
     def tp(self) -> bool:
@@ -151,6 +156,10 @@ class Row:
 
 
 AC = ("--activation_checkpoint.mode",)
+# Llama under CP attends over all-gathered keys with an explicit mask (SDPA's masked kernel), one process
+# with SDPA's causal kernel: fp32 sums differ, grad norms by up to 1.03e-5 (in fp64 the two agree to
+# 1e-15: tests/test_context_parallel.py).
+CP_ATTENTION_RTOL = (("hf_llama", 2e-5),)
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
 ROWS = {
     "single": Row(1, parallel()),
@@ -184,14 +193,15 @@ ROWS = {
                          kind="stream_resume", cost=2, specs=("fla_gla",)),
     # Sequences split across ranks, GLA's states exchanged (titan_ext.context_parallel): torchtitan's
     # head-tail pieces (2 per rank), contiguous pieces, and CP with FSDP and with TP.
-    "cp2": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
+    "cp2": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
     "cp2_contiguous": Row(2, (*parallel(cp=2), "--parallelism.context_parallel_load_balancer", "None"),
-                          rtol=TP_RTOL, specs=("fla_gla",)),
-    "cp2_fsdp2": Row(4, parallel(shard=2, cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
-    "cp2_tp2": Row(4, parallel(tp=2, cp=2), rtol=TP_RTOL, specs=("fla_gla",)),
+                          rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
+    "cp2_fsdp2": Row(4, parallel(shard=2, cp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"),
+                     spec_rtol=CP_ATTENTION_RTOL),
+    "cp2_tp2": Row(4, parallel(tp=2, cp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
     "cp2_short_conv": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla",), short_conv=True),
     "cp2_ac_compile": Row(2, (*parallel(cp=2), *AC, "full", "--compile.enable", "--compile.backend", "aot_eager"),
-                          rtol=TP_RTOL, cost=3, specs=("fla_gla",)),
+                          rtol=TP_RTOL, cost=3, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
@@ -505,7 +515,7 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         skipped = job_log(matrix, jobs[0]).count("non-finite loss at step 3: skipped its update")
         checks.append(("nan skipped", 0.0, "" if ok and skipped == 1 else f"losses {losses}, skip logged {skipped}x"))
     else:
-        rtol = LOG_RTOL if spec == "llama3" else ROWS[row].rtol
+        rtol = LOG_RTOL if spec == "llama3" else ROWS[row].tolerance(spec)
         checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, rtol)))
     if row == "tp_ext" and "Applied ExtGLATPPlan (registered by tp_extension_plan" not in job_log(matrix, jobs[0]):
         checks.append(("user plan", math.inf, "the log does not name ExtGLATPPlan"))

@@ -1,9 +1,6 @@
-"""GLA under context parallelism, in one process over a fake 2-rank group: its collectives and memory.
-
-Exactness across real ranks is the integration matrix's (``cp2*`` rows) and
-``test_state_passing.py``'s; here the fake group (collectives do nothing)
-lets one process count what one rank sends and keeps.
-"""
+"""Context parallelism: two real gloo ranks against one process, and (over a fake 2-rank group, whose
+collectives do nothing) what one rank sends and keeps. Training over 5 steps is the integration
+matrix's (``cp2*`` rows); the state exchange alone is ``test_state_passing.py``'s."""
 
 import copy
 
@@ -15,6 +12,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from titan_ext import compat
 from titan_ext.context_parallel import CPChoice, apply_cp
+from titan_ext.kernels.state_passing import piece_order
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import gla_flavors
 
@@ -97,3 +95,71 @@ def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
     counts = {str(op): n for op, n in comm.get_comm_counts().items()}
     # per layer: the GLA state, and the last 3 inputs of each of the q, k and v convolutions
     assert counts == {"c10d_functional.all_gather_into_tensor": 2 * (1 + 3)}, counts
+
+
+CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 1, 1e-12), ("hf_llama", 2, 1e-12)]
+"""(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states),
+Llama (all-gathered keys and values) in fp64."""
+
+
+def _two_ranks(rank, port, results):
+    """One of two gloo ranks: each case's model under CP=2 on this rank's pieces vs one process on the whole batch."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    try:
+        for spec, pieces_per_rank, _ in CASES:
+            torch.set_default_dtype(torch.float64 if spec == "hf_llama" else torch.float32)
+            results[rank, spec, pieces_per_rank] = _compare(spec, pieces_per_rank, rank, mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+def _compare(spec, pieces_per_rank, rank, mesh):
+    if spec == "hf_llama":
+        from titan_ext.models.llama import llama_flavors
+
+        args = copy.deepcopy(llama_flavors["debugmodel"])
+    else:
+        args = copy.deepcopy(gla_flavors["debugmodel"])
+        args.use_short_conv = True
+    torch.manual_seed(0)
+    whole = build_model(args)
+    whole.init_weights()
+    model = copy.deepcopy(whole)
+    apply_cp(model, mesh, CPChoice(2, pieces_per_rank))
+    tokens = torch.randint(0, 2048, (2, 160), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(160).expand(2, 160)
+    size = 160 // (2 * pieces_per_rank)
+    mine = torch.cat([torch.arange(p * size, (p + 1) * size) for p in piece_order(rank, 2, pieces_per_rank)])
+    whole(tokens).sum().backward()
+    out = model(tokens[:, mine], positions=positions[:, mine])
+    out.sum().backward()
+    worst = 0.0
+    for p, q in zip(model.parameters(), whole.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # FSDP's sum over the CP ranks
+        worst = max(worst, ((grad - q.grad).norm() / q.grad.norm()).item())
+    with torch.no_grad():
+        forward = ((out - whole(tokens)[:, mine]).norm() / out.norm()).item()
+    return forward, worst
+
+
+def test_two_ranks_equal_one_process():
+    """Logits and summed gradients of CP=2 on real gloo ranks equal one process over the whole sequence,
+    for contiguous and head-tail pieces."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_two_ranks, args=(port, results), nprocs=2)
+    for spec, pieces_per_rank, tol in CASES:
+        for rank in (0, 1):
+            forward, grads = results[rank, spec, pieces_per_rank]
+            assert forward <= tol and grads <= tol, (spec, pieces_per_rank, rank, forward, grads)

@@ -136,9 +136,9 @@ def maybe_mark_dynamic(tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-def all_gather_autograd(tensor, group):
-    """An all-gather along dim 0 whose backward sums each slice's gradient over the ranks
+def all_gather_autograd(tensor, group, dim: int = 0):
+    """An all-gather along ``dim`` whose backward sums each slice's gradient over the ranks
     (``torch.distributed._functional_collectives``: traceable by dynamo, runs on gloo and NCCL)."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_gather_tensor_autograd(tensor, gather_dim=0, group=group)
+    return funcol.all_gather_tensor_autograd(tensor, gather_dim=dim, group=group)

@@ -1,4 +1,4 @@
-"""Context parallelism for recurrent mixers: each rank holds a piece of every sequence, exactly.
+"""Context parallelism: each rank holds a piece of every sequence, exactly.
 
 torchtitan shards the inputs, labels and positions along the sequence
 (``--parallelism.context_parallel_degree``); FSDP then spans the data-parallel
@@ -14,8 +14,14 @@ With torchtitan's default ``headtail`` load balancer each rank holds two pieces
 None`` one contiguous piece, which costs a recurrence the same and launches
 half the kernels. Both are exact.
 
-An architecture opts in with ``cp_kernels`` on its model args: the global
-names its mixer calls and the name of each one's decay argument.
+Softmax attention (``hf_llama``) attends over keys and values all-gathered
+from every rank, masked by the tokens' global positions
+(``gathered_kv_attention``): exact for either piece layout, and runnable on
+CPU, where torch's ring SDPA (CUDA kernels only) is not.
+
+An architecture opts in on its model args: ``cp_kernels`` (a recurrent mixer:
+the global names it calls and each one's decay argument) or ``cp_attention``
+(the attention registry its attention module reads).
 """
 
 from __future__ import annotations
@@ -85,11 +91,19 @@ def check_cp(model_args, job_config) -> None:
 
 
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
-    """Make each block's mixer pass states across ``cp_mesh`` (only this model's modules change)."""
+    """Make each block's mixer see the whole sequence across ``cp_mesh`` (only this model's modules change)."""
+    group = cp_mesh.get_group()
+    if type(model.model_args).cp_attention:
+        _apply_gathered_attention(model, group)
+    else:
+        _apply_state_passing(model, group, choice)
+    model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
+
+
+def _apply_state_passing(model: nn.Module, group, choice: CPChoice) -> None:
     from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
-    group = cp_mesh.get_group()
     names = type(model.model_args).cp_kernels
     key = f"context_parallel:{group.group_name}:{choice.pieces_per_rank}"
     for block in model.get_decoder().layers:
@@ -100,11 +114,57 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
         for conv in short_convolutions(mixer):  # each needs the previous piece's last inputs
             kernel = type(conv).forward.__globals__["causal_conv1d"]
             binding.bind(conv, {kernel: conv_across_ranks(kernel, group, choice.pieces_per_rank)}, key=f"{key}:conv")
-    model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
     logger.info(
-        f"Applied context parallelism ({choice.degree} ranks, {choice.pieces_per_rank} piece(s) per rank): "
+        f"Applied context parallelism ({group.size()} ranks, {choice.pieces_per_rank} piece(s) per rank): "
         f"{', '.join(name for name, _ in names)} pass their states across ranks"
     )
+
+
+def _apply_gathered_attention(model: nn.Module, group) -> None:
+    """Softmax attention: each rank's queries attend to the keys and values of every rank's pieces,
+    all-gathered (differentiably) and masked by the tokens' global positions. Exact for any piece
+    layout; K and V of the whole sequence are held for the duration of one layer's attention."""
+    from titan_ext.kernels import binding
+
+    owner, name = type(model.model_args).cp_attention.split(":")
+    interface = _OneAttention(gathered_kv_attention(group))
+    for block in model.get_decoder().layers:
+        binding.bind(block.self_attn, {}, key=f"context_parallel:{group.group_name}:attention",
+                     names={owner: {name: interface}})
+    logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
+
+
+class _OneAttention:
+    """Stands in for transformers' attention registry inside the bound attention modules."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def get_interface(self, name, default):
+        return self.fn
+
+
+def gathered_kv_attention(group):
+    """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``group``'s pieces."""
+    import torch
+    import torch.nn.functional as F
+
+    from titan_ext import compat
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
+        if position_ids is None:
+            raise ValueError("context-parallel attention needs the tokens' global positions (position_ids)")
+        keys = compat.all_gather_autograd(key.contiguous(), group, dim=2)
+        values = compat.all_gather_autograd(value.contiguous(), group, dim=2)
+        key_positions = compat.all_gather_autograd(position_ids.contiguous(), group, dim=1)
+        mask = key_positions[:, None, None, :] <= position_ids[:, None, :, None]  # causal in sequence order
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != keys.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    return attention
 
 
 def short_convolutions(mixer: nn.Module) -> list[nn.Module]:

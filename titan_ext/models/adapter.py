@@ -37,11 +37,14 @@ class TitanCausalLM:
 
     positions_are_global = False
     """Set by context parallelism: ``positions`` are torchtitan's places of the tokens in the whole
-    sequence (the mixers exchange states; nothing else reads them), not document positions."""
+    sequence, not document positions. Recurrent mixers need none (they exchange states);
+    transformers models take them as ``position_ids`` (rotary and the attention mask)."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself."""
-        if positions is None or self.positions_are_global:
+        if self.positions_are_global and self.model_args.packed_layout == "position_ids":
+            hidden = self.model(input_ids=tokens, position_ids=positions, use_cache=False, return_dict=True).last_hidden_state
+        elif positions is None or self.positions_are_global:
             hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
         elif self.model_args.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             flat = tokens.reshape(1, -1)

@@ -50,8 +50,11 @@ class HFModelArgs(BaseModelArgs):
     ``cu_seqlens`` over one flattened row, or transformers' ``position_ids``."""
 
     cp_kernels: ClassVar[tuple[tuple[str, str], ...]] = ()
-    """Context parallelism (``titan_ext.context_parallel``): the kernels the token mixer calls by
-    global name, each with the name of its decay argument; empty: no CP path."""
+    """Context parallelism (``titan_ext.context_parallel``) for a recurrent mixer: the kernels it
+    calls by global name, each with the name of its decay argument."""
+    cp_attention: ClassVar[str] = ""
+    """Context parallelism for softmax attention: ``"module:global"``, the attention registry the
+    attention module's forward reads (it then gets all-gathered keys and values)."""
 
     vocab_size: int = 32000
     tie_word_embeddings: bool = False
@@ -106,7 +109,7 @@ class HFModelArgs(BaseModelArgs):
 
     def context_parallel_blocker(self) -> str | None:
         """Why this model cannot split sequences across ranks (a one-line reason and fix), or None."""
-        if not self.cp_kernels:
+        if not (self.cp_kernels or self.cp_attention):
             return f"titan_ext has no context-parallel path for {self.model_type!r} models yet; set it to 1"
         return None
 

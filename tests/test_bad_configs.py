@@ -25,7 +25,6 @@ from titan_ext.checkpoint import checkpoint_config
 from titan_ext.errors import ConfigError
 
 GLA = ["--job.config_file", str(CONFIGS / "debug_gla.toml")]
-TRANSFORMER = ["--job.config_file", str(CONFIGS / "debug_transformer.toml")]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 HF_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
@@ -88,10 +87,6 @@ CASES = {
     "degrees vs world size": ([*GLA, "--parallelism.data_parallel_shard_degree", "2", *TP2[:2]], 2, "WORLD_SIZE"),
     # parallelism titan_ext cannot do
     "pipeline parallel": ([*GLA, "--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline_parallel_degree=2"),
-    "context parallel for a model without a cp path": (
-        [*TRANSFORMER, "--parallelism.context_parallel_degree", "2"], 2,
-        "--parallelism.context_parallel_degree=2: titan_ext has no context-parallel path for 'transformer'",
-    ),
     "context parallel with document masking": ([*GLA, *CP2, "--titan_ext.document_mask"], 2, "does not yet stop at document"),
     "context parallel with a token-reordering balancer": (
         [*GLA, *CP2, "--parallelism.context_parallel_load_balancer", "ptrr"], 2, "context_parallel_load_balancer='ptrr'"

@@ -97,9 +97,10 @@ def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
     assert counts == {"c10d_functional.all_gather_into_tensor": 2 * (1 + 3)}, counts
 
 
-CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 1, 1e-12), ("hf_llama", 2, 1e-12)]
-"""(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states),
-Llama (all-gathered keys and values) in fp64."""
+CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 1, 1e-12), ("hf_llama", 2, 1e-12),
+         ("fla_transformer", 1, 1e-12), ("fla_transformer", 2, 1e-12)]
+"""(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
+Llama and the fla transformer (all-gathered keys and values) in fp64."""
 
 
 def _two_ranks(rank, port, results):
@@ -111,7 +112,7 @@ def _two_ranks(rank, port, results):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     try:
         for spec, pieces_per_rank, _ in CASES:
-            torch.set_default_dtype(torch.float64 if spec == "hf_llama" else torch.float32)
+            torch.set_default_dtype(torch.float32 if spec == "fla_gla" else torch.float64)
             results[rank, spec, pieces_per_rank] = _compare(spec, pieces_per_rank, rank, mesh)
     finally:
         dist.destroy_process_group()
@@ -122,6 +123,10 @@ def _compare(spec, pieces_per_rank, rank, mesh):
         from titan_ext.models.llama import llama_flavors
 
         args = copy.deepcopy(llama_flavors["debugmodel"])
+    elif spec == "fla_transformer":
+        from titan_ext.models.transformer import transformer_flavors
+
+        args = copy.deepcopy(transformer_flavors["debugmodel"])
     else:
         args = copy.deepcopy(gla_flavors["debugmodel"])
         args.use_short_conv = True

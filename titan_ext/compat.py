@@ -142,3 +142,16 @@ def all_gather_autograd(tensor, group, dim: int = 0):
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_gather_tensor_autograd(tensor, gather_dim=dim, group=group)
+
+
+def fla_rotary_tables(rotary, length: int, like):
+    """fla ``RotaryEmbedding``'s cos/sin tables for ``length`` positions, in ``like``'s device and dtype
+    (its private ``_update_cos_sin_cache`` and ``_cos_cached``/``_sin_cached``)."""
+    for name in ("_update_cos_sin_cache", "_cos_cached", "_sin_cached", "interleaved"):
+        if not hasattr(rotary, name):
+            raise CompatError(
+                f"titan_ext needs fla's RotaryEmbedding.{name}; installed flash-linear-attention "
+                f"{_version('flash-linear-attention')}, supported {SUPPORTED['flash-linear-attention']}"
+            )
+    rotary._update_cos_sin_cache(length, device=like.device, dtype=like.dtype)
+    return rotary._cos_cached, rotary._sin_cached

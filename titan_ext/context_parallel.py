@@ -93,8 +93,11 @@ def check_cp(model_args, job_config) -> None:
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     """Make each block's mixer see the whole sequence across ``cp_mesh`` (only this model's modules change)."""
     group = cp_mesh.get_group()
-    if type(model.model_args).cp_attention:
+    kind = type(model.model_args).cp_attention
+    if kind == "transformers":
         _apply_gathered_attention(model, group)
+    elif kind == "fla":
+        _apply_fla_gathered_attention(model, group)
     else:
         _apply_state_passing(model, group, choice)
     model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
@@ -126,11 +129,11 @@ def _apply_gathered_attention(model: nn.Module, group) -> None:
     layout; K and V of the whole sequence are held for the duration of one layer's attention."""
     from titan_ext.kernels import binding
 
-    owner, name = type(model.model_args).cp_attention.split(":")
     interface = _OneAttention(gathered_kv_attention(group))
     for block in model.get_decoder().layers:
+        owner = type(block.self_attn).forward.__globals__["__name__"]  # the modeling file's registry
         binding.bind(block.self_attn, {}, key=f"context_parallel:{group.group_name}:attention",
-                     names={owner: {name: interface}})
+                     names={owner: {"ALL_ATTENTION_FUNCTIONS": interface}})
     logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
 
 
@@ -144,27 +147,68 @@ class _OneAttention:
         return self.fn
 
 
-def gathered_kv_attention(group):
-    """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``group``'s pieces."""
-    import torch
+def gathered_sdpa(query, key, value, positions, group, scale=None, window: int | None = None, dropout=0.0):
+    """Causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``;
+    ``positions`` ``[B, T]``: each local token's place in the whole sequence). K, V and the positions
+    are all-gathered differentiably; the mask compares positions, so any piece layout is exact."""
     import torch.nn.functional as F
 
     from titan_ext import compat
 
+    keys = compat.all_gather_autograd(key.contiguous(), group, dim=2)
+    values = compat.all_gather_autograd(value.contiguous(), group, dim=2)
+    key_positions = compat.all_gather_autograd(positions.contiguous(), group, dim=1)[:, None, None, :]
+    query_positions = positions[:, None, :, None]
+    mask = key_positions <= query_positions
+    if window is not None:  # the ``window`` keys up to and including the query
+        mask = mask & (query_positions - key_positions < window)
+    return F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
+    )
+
+
+def gathered_kv_attention(group):
+    """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``group``'s pieces."""
+
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
         if position_ids is None:
             raise ValueError("context-parallel attention needs the tokens' global positions (position_ids)")
-        keys = compat.all_gather_autograd(key.contiguous(), group, dim=2)
-        values = compat.all_gather_autograd(value.contiguous(), group, dim=2)
-        key_positions = compat.all_gather_autograd(position_ids.contiguous(), group, dim=1)
-        mask = key_positions[:, None, None, :] <= position_ids[:, None, :, None]  # causal in sequence order
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=query.shape[1] != keys.shape[1],
-        )
+        out = gathered_sdpa(query, key, value, position_ids, group, scale=scaling, dropout=dropout)
         return out.transpose(1, 2).contiguous(), None
 
     return attention
+
+
+def _apply_fla_gathered_attention(model: nn.Module, group) -> None:
+    """fla's softmax ``Attention``: its forward under CP is titan_ext's ``fla_attention_forward``."""
+    from titan_ext.kernels import binding
+
+    def forward(self, *args, **kwargs):
+        return fla_attention_forward(self, *args, group=group, **kwargs)
+
+    for block in model.get_decoder().layers:
+        binding.bind(block.attn, {type(block.attn).forward: forward}, key=f"context_parallel:{group.group_name}:fla_attention")
+    logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
+
+
+def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
+                          use_cache=False, positions=None, group=None, **kwargs):
+    """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
+    (at the tokens' global positions) and causal (windowed) attention, over all-gathered K and V."""
+    from titan_ext import compat
+    from titan_ext.kernels.rotary import rotate_at
+
+    if positions is None or attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
+        raise ValueError("fla Attention under context parallelism takes global positions only (no mask, cache or cu_seqlens)")
+    B, T, _ = hidden_states.shape
+    q, k, v = (proj(hidden_states).unflatten(-1, (-1, self.head_dim)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    if self.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+    length = max(T * group.size(), self.max_position_embeddings or 0)  # positions of the whole sequence
+    cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
+    q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
+    o = gathered_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions, group, window=self.window_size)
+    return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values
 
 
 def short_convolutions(mixer: nn.Module) -> list[nn.Module]:

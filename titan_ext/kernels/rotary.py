@@ -47,3 +47,9 @@ def update_cos_sin_cache(self, seqlen, device=None, dtype=None):
     ):
         return
     return _fla_update_cos_sin_cache(self, seqlen, device, dtype)
+
+
+def rotate_at(x, cos, sin, positions, interleaved=False):
+    """``x`` (``[B, T, H, D]``) rotated at per-token ``positions`` (``[B, T]``), e.g. a context-parallel
+    rank's tokens at their places in the whole sequence; fla's torch reference, differentiable."""
+    return rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)

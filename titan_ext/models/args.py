@@ -53,8 +53,8 @@ class HFModelArgs(BaseModelArgs):
     """Context parallelism (``titan_ext.context_parallel``) for a recurrent mixer: the kernels it
     calls by global name, each with the name of its decay argument."""
     cp_attention: ClassVar[str] = ""
-    """Context parallelism for softmax attention: ``"module:global"``, the attention registry the
-    attention module's forward reads (it then gets all-gathered keys and values)."""
+    """Context parallelism for softmax attention over all-gathered keys and values: ``"transformers"``
+    (through the attention registry its modeling file reads) or ``"fla"`` (fla's ``Attention``)."""
 
     vocab_size: int = 32000
     tie_word_embeddings: bool = False

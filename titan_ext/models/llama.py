@@ -23,7 +23,7 @@ def llama3_rope(factor: float, original_context: int = 8192, theta: float = 5000
 class LlamaModelArgs(HFModelArgs):
     model_type = "llama"
     packed_layout = "position_ids"
-    cp_attention = "transformers.models.llama.modeling_llama:ALL_ATTENTION_FUNCTIONS"
+    cp_attention = "transformers"
     hf_config = "transformers:LlamaConfig"
     hf_model = "transformers:LlamaForCausalLM"
 

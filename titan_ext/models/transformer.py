@@ -17,6 +17,7 @@ class TransformerModelArgs(HFModelArgs):
     model_type = "transformer"
     hf_config = "fla.models:TransformerConfig"
     hf_model = "fla.models:TransformerForCausalLM"
+    cp_attention = "fla"
 
     hidden_size: int = 1024
     num_hidden_layers: int = 24

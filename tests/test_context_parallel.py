@@ -98,9 +98,9 @@ def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
 
 
 CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 1, 1e-12), ("hf_llama", 2, 1e-12),
-         ("fla_transformer", 1, 1e-12), ("fla_transformer", 2, 1e-12)]
+         ("fla_transformer", 1, 1e-12), ("fla_transformer", 2, 1e-12), ("fla_transformer+window", 2, 1e-12)]
 """(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
-Llama and the fla transformer (all-gathered keys and values) in fp64."""
+Llama and the fla transformer (all-gathered keys and values; also with a sliding window) in fp64."""
 
 
 def _two_ranks(rank, port, results):
@@ -123,10 +123,11 @@ def _compare(spec, pieces_per_rank, rank, mesh):
         from titan_ext.models.llama import llama_flavors
 
         args = copy.deepcopy(llama_flavors["debugmodel"])
-    elif spec == "fla_transformer":
+    elif spec.startswith("fla_transformer"):
         from titan_ext.models.transformer import transformer_flavors
 
         args = copy.deepcopy(transformer_flavors["debugmodel"])
+        args.window_size = 24 if spec.endswith("window") else None  # reaches across pieces of 40
     else:
         args = copy.deepcopy(gla_flavors["debugmodel"])
         args.use_short_conv = True

@@ -14,10 +14,10 @@ With torchtitan's default ``headtail`` load balancer each rank holds two pieces
 None`` one contiguous piece, which costs a recurrence the same and launches
 half the kernels. Both are exact.
 
-Softmax attention (``hf_llama``) attends over keys and values all-gathered
-from every rank, masked by the tokens' global positions
-(``gathered_kv_attention``): exact for either piece layout, and runnable on
-CPU, where torch's ring SDPA (CUDA kernels only) is not.
+Softmax attention (``hf_llama``, the fla transformer) attends over keys and
+values all-gathered from every rank (``gathered_sdpa``): exact for either
+piece layout, and runnable on CPU, where torch's ring SDPA (CUDA kernels
+only) is not.
 
 An architecture opts in on its model args: ``cp_kernels`` (a recurrent mixer:
 the global names it calls and each one's decay argument) or ``cp_attention``
@@ -26,6 +26,7 @@ the global names it calls and each one's decay argument) or ``cp_attention``
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -95,9 +96,9 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     group = cp_mesh.get_group()
     kind = type(model.model_args).cp_attention
     if kind == "transformers":
-        _apply_gathered_attention(model, group)
+        _apply_gathered_attention(model, group, choice.pieces_per_rank)
     elif kind == "fla":
-        _apply_fla_gathered_attention(model, group)
+        _apply_fla_gathered_attention(model, group, choice.pieces_per_rank)
     else:
         _apply_state_passing(model, group, choice)
     model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
@@ -108,7 +109,7 @@ def _apply_state_passing(model: nn.Module, group, choice: CPChoice) -> None:
     from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
     names = type(model.model_args).cp_kernels
-    key = f"context_parallel:{group.group_name}:{choice.pieces_per_rank}"
+    key = _binding_key()
     for block in model.get_decoder().layers:
         mixer = block.attn
         scope = type(mixer).forward.__globals__
@@ -123,18 +124,28 @@ def _apply_state_passing(model: nn.Module, group, choice: CPChoice) -> None:
     )
 
 
-def _apply_gathered_attention(model: nn.Module, group) -> None:
+def _apply_gathered_attention(model: nn.Module, group, pieces_per_rank: int) -> None:
     """Softmax attention: each rank's queries attend to the keys and values of every rank's pieces,
-    all-gathered (differentiably) and masked by the tokens' global positions. Exact for any piece
-    layout; K and V of the whole sequence are held for the duration of one layer's attention."""
+    all-gathered (differentiably; ``gathered_sdpa``). K and V of the whole sequence are held for the
+    duration of one layer's attention."""
     from titan_ext.kernels import binding
 
-    interface = _OneAttention(gathered_kv_attention(group))
+    interface = _OneAttention(gathered_kv_attention(group, pieces_per_rank))
+    key = _binding_key()  # one for all blocks: they share one class, so compiled code is shared too
     for block in model.get_decoder().layers:
         owner = type(block.self_attn).forward.__globals__["__name__"]  # the modeling file's registry
-        binding.bind(block.self_attn, {}, key=f"context_parallel:{group.group_name}:attention",
+        binding.bind(block.self_attn, {}, key=key,
                      names={owner: {"ALL_ATTENTION_FUNCTIONS": interface}})
     logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
+
+
+_bindings = itertools.count()
+
+
+def _binding_key() -> str:
+    """A key of its own for each binding: the bound classes hold this job's group and layout (a
+    process may run several jobs, and group names repeat once a process group is destroyed)."""
+    return f"context_parallel:{next(_bindings)}"
 
 
 class _OneAttention:
@@ -147,52 +158,73 @@ class _OneAttention:
         return self.fn
 
 
-def gathered_sdpa(query, key, value, positions, group, scale=None, window: int | None = None, dropout=0.0):
-    """Causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``;
-    ``positions`` ``[B, T]``: each local token's place in the whole sequence). K, V and the positions
-    are all-gathered differentiably; the mask compares positions, so any piece layout is exact."""
+def gathered_sdpa(query, key, value, positions, group, pieces_per_rank: int, scale=None, window: int | None = None,
+                  dropout=0.0):
+    """Causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
+
+    K and V are all-gathered differentiably and put in sequence order; each local piece then attends
+    to the keys up to its own end with a lower-right causal bias: no mask is built and no later key
+    is computed. A sliding ``window`` (fla's ``window_size``) masks by the tokens' global
+    ``positions`` (``[B, T]``) instead.
+    """
+    import torch
     import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
 
     from titan_ext import compat
+    from titan_ext.kernels.state_passing import piece_order
 
     keys = compat.all_gather_autograd(key.contiguous(), group, dim=2)
     values = compat.all_gather_autograd(value.contiguous(), group, dim=2)
-    key_positions = compat.all_gather_autograd(positions.contiguous(), group, dim=1)[:, None, None, :]
-    query_positions = positions[:, None, :, None]
-    mask = key_positions <= query_positions
-    if window is not None:  # the ``window`` keys up to and including the query
-        mask = mask & (query_positions - key_positions < window)
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=query.shape[1] != keys.shape[1]
-    )
+    gqa = query.shape[1] != keys.shape[1]
+    if window is not None:
+        key_positions = compat.all_gather_autograd(positions.contiguous(), group, dim=1)[:, None, None, :]
+        query_positions = positions[:, None, :, None]
+        mask = (key_positions <= query_positions) & (query_positions - key_positions < window)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                              enable_gqa=gqa)
+    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    size = query.shape[2] // pieces_per_rank
+    if pieces_per_rank > 1:  # gathered in rank order: reorder the pieces into sequence order
+        held = [p for r in range(world) for p in piece_order(r, world, pieces_per_rank)]
+        slot = {p: i for i, p in enumerate(held)}
+        order = torch.cat([torch.arange(slot[p] * size, (slot[p] + 1) * size) for p in range(len(held))])
+        keys, values = keys[:, :, order.to(keys.device)], values[:, :, order.to(keys.device)]
+    outputs = []
+    for i, p in enumerate(piece_order(rank, world, pieces_per_rank)):
+        end = (p + 1) * size
+        outputs.append(F.scaled_dot_product_attention(
+            query[:, :, i * size:(i + 1) * size], keys[:, :, :end], values[:, :, :end],
+            attn_mask=causal_lower_right(size, end), dropout_p=dropout, scale=scale, enable_gqa=gqa,
+        ))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def gathered_kv_attention(group):
+def gathered_kv_attention(group, pieces_per_rank: int):
     """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``group``'s pieces."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
-        if position_ids is None:
-            raise ValueError("context-parallel attention needs the tokens' global positions (position_ids)")
-        out = gathered_sdpa(query, key, value, position_ids, group, scale=scaling, dropout=dropout)
+        out = gathered_sdpa(query, key, value, position_ids, group, pieces_per_rank, scale=scaling, dropout=dropout)
         return out.transpose(1, 2).contiguous(), None
 
     return attention
 
 
-def _apply_fla_gathered_attention(model: nn.Module, group) -> None:
+def _apply_fla_gathered_attention(model: nn.Module, group, pieces_per_rank: int) -> None:
     """fla's softmax ``Attention``: its forward under CP is titan_ext's ``fla_attention_forward``."""
     from titan_ext.kernels import binding
 
     def forward(self, *args, **kwargs):
-        return fla_attention_forward(self, *args, group=group, **kwargs)
+        return fla_attention_forward(self, *args, group=group, pieces_per_rank=pieces_per_rank, **kwargs)
 
+    key = _binding_key()
     for block in model.get_decoder().layers:
-        binding.bind(block.attn, {type(block.attn).forward: forward}, key=f"context_parallel:{group.group_name}:fla_attention")
+        binding.bind(block.attn, {type(block.attn).forward: forward}, key=key)
     logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
 
 
 def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
-                          use_cache=False, positions=None, group=None, **kwargs):
+                          use_cache=False, positions=None, group=None, pieces_per_rank=1, **kwargs):
     """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
     (at the tokens' global positions) and causal (windowed) attention, over all-gathered K and V."""
     from titan_ext import compat
@@ -207,7 +239,8 @@ def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_val
     length = max(T * group.size(), self.max_position_embeddings or 0)  # positions of the whole sequence
     cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
     q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
-    o = gathered_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions, group, window=self.window_size)
+    o = gathered_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions, group, pieces_per_rank,
+                      window=self.window_size)
     return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values
 
 

@@ -11,7 +11,7 @@ give the same loss with 33 tokens on 2 ranks), so it is not checked.
 from __future__ import annotations
 
 import torch.nn as nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel
 
 from model_plans.apply import resolve
 from model_plans.base import TPPlan
@@ -55,6 +55,24 @@ def _unsupported(config) -> list[tuple[str, object, str]]:
     return found
 
 
+_LAYOUT_ONLY = (PrepareModuleInput, PrepareModuleOutput)
+"""Styles that lay out a module's inputs or outputs and leave its parameters alone."""
+
+
+def _uncovered_parameter(model: nn.Module, plan: TPPlan) -> str | None:
+    """The first parameter whose module no parameter-placing plan entry names, or None."""
+    name = type(plan).__name__
+    covered = {fqn for fqn, style in resolve(plan.model_plan(), model, name).items() if not isinstance(style, _LAYOUT_ONLY)}
+    for index, block in enumerate(model.get_submodule(plan.layers)):
+        prefix = f"{plan.layers}.{index}."
+        covered |= {prefix + fqn for fqn, style in resolve(plan.block_plan(), block, name).items()
+                    if not isinstance(style, _LAYOUT_ONLY)}
+    for param_name, _ in model.named_parameters():
+        if param_name.rpartition(".")[0] not in covered:
+            return param_name
+    return None
+
+
 def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | None = None) -> None:
     """Raise ``ValueError`` (one line naming the field or module, its size and the degree) if TP cannot split ``model``.
 
@@ -69,6 +87,12 @@ def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | N
         if value % tp_degree:
             raise ValueError(f"{name}={value} is not divisible by {DEGREE}={tp_degree}; pick a degree that divides it")
     name = type(plan).__name__
+    uncovered = _uncovered_parameter(model, plan)
+    if uncovered:
+        raise ValueError(
+            f"parameter {uncovered} is not covered by {name}: TP would leave it a plain tensor among DTensors; "
+            "add a plan entry for its module (a replicated style for modules TP does not split)"
+        )
     for index, block in enumerate(model.get_submodule(plan.layers)):
         for fqn, style in resolve(plan.block_plan(), block, name).items():
             split = _split_size(style, block.get_submodule(fqn))

@@ -322,6 +322,9 @@ def test_a_parameter_no_plan_covers_is_an_error(mesh):
 
     with pytest.raises(ValueError, match=r"parameter model.layers.0.attn.gk_proj.0.weight is not covered by Partial"):
         apply_tp(tiny_gla(), mesh, Partial())
+    # and before anything is built: the check on the meta-device model
+    with pytest.raises(ValueError, match=r"parameter model.layers.0.attn.gk_proj.0.weight is not covered by Partial: "):
+        validate_tp(meta_gla(), Partial(), 2)
 
 
 def test_float8_styles_fall_back_where_the_converter_left_a_linear(mesh):

@@ -59,14 +59,13 @@ _LAYOUT_ONLY = (PrepareModuleInput, PrepareModuleOutput)
 """Styles that lay out a module's inputs or outputs and leave its parameters alone."""
 
 
-def _uncovered_parameter(model: nn.Module, plan: TPPlan) -> str | None:
-    """The first parameter whose module no parameter-placing plan entry names, or None."""
-    name = type(plan).__name__
-    covered = {fqn for fqn, style in resolve(plan.model_plan(), model, name).items() if not isinstance(style, _LAYOUT_ONLY)}
-    for index, block in enumerate(model.get_submodule(plan.layers)):
-        prefix = f"{plan.layers}.{index}."
-        covered |= {prefix + fqn for fqn, style in resolve(plan.block_plan(), block, name).items()
-                    if not isinstance(style, _LAYOUT_ONLY)}
+def _uncovered_parameter(model: nn.Module, plan: TPPlan, block_plans: list[dict]) -> str | None:
+    """The first parameter whose module no parameter-placing plan entry names, or None
+    (``block_plans``: each block's resolved plan)."""
+    covered = {fqn for fqn, style in resolve(plan.model_plan(), model, type(plan).__name__).items()
+               if not isinstance(style, _LAYOUT_ONLY)}
+    for index, block_plan in enumerate(block_plans):
+        covered |= {f"{plan.layers}.{index}.{fqn}" for fqn, style in block_plan.items() if not isinstance(style, _LAYOUT_ONLY)}
     for param_name, _ in model.named_parameters():
         if param_name.rpartition(".")[0] not in covered:
             return param_name
@@ -87,14 +86,16 @@ def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | N
         if value % tp_degree:
             raise ValueError(f"{name}={value} is not divisible by {DEGREE}={tp_degree}; pick a degree that divides it")
     name = type(plan).__name__
-    uncovered = _uncovered_parameter(model, plan)
+    blocks = list(model.get_submodule(plan.layers))
+    block_plans = [resolve(plan.block_plan(), block, name) for block in blocks]
+    uncovered = _uncovered_parameter(model, plan, block_plans)
     if uncovered:
         raise ValueError(
             f"parameter {uncovered} is not covered by {name}: TP would leave it a plain tensor among DTensors; "
             "add a plan entry for its module (a replicated style for modules TP does not split)"
         )
-    for index, block in enumerate(model.get_submodule(plan.layers)):
-        for fqn, style in resolve(plan.block_plan(), block, name).items():
+    for index, (block, block_plan) in enumerate(zip(blocks, block_plans)):
+        for fqn, style in block_plan.items():
             split = _split_size(style, block.get_submodule(fqn))
             if split is not None and split[1] % tp_degree:
                 raise ValueError(

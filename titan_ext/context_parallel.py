@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError
+from titan_ext.tensor_parallel import sequence_parallel_enabled
 
 logger = logging.getLogger()
 
@@ -83,8 +84,7 @@ def check_cp(model_args, job_config) -> None:
             f"{', head-tail: 2 per rank' if pieces > degree else ''}); use a multiple of {pieces}"
         )
     tp = p.tensor_parallel_degree
-    sequence_parallel = not getattr(getattr(job_config, "titan_ext", None), "disable_sequence_parallel", False)
-    if tp > 1 and sequence_parallel and (seq_len // degree) % tp:
+    if tp > 1 and sequence_parallel_enabled(job_config) and (seq_len // degree) % tp:
         raise ConfigError(
             f"--training.seq_len={seq_len}: each rank's {seq_len // degree} tokens ({OPTION}={degree}) do not split "
             f"over --parallelism.tensor_parallel_degree={tp} with sequence parallel on; use a multiple of {degree * tp}"
@@ -172,7 +172,7 @@ def gathered_sdpa(query, key, value, positions, group, pieces_per_rank: int, sca
     from torch.nn.attention.bias import causal_lower_right
 
     from titan_ext import compat
-    from titan_ext.kernels.state_passing import piece_order
+    from titan_ext.kernels.state_passing import in_sequence_order, piece_order
 
     keys = compat.all_gather_autograd(key.contiguous(), group, dim=2)
     values = compat.all_gather_autograd(value.contiguous(), group, dim=2)
@@ -185,16 +185,14 @@ def gathered_sdpa(query, key, value, positions, group, pieces_per_rank: int, sca
                                               enable_gqa=gqa)
     rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     size = query.shape[2] // pieces_per_rank
-    if pieces_per_rank > 1:  # gathered in rank order: reorder the pieces into sequence order
-        held = [p for r in range(world) for p in piece_order(r, world, pieces_per_rank)]
-        slot = {p: i for i, p in enumerate(held)}
-        order = torch.cat([torch.arange(slot[p] * size, (slot[p] + 1) * size) for p in range(len(held))])
-        keys, values = keys[:, :, order.to(keys.device)], values[:, :, order.to(keys.device)]
+    if pieces_per_rank > 1:  # gathered in rank order: put the pieces in sequence order
+        slots = in_sequence_order(world, pieces_per_rank)
+        keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
     outputs = []
-    for i, p in enumerate(piece_order(rank, world, pieces_per_rank)):
+    for query_piece, p in zip(query.chunk(pieces_per_rank, dim=2), piece_order(rank, world, pieces_per_rank)):
         end = (p + 1) * size
         outputs.append(F.scaled_dot_product_attention(
-            query[:, :, i * size:(i + 1) * size], keys[:, :, :end], values[:, :, :end],
+            query_piece, keys[:, :, :end], values[:, :, :end],
             attn_mask=causal_lower_right(size, end), dropout_p=dropout, scale=scale, enable_gqa=gqa,
         ))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_ext.kernels.norms import _upcast
-from titan_ext.kernels.varlen import check_packed_batch, sequence_spans
+from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
 
 def _conv(x, weight, bias, residual, initial_state, activation):
@@ -39,8 +39,7 @@ def _conv_packed(x, weight, bias, residual, cu_seqlens, activation):
     inside the token's own sequence. Tensor ops throughout (no loop over sequences, no host sync),
     so compiled code is one graph for any number of sequences."""
     T, W = x.shape[1], weight.shape[-1]
-    ramp = torch.arange(T, device=x.device)
-    position = ramp - cu_seqlens[torch.searchsorted(cu_seqlens[1:], ramp, right=True)]
+    _, position = token_sequences(cu_seqlens, T)
     xu, w = _upcast(x), _upcast(weight)
     y = xu * w[:, W - 1]
     for s in range(1, W):

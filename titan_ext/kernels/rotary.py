@@ -3,7 +3,7 @@
 import torch
 from fla.modules.rotary.ops import RotaryEmbedding, rotary_embedding_ref
 
-from titan_ext.kernels.varlen import check_packed_batch
+from titan_ext.kernels.varlen import check_packed_batch, token_sequences
 
 _fla_update_cos_sin_cache = vars(RotaryEmbedding)["_update_cos_sin_cache"]
 
@@ -15,15 +15,12 @@ def rotary_embedding(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
     (batch 1, packed sequences) positions restart at each sequence, as in fla.
     """
     T = x.shape[1]
-    ramp = torch.arange(T, device=x.device)
     if cu_seqlens is None:
+        ramp = torch.arange(T, device=x.device)
         positions = ramp + seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[:, None] + ramp
     else:
         check_packed_batch(x.shape[0])
-        # each token's sequence by search, not a loop over spans: no host sync, and compiled code
-        # sees one graph for any number of sequences
-        sequence = torch.searchsorted(cu_seqlens[1:], ramp, right=True)
-        positions = ramp - cu_seqlens[sequence]
+        sequence, positions = token_sequences(cu_seqlens, T)
         positions = positions + (seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[sequence])
     return rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
 

@@ -61,6 +61,13 @@ def piece_order(rank: int, world: int, pieces_per_rank: int) -> list[int]:
     raise ValueError(f"pieces_per_rank must be 1 or 2, not {pieces_per_rank}")
 
 
+def in_sequence_order(world: int, pieces_per_rank: int) -> list[int]:
+    """For each piece of the sequence, in order, its slot among the gathered pieces (rank-major:
+    rank ``r``'s ``i``-th piece is slot ``r * pieces_per_rank + i``)."""
+    slot = {p: r * pieces_per_rank + i for r in range(world) for i, p in enumerate(piece_order(r, world, pieces_per_rank))}
+    return [slot[p] for p in range(world * pieces_per_rank)]
+
+
 def gather_pieces(summary: Tensor, group) -> Tensor:
     """Every rank's ``summary`` stacked in rank order (``[world, *summary.shape]``), differentiably."""
     from titan_ext import compat
@@ -72,11 +79,9 @@ def gather_pieces(summary: Tensor, group) -> Tensor:
 def piece_summaries(k: Tensor, v: Tensor, g: Tensor, pieces_per_rank: int) -> Tensor:
     """``[pieces, B, H, K, V + 1]``: each of this rank's pieces (back to back along T, equal lengths)
     as ``F`` with ``D`` in the last column, so all of it travels in one collective."""
-    T = k.shape[1] // pieces_per_rank
     summaries = []
-    for i in range(pieces_per_rank):
-        piece = slice(i * T, (i + 1) * T)
-        F, D = diagonal_decay_summary(k[:, piece], v[:, piece], g[:, piece])
+    for k_piece, v_piece, g_piece in zip(*(x.chunk(pieces_per_rank, dim=1) for x in (k, v, g))):
+        F, D = diagonal_decay_summary(k_piece, v_piece, g_piece)
         summaries.append(torch.cat([F, D[..., None]], dim=-1))
     return torch.stack(summaries)
 
@@ -85,8 +90,7 @@ def incoming_states(every: Tensor, rank: int, pieces_per_rank: int, initial_stat
     """The exact state ``[B, H, K, V]`` entering each of ``rank``'s pieces, from every rank's summaries
     (``[world, pieces, B, H, K, V + 1]``) and the sequence's own initial state (before piece 0)."""
     world = every.shape[0]
-    at = {p: every[r, i] for r in range(world) for i, p in enumerate(piece_order(r, world, pieces_per_rank))}
-    ordered = torch.stack([at[p] for p in range(world * pieces_per_rank)])
+    ordered = every.flatten(0, 1)[in_sequence_order(world, pieces_per_rank)]
     finals, decays = ordered[..., :-1], ordered[..., -1]
     # Every rank must take part in the all-gather's backward (a reduce-scatter), also the one whose first
     # piece folds nothing: a zero-weighted term keeps the gathered tensor in its graph.
@@ -106,14 +110,12 @@ def across_ranks(kernel, gate: str, group, pieces_per_rank: int = 1):
         g, state_v_first = kwargs.pop(gate), kwargs.get("state_v_first", False)
         summaries = gather_pieces(piece_summaries(k, v, g, pieces_per_rank), group)
         states = incoming_states(summaries, rank, pieces_per_rank, kwargs.pop("initial_state", None))
-        T = q.shape[1] // pieces_per_rank
         outputs, final = [], None
-        for i, state in enumerate(states):
-            piece = slice(i * T, (i + 1) * T)
+        pieces = zip(*(x.chunk(pieces_per_rank, dim=1) for x in (q, k, v, g)))
+        for state, (q_piece, k_piece, v_piece, g_piece) in zip(states, pieces):
             state = state.transpose(-1, -2) if state_v_first else state
             state = state.to(torch.promote_types(q.dtype, _FP32)).contiguous()  # fla takes fp32 states
-            o, final = kernel(q=q[:, piece], k=k[:, piece], v=v[:, piece], **{gate: g[:, piece]}, initial_state=state,
-                              **kwargs)
+            o, final = kernel(q=q_piece, k=k_piece, v=v_piece, **{gate: g_piece}, initial_state=state, **kwargs)
             outputs.append(o)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), final
 
@@ -128,11 +130,11 @@ def previous_tails(x: Tensor, width: int, group, pieces_per_rank: int = 1) -> li
     T = x.shape[1] // pieces_per_rank
     if width > T:
         raise ValueError(f"a piece of {T} tokens cannot hold a halo of {width}; use longer sequences")
-    tails = torch.stack([x[:, (i + 1) * T - width:(i + 1) * T] for i in range(pieces_per_rank)])
+    tails = torch.stack([piece[:, T - width:] for piece in x.chunk(pieces_per_rank, dim=1)])
     every = gather_pieces(tails, group)  # [world, pieces, B, width, ...]
-    at = {p: every[r, i] for r in range(world) for i, p in enumerate(piece_order(r, world, pieces_per_rank))}
-    anchor = at[0] * 0  # keeps every rank in the all-gather's backward (see ``incoming_states``)
-    return [anchor if p == 0 else at[p - 1] + anchor for p in piece_order(rank, world, pieces_per_rank)]
+    ordered = every.flatten(0, 1)[in_sequence_order(world, pieces_per_rank)]
+    anchor = ordered[0] * 0  # keeps every rank in the all-gather's backward (see ``incoming_states``)
+    return [anchor if p == 0 else ordered[p - 1] + anchor for p in piece_order(rank, world, pieces_per_rank)]
 
 
 def conv_across_ranks(kernel, group, pieces_per_rank: int = 1):
@@ -143,16 +145,13 @@ def conv_across_ranks(kernel, group, pieces_per_rank: int = 1):
     def conv_from_halo(x, weight, residual=None, initial_state=None, cu_seqlens=None, **kwargs):
         if cu_seqlens is not None or initial_state is not None:
             raise ValueError("a convolution split across context-parallel ranks takes no cu_seqlens or cache")
-        width = weight.shape[-1] - 1
-        halos = previous_tails(x, width, group, pieces_per_rank)
-        T = x.shape[1] // pieces_per_rank
+        halos = previous_tails(x, weight.shape[-1] - 1, group, pieces_per_rank)
+        residuals = [None] * pieces_per_rank if residual is None else residual.chunk(pieces_per_rank, dim=1)
         outputs, final = [], None
-        for i, halo in enumerate(halos):
-            piece = slice(i * T, (i + 1) * T)
+        for halo, x_piece, residual_piece in zip(halos, x.chunk(pieces_per_rank, dim=1), residuals):
             # fla's conv state holds the last W inputs, newest last, and reads state[..., 1:]
             state = torch.nn.functional.pad(halo.transpose(1, 2), (1, 0)).contiguous()
-            y, final = kernel(x=x[:, piece], weight=weight, residual=None if residual is None else residual[:, piece],
-                              initial_state=state, **kwargs)
+            y, final = kernel(x=x_piece, weight=weight, residual=residual_piece, initial_state=state, **kwargs)
             outputs.append(y)
         return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), final
 

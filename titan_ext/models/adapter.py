@@ -43,7 +43,8 @@ class TitanCausalLM:
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself."""
         if self.positions_are_global and self.model_args.cp_attention:  # attention needs the global positions
-            where = {"position_ids" if self.model_args.packed_layout == "position_ids" else "positions": positions}
+            # transformers reads position_ids; titan_ext's fla Attention forward under CP reads positions
+            where = {"position_ids" if self.model_args.cp_attention == "transformers" else "positions": positions}
             hidden = self.model(input_ids=tokens, **where, use_cache=False, return_dict=True).last_hidden_state
         elif positions is None or self.positions_are_global:
             hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state

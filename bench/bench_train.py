@@ -107,7 +107,7 @@ def _plain_loop(model_args, dev, batch, seq, steps, warmup) -> Row:
     if dev.type != "cuda":  # fla as shipped needs a GPU; elsewhere titan_ext's portable kernels
         kernels.portable(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-    tokens = torch.randint(0, model_args.vocab_size, (batch, seq + 1), device=dev)
+    tokens = torch.randint(0, model_args.config["vocab_size"], (batch, seq + 1), device=dev)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     times = []
     for _ in range(steps):

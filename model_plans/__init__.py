@@ -17,17 +17,22 @@ from model_plans.base import (
     TPOptions,
     TPPlan,
     get_tp_plan,
+    plan_for_model,
     plan_source,
     register_tp_plan,
     registered_model_types,
 )
+from model_plans.gated_deltanet import GatedDeltaNetTPPlan
 from model_plans.gla import GLATPPlan
+from model_plans.hf_plan import HFTPPlan, hf_plan_class
 from model_plans.llama import LlamaTPPlan
 from model_plans.transformer import TransformerTPPlan
 from model_plans.validate import validate_tp
 
 __all__ = [
+    "GatedDeltaNetTPPlan",
     "GLATPPlan",
+    "HFTPPlan",
     "LlamaTPPlan",
     "IfPresent",
     "TPOptions",
@@ -36,6 +41,8 @@ __all__ = [
     "apply_tp",
     "enable_async_tp",
     "get_tp_plan",
+    "hf_plan_class",
+    "plan_for_model",
     "plan_source",
     "register_tp_plan",
     "registered_model_types",

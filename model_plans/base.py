@@ -8,7 +8,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from model_plans.styles import NormParallel, float8_styles
+from model_plans.styles import NormParallel, PlaceParameters, float8_styles
 
 Plan = dict[str, "ParallelStyle | IfPresent"]
 
@@ -131,6 +131,12 @@ class TPPlan:
         }
 
 
+def short_conv_plan() -> Plan:
+    """fla's ShortConvolutions on q/k/v (``use_short_conv``): depthwise, so each rank convolves the
+    channels its colwise projection produced (weight ``[C, 1, W]`` and bias sharded on ``C``)."""
+    return {f"attn.{name}": IfPresent(PlaceParameters(Shard(0))) for name in ("q_conv1d", "k_conv1d", "v_conv1d")}
+
+
 _PLANS: dict[str, type[TPPlan]] = {}
 
 
@@ -175,5 +181,26 @@ def get_tp_plan(model_type: str) -> type[TPPlan]:
 
 
 def plan_source(plan_cls: type[TPPlan]) -> str:
-    """Where a plan comes from, for the job's log: shipped, or the user's module."""
+    """Where a plan comes from, for the job's log: shipped, the user's module, or the model's own HF plan."""
+    if getattr(plan_cls, "translated_from_hf", False):
+        return "translated from the model's own HF tensor-parallel plan"
     return "shipped with titan_ext" if _shipped(plan_cls) else f"registered by {plan_cls.__module__}"
+
+
+def plan_for_model(model) -> type[TPPlan]:
+    """The TP plan of a model (on any device, the meta device included), in this order: the plan
+    registered for its ``config.model_type`` (a user's wins over a shipped one), else its HF
+    ``base_model_tp_plan`` translated (``model_plans.hf_plan``), else a one-line ``ValueError``."""
+    from model_plans.hf_plan import hf_plan_class
+
+    model_type = model.config.model_type
+    if model_type in _PLANS:
+        return _PLANS[model_type]
+    translated = hf_plan_class(model)
+    if translated is None:
+        raise ValueError(
+            f"no tensor-parallel plan for model_type {model_type!r}: none is registered (registered: "
+            f"{registered_model_types()}) and its HF config has no base_model_tp_plan; register one with "
+            "@model_plans.register_tp_plan(model_type) in your custom_import module"
+        )
+    return translated

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
@@ -60,6 +60,52 @@ class NormParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"NormParallel(layout={self.layout}, use_local_output={self.use_local_output})"
+
+
+class PlaceParameters(ParallelStyle):
+    """A module's own parameters (not its children's) distributed with one placement; no input or output hooks.
+
+    ``Replicate()`` keeps a module whole on every rank on purpose (the plan says so, and the
+    coverage check accepts it).
+    For parameters a kernel reads directly, without a linear in between:
+    ShortConvolution's ``[C, 1, W]`` weight and ``[C]`` bias, Gated DeltaNet's
+    per-head ``A_log``/``dt_bias``. ``Shard(0)`` splits their channels or heads
+    as the colwise projection feeding them splits its outputs. They become
+    DTensors with the global shape (for init, DCP and FSDP); the activations
+    reaching them are plain local tensors, so the kernels that read them must
+    take their local shard (``titan_ext.kernels.tp_local``).
+    """
+
+    def __init__(self, placement: Placement):
+        super().__init__()
+        self.placement = placement
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            dparam = distribute_tensor(param, device_mesh, (self.placement,), src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return f"PlaceParameters({self.placement})"
+
+
+class Composed(ParallelStyle):
+    """Several styles on one module, applied in order: a plan names each module once, and a module
+    may need both its inputs laid out and its own parameters placed."""
+
+    def __init__(self, *styles: ParallelStyle):
+        super().__init__()
+        self.styles = styles
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for style in self.styles:
+            style.src_data_rank = self.src_data_rank
+            module = style._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return f"Composed({', '.join(map(repr, self.styles))})"
 
 
 def float8_styles():

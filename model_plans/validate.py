@@ -18,8 +18,8 @@ from model_plans.base import TPPlan
 
 DEGREE = "--parallelism.tensor_parallel_degree"
 
-_HEAD_FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"))
-"""fla's and HF's spellings of the head counts."""
+_HEAD_FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("num_v_heads",))
+"""fla's and HF's spellings of the head counts (``num_v_heads``: Gated DeltaNet's value heads)."""
 
 
 def _heads(config) -> list[tuple[str, int]]:
@@ -45,11 +45,9 @@ def _split_size(style, module: nn.Module) -> tuple[str, int] | None:
 
 def _unsupported(config) -> list[tuple[str, object, str]]:
     """(field, value, fix) for features no shipped plan shards."""
-    checks = [
-        ("use_short_conv", True, "set it to false (its channel-wise conv weights are not sharded)"),
-        ("tie_word_embeddings", True, "set it to false (a tied embedding/head weight cannot take two TP layouts)"),
-    ]
-    found = [(f, v, fix) for f, v, fix in checks if getattr(config, f, None) == v]
+    found = []
+    if getattr(config, "tie_word_embeddings", None):
+        found.append(("tie_word_embeddings", True, "set it to false (a tied embedding/head weight cannot take two TP layouts)"))
     if getattr(config, "attnres_block_size", None) is not None:
         found.append(("attnres_block_size", config.attnres_block_size, "set it to null (attention residuals are not sharded)"))
     return found

@@ -43,8 +43,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   FSDP2, TP2, full AC + compile, with short convolutions: the "conv" variant), compared with one process.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
-- Some rows belong to one spec (``Row.specs``): a user's TP plan from
-  ``custom_import`` (``tp_ext``), the non-finite-loss guard (``nan_stop``,
+- ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
+  types no named spec has; they run ``single``, ``fsdp2`` and ``tp2`` (Qwen3 sharded by its own HF plan).
+- Some rows belong to one spec (``Row.specs``): the README's extension example
+  (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
   ``error_on_recompile``: a recompile is an error.
 
@@ -72,6 +74,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import readme_example
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -110,6 +114,18 @@ class Spec:
     flags: tuple[str, ...] = ()
     recompiles: str = ""
     """Why this spec's compiled blocks recompile (then allowed), or '' (a recompile is an error)."""
+    hf_config: dict | None = None
+    """The architecture as a config.json (``--titan_ext.hf_config``), for the generic specs."""
+    rows: tuple[str, ...] | None = None
+    """The rows this spec runs (None: every row meant for all specs)."""
+
+
+# Generic specs, each on a model type no named spec has: a tiny Qwen3 from its config.json, sharded by its
+# own HF plan (base_model_tp_plan, translated), and Gated DeltaNet through --model.name fla.
+TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
+              "max_position_embeddings": 512, "tie_word_embeddings": False}
+GENERIC_ROWS = ("single", "fsdp2", "tp2")
 
 
 SPECS = {
@@ -120,8 +136,12 @@ SPECS = {
         "guarded int): each block's code recompiles once, at step 2 (tests/test_ac_compile.py)",
     ),
     "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
+    "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
+                                                                    "gated_deltanet-debugmodel"), rows=GENERIC_ROWS),
+    "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
-    "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel")),
+    "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
+                   rows=("single", "fsdp2")),
 }
 
 
@@ -145,14 +165,16 @@ class Row:
     """GLA with short convolutions (``use_short_conv``), in this row and its single-process run."""
     spec_rtol: tuple[tuple[str, float], ...] = ()
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
+    log_expect: str = ""
+    """A line rank 0's log must hold."""
 
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
 
     @property
     def tp(self) -> bool:
-        i = self.flags.index("--parallelism.tensor_parallel_degree")
-        return self.flags[i + 1] != "1"
+        i = self.flags.index("--parallelism.tensor_parallel_degree") if "--parallelism.tensor_parallel_degree" in self.flags else -1
+        return i >= 0 and self.flags[i + 1] != "1"
 
 
 AC = ("--activation_checkpoint.mode",)
@@ -161,6 +183,8 @@ AC = ("--activation_checkpoint.mode",)
 # 1e-12: tests/test_context_parallel.py).
 CP_ATTENTION_RTOL = (("hf_llama", 2e-5),)
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
+README_COMMAND = "{readme}"
+"""Stands for the README example's command-line arguments."""
 ROWS = {
     "single": Row(1, parallel()),
     "fsdp2": Row(2, parallel(shard=2)),
@@ -182,8 +206,10 @@ ROWS = {
                              "--compile.enable", "--compile.backend", "aot_eager"), cost=3),
     "resume": Row(2, parallel(shard=2), kind="resume", cost=2),
     "hf": Row(1, parallel(), kind="hf", cost=2),
-    "tp_ext": Row(2, (*parallel(tp=2), "--experimental.custom_import", "tp_extension_plan", "--model.name", "tp_ext_gla"),
-                  rtol=TP_RTOL, specs=("fla_gla",)),
+    # The README's extension example as written (tests/readme_example.py): a user's model type and TP plan
+    # from custom_import, trained TP2 through --model.name fla; its architecture is fla_gla's debugmodel.
+    "readme_ext": Row(2, (README_COMMAND,), rtol=TP_RTOL, specs=("fla_gla",),
+                      log_expect="Applied MyGLATPPlan (registered by my_gla, for model_type 'my_gla')"),
     "float8_emulate": Row(1, (*parallel(), "--model.converters", "quantize.linear.float8",
                               "--quantize.linear.float8.emulate"), kind="trains", specs=("fla_gla",)),
     # titan_ext_stream over parquet shards with a shuffle buffer and document masking: a resumed run replays
@@ -209,13 +235,12 @@ ROWS = {
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
                     env=(("NAN_AT_STEP", "3"),), expect="non-finite loss (NaN or Inf) at step 3: stopped before its update"),
 }
-LLAMA3_ROWS = ("single", "fsdp2")
 
 
 def applies(spec: str, row: str) -> bool:
     """Whether ``row`` is part of the matrix for ``spec``."""
-    if spec == "llama3":
-        return row in LLAMA3_ROWS
+    if SPECS[spec].rows is not None:
+        return row in SPECS[spec].rows
     specs = ROWS[row].specs if row in ROWS else None
     return specs is None or spec in specs
 UNSUPPORTED = {
@@ -263,6 +288,8 @@ class Matrix:
         spec_def = SPECS[spec]
         flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus),
                  *spec_def.flags)
+        if spec_def.hf_config:
+            flags += ("--titan_ext.hf_config", str(self.root / spec / "config.json"))
         tags = variant.split("+")
         if "untied" in tags:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
@@ -313,6 +340,9 @@ class Matrix:
         variant = variant or self.variant(spec, row)
         r = ROWS[row]
         flags = tuple(flag.replace("{shards}", str(self.shards)) for flag in r.flags)
+        if README_COMMAND in flags:
+            i = flags.index(README_COMMAND)
+            flags = (*flags[:i], *self.readme_argv(), *flags[i + 1:])
         train = (*self.from_seed(spec, variant), *flags)
         if r.kind in ("resume", "stream_resume"):
             every2 = (*train, "--checkpoint.interval", "2")
@@ -329,6 +359,14 @@ class Matrix:
                                      str(hf_folder), "--checkpoint.interval", "1000")]
         env = (*r.env, ("MATRIX_ALLOW_RECOMPILES", "1")) if SPECS[spec].recompiles else r.env
         return [self.job(spec, variant, row, r.world, *train, env=env)]
+
+    @property
+    def readme_folder(self) -> Path:
+        return self.root / "readme"
+
+    def readme_argv(self) -> list[str]:
+        files, argv = readme_example.example()
+        return [str(self.readme_folder / arg) if arg in files else arg for arg in argv]
 
     def hf_export_folder(self, spec: str, variant: str) -> Path:
         return self.root / spec / variant / "hf@export" / "checkpoint" / "step-1"
@@ -371,7 +409,12 @@ class Matrix:
             records = [json.loads(line) for line in block * MAX_DP]
             for shard in range(4):
                 pq.write_table(pa.Table.from_pylist(records[shard::4]), self.shards / f"part-{shard}.parquet")
+        if "readme_ext" in self.rows:
+            readme_example.write_example(self.readme_folder)
         for spec in self.specs:
+            if SPECS[spec].hf_config:
+                (self.root / spec).mkdir(exist_ok=True)
+                (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
             if SPECS[spec].tp_hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "untied.json").write_text(json.dumps(SPECS[spec].tp_hf_config))
@@ -395,7 +438,8 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO / "tests")}
+    python_path = os.pathsep.join([str(REPO / "tests"), str(matrix.readme_folder)])  # + the README's module
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path}
     begin = time.monotonic()
     with open(matrix.root / "driver.log", "w") as log:
         try:
@@ -517,8 +561,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     else:
         rtol = LOG_RTOL if spec == "llama3" else ROWS[row].tolerance(spec)
         checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, rtol)))
-    if row == "tp_ext" and "Applied ExtGLATPPlan (registered by tp_extension_plan" not in job_log(matrix, jobs[0]):
-        checks.append(("user plan", math.inf, "the log does not name ExtGLATPPlan"))
+    if ROWS[row].log_expect and ROWS[row].log_expect not in job_log(matrix, jobs[0]):
+        checks.append(("log", math.inf, f"rank 0's log lacks {ROWS[row].log_expect!r}"))
     worst = max(rel for _, rel, _ in checks)
     problems = [f"{what}: {problem}" for what, _, problem in checks if problem]
     if problems:

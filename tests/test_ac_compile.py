@@ -17,7 +17,8 @@ from titan_ext.activation_checkpoint import ac_choice, apply_ac, check_ac
 from titan_ext.compile import apply_compile
 from titan_ext.errors import ConfigError
 from titan_ext.kernels import gla_op
-from titan_ext.models.gla import GLAForTitan, gla_flavors
+from titan_ext.models.adapter import build_model
+from titan_ext.models.gla import gla_flavors
 
 
 def choice(mode="none", option="2"):
@@ -28,9 +29,9 @@ def choice(mode="none", option="2"):
 @pytest.fixture(scope="module")
 def base_model():
     args = copy.deepcopy(gla_flavors["debugmodel"])
-    args.num_hidden_layers = 4
+    args.config["num_hidden_layers"] = 4
     torch.manual_seed(0)
-    model = GLAForTitan(args)
+    model = build_model(args)
     model.init_weights()
     return model
 

@@ -1,4 +1,4 @@
-"""The fla GLA/Transformer and HF Llama train specs: meta-device init, sizes, FLOPs, HF config overrides."""
+"""The train specs (named and generic ``fla``/``hf``): meta-device init, sizes, FLOPs, HF config overrides."""
 
 import copy
 
@@ -8,7 +8,7 @@ from helpers import REPO, job_config
 
 from titan_ext.train_specs import TRAIN_SPECS
 
-DEBUG_SPECS = ["fla_gla", "fla_transformer", "hf_llama"]
+DEBUG_SPECS = ["fla_gla", "fla_gated_deltanet", "fla_transformer", "hf_llama"]
 
 
 def debug_model(spec: str, device: str) -> torch.nn.Module:
@@ -41,7 +41,8 @@ def test_llama_has_rotary_buffers_to_check():
 
 @pytest.mark.parametrize(
     "spec,flavor,billions",
-    [("hf_llama", "1B", 1.236), ("hf_llama", "3B", 3.213), ("hf_llama", "8B", 8.030), ("fla_transformer", "340M", 0.374)],
+    [("hf_llama", "1B", 1.236), ("hf_llama", "3B", 3.213), ("hf_llama", "8B", 8.030), ("fla_transformer", "340M", 0.374),
+     ("fla_gated_deltanet", "340M", 0.512), ("fla_gated_deltanet", "1.3B", 1.387)],
 )
 def test_flavor_sizes(spec, flavor, billions):
     train_spec = TRAIN_SPECS[spec]()
@@ -57,7 +58,7 @@ def test_attention_flops_grow_with_keys_and_stop_at_the_window():
     assert llama.mixer_flops_per_token(4096) == 2 * llama.mixer_flops_per_token(2048) > 0
     transformer = TRAIN_SPECS["fla_transformer"]().model_args["340M"]
     assert transformer.mixer_flops_per_token(2048) == 2 * transformer.mixer_flops_per_token(1024) > 0
-    transformer.window_size = 512
+    transformer.config["window_size"] = 512
     assert transformer.mixer_flops_per_token(8192) == transformer.mixer_flops_per_token(512)
     assert transformer.mixer_flops_per_token(256) < transformer.mixer_flops_per_token(512)
 
@@ -90,5 +91,110 @@ def test_hf_config_in_older_spelling_reaches_the_model(tmp_path, monkeypatch):
     args = copy.deepcopy(llama_flavors["debugmodel"])
     args.update_from_config(job_config("--titan_ext.hf_config", str(path),
                                        config_file=REPO / "train_configs" / "debug_llama.toml"))
-    assert args.rope_parameters["rope_theta"] == 250000.0 and args.rope_parameters["factor"] == 16.0
-    assert args.hidden_size == 64  # fields the file does not give keep the flavor's value
+    rope = args.config["rope_parameters"]
+    assert rope["rope_theta"] == 250000.0 and rope["factor"] == 16.0
+    assert args.config["hidden_size"] == 64  # fields the file does not give keep the flavor's value
+
+
+def test_gated_deltanet_debug_flops_by_hand():
+    """debugmodel: hidden 64, 2 layers, 4 heads of key dim 16 and value dim 32 (expand_v 2), chunk 64.
+
+    Per head and token, forward: 4*64*16 + 2*64*(16 + 32) + 2*64*32 + 6*16*32 = 17408; x4 heads,
+    x2 layers, x3 for training = 417792. The 6N term counts every parameter but the input embedding.
+    """
+    spec = TRAIN_SPECS["fla_gated_deltanet"]()
+    args = spec.model_args["debugmodel"]
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    nparams, flops = args.get_nparams_and_flops(model, 2048)
+    assert flops == 6 * (nparams - 2048 * 64) + 417_792
+
+
+def generic_args(spec: str, config: dict, tmp_path, flag: str = "--titan_ext.hf_config"):
+    """A generic spec's model args after a job config points at ``config`` (a file, or a directory's config.json)."""
+    import json
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    args = TRAIN_SPECS[spec]().model_args["from_config"]
+    where = str(folder / "config.json") if flag == "--titan_ext.hf_config" else str(folder)
+    args.update_from_config(job_config("--model.name", spec, flag, where))
+    return args
+
+
+TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048}
+
+
+def test_fla_spec_trains_any_fla_model_from_its_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = {"model_type": "gated_deltanet", "hidden_size": 64, "num_heads": 2, "head_dim": 16,
+              "num_hidden_layers": 2, "vocab_size": 2048, "architectures": ["GatedDeltaNetForCausalLM"]}
+    args = generic_args("fla", config, tmp_path)
+    assert args.config == {k: v for k, v in config.items() if k != "architectures"}
+    torch.manual_seed(0)
+    model = TRAIN_SPECS["fla"]().model_cls(args)
+    assert type(model).__name__ == "GatedDeltaNetForTitan"
+    model.init_weights()
+    logits = model(torch.randint(0, 2048, (2, 80)))  # past one chunk of 64
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
+def test_hf_spec_reads_the_hf_assets_config(tmp_path, monkeypatch):
+    """Without [titan_ext] hf_config, a generic spec reads model.hf_assets_path's config.json (e.g. a hub download)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = generic_args("hf", TINY_QWEN3, tmp_path, flag="--model.hf_assets_path")
+    with torch.device("meta"):
+        model = TRAIN_SPECS["hf"]().model_cls(args)
+    assert type(model).__name__ == "Qwen3ForTitan" and model.config._attn_implementation == "sdpa"
+    nparams, flops = args.get_nparams_and_flops(model, 128)
+    assert flops == 6 * (nparams - 2048 * 64) + 12 * 2 * 4 * 16 * 128  # softmax attention over 128 keys
+
+
+def test_shortcut_flavors_are_the_named_specs_flavors():
+    fla, hf = TRAIN_SPECS["fla"]().model_args, TRAIN_SPECS["hf"]().model_args
+    assert fla["gated_deltanet-340M"] == TRAIN_SPECS["fla_gated_deltanet"]().model_args["340M"]
+    assert hf["llama-8B"] == TRAIN_SPECS["hf_llama"]().model_args["8B"]
+    assert not any(name.startswith("llama-") for name in fla) and not any(name.startswith("gla-") for name in hf)
+    assert fla["debugmodel"].config == {}  # torchtitan's default flavor name: the architecture comes from a config
+
+
+def test_a_config_subclass_inherits_its_parents_architecture():
+    from fla.models import GLAConfig
+
+    from titan_ext.models.architecture import architecture_of
+    from titan_ext.models.gla import GLA
+
+    class MyConfig(GLAConfig):
+        model_type = "my_test_gla"
+
+    assert isinstance(architecture_of(MyConfig), GLA)
+
+
+def test_setting_an_unknown_field_is_an_error():
+    args = TRAIN_SPECS["fla_gla"]().model_args["debugmodel"]
+    with pytest.raises(AttributeError, match=r"set config\['num_heads'\]"):
+        args.num_heads = 2
+
+
+def test_a_config_subclass_without_init_is_one_line():
+    """transformers 5 generates an __init__ for a config subclass without one, dropping fla's defaults."""
+    from fla.models import GLAConfig, GLAForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from titan_ext.errors import ConfigError
+    from titan_ext.models.architecture import causal_lm_classes
+
+    class NoInitConfig(GLAConfig):
+        model_type = "test_no_init_gla"
+
+    class NoInitForCausalLM(GLAForCausalLM):
+        config_class = NoInitConfig
+
+    AutoConfig.register(NoInitConfig.model_type, NoInitConfig, exist_ok=True)
+    AutoModelForCausalLM.register(NoInitConfig, NoInitForCausalLM, exist_ok=True)
+    with pytest.raises(ConfigError, match="drops GLAConfig's defaults") as error:
+        causal_lm_classes("test_no_init_gla", "fla", "--titan_ext.hf_config")
+    assert "def __init__(self, **kwargs)" in str(error.value) and "\n" not in str(error.value)

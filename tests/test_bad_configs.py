@@ -50,6 +50,12 @@ def write_inputs(tmp):
         ),
         "hf_other_model/config.json": json.dumps({"model_type": "llama"}),
         "no_step/readme.txt": "nothing here",
+        "no_model_type.json": json.dumps({"hidden_size": 64}),
+        "unknown_type.json": json.dumps({"model_type": "gla_typo"}),
+        "delta_net.json": json.dumps({"model_type": "delta_net", "hidden_size": 64, "num_heads": 4, "num_hidden_layers": 1}),
+        "mamba2_unbuildable.json": json.dumps({"model_type": "mamba2", "hidden_size": 64, "num_heads": 4, "head_dim": 8}),
+        "opt.json": json.dumps({"model_type": "opt", "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128,
+                                "num_hidden_layers": 1, "vocab_size": 2048, "word_embed_proj_dim": 64}),
         "ac_fullish.toml": (CONFIGS / "debug_gla.toml").read_text().replace('mode = "none"', 'mode = "fullish"'),
     }
     for name, content in files.items():
@@ -107,6 +113,31 @@ CASES = {
         [*GLA, "--titan_ext.hf_config", "{tmp}/unbuildable.json"], 1, "GLAForCausalLM cannot be built from this config"
     ),
     "seq_len not divisible under sp": ([*GLA, *TP2, "--training.seq_len", "127"], 2, "--training.seq_len=127 is not divisible"),
+    # the generic specs: any fla model (--model.name fla), any transformers causal LM (hf)
+    "generic spec without a config": ([*GLA, "--model.name", "fla"], 1, "takes the architecture from a config.json"),
+    "config without model_type": (
+        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/no_model_type.json"], 1, "has no model_type"
+    ),
+    "unknown model_type": (
+        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/unknown_type.json"], 1,
+        "model_type 'gla_typo' is not a model type fla registers",
+    ),
+    "fla model under the hf spec": (
+        [*GLA, "--model.name", "hf", "--titan_ext.hf_config", "{tmp}/hf_mismatch"], 1,
+        "is a fla model; train it with --model.name='fla'",
+    ),
+    "fla model without a portable kernel on cpu": (
+        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/delta_net.json"], 1,
+        "fla's Triton kernel fla.ops.delta_rule",
+    ),
+    "fla model its library cannot build": (
+        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/mamba2_unbuildable.json"], 1,
+        "Mamba2ForCausalLM cannot be built from this config",
+    ),
+    "tp for a model with no plan": (
+        [*GLA, *TP2, "--model.name", "hf", "--titan_ext.hf_config", "{tmp}/opt.json"], 2,
+        "no tensor-parallel plan for model_type 'opt'",
+    ),
     # [titan_ext] hf_config
     "hf_config path missing": ([*GLA, "--titan_ext.hf_config", "{tmp}/nowhere.json"], 1, "no such file"),
     "hf_config not json": ([*GLA, "--titan_ext.hf_config", "{tmp}/bad.json"], 1, "is not valid JSON"),

@@ -30,8 +30,8 @@ def cp_mesh():
 
 def gla(layers=2, short_conv=False):
     args = copy.deepcopy(gla_flavors["debugmodel"])
-    args.num_hidden_layers = layers
-    args.use_short_conv = short_conv
+    args.config["num_hidden_layers"] = layers
+    args.config["use_short_conv"] = short_conv
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
@@ -127,10 +127,10 @@ def _compare(spec, pieces_per_rank, rank, mesh):
         from titan_ext.models.transformer import transformer_flavors
 
         args = copy.deepcopy(transformer_flavors["debugmodel"])
-        args.window_size = 24 if spec.endswith("window") else None  # reaches across pieces of 40
+        args.config["window_size"] = 24 if spec.endswith("window") else None  # reaches across pieces of 40
     else:
         args = copy.deepcopy(gla_flavors["debugmodel"])
-        args.use_short_conv = True
+        args.config["use_short_conv"] = True
     torch.manual_seed(0)
     whole = build_model(args)
     whole.init_weights()

@@ -13,12 +13,14 @@ from torch._dynamo.utils import counters
 from titan_ext import documents
 from titan_ext.compile import apply_compile
 from titan_ext.models.adapter import build_model
+from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
 from titan_ext.models.llama import llama_flavors
 from titan_ext.models.transformer import transformer_flavors
 from titan_ext.text_stream import StreamedTextDataset
 
-FLAVORS = {"fla_gla": gla_flavors, "fla_transformer": transformer_flavors, "hf_llama": llama_flavors}
+FLAVORS = {"fla_gla": gla_flavors, "fla_gated_deltanet": gated_deltanet_flavors, "fla_transformer": transformer_flavors,
+           "hf_llama": llama_flavors}
 MODELS = [*FLAVORS, "fla_gla+short_conv"]  # GLA with short convolutions: they too must stop at boundaries
 
 
@@ -26,7 +28,7 @@ def debug_model(name: str):
     spec, _, extra = name.partition("+")
     args = copy.deepcopy(FLAVORS[spec]["debugmodel"])
     if extra == "short_conv":
-        args.use_short_conv = True
+        args.config["use_short_conv"] = True
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()

@@ -16,7 +16,9 @@ from torchtitan.config.job_config import Compile, Float8Linear
 from titan_ext.errors import ConfigError
 from titan_ext.float8 import CONVERTER, check_float8, float8_choice, keep_high_precision
 from titan_ext.job import Float8Choice
-from titan_ext.models.gla import GLAForTitan, gla_flavors
+from titan_ext.models.adapter import build_model
+from titan_ext.models.gla import GLA, gla_flavors
+from titan_ext.models.llama import Llama
 
 
 def job(converters=(CONVERTER,), emulate=True, filter_fqns=(), compile_enable=False):
@@ -55,17 +57,17 @@ def test_emulate_with_compile_is_one_line_error():
 
 def test_default_filters_per_architecture_without_rewriting_the_config():
     config = job()
-    assert float8_choice(config, "gla") == Float8Choice(("gk_proj", "lm_head"), ("gk_proj", "lm_head"))
-    assert float8_choice(config, "llama") == Float8Choice(("lm_head",), ("lm_head",))
+    assert float8_choice(config, GLA.float8_high_precision) == Float8Choice(("gk_proj", "lm_head"), ("gk_proj", "lm_head"))
+    assert float8_choice(config, Llama.float8_high_precision) == Float8Choice(("lm_head",), ("lm_head",))
     assert config.quantize.linear.float8.filter_fqns == []  # the job config is left as the user gave it
 
 
 def test_user_filters_are_kept_and_nothing_is_restored():
-    assert float8_choice(job(filter_fqns=["o_proj"]), "gla") == Float8Choice(("o_proj",), ())
+    assert float8_choice(job(filter_fqns=["o_proj"]), GLA.float8_high_precision) == Float8Choice(("o_proj",), ())
 
 
 def test_no_float8_no_choice():
-    assert float8_choice(job(converters=()), "gla") is None
+    assert float8_choice(job(converters=()), GLA.float8_high_precision) is None
 
 
 # ---- torchtitan's converter, then keep_high_precision ---------------------------------------------
@@ -77,7 +79,7 @@ def converted_debug_gla(device: str):
     assert config.quantize.linear.float8.filter_fqns == []
     torch.manual_seed(0)
     with torch.device(device):
-        model = GLAForTitan(copy.deepcopy(gla_flavors["debugmodel"]))
+        model = build_model(copy.deepcopy(gla_flavors["debugmodel"]))
     Float8LinearConverter(config, SimpleNamespace(dp_shard_enabled=False)).convert(model)
     return model
 

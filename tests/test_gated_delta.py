@@ -126,3 +126,25 @@ def test_packed_documents_through_the_model_equal_each_document_alone():
     packed = model(input_ids=torch.cat(docs, dim=1), cu_seqlens=cu_seqlens).logits
     alone = torch.cat([model(input_ids=d).logits for d in docs], dim=1)
     assert_rel_close(packed, alone, what="packed logits")
+
+
+def test_packed_training_pass_equals_each_sequence_alone_in_fp64():
+    """Training's packed path (no initial or final states) runs every sequence in one pass, masking across
+    sequences: documents that start, end or fit exactly at chunk borders, 1-token documents, grouped values."""
+    lengths = [1, 63, 64, 65, 2, 130, 1, 7]
+    T, H, HV, K, V = sum(lengths), 2, 4, 16, 8
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+              for shape in ((1, T, H, K), (1, T, H, K), (1, T, HV, V), (1, T, HV), (1, T, HV), (HV,), (HV,))]
+    q, k, v, gate, beta, A_log, dt_bias = inputs
+    options = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                   use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    packed, _ = chunk_gated_delta_rule(q, k, v, gate, beta, cu_seqlens=torch.tensor(bounds), **options)
+    alone = torch.cat([chunk_gated_delta_rule(*(x[:, a:b] for x in (q, k, v, gate, beta)), **options)[0]
+                       for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-13)
+    cotangent = torch.randn(packed.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad((packed * cotangent).sum(), inputs),
+                    torch.autograd.grad((alone * cotangent).sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

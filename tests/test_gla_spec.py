@@ -11,16 +11,16 @@ import titan_ext  # noqa: F401  (registers the train specs and the shipped datas
 from titan_ext.errors import EXIT_CODE, ConfigError
 from titan_ext.models.adapter import build_model
 from titan_ext.models.args import load_hf_config_json
-from titan_ext.models.gla import GLAForTitan, GLAModelArgs, gla_flavors
+from titan_ext.models.gla import gla, gla_flavors
 
 
 def test_spec_registered_with_flavors():
     spec = get_train_spec("fla_gla")
     assert set(spec.model_args) == {"debugmodel", "340M", "1.3B", "7B"}
     assert spec.model_cls is build_model
-    args = spec.model_args["340M"]
-    assert (args.hidden_size, args.num_hidden_layers, args.num_heads) == (1024, 24, 4)
-    assert (args.expand_k, args.expand_v, args.hidden_ratio, args.vocab_size) == (0.5, 1.0, 4, 32000)
+    config = spec.model_args["340M"].to_hf_config()
+    assert (config.hidden_size, config.num_hidden_layers, config.num_heads) == (1024, 24, 4)
+    assert (config.expand_k, config.expand_v, config.hidden_ratio, config.vocab_size) == (0.5, 1.0, 4, 32000)
     assert spec.model_args["340M"] is not spec.model_args["340M"]  # a fresh copy per lookup
 
 
@@ -29,22 +29,22 @@ def test_build_model_makes_the_titan_class_with_portable_kernels():
 
     with torch.device("meta"):
         model = build_model(gla_flavors["debugmodel"])
-    assert isinstance(model, GLAForTitan) and type(model).__name__ == "GLAForTitan"
+    assert type(model).__name__ == "GLAForTitan"
     attn = model.model.layers[0].attn
     assert isinstance(attn, GatedLinearAttention) and type(attn) is not GatedLinearAttention  # bound on CPU
 
 
 def test_340M_matches_public_parameter_count():
     with torch.device("meta"):
-        model = GLAForTitan(gla_flavors["340M"])
+        model = build_model(gla_flavors["340M"])
     nparams, _ = gla_flavors["340M"].get_nparams_and_flops(model, 2048)
     assert nparams == 374_475_776  # fla-hub/gla-340M, flame's gla_340M config
 
 
 def build_debug(**overrides):
-    args = GLAModelArgs(**{**gla_flavors["debugmodel"].architecture(), **overrides})
+    args = gla(**{**gla_flavors["debugmodel"].architecture(), **overrides})
     with torch.device("meta"):
-        model = GLAForTitan(args)
+        model = build_model(args)
     model.to_empty(device="cpu")
     return model
 
@@ -92,7 +92,7 @@ def test_gla_flops_of_the_debug_model_by_hand():
     x3 for training, x2 layers = 86016. FLOPs = 6 * (396704 - 131072) + 86016.
     """
     with torch.device("meta"):
-        model = GLAForTitan(gla_flavors["debugmodel"])
+        model = build_model(gla_flavors["debugmodel"])
     nparams, flops = gla_flavors["debugmodel"].get_nparams_and_flops(model, 2048)
     assert nparams == 396_704
     assert flops == 1_679_808
@@ -102,9 +102,11 @@ def test_hf_config_overrides_flavor(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gla", "hidden_size": 96, "num_heads": 2, "architectures": ["x"]}))
-    args = GLAModelArgs(**gla_flavors["debugmodel"].architecture())
+    args = gla(**gla_flavors["debugmodel"].architecture())
     args.update_from_config(job_config("--titan_ext.hf_config", str(path)))
-    assert (args.hidden_size, args.num_heads, args.num_hidden_layers) == (96, 2, 2)
+    config = args.to_hf_config()
+    assert (config.hidden_size, config.num_heads, config.num_hidden_layers) == (96, 2, 2)
+    assert "architectures" not in args.config  # hub bookkeeping is not architecture
 
 
 @pytest.mark.parametrize(
@@ -113,7 +115,7 @@ def test_hf_config_overrides_flavor(tmp_path, monkeypatch):
         (None, "no such file"),
         ("{not json", "is not valid JSON"),
         ("[1, 2]", "holds no JSON object"),
-        ('{"model_type": "llama"}', "does not match this train spec's 'gla'"),
+        ('{"model_type": "llama"}', "does not match this flavor's 'gla'"),
     ],
 )
 def test_hf_config_errors_are_one_line(tmp_path, content, message):
@@ -122,7 +124,7 @@ def test_hf_config_errors_are_one_line(tmp_path, content, message):
         path.write_text(content)
     source = f"--titan_ext.hf_config={str(path)!r}"
     with pytest.raises(ConfigError, match=message) as err:
-        GLAModelArgs().update_from_hf_config(load_hf_config_json(str(path)), source)
+        gla().update_from_hf_config(load_hf_config_json(str(path)), source)
     assert "--titan_ext.hf_config" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -131,10 +133,10 @@ def test_update_from_config_turns_a_config_error_into_exit_2(tmp_path, monkeypat
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama"}')
     with pytest.raises(SystemExit) as exit_info:
-        GLAModelArgs().update_from_config(job_config("--titan_ext.hf_config", str(path)))
+        gla().update_from_config(job_config("--titan_ext.hf_config", str(path)))
     assert exit_info.value.code == EXIT_CODE == 2
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert len(errors) == 1 and "does not match this train spec's 'gla'" in errors[0] and "\n" not in errors[0]
+    assert len(errors) == 1 and "does not match this flavor's 'gla'" in errors[0] and "\n" not in errors[0]
 
 
 # ---- CPU mode ---------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ def test_shipped_tokenizer_and_corpus_load_from_any_directory(tmp_path, monkeypa
     config = job_config()
     tokenizer = build_tokenizer(config)
     assert config.model.hf_assets_path == "titan_ext/assets/tiny"  # resolved, not written back
-    assert tokenizer.get_vocab_size() <= gla_flavors["debugmodel"].vocab_size
+    assert tokenizer.get_vocab_size() <= gla_flavors["debugmodel"].config["vocab_size"]
     ids = tokenizer.encode("The fox found a map near the river.", add_bos=True, add_eos=True)
     assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
     dataset = HuggingFaceTextDataset(TINY_DATASET, None, tokenizer, seq_len=64)

@@ -48,8 +48,9 @@ try:
 except RuntimeError as error:
     shipped = str(error)
 # ... while titan_ext's own model, in the same process, runs on titan_ext's kernels
-from titan_ext.models.gla import GLAForTitan, gla_flavors
-ours = GLAForTitan(gla_flavors["debugmodel"])
+from titan_ext.models.adapter import build_model
+from titan_ext.models.gla import gla_flavors
+ours = build_model(gla_flavors["debugmodel"])
 ours.init_weights()
 finite = bool(ours(torch.randint(0, 2048, (1, 80))).isfinite().all())
 print(json.dumps({"changed": changed, "shipped": shipped, "chunk_gla_is_fla": fla.layers.gla.chunk_gla is chunk_gla,

@@ -37,15 +37,22 @@ from titan_ext.kernels import gla as torch_gla
 
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
-    assert len(portable) == len(MODEL_KERNELS)
-    # on CUDA only chunk_gla (the op wrapper running fla's own drivers) and the rotary cache check
+    assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
+    # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, and fla's
+    # own kernels behind an unwrap of TP-sharded parameters (tp_local)
+    from fla.layers.gated_deltanet import GatedDeltaNet
     from fla.modules.rotary.ops import RotaryEmbedding
 
-    from titan_ext.kernels import rotary
+    from titan_ext.kernels import rotary, tp_local
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
         vars(RotaryEmbedding)["_update_cos_sin_cache"]: rotary.update_cos_sin_cache,
+        vars(GatedDeltaNet)["_use_fused_qkv_conv"]: tp_local.use_fused_qkv_conv,
+        fla.modules.causal_conv1d.ops.causal_conv1d: tp_local.causal_conv1d,
+        fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
+        fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: tp_local.chunk_gated_delta_rule,
+        fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule: tp_local.fused_recurrent_gated_delta_rule,
     }
     assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla

@@ -1,7 +1,7 @@
 """Tensor parallel training through stock ``torchrun -m torchtitan.train`` (CPU, gloo).
 
 TP2 (SP and loss parallel on), FSDP2 x TP2 (both off) and a user's own plan
-from ``custom_import`` (``tp_ext``) against one process from one seed
+from ``custom_import`` (``readme_ext``) against one process from one seed
 checkpoint are rows of the integration matrix (``tests/integration_matrix.py``).
 Here: Float8 TP, which needs NCCL.
 """

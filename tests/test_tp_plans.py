@@ -33,7 +33,7 @@ from model_plans import (
 from titan_ext import kernels
 from titan_ext.errors import ConfigError
 from titan_ext.job import TPChoice
-from titan_ext.models.gla import GLAModelArgs
+from titan_ext.models.gla import gla
 from titan_ext.tensor_parallel import (
     apply_tp_from_plan,
     check_tp,
@@ -119,7 +119,6 @@ DEGREE = "is not divisible by --parallelism.tensor_parallel_degree"
         (lambda: meta_llama(num_key_value_heads=1), 2, None, True, "num_key_value_heads=1 is not divisible"),
         (lambda: meta_llama(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8, None, True, f"model.layers.0.mlp.gate_proj.out_features=100 {DEGREE}=8"),
         (meta_gla, 2, 127, True, f"--training.seq_len=127 {DEGREE}=2"),
-        (lambda: meta_gla(use_short_conv=True), 2, None, True, "use_short_conv=True is not supported"),
         (lambda: meta_llama(tie_word_embeddings=True), 2, None, True, "tie_word_embeddings=True is not supported"),
     ],
 )
@@ -134,6 +133,7 @@ def test_validation_names_field_value_and_degree(build, degree, seq_len, sp, exp
 def test_validation_passes_what_tp_can_split():
     gla, llama = meta_gla(), meta_llama()
     validate_tp(gla, GLATPPlan(), 2, 128)  # the vocabulary (33) may split unevenly
+    validate_tp(meta_gla(use_short_conv=True), GLATPPlan(), 2, 128)  # convs sharded with their projections
     validate_tp(gla, GLATPPlan(TPOptions(sequence_parallel=False)), 2, 127)  # no sequence sharding, any length
     validate_tp(llama, LlamaTPPlan(), 2, 128)
     validate_tp(meta_gla(num_heads=3, hidden_size=96), GLATPPlan(), 1, 127)  # no TP, nothing to check
@@ -165,7 +165,13 @@ def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None
 
 
 def debug_gla_args(**kw):
-    return GLAModelArgs(hidden_size=64, num_hidden_layers=1, num_heads=4, vocab_size=128, **kw)
+    return gla(hidden_size=64, num_hidden_layers=1, num_heads=4, vocab_size=128, **kw)
+
+
+def debug_gla_meta(**kw):
+    from titan_ext.models.adapter import meta_model
+
+    return meta_model(debug_gla_args(**kw))
 
 
 @pytest.mark.parametrize(
@@ -181,7 +187,7 @@ def debug_gla_args(**kw):
 )
 def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
     assert float8_tp_enabled(job(converters, recipe)) is float8
-    choice = tp_choice(debug_gla_args(), job(converters, recipe))
+    choice = tp_choice(debug_gla_meta(), job(converters, recipe))
     assert choice.float8 is float8
     plan = choice.plan_cls(TPOptions(float8=choice.float8))
     styles = {**plan.block_plan(), **plan.model_plan()}
@@ -191,10 +197,10 @@ def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
 
 
 def test_tp_choice_maps_the_job_options():
-    assert tp_choice(debug_gla_args(), job(degree=1)) is None
-    assert tp_choice(debug_gla_args(), job()) == TPChoice(
+    assert tp_choice(debug_gla_meta(), job(degree=1)) is None
+    assert tp_choice(debug_gla_meta(), job()) == TPChoice(
         degree=TP, plan_cls=GLATPPlan, sequence_parallel=True, loss_parallel=True, float8=False, async_tp=False)
-    choice = tp_choice(debug_gla_args(), job(disable_loss_parallel=True, disable_sp=True, async_tp=True))
+    choice = tp_choice(debug_gla_meta(), job(disable_loss_parallel=True, disable_sp=True, async_tp=True))
     assert (choice.sequence_parallel, choice.loss_parallel, choice.async_tp) == (False, False, True)
     assert sequence_parallel_enabled(job()) and not sequence_parallel_enabled(job(disable_sp=True))
 
@@ -209,7 +215,7 @@ def test_lm_head_layout_follows_loss_parallel():
 def test_check_tp_turns_validation_into_a_config_error():
     from titan_ext.models.adapter import meta_model
 
-    debug, six_heads = meta_model(debug_gla_args()), meta_model(GLAModelArgs(hidden_size=96, num_heads=6))
+    debug, six_heads = meta_model(debug_gla_args()), meta_model(gla(hidden_size=96, num_heads=6))
     check_tp(debug, job())
     check_tp(six_heads, job(degree=1))  # no TP, nothing to check
     with pytest.raises(ConfigError) as e:
@@ -225,7 +231,7 @@ def test_a_config_the_library_refuses_is_one_line_before_the_build():
     from titan_ext.models.adapter import meta_model
 
     with pytest.raises(ConfigError) as e:
-        meta_model(GLAModelArgs(hidden_size=64, num_heads=3))  # fla: key dim 32 does not split into 3 heads
+        meta_model(gla(hidden_size=64, num_heads=3))  # fla: key dim 32 does not split into 3 heads
     assert "GLAForCausalLM cannot be built from this config (AssertionError: key dim must be divisible" in str(e.value)
     assert "\n" not in str(e.value)
 

@@ -22,14 +22,16 @@ from typing import Any
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_ext.errors import ConfigError
+from titan_ext.models.args import BOOKKEEPING
 
 # Fields that change neither the parameters nor the math: a checkpoint may differ in them.
-_NOT_ARCHITECTURE = {"initializer_range", "attn_mode", "fuse_norm", "fuse_swiglu"}
+_NOT_ARCHITECTURE = {"initializer_range", "attn_mode", "fuse_norm", "fuse_swiglu", "fuse_cross_entropy",
+                     "fuse_linear_cross_entropy", "bos_token_id", "eos_token_id", "pad_token_id"}
 
 
 def checkpoint_config(model_args):
     """The HF config a checkpoint records: the architecture without training-only overrides."""
-    return model_args.hf_config_class(**model_args.architecture())
+    return model_args.checkpoint_config()
 
 
 class HFStateDictAdapter(StateDictAdapter):
@@ -46,7 +48,7 @@ class HFStateDictAdapter(StateDictAdapter):
 
     def _tied_key(self) -> str | None:
         # Every HF causal LM names its output head ``lm_head``.
-        return "lm_head.weight" if self.model_args.tie_word_embeddings else None
+        return "lm_head.weight" if self.model_args.checkpoint_config().tie_word_embeddings else None
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         tied = self._tied_key()
@@ -72,7 +74,7 @@ def check_hf_config(model_args, path: str) -> None:
             f"{source} holds a {theirs.get('model_type')!r} model, not {ours['model_type']!r}; "
             "pick the train spec (--model.name) for that architecture"
         )
-    fields = sorted(set(model_args.architecture()) - _NOT_ARCHITECTURE)
+    fields = sorted(set(ours) - BOOKKEEPING - _NOT_ARCHITECTURE)
     diffs = [f"{k}={ours.get(k)!r} (flavor) vs {theirs.get(k)!r} (checkpoint)" for k in fields if ours.get(k) != theirs.get(k)]
     if diffs:
         raise ConfigError(

@@ -14,9 +14,11 @@ from titan_ext import compat
 @dataclass
 class TitanExt:
     hf_config: str = ""
-    """Path to an HF ``config.json`` whose architecture fields override the
-    flavor's (e.g. a checkpoint's own config). Its ``model_type`` must match
-    the train spec."""
+    """Path to an HF ``config.json`` (or a directory holding one). Its
+    architecture fields override the flavor's (e.g. a checkpoint's own
+    config), and its ``model_type`` must match a named flavor's; for the
+    generic specs (``fla``, ``hf``) without a named flavor it is the whole
+    architecture."""
 
     disable_sequence_parallel: bool = False
     """With TP, keep activations between blocks replicated instead of

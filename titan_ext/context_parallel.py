@@ -19,7 +19,7 @@ values all-gathered from every rank (``gathered_sdpa``): exact for either
 piece layout, and runnable on CPU, where torch's ring SDPA (CUDA kernels
 only) is not.
 
-An architecture opts in on its model args: ``cp_kernels`` (a recurrent mixer:
+An architecture opts in (``titan_ext.models.architecture``): ``cp_kernels`` (a recurrent mixer:
 the global names it calls and each one's decay argument) or ``cp_attention``
 (the attention registry its attention module reads).
 """
@@ -94,7 +94,7 @@ def check_cp(model_args, job_config) -> None:
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     """Make each block's mixer see the whole sequence across ``cp_mesh`` (only this model's modules change)."""
     group = cp_mesh.get_group()
-    kind = type(model.model_args).cp_attention
+    kind = model.arch.cp_attention
     if kind == "transformers":
         _apply_gathered_attention(model, group, choice.pieces_per_rank)
     elif kind == "fla":
@@ -108,7 +108,7 @@ def _apply_state_passing(model: nn.Module, group, choice: CPChoice) -> None:
     from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
-    names = type(model.model_args).cp_kernels
+    names = model.arch.cp_kernels
     key = _binding_key()
     for block in model.get_decoder().layers:
         mixer = block.attn

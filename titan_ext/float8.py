@@ -3,7 +3,7 @@
 torchtitan's converter swaps every ``nn.Linear`` whose dims are divisible by
 16 unless its FQN contains a ``filter_fqns`` entry. When the user gives no
 filters, titan_ext keeps a few linears of each architecture in high
-precision (``DEFAULT_FILTER_FQNS``): the job plan records them and
+precision (``Architecture.float8_high_precision``): the job plan records them and
 ``keep_high_precision`` turns those modules back into plain ``nn.Linear``
 right after the converter ran (on the meta device, before anything is
 sharded), so the job config is never rewritten.
@@ -20,16 +20,6 @@ from titan_ext.errors import ConfigError
 logger = logging.getLogger()
 
 CONVERTER = "quantize.linear.float8"
-
-# Linears that float8 would slow down or hurt: GLA's low-rank gate (``gk_proj.0``/``.1``,
-# rank 16: too little work to pay for the casts) and the output head (precision of the logits).
-DEFAULT_FILTER_FQNS: dict[str, tuple[str, ...]] = {"gla": ("gk_proj", "lm_head")}
-FALLBACK_FILTER_FQNS = ("lm_head",)
-
-
-def default_filter_fqns(model_type: str) -> tuple[str, ...]:
-    return DEFAULT_FILTER_FQNS.get(model_type, FALLBACK_FILTER_FQNS)
-
 
 def check_float8(job_config) -> None:
     """Hardware and compile constraints, in one line each (torchtitan fails late and obscurely)."""
@@ -54,7 +44,8 @@ def check_float8(job_config) -> None:
         )
 
 
-def float8_choice(job_config, model_type: str):
+def float8_choice(job_config, defaults: tuple[str, ...]):
+    """``defaults``: the architecture's high-precision linears, used when the job names no filters."""
     from titan_ext.job import Float8Choice
 
     if CONVERTER not in job_config.model.converters:
@@ -62,7 +53,6 @@ def float8_choice(job_config, model_type: str):
     given = tuple(job_config.quantize.linear.float8.filter_fqns)
     if given:
         return Float8Choice(filter_fqns=given, high_precision=())
-    defaults = default_filter_fqns(model_type)
     return Float8Choice(filter_fqns=defaults, high_precision=defaults)
 
 

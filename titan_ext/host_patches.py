@@ -188,6 +188,10 @@ class Kernel:
 
 
 _TRITON = "Triton kernel; fails off CUDA with '0 active drivers'"
+_TP_LOCAL = (
+    "under TP it receives DTensor shards of the conv weight/bias or A_log/dt_bias, which fla's Triton code cannot "
+    "read: fla's function, called with each DTensor argument's local shard (a pass-through without TP)"
+)
 MODEL_KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:chunk_gla",
@@ -221,6 +225,30 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.conv:causal_conv1d", _TRITON),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.conv:causal_conv1d_update", _TRITON),
+    # Under TP the parameters these kernels read directly are DTensor shards (titan_ext.kernels.tp_local);
+    # the portable replacements above take their local shards themselves.
+    Kernel(
+        "fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.tp_local:causal_conv1d", _TP_LOCAL, ("fla",),
+    ),
+    Kernel(
+        "fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.tp_local:causal_conv1d_update",
+        _TP_LOCAL, ("fla",),
+    ),
+    Kernel(
+        "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", "titan_ext.kernels.tp_local:chunk_gated_delta_rule",
+        _TP_LOCAL, ("fla",),
+    ),
+    Kernel(
+        "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
+        "titan_ext.kernels.tp_local:fused_recurrent_gated_delta_rule", _TP_LOCAL, ("fla",),
+    ),
+    Kernel(
+        "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv", "titan_ext.kernels.tp_local:use_fused_qkv_conv",
+        "under TP its fused path concatenates the three sharded conv weights (a DTensor cat gathers them whole) and "
+        "splits by global widths while q/k/v are local: False for DTensor conv weights (each conv runs on its shard), "
+        "else fla's choice",
+        ("portable", "fla"),
+    ),
     Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
     Kernel(
         "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss",

@@ -10,14 +10,14 @@ or mid-load) with an assert, a ``KeyError`` or an unpickling traceback.
 from __future__ import annotations
 
 import copy
-
-import dataclasses
 import difflib
+import inspect
 import itertools
 import json
 import math
 import os
 import re
+import sys
 import types
 import typing
 
@@ -115,14 +115,13 @@ def _consumes(config_class, key: str, value) -> bool:
         return True
 
 
-def _check_keys(config: dict, config_class, args_class, source: str) -> None:
+def _check_keys(config: dict, config_class, source: str) -> None:
     """A misspelled key would be ignored silently (HF configs keep unknown keys as attributes)."""
     known = {*config_class().to_dict(), *config_class.attribute_map, *_HF_METADATA}
     for key, value in config.items():
         if key in known or _consumes(config_class, key, value):
             continue
-        names = sorted(known | {f.name for f in dataclasses.fields(args_class)})
-        close = difflib.get_close_matches(key, names, n=1)
+        close = difflib.get_close_matches(key, sorted(known), n=1)
         fix = f"rename it to {close[0]!r}" if close else "remove it"
         raise ConfigError(f"{source} has unknown key {key!r} ({config_class.__name__} does not read it); {fix}")
 
@@ -135,8 +134,13 @@ def _options(annotation) -> tuple:
 
 
 def _is_instance(value, kind) -> bool:
-    """JSON's view of a type: bool is not an int, an int is a valid float, None only for ``None``."""
-    kind = typing.get_origin(kind) or kind
+    """JSON's view of a type: bool is not an int, an int is a valid float, None only for ``None``.
+
+    A TypedDict is a dict; a ``Literal`` holds its values.
+    """
+    if typing.get_origin(kind) is typing.Literal:
+        return value in typing.get_args(kind)
+    kind = dict if typing.is_typeddict(kind) else typing.get_origin(kind) or kind
     if kind is typing.Any or value is None:
         return kind is typing.Any or kind is type(None)
     if isinstance(value, bool) or kind is bool:
@@ -146,17 +150,34 @@ def _is_instance(value, kind) -> bool:
     return isinstance(kind, type) and isinstance(value, kind)
 
 
-def _check_types(config: dict, args_class, source: str) -> None:
-    """A wrong JSON type would surface deep in model construction (or silently, e.g. ``true`` as 1)."""
-    hints = typing.get_type_hints(args_class)
-    for field in dataclasses.fields(args_class):
-        if field.name not in config or field.name not in hints:
+def field_types(config_class) -> dict[str, object]:
+    """The annotated types of a config class's ``__init__`` arguments, where they resolve.
+
+    Annotations are strings in some modeling files (``from __future__ import
+    annotations``) and may name what the module never imports; those are skipped.
+    """
+    import torch
+
+    namespace = {**vars(typing), "torch": torch, **vars(sys.modules[config_class.__module__])}
+    resolved = {}
+    for name, annotation in inspect.get_annotations(config_class.__init__).items():
+        try:
+            resolved[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+        except Exception:  # an annotation naming what its module does not import: not checked
             continue
-        value, options = config[field.name], _options(hints[field.name])
+    return resolved
+
+
+def _check_types(config: dict, config_class, source: str) -> None:
+    """A wrong JSON type would surface deep in model construction (or silently, e.g. ``true`` as 1)."""
+    for name, hint in field_types(config_class).items():
+        if name not in config or name == "return":
+            continue
+        value, options = config[name], _options(hint)
         if not any(_is_instance(value, kind) for kind in options):
             needs = " | ".join("None" if k is type(None) else getattr(k, "__name__", str(k)) for k in options)
             raise ConfigError(
-                f"{source}: {field.name}={value!r} has type {type(value).__name__}, {field.name} needs {needs}; "
+                f"{source}: {name}={value!r} has type {type(value).__name__}, {name} needs {needs}; "
                 "fix the value in the file"
             )
 
@@ -181,14 +202,14 @@ def _check_values(config: dict, source: str) -> None:
             )
 
 
-def check_hf_config_fields(config: dict, config_class, args_class, source: str) -> None:
+def check_hf_config_fields(config: dict, config_class, source: str) -> None:
     """Check an HF config.json that overrides a flavor: known keys, JSON types, buildable sizes.
 
     Divisibility is checked among the keys ``config`` holds; pass the flavor's
     architecture merged with the overrides to check the resulting model.
     """
-    _check_keys(config, config_class, args_class, source)
-    _check_types(config, args_class, source)
+    _check_keys(config, config_class, source)
+    _check_types(config, config_class, source)
     _check_values(config, source)
 
 

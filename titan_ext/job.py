@@ -125,23 +125,24 @@ def plan_job(model_args, job_config) -> JobPlan:
     """Check the job against the model, then decide everything; the plan becomes ``current()``."""
     global _current
     preflight.check_job_config_once(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    preflight.check_model_job(model_args, job_config)
-    _current = _build(model_args, job_config)
+    meta = preflight.check_model_job(model_args, job_config, kernel_path())
+    _current = _build(model_args, job_config, meta)
     return _current
 
 
-def _build(model_args, job_config) -> JobPlan:
+def _build(model_args, job_config, meta) -> JobPlan:
+    """``meta``: the model on the meta device (the TP plan is chosen from its modules)."""
     from titan_ext import activation_checkpoint, context_parallel, data, float8, nonfinite, tensor_parallel
     from titan_ext.compile import model_compile_enabled
 
     section = getattr(job_config, "titan_ext", None)
     return JobPlan(
         kernel_path=kernel_path(),
-        tp=tensor_parallel.tp_choice(model_args, job_config),
+        tp=tensor_parallel.tp_choice(meta, job_config),
         cp=context_parallel.cp_choice(job_config),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
-        float8=float8.float8_choice(job_config, model_args.model_type),
+        float8=float8.float8_choice(job_config, model_args.arch.float8_high_precision),
         data_parallel=_data_parallel(job_config),
         nonfinite=nonfinite.policy(section),
         metrics_jsonl=getattr(section, "metrics_jsonl", ""),

@@ -106,18 +106,38 @@ def _check_titan_ext_parallelism(job_config) -> None:
         )
 
 
-def check_model_job(model_args, job_config) -> None:
-    """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``."""
+def check_model_job(model_args, job_config, kernel_path: str):
+    """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``.
+
+    Returns the meta-device model the checks read (the job plan reads it too).
+    """
     from titan_ext import activation_checkpoint, context_parallel, documents, float8, tensor_parallel
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
+    if kernel_path == "portable":
+        _check_portable(model_args, model)
     documents.check_model(model_args, job_config)
     context_parallel.check_cp(model_args, job_config)
     tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)
     _check_checkpoint_to_load(model_args, model, job_config)
+    return model
+
+
+def _check_portable(model_args, model) -> None:
+    """Off CUDA an fla model runs on titan_ext's portable kernels: one it lacks would fail mid-step."""
+    from titan_ext import kernels
+
+    missing = kernels.unported(model)
+    if missing:
+        kernel, caller = next(iter(missing.items()))
+        raise ConfigError(
+            f"{model_args.model_type!r} models call fla's Triton kernel {kernel} (from {caller}), which has no "
+            "portable path on CPU; train this model on a CUDA GPU, or pick an architecture titan_ext runs on CPU "
+            "(gla, gated_deltanet, transformer)"
+        )
 
 
 def _check_checkpoint_to_load(model_args, model, job_config) -> None:

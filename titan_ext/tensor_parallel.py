@@ -36,27 +36,28 @@ def check_tp(model: nn.Module, job_config) -> None:
     degree = job_config.parallelism.tensor_parallel_degree
     if degree <= 1:
         return
-    from model_plans import TPOptions, get_tp_plan, validate_tp
+    from model_plans import TPOptions, plan_for_model, validate_tp
 
     try:
-        plan_cls = get_tp_plan(model.config.model_type)
+        plan_cls = plan_for_model(model)
         plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config)))
         validate_tp(model, plan, degree, job_config.training.seq_len)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
-def tp_choice(model_args, job_config):
+def tp_choice(model: nn.Module, job_config):
+    """The job's TP: the plan found for ``model`` (the meta-device model ``check_tp`` checked) and its options."""
     from titan_ext.job import TPChoice
 
     p = job_config.parallelism
     if p.tensor_parallel_degree <= 1:
         return None
-    from model_plans import get_tp_plan
+    from model_plans import plan_for_model
 
     return TPChoice(
         degree=p.tensor_parallel_degree,
-        plan_cls=get_tp_plan(model_args.model_type),
+        plan_cls=plan_for_model(model),
         sequence_parallel=sequence_parallel_enabled(job_config),
         loss_parallel=not p.disable_loss_parallel,
         float8=float8_tp_enabled(job_config),

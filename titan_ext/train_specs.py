@@ -1,4 +1,4 @@
-"""The train specs titan_ext registers with torchtitan: one flavor table per architecture, one generic spec."""
+"""The train specs titan_ext registers with torchtitan: one per shipped architecture, and ``fla``/``hf`` for any model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import copy
 from collections.abc import Iterator, Mapping
 
 from titan_ext.errors import config_boundary
+from titan_ext.models.architecture import LIBRARIES
 from titan_ext.models.args import HFModelArgs
+from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
 from titan_ext.models.llama import llama_flavors
 from titan_ext.models.transformer import transformer_flavors
@@ -62,7 +64,30 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
     )
 
 
-FLAVORS = {"fla_gla": gla_flavors, "fla_transformer": transformer_flavors, "hf_llama": llama_flavors}
+NAMED = {
+    "fla_gla": gla_flavors,
+    "fla_gated_deltanet": gated_deltanet_flavors,
+    "fla_transformer": transformer_flavors,
+    "hf_llama": llama_flavors,
+}
+"""One spec per shipped architecture: its flavors (``--titan_ext.hf_config`` may override their fields)."""
+
+FROM_CONFIG = "from_config"
+"""A generic spec's flavor whose architecture is a config.json (``[titan_ext] hf_config`` or the HF assets')."""
+
+
+def generic_flavors(library: str) -> dict[str, HFModelArgs]:
+    """Any model of ``library``: ``from_config`` (also under torchtitan's default flavor name,
+    ``debugmodel``), and every shipped flavor of that library as ``<model_type>-<flavor>``."""
+    blank = HFModelArgs(library=library)
+    shortcuts = {
+        f"{args.model_type}-{flavor}": args
+        for flavors in NAMED.values() for flavor, args in flavors.items() if args.library == library
+    }
+    return {FROM_CONFIG: blank, "debugmodel": blank, **shortcuts}
+
+
+FLAVORS = {**NAMED, **{name: generic_flavors(library) for name, library in LIBRARIES.items()}}
 TRAIN_SPECS = {name: (lambda flavors=flavors: hf_train_spec(flavors)) for name, flavors in FLAVORS.items()}
 
 

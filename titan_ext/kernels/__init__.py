@@ -26,6 +26,8 @@ wraps every dispatched call in ``torch.compiler.disable``.
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -35,7 +37,7 @@ from titan_ext.kernels.binding import bind as _bind
 
 PATHS = ("fla", "portable")
 
-__all__ = ["PATHS", "bind", "from_pretrained", "portable", "replacements"]
+__all__ = ["PATHS", "bind", "from_pretrained", "portable", "replacements", "unported"]
 
 
 @functools.cache
@@ -91,3 +93,26 @@ def from_pretrained(path, **kwargs):
         loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     portable(loaded[0] if isinstance(loaded, tuple) else loaded)
     return loaded
+
+
+def unported(model: nn.Module) -> dict[str, str]:
+    """fla kernels a bound model's blocks still call, each with the method that calls it.
+
+    Read from the code, not run: the global names each block module's methods
+    read that hold a function of ``fla.ops`` (fla's Triton kernels; its
+    ``utils`` are torch code). A kernel titan_ext replaces is no longer there
+    once ``bind`` ran, so on the portable path what remains needs a GPU.
+    """
+    found = {}
+    for module in model.get_decoder().layers.modules():
+        cls = type(module)
+        for name in dir(cls):
+            method = inspect.getattr_static(cls, name, None)
+            if not isinstance(method, types.FunctionType):
+                continue
+            for global_name in method.__code__.co_names:
+                value = method.__globals__.get(global_name)
+                where = getattr(value, "__module__", None) or ""
+                if callable(value) and where.startswith("fla.ops.") and not where.startswith("fla.ops.utils"):
+                    found.setdefault(f"{where}.{value.__qualname__}", f"{cls.__qualname__}.{name}")
+    return found

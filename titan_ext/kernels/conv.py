@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_ext.kernels.norms import _upcast
+from titan_ext.kernels.tp_local import local
 from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
 
@@ -65,7 +66,11 @@ def causal_conv1d(
     cp_context=None,
     **kwargs,
 ):
-    """Torch version of ``fla.modules.causal_conv1d.ops.causal_conv1d``; returns ``(y, final_state)``."""
+    """Torch version of ``fla.modules.causal_conv1d.ops.causal_conv1d``; returns ``(y, final_state)``.
+
+    Under TP ``weight``/``bias`` are DTensor shards of the channels ``x`` holds locally (``tp_local``).
+    """
+    weight, bias = local(weight), local(bias)
     if weight is None:
         raise NotImplementedError("causal_conv1d without weight is not supported off CUDA")
     if cp_context is not None:
@@ -97,6 +102,7 @@ def causal_conv1d(
 
 def causal_conv1d_update(x, cache, residual=None, weight=None, bias=None, activation=None, **kwargs):
     """Torch version of fla's one-token decode step: shifts ``cache`` in place, as fla does."""
+    weight, bias = local(weight), local(bias)
     shape, D = x.shape, cache.shape[1]
     x_new = x.reshape(-1, D)
     cache.copy_(torch.cat([cache[..., 1:], x_new.unsqueeze(-1).to(cache.dtype)], dim=-1))

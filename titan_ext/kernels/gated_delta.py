@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from fla.ops.gated_delta_rule.gate import naive_gdn_gate
 
-from titan_ext.kernels.varlen import sequence_spans
+from titan_ext.kernels.tp_local import local
+from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
 CHUNK = 64
 L2NORM_EPS = 1e-6
@@ -35,28 +35,41 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def _delta_rule(q, k, v, g, beta, state):
-    """``[B, H, T, *]`` float32 inputs (T a multiple of ``CHUNK``), state ``[B, H, K, V]`` -> (o, final state)."""
+def _delta_rule(q, k, v, g, beta, state, sequence=None):
+    """``[B, H, T, *]`` float32 (or float64) inputs (T a multiple of ``CHUNK``), state ``[B, H, K, V]`` -> (o, final state).
+
+    ``sequence`` (``[T]``, batch 1): each token's packed sequence. Then a token
+    mixes only with tokens of its own sequence (``same``) and takes the incoming
+    chunk state only while its sequence began before the chunk (``carry``);
+    the final state is the last sequence's. One pass for any number of sequences.
+    """
     B, H, T, K = k.shape
     n = T // CHUNK
     q, k, v = (x.reshape(B, H, n, CHUNK, -1) for x in (q, k, v))
     g, beta = (x.reshape(B, H, n, CHUNK) for x in (g, beta))
     G = g.cumsum(-1)
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
-    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    mask = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    carry = torch.ones(n, CHUNK, dtype=q.dtype, device=q.device)
+    if sequence is not None:
+        seq = sequence.reshape(n, CHUNK)
+        before = torch.cat([seq[:1, :1], seq[:-1, -1:]])  # the sequence of the token before each chunk
+        mask = mask & (seq.unsqueeze(-1) == seq.unsqueeze(-2))
+        carry = (seq == before).to(q.dtype)
+    # exp(G_t - G_s) for s <= t in one sequence, else 0 (masked before exp: no overflow)
+    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")).exp()
     eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
     A = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay * (1 - eye)  # strictly lower
     solve = lambda rhs: torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # noqa: E731
+    reads_state = G.exp() * carry  # how much of the incoming state each token sees
     w_v = solve(beta.unsqueeze(-1) * v)  # U = w_v - w_k @ S
-    w_k = solve((beta * G.exp()).unsqueeze(-1) * k)
+    w_k = solve((beta * reads_state).unsqueeze(-1) * k)
     qk = (q @ k.transpose(-1, -2)) * decay
     outputs = []
     for i in range(n):
         u = w_v[:, :, i] - w_k[:, :, i] @ state
-        outputs.append(G[:, :, i].exp().unsqueeze(-1) * (q[:, :, i] @ state) + qk[:, :, i] @ u)
-        last = G[:, :, i, -1:]
-        state = last.exp().unsqueeze(-1) * state + ((last - G[:, :, i]).exp().unsqueeze(-1) * k[:, :, i]).transpose(-1, -2) @ u
+        outputs.append(reads_state[:, :, i].unsqueeze(-1) * (q[:, :, i] @ state) + qk[:, :, i] @ u)
+        to_last = decay[:, :, i, -1]  # exp(G_last - G_s) for the last token's sequence, else 0
+        state = reads_state[:, :, i, -1:].unsqueeze(-1) * state + (to_last.unsqueeze(-1) * k[:, :, i]).transpose(-1, -2) @ u
     return torch.stack(outputs, dim=2).reshape(B, H, T, -1), state
 
 
@@ -79,10 +92,9 @@ def chunk_gated_delta_rule(
     dt_bias: torch.Tensor | None = None,
     **unused,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's ``chunk_gated_delta_rule`` in torch."""
+    """fla's ``chunk_gated_delta_rule`` in torch; under TP, ``A_log``/``dt_bias`` are DTensor shards (``tp_local``)."""
     if unused.get("cp_context") is not None:
         raise ValueError("the gated delta rule off CUDA does not support context parallel (cp_context)")
-    spans = None if cu_seqlens is None else sequence_spans(cu_seqlens, batch_size=q.shape[0])
     if unused.get("gk") is not None or unused.get("gv") is not None:
         raise ValueError("the gated delta rule off CUDA supports a per-head scalar gate g, not gk/gv")
     H, HV, out_dtype = q.shape[2], v.shape[2], v.dtype
@@ -90,34 +102,42 @@ def chunk_gated_delta_rule(
         raise ValueError(f"num_v_heads (HV={HV}) must be divisible by num_heads (H={H})")
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    q, k = q.float(), k.float()
+    wide = torch.promote_types(v.dtype, torch.float32)  # fla computes in fp32; fp64 inputs stay fp64
+    q, k = q.to(wide), k.to(wide)
     if use_qk_l2norm_in_kernel:
         q, k = _l2norm(q), _l2norm(k)
     if HV > H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-    g = naive_gdn_gate(g, A_log, dt_bias) if use_gate_in_kernel else g.float()
-    beta = beta.float()
+    g, beta = g.to(wide), beta.to(wide)
+    if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
+        g = -local(A_log).to(wide).exp() * F.softplus(g if dt_bias is None else g + local(dt_bias).to(wide))
     if use_beta_sigmoid_in_kernel:
         beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    q, v = q * scale, v.float()
+    q, v = q * scale, v.to(wide)
     h0 = initial_state
     if h0 is not None:
-        h0 = h0.float().transpose(-1, -2) if state_v_first else h0.float()
+        h0 = h0.to(wide).transpose(-1, -2) if state_v_first else h0.to(wide)
 
-    def run(span, state):
-        """``[B, T, H, *]`` slices of one sequence each -> (o ``[B, H, T, V]``, final state)."""
+    def run(span, state, sequence=None):
+        """``[B, T, H, *]`` slices -> (o ``[B, H, T, V]``, final state); ``sequence``: packed sequences in the slice."""
         T = q[:, span].shape[1]
         pad = -T % CHUNK  # padded tokens: zero k, v, beta and gate leave the state untouched
         qs, ks, vs = (F.pad(x[:, span].transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
         gs, bs = (F.pad(x[:, span].transpose(1, 2), (0, pad)) for x in (g, beta))
+        if sequence is not None:
+            sequence = torch.cat([sequence, sequence[-1:].expand(pad)])
         if state is None:
             state = qs.new_zeros(qs.shape[0], HV, ks.shape[-1], vs.shape[-1])
-        o, state = _delta_rule(qs, ks, vs, gs, bs, state)
+        o, state = _delta_rule(qs, ks, vs, gs, bs, state, sequence)
         return o[:, :, :T], state
 
-    if spans is None:
+    if cu_seqlens is None:
         o, ht = run(slice(None), h0)
-    else:  # packed sequences (batch 1): each from its own initial state
+    elif h0 is None and not output_final_state:  # training: every packed sequence from zero, in one pass
+        check_packed_batch(q.shape[0])
+        o, ht = run(slice(None), None, token_sequences(cu_seqlens, q.shape[1])[0])
+    else:  # each packed sequence from its own initial state, or with its own final state
+        spans = sequence_spans(cu_seqlens, batch_size=q.shape[0])
         runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
         o, ht = torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
     o = o.transpose(1, 2).to(out_dtype)

@@ -20,7 +20,6 @@ import torch.nn as nn
 
 from titan_ext import documents, kernels
 from titan_ext.errors import ConfigError
-from titan_ext.host_patches import resolve
 from titan_ext.job import kernel_path
 from titan_ext.models.args import HFModelArgs
 
@@ -32,6 +31,7 @@ class TitanCausalLM:
         with build_context(model_args):
             super().__init__(model_args.to_hf_config())
         self.model_args = model_args
+        self.arch = model_args.arch
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
             kernels.bind(self, kernel_path())
 
@@ -42,13 +42,13 @@ class TitanCausalLM:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself."""
-        if self.positions_are_global and self.model_args.cp_attention:  # attention needs the global positions
+        if self.positions_are_global and self.arch.cp_attention:  # attention needs the global positions
             # transformers reads position_ids; titan_ext's fla Attention forward under CP reads positions
-            where = {"position_ids" if self.model_args.cp_attention == "transformers" else "positions": positions}
+            where = {"position_ids" if self.arch.cp_attention == "transformers" else "positions": positions}
             hidden = self.model(input_ids=tokens, **where, use_cache=False, return_dict=True).last_hidden_state
         elif positions is None or self.positions_are_global:
             hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
-        elif self.model_args.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
+        elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             flat = tokens.reshape(1, -1)
             cu_seqlens = documents.cu_seqlens(positions)
             hidden = self.model(input_ids=flat, cu_seqlens=cu_seqlens, use_cache=False, return_dict=True).last_hidden_state
@@ -75,8 +75,9 @@ class TitanCausalLM:
 
 
 def build_context(model_args: HFModelArgs):
-    """``host_patches.BUILD`` while an fla Transformer is constructed (its Attention checks for flash-attn)."""
-    if model_args.model_type == "transformer":
+    """``host_patches.BUILD`` while an fla model is constructed (fla's Attention, in the transformer and
+    in hybrids, refuses to be built without flash-attn)."""
+    if model_args.library == "fla":
         from titan_ext.host_patches import building
 
         return building()
@@ -84,16 +85,15 @@ def build_context(model_args: HFModelArgs):
 
 
 @functools.cache
-def titan_class(args_class: type[HFModelArgs]) -> type:
-    """``TitanCausalLM`` + the HF class of ``args_class``, e.g. ``GLAForTitan``."""
-    hf_class = resolve(args_class.hf_model)
+def titan_class(hf_class: type) -> type:
+    """``TitanCausalLM`` + an HF causal-LM class, e.g. ``GLAForTitan``."""
     name = hf_class.__name__.replace("ForCausalLM", "ForTitan")
     return type(name, (TitanCausalLM, hf_class), {"__module__": __name__})
 
 
 def build_model(model_args: HFModelArgs) -> nn.Module:
     """A train spec's ``model_cls``: the adapted model for these args."""
-    return titan_class(type(model_args))(model_args)
+    return titan_class(model_args.hf_model_class)(model_args)
 
 
 def meta_model(model_args: HFModelArgs) -> nn.Module:
@@ -108,7 +108,7 @@ def meta_model(model_args: HFModelArgs) -> nn.Module:
     except ConfigError:
         raise
     except Exception as error:  # whatever the library raises: its message is the diagnosis
-        name = model_args.hf_model.rpartition(":")[2]
+        name = model_args.hf_model_class.__name__
         detail = " ".join(str(error).split()) or "no message"
         raise ConfigError(
             f"{name} cannot be built from this config ({type(error).__name__}: {detail}); "

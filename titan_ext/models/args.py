@@ -1,22 +1,28 @@
-"""Model args for HF causal LMs: a flavor is an instance; nothing heavy is imported until a model is built."""
+"""Model args: an HF config as data. A flavor is an instance; nothing heavy is imported until a model is built."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import os
-from typing import Any, ClassVar
+from typing import Any
 
 from torchtitan.protocols.model import BaseModelArgs
 
 from titan_ext import inputs, job
 from titan_ext.errors import ConfigError, config_boundary
-from titan_ext.host_patches import resolve
+from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes
+
+logger = logging.getLogger()
+
+HF_CONFIG_OPTION = "--titan_ext.hf_config"
 
 
-def load_hf_config_json(path: str) -> dict[str, Any]:
+def load_hf_config_json(path: str, option: str = HF_CONFIG_OPTION) -> dict[str, Any]:
     """Read an HF ``config.json`` (or the one inside a directory), with one-line errors."""
-    option = f"--titan_ext.hf_config={path!r}"
+    option = f"{option}={path!r}"
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
@@ -31,91 +37,129 @@ def load_hf_config_json(path: str) -> dict[str, Any]:
     return config
 
 
+BOOKKEEPING = {
+    "_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "id2label",
+    "is_encoder_decoder", "label2id", "output_attentions", "output_hidden_states", "problem_type",
+    "return_dict", "torch_dtype", "transformers_version", "use_cache",
+}
+"""Keys every HF config carries that describe no architecture."""
+
+
+def architecture_fields(config_class: type, given: dict[str, Any]) -> dict[str, Any]:
+    """The architecture ``given`` (a config.json) sets, read through its config class.
+
+    The class maps older spellings onto today's fields (e.g. Llama's
+    rope_theta/rope_scaling -> rope_parameters); a field is kept when the file
+    names it or the mapping changed it from the class default.
+    """
+    read = config_class(**copy.deepcopy(given)).to_dict()
+    defaults = config_class().to_dict()
+    return {
+        key: value for key, value in read.items()
+        if key not in BOOKKEEPING and (key in given or value != defaults.get(key))
+    }
+
+
 @dataclasses.dataclass
 class HFModelArgs(BaseModelArgs):
-    """Architecture fields of one HF config class, named exactly as in that config.
+    """One model: the library whose Auto classes build it, and its HF config fields.
 
-    Subclasses give the config and model classes (import paths), the model
-    type, their fields and the token mixer's FLOPs; everything else is shared.
+    ``config`` holds ``model_type`` and the fields that differ from the config
+    class's defaults. A generic spec's blank flavor has an empty ``config``
+    until ``[titan_ext] hf_config`` (or the HF assets' config.json) fills it.
     """
 
-    model_type: ClassVar[str]
-    hf_config: ClassVar[str]
-    """Import path of the HF config class, e.g. ``"fla.models:GLAConfig"``."""
-    hf_model: ClassVar[str]
-    """Import path of the HF causal-LM class."""
+    library: str = "fla"
+    """``fla`` or ``transformers``."""
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    packed_layout: ClassVar[str] = "cu_seqlens"
-    """How the model takes packed documents (``titan_ext.documents``): fla's
-    ``cu_seqlens`` over one flattened row, or transformers' ``position_ids``."""
+    def __setattr__(self, name: str, value) -> None:
+        # ``args.num_heads = 2`` would set an attribute nothing reads
+        if name not in {field.name for field in dataclasses.fields(self)}:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}; set config[{name!r}] instead")
+        super().__setattr__(name, value)
 
-    cp_kernels: ClassVar[tuple[tuple[str, str], ...]] = ()
-    """Context parallelism (``titan_ext.context_parallel``) for a recurrent mixer: the kernels it
-    calls by global name, each with the name of its decay argument."""
-    cp_attention: ClassVar[str] = ""
-    """Context parallelism for softmax attention over all-gathered keys and values: ``"transformers"``
-    (through the attention registry its modeling file reads) or ``"fla"`` (fla's ``Attention``)."""
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
 
-    vocab_size: int = 32000
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
+    def classes(self, source: str = "--model.flavor") -> tuple[type, type]:
+        """(HF config class, HF causal-LM class)."""
+        return causal_lm_classes(self.model_type, self.library, source)
 
     @property
     def hf_config_class(self) -> type:
-        return resolve(self.hf_config)
+        return self.classes()[0]
+
+    @property
+    def hf_model_class(self) -> type:
+        return self.classes()[1]
+
+    @property
+    def arch(self) -> Architecture:
+        return architecture_of(self.hf_config_class)
 
     def architecture(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_enforced"}
+        """The config fields a checkpoint records (no training-only overrides)."""
+        return {key: copy.deepcopy(value) for key, value in self.config.items() if key != "model_type"}
 
-    def hf_config_overrides(self) -> dict[str, Any]:
-        """Config fields forced by training under torchtitan (e.g. no fused loss in the model)."""
-        return {}
+    def checkpoint_config(self):
+        """The HF config a checkpoint records: the architecture without training-only overrides."""
+        return self.hf_config_class(**self.architecture())
 
     def to_hf_config(self):
-        return self.hf_config_class(**self.architecture(), **self.hf_config_overrides())
+        """The config the model is built from: the architecture and what training forces."""
+        return self.hf_config_class(**self.architecture(), **self.arch.config_overrides())
 
-    def update_from_hf_config(self, config: dict[str, Any], source: str) -> None:
-        model_type = config.get("model_type")
-        if model_type is not None and model_type != self.model_type:
+    def update_from_hf_config(self, given: dict[str, Any], source: str) -> None:
+        """Take the architecture of a config.json: it sets the model type of a blank flavor, and overrides
+        a named flavor's fields (whose model type it must match)."""
+        model_type = given.get("model_type")
+        if self.model_type and model_type is not None and model_type != self.model_type:
             raise ConfigError(
-                f"{source}: model_type {model_type!r} does not match this train spec's {self.model_type!r}; "
-                "pick the train spec (--model.name) for that architecture"
+                f"{source}: model_type {model_type!r} does not match this flavor's {self.model_type!r}; "
+                "pick the train spec and flavor for that architecture (e.g. --model.name='fla' or 'hf', which "
+                "take any model type)"
             )
-        inputs.check_hf_config_fields(config, self.hf_config_class, type(self), source)
-        # Read it through the HF config class, which maps older spellings onto
-        # today's fields (e.g. Llama's rope_theta/rope_scaling -> rope_parameters).
-        given = self.hf_config_class(**config).to_dict()
-        defaults = self.hf_config_class().to_dict()
-        for field in dataclasses.fields(self):
-            key = field.name
-            if key in given and (key in config or given[key] != defaults.get(key)):
-                setattr(self, key, given[key])
+        if not self.model_type and not model_type:
+            raise ConfigError(f"{source} has no model_type; an HF config.json names its architecture there")
+        config_class, _ = causal_lm_classes(self.model_type or model_type, self.library, source)
+        inputs.check_hf_config_fields(given, config_class, source)
+        fields = architecture_fields(config_class, {k: v for k, v in given.items() if k != "model_type"})
+        self.config = {**self.config, "model_type": self.model_type or model_type, **fields}
 
     @config_boundary
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Apply ``[titan_ext] hf_config``, then plan the job (checks included).
+        """Apply ``[titan_ext] hf_config`` (or, for a blank flavor, the HF assets' config.json), then
+        plan the job (checks included).
 
         torchtitan calls this right before building the model: the last
         moment a bad config can fail cheaply.
         """
         path = getattr(getattr(job_config, "titan_ext", None), "hf_config", "")
         if path:
-            self.update_from_hf_config(load_hf_config_json(path), f"--titan_ext.hf_config={path!r}")
+            self.update_from_hf_config(load_hf_config_json(path), f"{HF_CONFIG_OPTION}={path!r}")
+        elif not self.model_type:
+            assets = job_config.model.hf_assets_path
+            if not (assets and os.path.isfile(os.path.join(assets, "config.json"))):
+                raise ConfigError(
+                    f"--model.name={job_config.model.name!r} takes the architecture from a config.json; set "
+                    f"{HF_CONFIG_OPTION} (a config.json or HF directory) or --model.hf_assets_path to a directory "
+                    "holding one, or pick a named --model.flavor"
+                )
+            option = "--model.hf_assets_path"
+            self.update_from_hf_config(load_hf_config_json(assets, option), f"{option}={assets!r}")
+        self.classes()  # an unknown model type is one line here
         job.plan_job(self, job_config)
 
     def document_mask_blocker(self) -> str | None:
-        """Why this model cannot keep packed documents apart (a one-line reason and fix), or None."""
-        return None
+        return self.arch.document_mask_blocker(self.to_hf_config())
 
     def context_parallel_blocker(self) -> str | None:
-        """Why this model cannot split sequences across ranks (a one-line reason and fix), or None."""
-        if not (self.cp_kernels or self.cp_attention):
-            return f"titan_ext has no context-parallel path for {self.model_type!r} models yet; set it to 1"
-        return None
+        return self.arch.context_parallel_blocker(self.to_hf_config())
 
-    def mixer_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token of the token mixer beyond its projections."""
-        raise NotImplementedError
+    def mixer_flops_per_token(self, seq_len: int) -> int | None:
+        return self.arch.mixer_flops_per_token(self.to_hf_config(), seq_len)
 
     def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
         """Parameters, and training FLOPs per token: 6 per matmul weight plus the mixer's term.
@@ -125,5 +169,22 @@ class HFModelArgs(BaseModelArgs):
         """
         nparams = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
-        matmul_params = nparams if self.tie_word_embeddings else nparams - embedding
-        return nparams, 6 * matmul_params + self.mixer_flops_per_token(seq_len)
+        matmul_params = nparams if model.config.tie_word_embeddings else nparams - embedding
+        mixer = self.arch.mixer_flops_per_token(model.config, seq_len)
+        if mixer is None:
+            logger.warning(
+                f"titan_ext: no FLOP count for the token mixer of {self.model_type!r} models; "
+                "MFU counts 6 FLOPs per matmul weight only (register an Architecture to count it)"
+            )
+            mixer = 0
+        return nparams, 6 * matmul_params + mixer
+
+
+def fla_model(model_type: str, **fields) -> HFModelArgs:
+    """A flavor of an fla model."""
+    return HFModelArgs(library="fla", config={"model_type": model_type, **fields})
+
+
+def transformers_model(model_type: str, **fields) -> HFModelArgs:
+    """A flavor of a transformers model."""
+    return HFModelArgs(library="transformers", config={"model_type": model_type, **fields})

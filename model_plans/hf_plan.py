@@ -1,0 +1,352 @@
+"""A ``TPPlan`` translated from a transformers causal LM's own tensor-parallel plan.
+
+transformers 5.x configs carry ``base_model_tp_plan``: a strategy string per module of a
+decoder layer (``"layers.*.self_attn.q_proj": "colwise"``), written for HF's own TP, which
+keeps the residual stream replicated. The translation keeps HF's choice of modules and lays
+them out the titan_ext way (sequence parallel, loss parallel, Float8), so that one block costs
+the Megatron minimum:
+
+- ``colwise`` -> ``self.colwise()``: the output stays local, sharded by head or feature, as in HF.
+- ``rowwise`` -> ``self.out_proj()``: it writes to the residual stream, so it reduce-scatters to
+  the sequence-sharded residual under SP (all-reduces without), where HF always all-reduces.
+- the module parenting colwise projections (``self_attn``, ``mlp``) -> ``self.gather(...)``: one
+  all-gather of its input from the residual, passed by keyword or positionally as its block does.
+- ``replicated_with_grad_allreduce`` on a norm inside attention (Qwen3's ``q_norm``) ->
+  ``NormParallel(Shard(-2), use_local_output=True)``: HF keeps the weight whole on every rank
+  and all-reduces its gradient with a hook, because each rank's norm sees only its own heads.
+  Here the weight is a replicated DTensor and the norm's input is declared sharded on the head
+  dimension (-2), so the forward needs no collective and DTensor sums the weight's gradient
+  (partial per rank) over the TP ranks: the same all-reduce, derived rather than hooked.
+- parameter-holding norms directly in a block that the HF plan leaves out (``input_layernorm``,
+  ``post_attention_layernorm``, Gemma's ``pre_``/``post_feedforward_layernorm``) -> ``self.norm()``.
+
+The model-level plan is the base class's, not translated: the embedding is vocab-sharded
+rowwise (what HF's ``embedding_rowwise``, which transformers 5.x adds for ``embed_tokens``,
+does), the final norm runs on the residual layout, and ``lm_head`` is colwise: with loss
+parallel off it gathers the logits (HF's ``colwise_gather_output``), with it on they stay
+vocab-sharded (``Shard(-1)``) for ``loss_parallel()``.
+
+Any other strategy (expert parallel, ``packed_colwise``, ``colwise_gather_output`` inside a block,
+``local_params``, ...) is a one-line ``ValueError``: such a model needs a registered plan.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from model_plans.base import IfPresent, Plan, TPPlan
+from model_plans.styles import NormParallel
+
+_TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The block strategies with a titan_ext counterpart (see the module docstring)."""
+
+_PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm")
+"""Roles whose style places a module's parameters (``gather`` only lays out an input)."""
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    """What a module of a decoder layer does under TP.
+
+    ``role``: ``gather``, ``colwise``, ``rowwise``, ``head_norm`` or ``residual_norm``;
+    ``keyword``: for ``gather``, the keyword the block passes the input by (None: positionally).
+    """
+
+    role: str
+    keyword: str | None = None
+
+
+class HFTPPlan(TPPlan):
+    """Base of the plans ``hf_plan_class`` generates; the block plan is data (``entries``)."""
+
+    translated_from_hf = True
+    """For ``plan_source``: the job's log says the plan came from the model's own HF plan."""
+    model_type = ""
+    entries: tuple[tuple[str, BlockEntry], ...] = ()
+    optional: frozenset[str] = frozenset()
+    """Modules only some blocks have (their entries are ``IfPresent``)."""
+
+    def block_plan(self) -> Plan:
+        plan = {}
+        for module, entry in self.entries:
+            style = self._style(module, entry)
+            plan[module] = IfPresent(style) if module in self.optional else style
+        return plan
+
+    def _style(self, module: str, entry: BlockEntry) -> ParallelStyle:
+        if entry.role == "gather":
+            return self.gather(module, entry.keyword)[module]
+        styles = {"colwise": self.colwise, "rowwise": self.out_proj, "head_norm": self.head_norm,
+                  "residual_norm": self.norm}
+        return styles[entry.role]()
+
+    def head_norm(self) -> NormParallel:
+        """A norm on this rank's heads: a replicated weight whose gradient DTensor sums over the TP ranks."""
+        return NormParallel(Shard(-2), use_local_output=True)
+
+
+def hf_plan_class(model: nn.Module) -> type[TPPlan] | None:
+    """The ``TPPlan`` subclass translated from ``model.config.base_model_tp_plan`` (None without one).
+
+    ``model`` is a transformers causal LM, possibly on the meta device. A strategy or a layout the
+    translation does not cover is a one-line ``ValueError`` naming the model type and the module.
+    """
+    config = model.config
+    hf_plan = getattr(config, "base_model_tp_plan", None)
+    if not hf_plan:
+        return None
+    model_type = config.model_type
+    base = model.base_model
+    prefix = "" if base is model else model.base_model_prefix
+    embeddings = _name_in(base, base.get_input_embeddings(), model_type, "input embeddings")
+    layers, block_plan = _split_plan(hf_plan, embeddings, model_type, prefix)
+    stack = f"{_join(prefix, layers)}.*"
+    blocks = list(base.get_submodule(layers))
+    per_block = [_block_entries(block, block_plan, model_type, stack) for block in blocks]
+    entries, optional = _merge(per_block, model_type, stack)
+    name = _class_name(model_type)
+    attributes = dict(
+        __module__=__name__,
+        __qualname__=name,
+        __doc__=f"TP plan translated from {model_type}'s base_model_tp_plan (model_plans.hf_plan).",
+        model_type=model_type,
+        embeddings=_join(prefix, embeddings),
+        final_norm=_join(prefix, _final_norm(base, {embeddings, layers}, model_type, prefix)),
+        lm_head=_name_in(model, model.get_output_embeddings(), model_type, "output embeddings (lm_head)"),
+        layers=_join(prefix, layers),
+        entries=tuple(entries.items()),
+        optional=frozenset(optional),
+    )
+    return type(name, (HFTPPlan,), attributes)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _class_name(model_type: str) -> str:
+    """``qwen3`` -> ``Qwen3HFTPPlan``, ``gemma3_text`` -> ``Gemma3TextHFTPPlan``."""
+    return "".join(part[:1].upper() + part[1:] for part in model_type.replace("-", "_").split("_")) + "HFTPPlan"
+
+
+def _register_hint(model_type: str) -> str:
+    return f"register a plan with @model_plans.register_tp_plan({model_type!r})"
+
+
+def _untranslated(model_type: str, where: str, strategy: str, why: str = "") -> ValueError:
+    why = f" ({why})" if why else ""
+    return ValueError(
+        f"{model_type}: HF TP strategy {strategy!r} on {where} has no titan_ext translation{why}; "
+        f"{_register_hint(model_type)}"
+    )
+
+
+def _name_in(root: nn.Module, module: nn.Module | None, model_type: str, what: str) -> str:
+    names = [name for name, candidate in root.named_modules() if module is not None and candidate is module]
+    if names:
+        return names[0]
+    raise ValueError(f"{model_type}: {type(root).__name__} has no {what}, so it is not a causal LM TP can split")
+
+
+def _split_plan(hf_plan: dict[str, str], embeddings: str, model_type: str, prefix: str) -> tuple[str, dict[str, str]]:
+    """(the layer stack's name, its per-block entries) from ``layers.*.<path>`` keys.
+
+    A model-level entry translates only if it is what the base class does anyway: a
+    vocab-sharded embedding.
+    """
+    stacks, block_plan = set(), {}
+    for key, strategy in hf_plan.items():
+        if ".*." not in key:
+            if not (key == embeddings and strategy == "embedding_rowwise"):
+                raise _untranslated(model_type, _join(prefix, key), strategy, "the model-level plan is titan_ext's own")
+            continue
+        stack, _, path = key.partition(".*.")
+        stacks.add(stack)
+        block_plan[path] = strategy
+    if len(stacks) != 1:
+        raise ValueError(
+            f"{model_type}: base_model_tp_plan names {len(stacks)} layer stacks {sorted(stacks)}, the translation "
+            f"handles one; {_register_hint(model_type)}"
+        )
+    return stacks.pop(), block_plan
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _final_norm(base: nn.Module, placed: set[str], model_type: str, prefix: str) -> str:
+    """The base model's one other child that is a norm or holds parameters (Olmo's final norm holds none)."""
+    others = [
+        name
+        for name, child in base.named_children()
+        if name not in placed and (_is_norm(child) or _holds_parameters(child))
+    ]
+    if len(others) != 1 or not _is_norm(base.get_submodule(others[0])):
+        raise ValueError(
+            f"{model_type}: expected one final norm beside the embedding and the layers, found "
+            f"{[_join(prefix, n) for n in others]}; {_register_hint(model_type)}"
+        )
+    return others[0]
+
+
+def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str) -> dict[str, BlockEntry]:
+    """One block's entries, in module order."""
+    named = _translated(block, block_plan, model_type, stack)
+    groups = _groups(named, model_type, stack)
+    residual_norms = {
+        name
+        for name, child in block.named_children()
+        if name not in named and name not in groups and _is_norm(child) and _holds_parameters(child)
+    }
+    entries = {}
+    for name, _ in block.named_modules():
+        if name in groups:
+            entries[name] = BlockEntry("gather", _input_keyword(block, name, model_type, stack))
+        elif name in named:
+            entries[name] = named[name]
+        elif name in residual_norms:
+            entries[name] = BlockEntry("residual_norm")
+    _check_coverage(block, entries, model_type, stack)
+    return entries
+
+
+def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str) -> dict[str, BlockEntry]:
+    """The HF entries this block has, as roles. An entry naming nothing here is skipped, as HF does."""
+    named = {}
+    for path, strategy in block_plan.items():
+        where = f"{stack}.{path}"
+        if strategy not in _TRANSLATED:
+            raise _untranslated(model_type, where, strategy)
+        try:
+            module = block.get_submodule(path)
+        except AttributeError:
+            try:
+                block.get_parameter(path)
+            except AttributeError:
+                continue
+            raise _untranslated(model_type, where, strategy, "it names a parameter, not a module") from None
+        if strategy == "replicated_with_grad_allreduce":
+            if not _is_norm(module):
+                raise _untranslated(model_type, where, strategy, "only per-head norms inside attention translate")
+            named[path] = BlockEntry("head_norm")
+        else:
+            if not isinstance(module, nn.Linear):
+                raise _untranslated(model_type, where, strategy, f"{type(module).__name__} is not a linear")
+            named[path] = BlockEntry(strategy)
+    return named
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _groups(named: dict[str, BlockEntry], model_type: str, stack: str) -> set[str]:
+    """The modules that parent colwise projections; each needs one rowwise output and gets one input gather."""
+    colwise = {_parent(p) for p, e in named.items() if e.role == "colwise"}
+    rowwise = {_parent(p) for p, e in named.items() if e.role == "rowwise"}
+    for path, entry in named.items():
+        if entry.role == "head_norm" and _parent(path) not in colwise:
+            raise _untranslated(model_type, f"{stack}.{path}", "replicated_with_grad_allreduce",
+                                "only per-head norms inside attention translate")
+    unpaired = sorted(colwise ^ rowwise)
+    if "" in colwise | rowwise or unpaired:
+        where = unpaired[0] if unpaired else ""
+        raise ValueError(
+            f"{model_type}: {_join(stack, where)} does not pair colwise projections with a rowwise output inside one "
+            f"module, which the translation needs for one input gather and one output reduction; "
+            f"{_register_hint(model_type)}"
+        )
+    return colwise
+
+
+def _check_coverage(block: nn.Module, entries: dict[str, BlockEntry], model_type: str, stack: str) -> None:
+    """Every parameter must be placed: the HF plan replicates what it leaves out, which TP here cannot mix in."""
+    placed = {name for name, entry in entries.items() if entry.role in _PLACING_ROLES}
+    for param_name, _ in block.named_parameters():
+        owner = _parent(param_name)
+        if owner not in placed:
+            raise ValueError(
+                f"{model_type}: {_join(stack, owner)} holds parameters that the HF plan does not place and that are "
+                f"not a residual norm; {_register_hint(model_type)}"
+            )
+
+
+def _input_keyword(block: nn.Module, path: str, model_type: str, stack: str) -> str | None:
+    """How the owner of ``path`` passes it the residual: the keyword (HF attention: ``hidden_states=``),
+    or None when positionally (HF MLPs). Read from the owner's source, since a gather laid out for the
+    other convention would silently compute on a sequence shard."""
+    owner = block.get_submodule(_parent(path))
+    attribute = path.rpartition(".")[2]
+    first_parameter = next(iter(inspect.signature(block.get_submodule(path).forward).parameters), None)
+    conventions = {_convention(call, first_parameter) for call in _calls(type(owner), attribute)}
+    if len(conventions) != 1 or None in conventions:
+        raise ValueError(
+            f"{model_type}: cannot tell from {type(owner).__name__}'s source how it passes its input to "
+            f"{stack}.{path} (needed: calls passing it alone positionally, or by keyword {first_parameter!r}); "
+            f"{_register_hint(model_type)}"
+        )
+    return conventions.pop() or None
+
+
+@functools.cache
+def _calls(cls: type, attribute: str) -> tuple[ast.Call, ...]:
+    """The ``self.<attribute>(...)`` calls of the most derived class (of ``cls`` and its module bases)
+    whose source makes any: a subclass that calls the module itself overrides how its bases do."""
+    for klass in cls.__mro__:
+        if klass is nn.Module or not issubclass(klass, nn.Module):
+            break
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        calls = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == attribute
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ]
+        if calls:
+            return tuple(calls)
+    return ()
+
+
+def _convention(call: ast.Call, first_parameter: str | None) -> str | None:
+    """``""`` for a sole positional input, its keyword if passed by name, else None (``*args``, ``**kw``,
+    several positional inputs: ``self.gather`` lays out one)."""
+    if call.args:
+        return "" if len(call.args) == 1 and not isinstance(call.args[0], ast.Starred) else None
+    if first_parameter in {keyword.arg for keyword in call.keywords}:
+        return first_parameter
+    return None
+
+
+def _merge(
+    per_block: list[dict[str, BlockEntry]], model_type: str, stack: str
+) -> tuple[dict[str, BlockEntry], set[str]]:
+    """One plan for every block: entries some blocks lack become optional; blocks must not disagree."""
+    merged, counts = {}, {}
+    for entries in per_block:
+        for path, entry in entries.items():
+            if merged.setdefault(path, entry) != entry:
+                raise ValueError(
+                    f"{model_type}: the blocks of {stack} disagree on {path} ({merged[path]} vs {entry}); "
+                    f"{_register_hint(model_type)}"
+                )
+            counts[path] = counts.get(path, 0) + 1
+    return merged, {path for path, count in counts.items() if count < len(per_block)}

@@ -44,7 +44,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
-  types no named spec has; they run ``single``, ``fsdp2`` and ``tp2`` (Qwen3 sharded by its own HF plan).
+  types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan) and ``ac_op_compile``.
 - Some rows belong to one spec (``Row.specs``): the README's extension example
   (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
@@ -125,7 +125,7 @@ class Spec:
 TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
               "max_position_embeddings": 512, "tie_word_embeddings": False}
-GENERIC_ROWS = ("single", "fsdp2", "tp2")
+GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile")
 
 
 SPECS = {

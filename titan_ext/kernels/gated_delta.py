@@ -31,6 +31,12 @@ L2NORM_EPS = 1e-6
 """fla's ``l2norm_fwd`` default."""
 
 
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """``F.softplus`` (threshold 20) in elementwise ops: compiled (aot) backward graphs assume a
+    contiguous ``softplus_backward`` output, which CPU's kernel does not give a strided gradient."""
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS)
 
@@ -110,7 +116,7 @@ def chunk_gated_delta_rule(
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
     g, beta = g.to(wide), beta.to(wide)
     if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
-        g = -local(A_log).to(wide).exp() * F.softplus(g if dt_bias is None else g + local(dt_bias).to(wide))
+        g = -local(A_log).to(wide).exp() * _softplus(g if dt_bias is None else g + local(dt_bias).to(wide))
     if use_beta_sigmoid_in_kernel:
         beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
     q, v = q * scale, v.to(wide)

@@ -45,6 +45,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   that masks too (the "docs" variant: its own seed and single-process run).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan) and ``ac_op_compile``.
+- ``pp2*``: pipeline parallelism (1F1B, Interleaved1F1B, ZBVZeroBubble, with FSDP2; resume and HF
+  export under PP), compared with one process.
 - Some rows belong to one spec (``Row.specs``): the README's extension example
   (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
@@ -97,12 +99,13 @@ COMMON = (
 )
 
 
-def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1) -> tuple[str, ...]:
+def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1, pp: int = 1) -> tuple[str, ...]:
     return (
         "--parallelism.data_parallel_shard_degree", str(shard),
         "--parallelism.data_parallel_replicate_degree", str(replicate),
         "--parallelism.tensor_parallel_degree", str(tp),
         "--parallelism.context_parallel_degree", str(cp),
+        "--parallelism.pipeline_parallel_degree", str(pp),
     )
 
 
@@ -171,10 +174,13 @@ class Row:
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
 
+    def _degree(self, flag: str) -> int:
+        return int(self.flags[self.flags.index(flag) + 1]) if flag in self.flags else 1
+
     @property
-    def tp(self) -> bool:
-        i = self.flags.index("--parallelism.tensor_parallel_degree") if "--parallelism.tensor_parallel_degree" in self.flags else -1
-        return i >= 0 and self.flags[i + 1] != "1"
+    def splits_model(self) -> bool:
+        """TP or PP: a tied embedding and head cannot be split."""
+        return self._degree("--parallelism.tensor_parallel_degree") > 1 or self._degree("--parallelism.pipeline_parallel_degree") > 1
 
 
 AC = ("--activation_checkpoint.mode",)
@@ -183,6 +189,7 @@ AC = ("--activation_checkpoint.mode",)
 # 1e-12: tests/test_context_parallel.py).
 CP_ATTENTION_RTOL = (("hf_llama", 2e-5),)
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
+PP_SPECS = ("fla_gla", "hf_llama")
 README_COMMAND = "{readme}"
 """Stands for the README example's command-line arguments."""
 ROWS = {
@@ -228,6 +235,15 @@ ROWS = {
     "cp2_short_conv": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla",), short_conv=True),
     "cp2_ac_compile": Row(2, (*parallel(cp=2), *AC, "full", "--compile.enable", "--compile.backend", "aot_eager"),
                           rtol=TP_RTOL, cost=3, specs=("fla_gla", "fla_transformer", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
+    # Pipeline parallelism (titan_ext.pipeline): 1F1B, Interleaved1F1B with 2 stages per rank, and PP x FSDP.
+    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS),
+    "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+                           rtol=TP_RTOL, specs=PP_SPECS),
+    "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS),
+    "pp2_zbv": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"),
+                   rtol=TP_RTOL, specs=("fla_gla",)),
+    "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
+    "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
@@ -244,7 +260,6 @@ def applies(spec: str, row: str) -> bool:
     specs = ROWS[row].specs if row in ROWS else None
     return specs is None or spec in specs
 UNSUPPORTED = {
-    "pp2": "titan_ext's train specs have no pipelining_fn (torchtitan's pipeline_llm hard-codes its Llama names)",
     "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
     "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
 }
@@ -281,7 +296,7 @@ class Matrix:
     def variant(self, spec: str, row: str) -> str:
         """What the row and its single-process reference share: "base", "untied", "docs" or "untied+docs"."""
         r = ROWS[row]
-        tags = ["untied"] * bool(r.tp and SPECS[spec].tp_hf_config) + ["docs"] * r.documents + ["conv"] * r.short_conv
+        tags = ["untied"] * bool(r.splits_model and SPECS[spec].tp_hf_config) + ["docs"] * r.documents + ["conv"] * r.short_conv
         return "+".join(tags) or "base"
 
     def variant_flags(self, spec: str, variant: str) -> tuple[str, ...]:
@@ -353,7 +368,7 @@ class Matrix:
             export = self.job(spec, variant, row + "@export", r.world, *train, "--training.steps", "1",
                               "--optimizer.lr", "0", "--checkpoint.last_save_in_hf",
                               "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "float32")
-            hf_folder = self.hf_export_folder(spec, variant)
+            hf_folder = self.hf_export_folder(spec, variant, row)
             return [export, self.job(spec, variant, row, r.world, *r.flags, "--checkpoint.enable",
                                      "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
                                      str(hf_folder), "--checkpoint.interval", "1000")]
@@ -368,8 +383,8 @@ class Matrix:
         files, argv = readme_example.example()
         return [str(self.readme_folder / arg) if arg in files else arg for arg in argv]
 
-    def hf_export_folder(self, spec: str, variant: str) -> Path:
-        return self.root / spec / variant / "hf@export" / "checkpoint" / "step-1"
+    def hf_export_folder(self, spec: str, variant: str, row: str = "hf") -> Path:
+        return self.root / spec / variant / f"{row}@export" / "checkpoint" / "step-1"
 
     def variants(self) -> list[tuple[str, str]]:
         """(spec, variant) pairs the rows use; each needs a seed and a single-process reference."""
@@ -548,7 +563,7 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         export, imported = (read_metrics(matrix, job) for job in jobs)
         checks.append(("HF export step 1 vs single", *compare(export, ref, [1])))
         checks.append(("from HF vs single", *compare(imported, ref, all_steps)))
-        checks.append(("export folder", 0.0, hf_folder_problem(matrix.hf_export_folder(spec, variant))))
+        checks.append(("export folder", 0.0, hf_folder_problem(matrix.hf_export_folder(spec, variant, row))))
     elif kind == "trains":
         losses = series(read_metrics(matrix, jobs[0]))["loss"]
         fell = len(losses) == STEPS and losses[-1] < losses[0]

@@ -27,6 +27,8 @@ from titan_ext.errors import ConfigError
 GLA = ["--job.config_file", str(CONFIGS / "debug_gla.toml")]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+LLAMA = ["--job.config_file", str(CONFIGS / "debug_llama.toml")]
 HF_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
 DCP_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_path"]
 
@@ -57,6 +59,9 @@ def write_inputs(tmp):
         "opt.json": json.dumps({"model_type": "opt", "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128,
                                 "num_hidden_layers": 1, "vocab_size": 2048, "word_embed_proj_dim": 64}),
         "ac_fullish.toml": (CONFIGS / "debug_gla.toml").read_text().replace('mode = "none"', 'mode = "fullish"'),
+        "pp_names.toml": (CONFIGS / "debug_gla.toml").read_text().replace(
+            "[parallelism]\n", '[parallelism]\nmodule_fqns_per_model_part = [["tok_embeddings", "model.layers.0"], '
+            '["model.layers.1", "model.norm", "lm_head"]]\n'),
     }
     for name, content in files.items():
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +97,31 @@ CASES = {
     "zero tp degree": ([*GLA, "--parallelism.tensor_parallel_degree", "0"], 1, "--parallelism.tensor_parallel_degree"),
     "degrees vs world size": ([*GLA, "--parallelism.data_parallel_shard_degree", "2", *TP2[:2]], 2, "WORLD_SIZE"),
     # parallelism titan_ext cannot do
-    "pipeline parallel": ([*GLA, "--parallelism.pipeline_parallel_degree", "2"], 2, "pipeline_parallel_degree=2"),
+    # pipeline parallelism
+    "pp stages exceed the blocks": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+         "--parallelism.pipeline_parallel_first_stage_less_layers", "0",
+         "--parallelism.pipeline_parallel_last_stage_less_layers", "0"], 2, "cannot split 2 blocks into 4 stages",
+    ),
+    "pp layers per stage do not divide": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_layers_per_stage", "4"], 2, "do not divide over",
+    ),
+    "pp stages per rank the schedule cannot run": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_layers_per_stage", "1"], 2, "runs exactly 1 stage per rank",
+    ),
+    "pp microbatches do not divide the batch": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "3"], 2, "--training.local_batch_size=4 is not divisible",
+    ),
+    "pp schedule that does not exist": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "2F2B"], 2, "--parallelism.pipeline_parallel_schedule='2F2B'",
+    ),
+    "pp with tied embeddings": (
+        [*LLAMA, *PP2], 2, "tie_word_embeddings=true",
+    ),
+    "pp stage names that are not the model's": (
+        ["--job.config_file", "{tmp}/pp_names.toml", *PP2], 2, "names 'tok_embeddings', which is not a part of this model",
+    ),
+    "pp with tp": ([*GLA, *PP2, "--parallelism.tensor_parallel_degree", "2"], 4, "does not combine with --parallelism.tensor_parallel_degree=2"),
     "context parallel with document masking": ([*GLA, *CP2, "--titan_ext.document_mask"], 2, "does not yet stop at document"),
     "context parallel with a token-reordering balancer": (
         [*GLA, *CP2, "--parallelism.context_parallel_load_balancer", "ptrr"], 2, "context_parallel_load_balancer='ptrr'"

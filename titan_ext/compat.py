@@ -65,6 +65,13 @@ def fla_gla_drivers() -> types.SimpleNamespace:
     return types.SimpleNamespace(**vars(drivers), **vars(helpers), **vars(guard))
 
 
+def metrics_rank(parallel_dims, job_config) -> int:
+    """The rank torchtitan's metrics logger writes from (the last pipeline stage's first rank under PP)."""
+    return _lookup("torchtitan", "torchtitan.components.metrics", "_get_metrics_rank")._get_metrics_rank(
+        parallel_dims, job_config
+    )
+
+
 def autograd_enabled_inside_kernel():
     """A guard that turns autograd back on inside a custom op's kernel (torch's dispatch-key internals).
 

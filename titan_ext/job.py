@@ -23,6 +23,7 @@ import torch
 
 from titan_ext import compat, cpu_mode, host_patches, inputs, preflight
 from titan_ext.context_parallel import CPChoice
+from titan_ext.pipeline import PPChoice
 from titan_ext.errors import ConfigError, exit_with, rank
 
 logger = logging.getLogger()
@@ -110,6 +111,7 @@ class JobPlan:
     """fla (CUDA: fla's kernels) or portable (torch code); see titan_ext.kernels."""
     tp: TPChoice | None
     cp: CPChoice | None
+    pp: PPChoice | None
     ac: ACChoice
     compile: CompileChoice
     float8: Float8Choice | None
@@ -132,7 +134,7 @@ def plan_job(model_args, job_config) -> JobPlan:
 
 def _build(model_args, job_config, meta) -> JobPlan:
     """``meta``: the model on the meta device (the TP plan is chosen from its modules)."""
-    from titan_ext import activation_checkpoint, context_parallel, data, float8, nonfinite, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, data, float8, nonfinite, pipeline, tensor_parallel
     from titan_ext.compile import model_compile_enabled
 
     section = getattr(job_config, "titan_ext", None)
@@ -140,6 +142,7 @@ def _build(model_args, job_config, meta) -> JobPlan:
         kernel_path=kernel_path(),
         tp=tensor_parallel.tp_choice(meta, job_config),
         cp=context_parallel.cp_choice(job_config),
+        pp=pipeline.pp_choice(meta, job_config),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
         float8=float8.float8_choice(job_config, model_args.arch.float8_high_precision),

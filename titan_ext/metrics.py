@@ -2,7 +2,8 @@
 
 The console log rounds the loss to 5 decimals; comparing runs (parity,
 exact resume) needs every bit, so ``--titan_ext.metrics_jsonl PATH`` makes
-rank 0 append each logged step's metrics there as JSON.
+the rank torchtitan logs from (rank 0; under PP the last stage's) append each
+logged step's metrics there as JSON.
 
 The processor is also the one component of a train spec that torchtitan
 closes at the end of a job, after the checkpointer: its ``close`` completes
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
 
+from titan_ext import compat
 from titan_ext.checkpoint import finish_hf_export
 
 
@@ -42,8 +44,9 @@ def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None
 
     processor = titan_build_metrics_processor(job_config, parallel_dims, model_args, tag)
     plan = job.current()
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if plan.metrics_jsonl and rank0:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank0 = rank == 0
+    if plan.metrics_jsonl and rank == compat.metrics_rank(parallel_dims, job_config):
         processor.logger = JsonlLogger(processor.logger, plan.metrics_jsonl)
     if plan.hf_export and rank0 and model_args is not None:
         checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)

@@ -63,11 +63,13 @@ class NonFiniteLossGuard:
         """Whether any rank saw a non-finite loss since the last call (collective: every rank calls it)."""
         flag = self.flag
         self.flag = None
-        if flag is None:
-            return False
+        if not dist.is_initialized():
+            return bool(flag) if flag is not None else False
+        if flag is None:  # a pipeline stage without the loss still joins the reduction
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.zeros((), dtype=torch.bool, device=device)
         flag = flag.to(torch.int32)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
 

@@ -65,14 +65,17 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp) -> None:
     }
     decoder = model.get_decoder()
     tied = model.config.tie_word_embeddings
-    if not tied:
-        fully_shard(model.get_input_embeddings(), **config, reshard_after_forward=dp.reshard_blocks)
+    # A pipeline stage holds the embedding, the final norm or the head only where it runs them.
+    embeddings = model.get_input_embeddings()
+    if not tied and embeddings is not None:
+        fully_shard(embeddings, **config, reshard_after_forward=dp.reshard_blocks)
     for block in decoder.layers:
         fully_shard(block, **config, reshard_after_forward=dp.reshard_blocks)
-    if not tied:
+    head = [m for m in (decoder.norm, model.get_output_embeddings()) if m is not None and any(True for _ in m.parameters())]
+    if not tied and head:
         # Gathered last in forward and first in backward: keeping them unsharded
         # in between saves one all-gather.
-        fully_shard([decoder.norm, model.get_output_embeddings()], **config, reshard_after_forward=dp.reshard_head)
+        fully_shard(head, **config, reshard_after_forward=dp.reshard_head)
     fully_shard(model, **config)
     force_sum = on_gloo(dp_mesh)
     for module in model.modules():

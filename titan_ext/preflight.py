@@ -88,10 +88,16 @@ def _check_titan_ext_parallelism(job_config) -> None:
     if not _titan_ext_spec(job_config.model.name):
         return
     if p.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} is not supported for titan_ext "
-            "models yet; set it to 1 and use FSDP/TP"
-        )
+        from titan_ext import documents
+
+        others = [(f"--parallelism.{name}_degree", getattr(p, f"{name}_degree")) for name in ("tensor_parallel", "context_parallel")]
+        others += [(documents.OPTION, documents.enabled(job_config))]
+        for option, value in others:
+            if value not in (1, False):
+                raise ConfigError(
+                    f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} does not combine with "
+                    f"{option}={value} in titan_ext yet; use PP with FSDP/HSDP/DDP, or drop PP"
+                )
     shard = p.data_parallel_shard_degree
     if p.data_parallel_replicate_degree > 1 and shard == 1 and p.tensor_parallel_degree > 1:
         raise ConfigError(

@@ -47,12 +47,13 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
     from titan_ext.checkpoint import HFStateDictAdapter
     from titan_ext.models.adapter import build_model
     from titan_ext.parallelize import parallelize_hf_model
+    from titan_ext.pipeline import pipeline_hf_model
 
     return TrainSpec(
         model_cls=build_model,
         model_args=Flavors(flavors),
         parallelize_fn=config_boundary(parallelize_hf_model),
-        pipelining_fn=None,
+        pipelining_fn=config_boundary(pipeline_hf_model),
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=nonfinite.guard_optimizer_step(build_lr_schedulers),
         build_dataloader_fn=config_boundary(data.build_dataloader),

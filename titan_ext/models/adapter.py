@@ -41,13 +41,18 @@ class TitanCausalLM:
     transformers models take them as ``position_ids`` (rotary and the attention mask)."""
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself."""
+        """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself.
+
+        A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of tokens, and
+        one without the head returns hidden states (``titan_ext.pipeline``).
+        """
+        first = {"input_ids": tokens} if self.get_input_embeddings() is not None else {"inputs_embeds": tokens}
         if self.positions_are_global and self.arch.cp_attention:  # attention needs the global positions
             # transformers reads position_ids; titan_ext's fla Attention forward under CP reads positions
             where = {"position_ids" if self.arch.cp_attention == "transformers" else "positions": positions}
-            hidden = self.model(input_ids=tokens, **where, use_cache=False, return_dict=True).last_hidden_state
+            hidden = self.model(**first, **where, use_cache=False, return_dict=True).last_hidden_state
         elif positions is None or self.positions_are_global:
-            hidden = self.model(input_ids=tokens, use_cache=False, return_dict=True).last_hidden_state
+            hidden = self.model(**first, use_cache=False, return_dict=True).last_hidden_state
         elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             flat = tokens.reshape(1, -1)
             cu_seqlens = documents.cu_seqlens(positions)
@@ -57,7 +62,9 @@ class TitanCausalLM:
                 input_ids=tokens, position_ids=positions, attention_mask=documents.block_causal_mask(positions),
                 use_cache=False, return_dict=True,
             ).last_hidden_state
-        return self.lm_head(hidden).view(*tokens.shape, -1)
+        if self.lm_head is None:
+            return hidden
+        return self.lm_head(hidden).view(*tokens.shape[:2], -1)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize every parameter and buffer in place (also on DTensor shards).

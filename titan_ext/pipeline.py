@@ -1,0 +1,309 @@
+"""Pipeline parallelism for HF-layout models: the train specs' ``pipelining_fn``.
+
+torchtitan's ``pipeline_llm`` splits a model by its own top-level names
+(``tok_embeddings``, ``layers.N``, ``norm``, ``output``) and re-indexes a
+``ModuleList``. titan_ext's models nest HF names (``model.layers.N``) and must
+keep them, so checkpoints (DCP and HF) mean the same tensors with and without
+PP. Here each stage is a copy of the meta-device model holding its blocks under
+their original indices (``StageLayers``); the embedding, final norm and head
+exist only on the stages that run them, and the adapter's forward takes hidden
+states where the embedding is gone and returns them where the head is
+(``titan_ext.models.adapter``). Stages are balanced as torchtitan balances its
+own (its ``generate_llm_fqn_per_model_part``, with the embedding and the head
+weighted as ``pipeline_parallel_first/last_stage_less_layers`` blocks), or follow
+``--parallelism.module_fqns_per_model_part`` in HF names. torchtitan's
+``build_pipeline_schedule`` runs any of its schedules over them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from titan_ext.errors import ConfigError
+
+logger = logging.getLogger()
+
+DEGREE = "--parallelism.pipeline_parallel_degree"
+SCHEDULE = "--parallelism.pipeline_parallel_schedule"
+
+
+@dataclass(frozen=True)
+class PPChoice:
+    degree: int
+    schedule: str
+    stages: tuple[tuple[str, ...], ...]
+    """Each virtual stage's module FQNs (HF names), in pipeline order."""
+    v_shape: bool
+    """Stages placed in a V (ZBVZeroBubble, DualPipeV: rank r runs r and its mirror), else looped
+    (rank r runs r, r + degree, ...)."""
+
+    def stage_indices(self, rank: int) -> tuple[int, ...]:
+        if self.v_shape:
+            return rank, len(self.stages) - 1 - rank
+        return tuple(range(rank, len(self.stages), self.degree))
+
+
+class StageLayers(nn.Module):
+    """One stage's blocks under their original indices, so parameter names stay the whole model's.
+
+    Iterates and slices like the ``ModuleList`` it replaces (HF decoders loop
+    over ``self.layers[: num_hidden_layers]``).
+    """
+
+    def __init__(self, blocks: dict[str, nn.Module]):
+        super().__init__()
+        for name, block in blocks.items():
+            self.register_module(name, block)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index):
+        return list(self._modules.values())[index]
+
+
+def model_parts_of(model: nn.Module) -> tuple[str, str, str, str]:
+    """FQNs of (input embedding, block list, final norm, output head), found in the model."""
+    names = {id(module): name for name, module in model.named_modules()}
+    decoder = model.get_decoder()
+    return (
+        names[id(model.get_input_embeddings())],
+        names[id(decoder.layers)],
+        names[id(decoder.norm)],
+        names[id(model.get_output_embeddings())],
+    )
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        return get_schedule_class(name)
+    except ValueError as error:
+        raise ConfigError(f"{SCHEDULE}={name!r}: {error}; pick one of those") from None
+
+
+def _stages_per_rank(p, num_layers: int, single: bool) -> int:
+    """torchtitan's rule: 1 stage per rank for single-stage schedules, 2 for looped ones, unless
+    ``pipeline_parallel_layers_per_stage`` sets the count."""
+    per_stage = p.pipeline_parallel_layers_per_stage
+    if per_stage is None:
+        return 1 if single else 2
+    option = f"--parallelism.pipeline_parallel_layers_per_stage={per_stage}"
+    weights = p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
+    stages = math.ceil((num_layers + weights) / per_stage)
+    if stages % p.pipeline_parallel_degree:
+        raise ConfigError(
+            f"{option} makes {stages} stages for {num_layers} blocks (+{weights} for embedding and head), which do not "
+            f"divide over {DEGREE}={p.pipeline_parallel_degree}; pick a layers-per-stage that does"
+        )
+    per_rank = stages // p.pipeline_parallel_degree
+    if single != (per_rank == 1):
+        need = "exactly 1 stage" if single else "at least 2 stages"
+        raise ConfigError(
+            f"{option} gives {per_rank} stage(s) per rank, and {SCHEDULE}={p.pipeline_parallel_schedule!r} runs "
+            f"{need} per rank; change the layers per stage or the schedule"
+        )
+    return per_rank
+
+
+def _balanced_stages(model: nn.Module, p, count: int) -> list[list[str]]:
+    """torchtitan's balancing, in this model's names."""
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+
+    embeddings, layers, norm, head = model_parts_of(model)
+    num_layers = len(model.get_decoder().layers)
+    try:
+        generic = generate_llm_fqn_per_model_part(
+            count, num_layers, p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+        )
+    except ValueError as error:
+        raise ConfigError(
+            f"{DEGREE}={p.pipeline_parallel_degree} cannot split {num_layers} blocks into {count} stages ({error}); "
+            "use fewer stages or a model with more blocks"
+        ) from None
+    rename = {"tok_embeddings": embeddings, "norm": norm, "output": head}
+    return [[rename.get(name) or name.replace("layers.", f"{layers}.", 1) for name in stage] for stage in generic]
+
+
+def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
+    """``module_fqns_per_model_part``: every part named once, each name a part of this model."""
+    embeddings, layers, norm, head = model_parts_of(model)
+    parts = [embeddings, *(f"{layers}.{i}" for i in range(len(model.get_decoder().layers))), norm, head]
+    named = [name for stage in stages for name in stage]
+    option = "--parallelism.module_fqns_per_model_part"
+    for name in named:
+        if name not in parts:
+            raise ConfigError(f"{option} names {name!r}, which is not a part of this model; its parts are {parts}")
+    missing = [name for name in parts if name not in named]
+    twice = sorted({name for name in named if named.count(name) > 1})
+    if missing or twice:
+        raise ConfigError(f"{option} must name every part once: missing {missing}, repeated {twice}")
+
+
+def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
+    """Check PP against the meta-device model and decide the stages (before the build)."""
+    p = job_config.parallelism
+    if p.pipeline_parallel_degree <= 1:
+        return None
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleSingle,
+        ScheduleDualPipeV,
+        ScheduleZBVZeroBubble,
+    )
+
+    if model.config.tie_word_embeddings:
+        raise ConfigError(
+            f"{DEGREE}={p.pipeline_parallel_degree} with tie_word_embeddings=true: the embedding (first stage) and "
+            "the head (last stage) share one weight; untie them ([titan_ext] hf_config with "
+            '"tie_word_embeddings": false)'
+        )
+    schedule = p.pipeline_parallel_schedule
+    schedule_class = _schedule_class(schedule)
+    training = job_config.training
+    if training.global_batch_size > 0 and training.global_batch_size != training.local_batch_size * _dp_degree(job_config):
+        raise ConfigError(
+            f"--training.global_batch_size={training.global_batch_size} accumulates gradients over several steps, "
+            f"which titan_ext does not combine with {DEGREE} yet; set it to -1 (local batch x data-parallel degree)"
+        )
+    batch, micro = training.local_batch_size, p.pipeline_parallel_microbatch_size
+    if batch % micro:
+        raise ConfigError(
+            f"--training.local_batch_size={batch} is not divisible by --parallelism.pipeline_parallel_microbatch_size="
+            f"{micro}; pick sizes that divide"
+        )
+    if p.module_fqns_per_model_part:
+        stages = [list(stage) for stage in p.module_fqns_per_model_part]
+        _check_given_stages(model, stages)
+    else:
+        per_rank = _stages_per_rank(p, len(model.get_decoder().layers), issubclass(schedule_class, PipelineScheduleSingle))
+        stages = _balanced_stages(model, p, per_rank * p.pipeline_parallel_degree)
+    if len(stages) % p.pipeline_parallel_degree:
+        raise ConfigError(
+            f"{len(stages)} pipeline stages do not divide over {DEGREE}={p.pipeline_parallel_degree}; "
+            "give a multiple of the degree"
+        )
+    v_shape = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    per_rank = len(stages) // p.pipeline_parallel_degree
+    if v_shape and per_rank != 2:
+        raise ConfigError(f"{SCHEDULE}={schedule!r} runs 2 stages per rank (a V), not {per_rank}; give 2 per rank")
+    return PPChoice(p.pipeline_parallel_degree, schedule, tuple(tuple(s) for s in stages), v_shape)
+
+
+def _dp_degree(job_config) -> int:
+    from titan_ext import inputs
+
+    p = job_config.parallelism
+    return inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.data_parallel_replicate_degree
+
+
+def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
+    """A copy of ``whole`` (meta device) holding only ``modules``: the others are gone (None, or an
+    Identity for the final norm, which HF decoders always call)."""
+    model = copy.deepcopy(whole)
+    embeddings, layers, norm, head = model_parts_of(model)
+    keep = set(modules)
+    blocks = model.get_submodule(layers)
+    kept = {name: block for name, block in blocks.named_children() if f"{layers}.{name}" in keep}
+    _replace(model, layers, StageLayers(kept))
+    if embeddings not in keep:
+        _replace(model, embeddings, None)
+    if norm not in keep:
+        _replace(model, norm, nn.Identity())
+    if head not in keep:
+        _replace(model, head, None)
+    return model
+
+
+def _replace(model: nn.Module, fqn: str, module: nn.Module | None) -> None:
+    parent, _, name = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
+    """torchtitan's ``pipelining_fn``: this rank's stages, each parallelized, and the schedule."""
+    from torch.distributed.pipelining import PipelineStage
+    from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
+
+    from titan_ext import job
+
+    choice = job.current().pp
+    mesh = parallel_dims.get_mesh("pp")
+    stages, parts = [], []
+    for index in choice.stage_indices(mesh.get_local_rank()):
+        part = parallelize_fn(stage_model(model, choice.stages[index]), parallel_dims, job_config)
+        stages.append(PipelineStage(part, index, len(choice.stages), device, group=mesh.get_group()))
+        parts.append(part)
+        logger.info(f"PP: stage {index} of {len(choice.stages)} holds {list(choice.stages[index])}")
+    from titan_ext.cpu_mode import on_gloo
+
+    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
+    schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh))
+    schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
+    return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+
+class TokenMeanSchedule:
+    """A torchtitan pipeline schedule whose backward sees the loss over the global valid tokens.
+
+    torchtitan 0.2.2's non-PP step backpropagates ``loss sum / global valid
+    tokens``; its PP step backpropagates each microbatch's loss SUM and divides
+    only the logged loss, so gradients (and what gradient clipping sees) grow
+    with the token count. Here the last stage divides each microbatch's loss by
+    the step's global valid-token count (its labels, summed over the
+    data-parallel ranks), and multiplies the losses it hands back so torchtitan's
+    own division logs the same number. One step of the schedule is one
+    optimizer step: ``pp_choice`` refuses gradient accumulation with PP.
+
+    On gloo, torch 2.13's schedules feed the first microbatch of their first
+    step from a receive buffer the data has not reached (uninitialized values,
+    e.g. 1e30; reproduced with two ``nn.Linear`` stages). That first step runs
+    once as a warm-up with a zero loss and its gradients are dropped, so the
+    real first step starts from initialized buffers.
+    """
+
+    def __init__(self, loss_fn, batch_mesh, parts: list[nn.Module], warm_up: bool):
+        self._loss_fn, self._batch_mesh, self._parts = loss_fn, batch_mesh, parts
+        self._schedule = None
+        self._tokens: torch.Tensor | None = None
+        self._warm_up = warm_up
+        self._warming_up = False
+
+    def wrap(self, schedule) -> None:
+        self._schedule = schedule
+
+    def loss_fn(self, pred, labels):
+        if self._warming_up:
+            return pred.sum() * 0  # a loss for the schedule's backward, kept from the non-finite guard
+        return self._loss_fn(pred, labels) / self._tokens
+
+    def step(self, *args, target=None, losses=None, **kwargs):
+        if target is not None:  # the last stage
+            from torchtitan.components.loss import IGNORE_INDEX
+            from torchtitan.distributed import utils as dist_utils
+
+            tokens = (target != IGNORE_INDEX).sum()
+            self._tokens = dist_utils.dist_sum(tokens, self._batch_mesh) if self._batch_mesh is not None else tokens.float()
+        if self._warm_up:  # once, on gloo: see the class docstring
+            self._warm_up, self._warming_up = False, True
+            self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
+            self._warming_up = False
+            for part in self._parts:
+                part.zero_grad(set_to_none=True)
+        result = self._schedule.step(*args, target=target, losses=losses, **kwargs)
+        if losses is not None:
+            losses[:] = [loss * self._tokens for loss in losses]
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._schedule, name)

@@ -244,6 +244,7 @@ ROWS = {
                    rtol=TP_RTOL, specs=("fla_gla",)),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
+    "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
@@ -359,6 +360,11 @@ class Matrix:
             i = flags.index(README_COMMAND)
             flags = (*flags[:i], *self.readme_argv(), *flags[i + 1:])
         train = (*self.from_seed(spec, variant), *flags)
+        if r.kind == "resume_pp1":  # the PP job's step-2 checkpoint, resumed by one process without PP
+            every2 = (*train, "--checkpoint.interval", "2")
+            one = (*self.from_seed(spec, variant), *parallel(), "--checkpoint.interval", "2")
+            return [self.job(spec, variant, row, r.world, *every2),
+                    self.job(spec, variant, row + "@pp1", 1, *one, "--checkpoint.load_step", "2", folder=row)]
         if r.kind in ("resume", "stream_resume"):
             every2 = (*train, "--checkpoint.interval", "2")
             return [self.job(spec, variant, row, r.world, *every2),
@@ -390,22 +396,32 @@ class Matrix:
         """(spec, variant) pairs the rows use; each needs a seed and a single-process reference."""
         return sorted({(spec, self.variant(spec, row)) for spec in self.specs for row in self.rows if self.applies(spec, row)})
 
-    def units(self) -> list[tuple[int, int, list[Job]]]:
-        """(world, cost, jobs) per row, plus the references not among the rows."""
-        units = [(ROWS[row].world, ROWS[row].cost, self.row_jobs(spec, row))
-                 for spec in self.specs for row in self.rows if self.applies(spec, row)]
+    def units(self) -> list[tuple[int, int, list[Job], bool]]:
+        """(world, cost, jobs, late) per row, plus the references not among the rows; ``late`` units run
+        after all others (a ``resume_pp1`` row's single-process resume needs its PP job's checkpoint)."""
+        units = []
+        for spec in self.specs:
+            for row in self.rows:
+                if not self.applies(spec, row):
+                    continue
+                r, jobs = ROWS[row], self.row_jobs(spec, row)
+                if r.kind == "resume_pp1":
+                    units += [(r.world, r.cost, jobs[:1], False), (1, 1, jobs[1:], True)]
+                else:
+                    units.append((r.world, r.cost, jobs, False))
         for spec, variant in self.variants():
             if variant != "base" or "single" not in self.rows:
-                units.append((1, 1, self.row_jobs(spec, "single", variant)))
+                units.append((1, 1, self.row_jobs(spec, "single", variant), False))
         return units
 
     def plan(self, nproc: int) -> dict:
         units = self.units()
         phases = [lanes(nproc, 1, [(1, [self.seed(*variant)]) for variant in self.variants()])]
-        for world in (1, 2, 4):
-            work = [(cost, jobs) for w, cost, jobs in units if w == world]
-            if work:
-                phases.append(lanes(nproc, world, work))
+        for late in (False, True):
+            for world in (1, 2, 4):
+                work = [(cost, jobs) for w, cost, jobs, is_late in units if w == world and is_late == late]
+                if work:
+                    phases.append(lanes(nproc, world, work))
         # Preload what every job imports (not titan_ext: each job's Trainer must import it to set up the job).
         preload = ["fla.models", "transformers", "torchao.float8"]
         return {"name": self.root.name, "root": str(self.root), "preload": preload, "phases": phases}
@@ -551,6 +567,10 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         checks.append(("vs single", *compare(full, ref, all_steps)))
         rel, problem = compare(resumed, full, all_steps[2:])
         checks.append(("resumed vs uninterrupted", 0.0, problem or (f"not bit-identical (rel {rel:.1e})" if rel else "")))
+    elif kind == "resume_pp1":  # DCP reshards the PP stages' checkpoint into the whole model
+        full, resumed = (read_metrics(matrix, job) for job in jobs)
+        checks.append(("vs single", *compare(full, ref, all_steps, TP_RTOL)))
+        checks.append(("resumed at PP=1 vs uninterrupted", *compare(resumed, full, all_steps[2:], TP_RTOL)))
     elif kind == "stream_resume":  # other data than the single-process reference: compare with itself
         full, resumed = (read_metrics(matrix, job) for job in jobs)
         losses = series(full)["loss"]
@@ -587,6 +607,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         note = "trains; resumed == uninterrupted"
     elif kind == "resume":
         note += "; resumed == uninterrupted"
+    elif kind == "resume_pp1":
+        note += "; resumed at PP=1 from step 2"
     return Result(spec, row, "ok", worst, note)
 
 

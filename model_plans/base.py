@@ -82,17 +82,19 @@ class TPPlan:
 
     def model_plan(self) -> Plan:
         act, loss_parallel = self.activation, self.options.loss_parallel
+        # A pipeline stage holds each of these only where it runs it (a misspelled name still fails:
+        # the module's parameters are then covered by no entry).
         return {
-            self.embeddings: RowwiseParallel(
+            self.embeddings: IfPresent(RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=act, use_local_output=self.local_residual
-            ),
-            self.final_norm: self.norm(),
+            )),
+            self.final_norm: IfPresent(self.norm()),
             # Vocab-sharded logits go to torchtitan's loss_parallel context; else gather them.
-            self.lm_head: ColwiseParallel(
+            self.lm_head: IfPresent(ColwiseParallel(
                 input_layouts=act,
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,
-            ),
+            )),
         }
 
     def block_plan(self) -> Plan:

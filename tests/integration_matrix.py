@@ -44,9 +44,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
-  types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan) and ``ac_op_compile``.
-- ``pp2*``: pipeline parallelism (1F1B, Interleaved1F1B, ZBVZeroBubble, with FSDP2; resume and HF
-  export under PP), compared with one process.
+  types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
+  and ``pp2``.
+- ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
+  under PP and at PP=1; HF export under PP), compared with one process.
 - Some rows belong to one spec (``Row.specs``): the README's extension example
   (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
@@ -128,7 +129,7 @@ class Spec:
 TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
               "max_position_embeddings": 512, "tie_word_embeddings": False}
-GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile")
+GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile", "pp2")
 
 
 SPECS = {
@@ -240,11 +241,19 @@ ROWS = {
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
     "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS),
-    "pp2_zbv": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"),
-                   rtol=TP_RTOL, specs=("fla_gla",)),
+    "pp2_tp2": Row(4, parallel(tp=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS),  # SP and loss parallel on
+    # the remaining schedules torchtitan offers, on GLA
+    **{f"pp2_{name.lower()}": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", name),
+                                  rtol=TP_RTOL, specs=("fla_gla",))
+       for name in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
+    # DualPipeV needs a microbatch per stage (4): a batch of 4, so it trains on other data than the reference.
+    "pp2_dualpipev": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "DualPipeV",
+                             "--training.local_batch_size", "4",
+                             "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains", specs=("fla_gla",)),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
+    "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla",)),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
@@ -360,11 +369,14 @@ class Matrix:
             i = flags.index(README_COMMAND)
             flags = (*flags[:i], *self.readme_argv(), *flags[i + 1:])
         train = (*self.from_seed(spec, variant), *flags)
-        if r.kind == "resume_pp1":  # the PP job's step-2 checkpoint, resumed by one process without PP
+        if r.kind in ("resume_pp1", "resume_from_pp1"):  # a checkpoint resumed at another PP degree
             every2 = (*train, "--checkpoint.interval", "2")
             one = (*self.from_seed(spec, variant), *parallel(), "--checkpoint.interval", "2")
-            return [self.job(spec, variant, row, r.world, *every2),
-                    self.job(spec, variant, row + "@pp1", 1, *one, "--checkpoint.load_step", "2", folder=row)]
+            if r.kind == "resume_pp1":  # the PP job's step-2 checkpoint, resumed by one process
+                return [self.job(spec, variant, row, r.world, *every2),
+                        self.job(spec, variant, row + "@pp1", 1, *one, "--checkpoint.load_step", "2", folder=row)]
+            return [self.job(spec, variant, row + "@pp1", 1, *one, folder=row),  # one process's, resumed under PP
+                    self.job(spec, variant, row, r.world, *every2, "--checkpoint.load_step", "2")]
         if r.kind in ("resume", "stream_resume"):
             every2 = (*train, "--checkpoint.interval", "2")
             return [self.job(spec, variant, row, r.world, *every2),
@@ -405,8 +417,10 @@ class Matrix:
                 if not self.applies(spec, row):
                     continue
                 r, jobs = ROWS[row], self.row_jobs(spec, row)
-                if r.kind == "resume_pp1":
+                if r.kind == "resume_pp1":  # the PP job, then (after every multi-rank phase) one process
                     units += [(r.world, r.cost, jobs[:1], False), (1, 1, jobs[1:], True)]
+                elif r.kind == "resume_from_pp1":  # one process first (the 1-rank phase), then the PP job
+                    units += [(1, 1, jobs[:1], False), (r.world, r.cost, jobs[1:], False)]
                 else:
                     units.append((r.world, r.cost, jobs, False))
         for spec, variant in self.variants():
@@ -567,10 +581,10 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         checks.append(("vs single", *compare(full, ref, all_steps)))
         rel, problem = compare(resumed, full, all_steps[2:])
         checks.append(("resumed vs uninterrupted", 0.0, problem or (f"not bit-identical (rel {rel:.1e})" if rel else "")))
-    elif kind == "resume_pp1":  # DCP reshards the PP stages' checkpoint into the whole model
-        full, resumed = (read_metrics(matrix, job) for job in jobs)
+    elif kind in ("resume_pp1", "resume_from_pp1"):  # DCP reshards between the stages and the whole model
+        full, resumed = (read_metrics(matrix, job) for job in jobs)  # both kinds list the uninterrupted run first
         checks.append(("vs single", *compare(full, ref, all_steps, TP_RTOL)))
-        checks.append(("resumed at PP=1 vs uninterrupted", *compare(resumed, full, all_steps[2:], TP_RTOL)))
+        checks.append(("resumed at another PP degree vs uninterrupted", *compare(resumed, full, all_steps[2:], TP_RTOL)))
     elif kind == "stream_resume":  # other data than the single-process reference: compare with itself
         full, resumed = (read_metrics(matrix, job) for job in jobs)
         losses = series(full)["loss"]
@@ -609,6 +623,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         note += "; resumed == uninterrupted"
     elif kind == "resume_pp1":
         note += "; resumed at PP=1 from step 2"
+    elif kind == "resume_from_pp1":
+        note += "; resumed at PP=2 from one process's step 2"
     return Result(spec, row, "ok", worst, note)
 
 

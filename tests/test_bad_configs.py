@@ -115,13 +115,20 @@ CASES = {
     "pp schedule that does not exist": (
         [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "2F2B"], 2, "--parallelism.pipeline_parallel_schedule='2F2B'",
     ),
+    "pp dualpipev with fewer microbatches than stages": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--training.local_batch_size", "2",
+         "--parallelism.no-pipeline_parallel_expert_parallel_overlap"], 2, "needs a microbatch per stage",
+    ),
+    "pp dualpipev overlap without an accelerator": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV"], 2, "needs an accelerator's streams",
+    ),
     "pp with tied embeddings": (
         [*LLAMA, *PP2], 2, "tie_word_embeddings=true",
     ),
     "pp stage names that are not the model's": (
         ["--job.config_file", "{tmp}/pp_names.toml", *PP2], 2, "names 'tok_embeddings', which is not a part of this model",
     ),
-    "pp with tp": ([*GLA, *PP2, "--parallelism.tensor_parallel_degree", "2"], 4, "does not combine with --parallelism.tensor_parallel_degree=2"),
+    "pp with cp": ([*GLA, *PP2, "--parallelism.context_parallel_degree", "2"], 4, "does not combine with --parallelism.context_parallel_degree=2"),
     "context parallel with document masking": ([*GLA, *CP2, "--titan_ext.document_mask"], 2, "does not yet stop at document"),
     "context parallel with a token-reordering balancer": (
         [*GLA, *CP2, "--parallelism.context_parallel_load_balancer", "ptrr"], 2, "context_parallel_load_balancer='ptrr'"

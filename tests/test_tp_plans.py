@@ -190,7 +190,7 @@ def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
     choice = tp_choice(debug_gla_meta(), job(converters, recipe))
     assert choice.float8 is float8
     plan = choice.plan_cls(TPOptions(float8=choice.float8))
-    styles = {**plan.block_plan(), **plan.model_plan()}
+    styles = {fqn: getattr(entry, "style", entry) for fqn, entry in {**plan.block_plan(), **plan.model_plan()}.items()}
     for fqn in ("attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "attn.o_proj", "mlp.down_proj", "mlp"):
         assert (type(styles[fqn]).__module__.startswith("torchao.float8")) is float8, (fqn, styles[fqn])
     assert type(styles["lm_head"]) is ColwiseParallel  # the head stays high precision, as in torchtitan
@@ -206,9 +206,9 @@ def test_tp_choice_maps_the_job_options():
 
 
 def test_lm_head_layout_follows_loss_parallel():
-    head = GLATPPlan(TPOptions(loss_parallel=True)).model_plan()["lm_head"]
+    head = GLATPPlan(TPOptions(loss_parallel=True)).model_plan()["lm_head"].style  # IfPresent: PP stages lack it
     assert head.output_layouts[0].is_shard(-1) and not head.use_local_output
-    head = GLATPPlan(TPOptions(loss_parallel=False)).model_plan()["lm_head"]
+    head = GLATPPlan(TPOptions(loss_parallel=False)).model_plan()["lm_head"].style
     assert head.output_layouts[0].is_replicate() and head.use_local_output
 
 

@@ -2,7 +2,7 @@
 
 The console log rounds the loss to 5 decimals; comparing runs (parity,
 exact resume) needs every bit, so ``--titan_ext.metrics_jsonl PATH`` makes
-the rank torchtitan logs from (rank 0; under PP the last stage's) append each
+the rank holding the loss (rank 0; under PP the last stage's) append each
 logged step's metrics there as JSON.
 
 The processor is also the one component of a train spec that torchtitan
@@ -46,7 +46,9 @@ def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None
     plan = job.current()
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank0 = rank == 0
-    if plan.metrics_jsonl and rank == compat.metrics_rank(parallel_dims, job_config):
+    # torchtitan logs from rank 0 for ZBVZeroBubble only; DualPipeV's last stage is on rank 0 too
+    logs_loss = 0 if plan.pp is not None and plan.pp.v_shape else compat.metrics_rank(parallel_dims, job_config)
+    if plan.metrics_jsonl and rank == logs_loss:
         processor.logger = JsonlLogger(processor.logger, plan.metrics_jsonl)
     if plan.hf_export and rank0 and model_args is not None:
         checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)

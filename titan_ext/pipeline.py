@@ -197,6 +197,17 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
     per_rank = len(stages) // p.pipeline_parallel_degree
     if v_shape and per_rank != 2:
         raise ConfigError(f"{SCHEDULE}={schedule!r} runs 2 stages per rank (a V), not {per_rank}; give 2 per rank")
+    if schedule_class is ScheduleDualPipeV and p.pipeline_parallel_expert_parallel_overlap and not torch.accelerator.is_available():
+        raise ConfigError(
+            f"{SCHEDULE}='DualPipeV' with --parallelism.pipeline_parallel_expert_parallel_overlap (torchtitan's "
+            "default) needs an accelerator's streams; set --parallelism.no-pipeline_parallel_expert_parallel_overlap "
+            "(it overlaps expert-parallel communication, which titan_ext's models do not have)"
+        )
+    if schedule_class is ScheduleDualPipeV and batch // micro < len(stages):
+        raise ConfigError(
+            f"{SCHEDULE}='DualPipeV' needs a microbatch per stage: {batch // micro} microbatches for {len(stages)} stages; "
+            "raise --training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size"
+        )
     return PPChoice(p.pipeline_parallel_degree, schedule, tuple(tuple(s) for s in stages), v_shape)
 
 

@@ -90,7 +90,7 @@ def _check_titan_ext_parallelism(job_config) -> None:
     if p.pipeline_parallel_degree > 1:
         from titan_ext import documents
 
-        others = [(f"--parallelism.{name}_degree", getattr(p, f"{name}_degree")) for name in ("tensor_parallel", "context_parallel")]
+        others = [("--parallelism.context_parallel_degree", p.context_parallel_degree)]
         others += [(documents.OPTION, documents.enabled(job_config))]
         for option, value in others:
             if value not in (1, False):

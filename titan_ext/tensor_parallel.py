@@ -72,6 +72,10 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice) -> None:
     options = TPOptions(sequence_parallel=choice.sequence_parallel, loss_parallel=choice.loss_parallel, float8=choice.float8)
     plan = choice.plan_cls(options)
     apply_tp(model, tp_mesh, plan)
+    if options.sequence_parallel:  # a pipeline stage's hidden states cross stages as this rank's sequence shard
+        from torch.distributed.tensor import Shard
+
+        model.residual_layout = (tp_mesh, (Shard(1),))
     if choice.async_tp:
         enable_async_tp(tp_mesh)
     logger.info(

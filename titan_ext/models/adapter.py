@@ -17,6 +17,7 @@ import functools
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from titan_ext import documents, kernels
 from titan_ext.errors import ConfigError
@@ -35,6 +36,11 @@ class TitanCausalLM:
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
             kernels.bind(self, kernel_path())
 
+    residual_layout = None
+    """Set by TP with sequence parallel: (mesh, placements) of the residual stream. A pipeline stage
+    sends and receives its local shard and rewraps it here, since HF decoders read the global
+    sequence length (positions, masks) from their input's shape."""
+
     positions_are_global = False
     """Set by context parallelism: ``positions`` are torchtitan's places of the tokens in the whole
     sequence, not document positions. Recurrent mixers need none (they exchange states);
@@ -46,7 +52,12 @@ class TitanCausalLM:
         A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of tokens, and
         one without the head returns hidden states (``titan_ext.pipeline``).
         """
-        first = {"input_ids": tokens} if self.get_input_embeddings() is not None else {"inputs_embeds": tokens}
+        if self.get_input_embeddings() is not None:
+            first = {"input_ids": tokens}
+        else:  # a later pipeline stage: hidden states in
+            if self.residual_layout is not None:
+                tokens = DTensor.from_local(tokens, *self.residual_layout, run_check=False)
+            first = {"inputs_embeds": tokens}
         if self.positions_are_global and self.arch.cp_attention:  # attention needs the global positions
             # transformers reads position_ids; titan_ext's fla Attention forward under CP reads positions
             where = {"position_ids" if self.arch.cp_attention == "transformers" else "positions": positions}
@@ -62,8 +73,8 @@ class TitanCausalLM:
                 input_ids=tokens, position_ids=positions, attention_mask=documents.block_causal_mask(positions),
                 use_cache=False, return_dict=True,
             ).last_hidden_state
-        if self.lm_head is None:
-            return hidden
+        if self.lm_head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
+            return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         return self.lm_head(hidden).view(*tokens.shape[:2], -1)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

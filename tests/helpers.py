@@ -48,3 +48,43 @@ def backward_with_random_cotangents(outputs, seed=1):
     g = torch.Generator().manual_seed(seed)
     loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in outputs if o is not None)
     loss.backward()
+
+
+def on_forked_ranks(world: int, work):
+    """``work(rank, mesh)`` on ``world`` forked gloo ranks (a 1-D CPU mesh); returns ``{rank: result}``.
+
+    Forked, not spawned: a spawned rank spends ~10-20 s of a 2-core machine importing fla and
+    transformers. Each child first drops what fork handed it from the test process: an initialized
+    (fake) process group, and DTensor's cached shardings, which would hand back an equal mesh of that
+    group (DeviceMesh equality ignores the group) whose collectives exchange nothing.
+    """
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.start_processes(_forked_rank, args=(world, port, work, results), nprocs=world, start_method="fork")
+        return dict(results)
+
+
+def _forked_rank(rank, world, port, work, results):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    torch.set_num_threads(1)  # before any op: the parent's OpenMP pool does not survive fork
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _clear_sharding_prop_cache()
+    try:
+        results[rank] = work(rank, init_device_mesh("cpu", (world,)))
+    finally:
+        dist.destroy_process_group()

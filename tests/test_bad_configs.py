@@ -29,6 +29,11 @@ CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_paralle
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 LLAMA = ["--job.config_file", str(CONFIGS / "debug_llama.toml")]
+
+
+def generic(spec: str, config: str) -> list[str]:
+    """A generic spec (``fla``/``hf``) whose architecture is the config file ``{tmp}/config``."""
+    return [*GLA, "--model.name", spec, "--titan_ext.hf_config", f"{{tmp}}/{config}"]
 HF_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path"]
 DCP_LOAD = ["--checkpoint.enable", "--checkpoint.initial_load_path"]
 
@@ -151,28 +156,19 @@ CASES = {
     "seq_len not divisible under sp": ([*GLA, *TP2, "--training.seq_len", "127"], 2, "--training.seq_len=127 is not divisible"),
     # the generic specs: any fla model (--model.name fla), any transformers causal LM (hf)
     "generic spec without a config": ([*GLA, "--model.name", "fla"], 1, "takes the architecture from a config.json"),
-    "config without model_type": (
-        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/no_model_type.json"], 1, "has no model_type"
-    ),
+    "config without model_type": (generic("fla", "no_model_type.json"), 1, "has no model_type"),
     "unknown model_type": (
-        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/unknown_type.json"], 1,
-        "model_type 'gla_typo' is not a model type fla registers",
+        generic("fla", "unknown_type.json"), 1, "model_type 'gla_typo' is not a model type fla registers"
     ),
-    "fla model under the hf spec": (
-        [*GLA, "--model.name", "hf", "--titan_ext.hf_config", "{tmp}/hf_mismatch"], 1,
-        "is a fla model; train it with --model.name='fla'",
-    ),
+    "fla model under the hf spec": (generic("hf", "hf_mismatch"), 1, "is a fla model; train it with --model.name='fla'"),
     "fla model without a portable kernel on cpu": (
-        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/delta_net.json"], 1,
-        "fla's Triton kernel fla.ops.delta_rule",
+        generic("fla", "delta_net.json"), 1, "fla's Triton kernel fla.ops.delta_rule"
     ),
     "fla model its library cannot build": (
-        [*GLA, "--model.name", "fla", "--titan_ext.hf_config", "{tmp}/mamba2_unbuildable.json"], 1,
-        "Mamba2ForCausalLM cannot be built from this config",
+        generic("fla", "mamba2_unbuildable.json"), 1, "Mamba2ForCausalLM cannot be built from this config"
     ),
     "tp for a model with no plan": (
-        [*GLA, *TP2, "--model.name", "hf", "--titan_ext.hf_config", "{tmp}/opt.json"], 2,
-        "no tensor-parallel plan for model_type 'opt'",
+        [*generic("hf", "opt.json"), *TP2], 2, "no tensor-parallel plan for model_type 'opt'"
     ),
     # [titan_ext] hf_config
     "hf_config path missing": ([*GLA, "--titan_ext.hf_config", "{tmp}/nowhere.json"], 1, "no such file"),

@@ -7,16 +7,15 @@ one process. Then ``validate_tp``'s one-line errors.
 """
 
 import copy
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import assert_rel_close
+from helpers import assert_rel_close, on_forked_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.debug import CommDebugMode, _clear_sharding_prop_cache
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model_plans import TPOptions, apply_tp, get_tp_plan, validate_tp
@@ -189,43 +188,17 @@ def _compare(name, sp, packed, mesh):
     return results
 
 
-def _two_ranks(rank, port, results):
-    """One forked gloo rank: every case's TP=2 run and its one-process reference."""
-    import os
-
-    torch.set_num_threads(1)  # before any op: the parent's OpenMP pool does not survive fork
-    if dist.is_initialized():  # the fake group of the tests above, inherited through fork
-        dist.destroy_process_group()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
-    # DeviceMesh equality ignores the process group: DTensor's cached shardings would hand back the
-    # inherited fake-group mesh (an equal one) and its collectives would exchange nothing.
-    _clear_sharding_prop_cache()
-    try:
-        mesh = init_device_mesh("cpu", (TP,))
-        for case in EXACT_CASES:
-            results[(rank, *case)] = _compare(*case, mesh)
-    finally:
-        dist.destroy_process_group()
+def _all_cases(rank, mesh):
+    """Every case's TP=2 run and its one-process reference, on one rank."""
+    return {case: _compare(*case, mesh) for case in EXACT_CASES}
 
 
 def test_two_ranks_equal_one_process():
-    """fp32 losses (over two SGD steps) and gradients of TP=2 on gloo match one process within 1e-5.
-
-    The ranks are forked: spawned ones would spend ~20 s of a 2-core machine importing fla and titan_ext.
-    """
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_two_ranks, args=(port, results), nprocs=TP, start_method="fork")
-        results = dict(results)
+    """fp32 losses (over two SGD steps) and gradients of TP=2 on gloo match one process within 1e-5."""
+    results = on_forked_ranks(TP, _all_cases)
     for case in EXACT_CASES:
         for rank in range(TP):
-            (ref_losses, ref_grads), (losses, grads) = results[(rank, *case)]
+            (ref_losses, ref_grads), (losses, grads) = results[rank][case]
             assert_rel_close(losses, ref_losses, 1e-5, f"{case} rank {rank} losses")
             for param, ref in ref_grads.items():
                 assert_rel_close(grads[param], ref, 1e-5, f"{case} rank {rank} {param}.grad")

@@ -8,17 +8,16 @@ process's.
 """
 
 import copy
-import os
-import socket
 from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import on_forked_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode, _clear_sharding_prop_cache
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -269,35 +268,14 @@ def _compare(model_type, options, mesh):
     return worst
 
 
-def _two_ranks(rank, port, results):
-    torch.set_num_threads(1)  # two ranks on two cores; before any op: the parent's OpenMP pool does not survive fork
-    if dist.is_initialized():  # the fake group of the tests above, inherited through fork
-        dist.destroy_process_group()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=TP)
-    # DeviceMesh equality ignores the process group: DTensor's cached shardings would hand back the
-    # inherited fake-group mesh (an equal one) and its collectives would exchange nothing.
-    _clear_sharding_prop_cache()
-    try:
-        mesh = init_device_mesh("cpu", (TP,))
-        for model_type, options in EXACT_CASES:
-            results[rank, model_type, options] = _compare(model_type, options, mesh)
-    finally:
-        dist.destroy_process_group()
+def _all_cases(rank, mesh):
+    return {case: _compare(*case, mesh) for case in EXACT_CASES}
 
 
 def test_two_ranks_equal_one_process():
     """fp32, same seed on both ranks: SP with loss parallel, and neither, match one process within 1e-5."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:  # forked ranks: spawned ones spend ~10 s importing transformers and fla
-        results = manager.dict()
-        mp.start_processes(_two_ranks, args=(port, results), nprocs=TP, start_method="fork")
-        results = dict(results)
+    results = on_forked_ranks(TP, _all_cases)
     for model_type, options in EXACT_CASES:
         for rank in range(TP):
-            worst = results[rank, model_type, options]
+            worst = results[rank][model_type, options]
             assert worst <= 1e-5, f"{model_type} {options} rank {rank}: relative error {worst:.1e}"

@@ -13,6 +13,7 @@ A subclass of a known config class (a user's variant under a new
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 from titan_ext.errors import ConfigError
@@ -163,13 +164,20 @@ def _check_config_subclass(config_class: type, source: str) -> None:
     own ``__init__`` gets a generated one that never calls its parent's, so the
     parent's defaults (every architecture field) are missing from the config.
     """
-    parent = next((k for k in config_class.__mro__[1:] if getattr(k, "model_type", "")), None)
-    if parent is None:
-        return
-    lost = sorted(set(parent().to_dict()) - set(config_class().to_dict()))
+    parent, lost = _defaults_lost(config_class)
     if lost:
         raise ConfigError(
             f"{source}: {config_class.__name__} drops {parent.__name__}'s defaults ({', '.join(lost[:3])}, ...): "
             "transformers 5 generates an __init__ for a config subclass without one; give it "
             "`def __init__(self, **kwargs): super().__init__(**kwargs)`"
         )
+
+
+@functools.cache
+def _defaults_lost(config_class: type) -> tuple[type | None, list[str]]:
+    """(nearest parent with a model type, the fields of its defaults ``config_class()`` lacks); once per
+    class, since every model-args lookup of the job resolves the classes again."""
+    parent = next((k for k in config_class.__mro__[1:] if getattr(k, "model_type", "")), None)
+    if parent is None:
+        return None, []
+    return parent, sorted(set(parent().to_dict()) - set(config_class().to_dict()))

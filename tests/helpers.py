@@ -54,13 +54,18 @@ def on_forked_ranks(world: int, work):
     """``work(rank, mesh)`` on ``world`` forked gloo ranks (a 1-D CPU mesh); returns ``{rank: result}``.
 
     Forked, not spawned: a spawned rank spends ~10-20 s of a 2-core machine importing fla and
-    transformers. Each child first drops what fork handed it from the test process: an initialized
-    (fake) process group, and DTensor's cached shardings, which would hand back an equal mesh of that
-    group (DeviceMesh equality ignores the group) whose collectives exchange nothing.
+    transformers. Fork hands the children the test process's state: DTensor's cached shardings,
+    which would give back an equal mesh of an earlier (fake) process group (DeviceMesh equality
+    ignores the group) whose collectives exchange nothing, are cleared here, before the fork (in a
+    forked child the clear can block on a lock another thread of this process held); each child
+    drops an inherited initialized process group itself.
     """
     import socket
 
     import torch.multiprocessing as mp
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,14 +81,12 @@ def _forked_rank(rank, world, port, work, results):
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     torch.set_num_threads(1)  # before any op: the parent's OpenMP pool does not survive fork
     if dist.is_initialized():
         dist.destroy_process_group()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    _clear_sharding_prop_cache()
     try:
         results[rank] = work(rank, init_device_mesh("cpu", (world,)))
     finally:

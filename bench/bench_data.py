@@ -3,7 +3,7 @@
 A generated folder of parquet shards (the shipped corpus repeated up to ``--mb``
 megabytes) is read through torchtitan's dataloader as a training job builds it,
 in stream order, with the shuffle buffer, and with the buffer and document
-masking (``positions`` and boundary labels per window). Each row: tokens/s over ``--batches``
+masking (``document_positions`` and boundary labels per window). Each row: tokens/s over ``--batches``
 batches after the first, and its ratio to the first row. The model never runs:
 this is the ceiling the data path puts on training throughput.
 

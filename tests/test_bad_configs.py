@@ -45,6 +45,7 @@ def write_inputs(tmp):
         "unbuildable.json": json.dumps({"num_heads": 3}),  # fla: key dim 32 does not split into 3 heads
         "mlp101.json": json.dumps({"intermediate_size": 101}),
         "fused_chunk.json": json.dumps({"attn_mode": "fused_chunk"}),
+        "short_conv.json": json.dumps({"use_short_conv": True, "conv_size": 4}),
         "typo.json": json.dumps({"num_hiden_layers": 4}),
         "wrong_type.json": json.dumps({"hidden_size": "64"}),
         "impossible.json": json.dumps({"num_hidden_layers": 0}),
@@ -134,7 +135,10 @@ CASES = {
         ["--job.config_file", "{tmp}/pp_names.toml", *PP2], 2, "names 'tok_embeddings', which is not a part of this model",
     ),
     "pp with cp": ([*GLA, *PP2, "--parallelism.context_parallel_degree", "2"], 4, "does not combine with --parallelism.context_parallel_degree=2"),
-    "context parallel with document masking": ([*GLA, *CP2, "--titan_ext.document_mask"], 2, "does not yet stop at document"),
+    "context parallel pieces shorter than a convolution's halo": (
+        [*GLA, *CP2, "--titan_ext.hf_config", "{tmp}/short_conv.json", "--training.seq_len", "8"], 2,
+        "pieces of 2 tokens, shorter than the 3 earlier inputs",
+    ),
     "context parallel with a token-reordering balancer": (
         [*GLA, *CP2, "--parallelism.context_parallel_load_balancer", "ptrr"], 2, "context_parallel_load_balancer='ptrr'"
     ),

@@ -97,10 +97,46 @@ def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
     assert counts == {"c10d_functional.all_gather_into_tensor": 2 * (1 + 3)}, counts
 
 
+@pytest.mark.parametrize("with_documents", [False, True])
+def test_gated_deltanet_layer_sends_its_state_map_and_conv_halo_once(cp_mesh, with_documents, monkeypatch):
+    """Gated DeltaNet: one all-gather of each piece's [F | M] (its final state and its K x K state map) and one
+    of the fused q/k/v convolution's halo per layer. Packed documents add none of their own (on packed input
+    fla convolves q, k and v one by one: a halo each)."""
+    from titan_ext.models.gated_deltanet import gated_deltanet_flavors
+
+    torch.manual_seed(0)
+    model = build_model(copy.deepcopy(gated_deltanet_flavors["debugmodel"]))
+    model.init_weights()
+    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    B, T = 2, 128
+    extra = {"positions": torch.arange(T, 2 * T).expand(B, T)}  # rank 1's piece
+    if with_documents:
+        extra["document_positions"] = (torch.arange(2 * T) % 50).expand(B, 2 * T)
+    sent = []
+    gather = compat.all_gather_autograd
+    monkeypatch.setattr(compat, "all_gather_autograd", lambda t, group: sent.append(t.shape) or gather(t, group))
+    with CommDebugMode() as comm:
+        model(torch.randint(0, 2048, (B, T)), **extra)
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    HV, K, V = 4, 16, 32  # debug Gated DeltaNet: 4 heads, head dim 16, values expanded 2x
+    # one piece per rank: the last 3 inputs of q, k and v (together, or one by one), its final state and state map
+    convs = [(1, B, 3, HV * K), (1, B, 3, HV * K), (1, B, 3, HV * V)] if with_documents else [(1, B, 3, 2 * HV * K + HV * V)]
+    state = (1, B, HV, K, V + K)
+    assert counts == {"c10d_functional.all_gather_into_tensor": 2 * (len(convs) + 1)}, counts
+    assert sent == (convs + [state]) * 2, sent
+
+
 CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 1, 1e-12), ("hf_llama", 2, 1e-12),
-         ("fla_transformer", 1, 1e-12), ("fla_transformer", 2, 1e-12), ("fla_transformer+window", 2, 1e-12)]
+         ("fla_transformer", 1, 1e-12), ("fla_transformer", 2, 1e-12), ("fla_transformer+window", 2, 1e-12),
+         ("fla_gated_deltanet", 1, 1e-12), ("fla_gated_deltanet", 2, 1e-12),
+         ("fla_gla+docs", 2, 1e-5), ("fla_gated_deltanet+docs", 1, 1e-12), ("fla_gated_deltanet+docs", 2, 1e-12),
+         ("hf_llama+docs", 2, 1e-12), ("fla_transformer+docs", 2, 1e-12), ("fla_transformer+window+docs", 1, 1e-12)]
 """(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
-Llama and the fla transformer (all-gathered keys and values; also with a sliding window) in fp64."""
+Gated DeltaNet (its q/k/v convolution fused), Llama and the fla transformer (all-gathered keys and values;
+also with a sliding window) in fp64. ``+docs``: packed documents (document masking) on both sides."""
+
+DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
+"""In a row of 160: across the pieces of 40 and 80, one at a piece start, a 1-token document."""
 
 
 def _two_ranks(rank, port, results):
@@ -112,36 +148,49 @@ def _two_ranks(rank, port, results):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     try:
         for spec, pieces_per_rank, _ in CASES:
-            torch.set_default_dtype(torch.float32 if spec == "fla_gla" else torch.float64)
+            torch.set_default_dtype(torch.float32 if spec.startswith("fla_gla") else torch.float64)
             results[rank, spec, pieces_per_rank] = _compare(spec, pieces_per_rank, rank, mesh)
     finally:
         dist.destroy_process_group()
 
 
 def _compare(spec, pieces_per_rank, rank, mesh):
-    if spec == "hf_llama":
+    name = spec.split("+")[0]
+    if name == "hf_llama":
         from titan_ext.models.llama import llama_flavors
 
         args = copy.deepcopy(llama_flavors["debugmodel"])
-    elif spec.startswith("fla_transformer"):
+    elif name == "fla_transformer":
         from titan_ext.models.transformer import transformer_flavors
 
         args = copy.deepcopy(transformer_flavors["debugmodel"])
-        args.config["window_size"] = 24 if spec.endswith("window") else None  # reaches across pieces of 40
+        args.config["window_size"] = 24 if "+window" in spec else None  # reaches across pieces of 40
+    elif name == "fla_gated_deltanet":
+        from titan_ext.models.gated_deltanet import gated_deltanet_flavors
+
+        args = copy.deepcopy(gated_deltanet_flavors["debugmodel"])
     else:
         args = copy.deepcopy(gla_flavors["debugmodel"])
         args.config["use_short_conv"] = True
     torch.manual_seed(0)
     whole = build_model(args)
     whole.init_weights()
+    whole.to(torch.get_default_dtype())  # also the parameters fla keeps in fp32 (Gated DeltaNet's A_log)
     model = copy.deepcopy(whole)
     apply_cp(model, mesh, CPChoice(2, pieces_per_rank))
     tokens = torch.randint(0, 2048, (2, 160), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(160).expand(2, 160)
+    extra = {}
+    if spec.endswith("+docs"):  # row 1's documents start 9 tokens later than row 0's
+        starts = torch.zeros(2, 160, dtype=torch.bool)
+        starts[0, DOCUMENT_STARTS] = True
+        starts[1, [0] + [s + 9 for s in DOCUMENT_STARTS[1:]]] = True
+        index = torch.arange(160).expand(2, 160)
+        extra["document_positions"] = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
     size = 160 // (2 * pieces_per_rank)
     mine = torch.cat([torch.arange(p * size, (p + 1) * size) for p in piece_order(rank, 2, pieces_per_rank)])
-    whole(tokens).sum().backward()
-    out = model(tokens[:, mine], positions=positions[:, mine])
+    whole(tokens, **extra).sum().backward()
+    out = model(tokens[:, mine], positions=positions[:, mine], **extra)
     out.sum().backward()
     worst = 0.0
     for p, q in zip(model.parameters(), whole.parameters()):
@@ -149,7 +198,7 @@ def _compare(spec, pieces_per_rank, rank, mesh):
         dist.all_reduce(grad)  # FSDP's sum over the CP ranks
         worst = max(worst, ((grad - q.grad).norm() / q.grad.norm()).item())
     with torch.no_grad():
-        forward = ((out - whole(tokens)[:, mine]).norm() / out.norm()).item()
+        forward = ((out - whole(tokens, **extra)[:, mine]).norm() / out.norm()).item()
     return forward, worst
 
 
@@ -165,6 +214,10 @@ def test_two_ranks_equal_one_process():
         port = s.getsockname()[1]
     results = mp.Manager().dict()
     mp.spawn(_two_ranks, args=(port, results), nprocs=2)
+    for spec, pieces_per_rank, tol in CASES:
+        for rank in (0, 1):
+            forward, grads = results[rank, spec, pieces_per_rank]
+            print(spec, pieces_per_rank, rank, f"{forward:.1e} {grads:.1e}")
     for spec, pieces_per_rank, tol in CASES:
         for rank in (0, 1):
             forward, grads = results[rank, spec, pieces_per_rank]

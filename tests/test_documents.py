@@ -41,7 +41,7 @@ def test_window_sample_marks_boundaries():
     window = torch.arange(10, 20)
     inputs, labels = documents.window_sample(window, [2, 6, 7])  # the window begins mid-document
     assert inputs["input"].tolist() == list(range(10, 19))
-    assert inputs["positions"].tolist() == [0, 1, 0, 1, 2, 3, 0, 0, 1]
+    assert inputs["document_positions"].tolist() == [0, 1, 0, 1, 2, 3, 0, 0, 1]
     # labels that would cross into the next document are ignored: tokens 11, 15 and 16 end documents
     assert labels.tolist() == [11, -100, 13, 14, 15, -100, -100, 18, 19]
 
@@ -61,7 +61,7 @@ def packed_batch(vocab: int, seed: int = 0):
         window = torch.cat(row)
         starts = torch.tensor([len(d) for d in row]).cumsum(0)[:-1].tolist()
         samples.append(documents.window_sample(window, [0, *starts]))
-    batch = {key: torch.stack([s[0][key] for s in samples]) for key in ("input", "positions")}
+    batch = {key: torch.stack([s[0][key] for s in samples]) for key in ("input", "document_positions")}
     return [d for row in docs for d in row], batch, torch.stack([s[1] for s in samples])
 
 
@@ -78,7 +78,7 @@ def test_packed_documents_train_as_the_documents_one_by_one(spec):
     model = debug_model(spec).double()
     docs, batch, labels = packed_batch(model.config.vocab_size)
 
-    packed = loss_sum(model(batch["input"], positions=batch["positions"]), labels)
+    packed = loss_sum(model(batch["input"], document_positions=batch["document_positions"]), labels)
     packed.backward()
     packed_grads = grads(model)
 
@@ -91,7 +91,7 @@ def test_packed_documents_train_as_the_documents_one_by_one(spec):
 
     # the control: without the boundaries each row is one sequence, and later documents see earlier ones
     with torch.no_grad():
-        leak = (model(batch["input"]) - model(batch["input"], positions=batch["positions"])).abs().max().item()
+        leak = (model(batch["input"]) - model(batch["input"], document_positions=batch["document_positions"])).abs().max().item()
     assert leak > 1e-6, leak  # fp64 rounding is ~1e-14
 
 
@@ -110,7 +110,7 @@ def test_compiled_blocks_do_not_recompile_as_the_document_count_changes(spec):
             cuts = (torch.randperm(T - 1, generator=g)[: documents_per_row - 1] + 1).sort().values.tolist()
             positions[b] = torch.cat([torch.arange(end - start) for start, end in zip([0, *cuts], [*cuts, T])])
         tokens = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
-        model(tokens, positions=positions).float().logsumexp(-1).mean().backward()
+        model(tokens, document_positions=positions).float().logsumexp(-1).mean().backward()
 
     # fla's transformer fills its rotary cache lazily in step 1: one recompile at step 2 (test_ac_compile.py)
     warmup = 2 if spec == "fla_transformer" else 1
@@ -131,13 +131,13 @@ def test_streamed_windows_carry_positions_and_resume_with_them(tmp_path):
     it = iter(dataset())
     batches = [next(it) for _ in range(12)]
     for inputs, labels in batches:
-        x, positions = inputs["input"], inputs["positions"]
+        x, positions = inputs["input"], inputs["document_positions"]
         assert (positions[x == 1] == 0).all(), "every BOS starts a document"
         assert (positions[1:] - positions[:-1])[x[1:] != 1].eq(1).all(), "positions count up inside a document"
         assert not (labels == 1).any(), "no label asks for the next document's BOS"
         assert (labels == -100).sum() == (x[1:] == 1).sum() + (labels[-1] == -100)
-    assert sum(int((x["positions"] == 0).sum()) for x, _ in batches) > 1.5 * len(batches)  # documents inside windows
-    assert "positions" not in next(iter(dataset(mask=False)))[0]
+    assert sum(int((x["document_positions"] == 0).sum()) for x, _ in batches) > 1.5 * len(batches)  # documents inside windows
+    assert "document_positions" not in next(iter(dataset(mask=False)))[0]
 
     first = dataset()
     it = iter(first)
@@ -148,4 +148,4 @@ def test_streamed_windows_carry_positions_and_resume_with_them(tmp_path):
     again = iter(resumed)
     for inputs, labels in batches[5:]:
         got_inputs, got_labels = next(again)
-        assert torch.equal(got_inputs["positions"], inputs["positions"]) and torch.equal(got_labels, labels)
+        assert torch.equal(got_inputs["document_positions"], inputs["document_positions"]) and torch.equal(got_labels, labels)

@@ -1,50 +1,177 @@
-"""The GLA state exchange alone: a sequence split into pieces across simulated ranks equals one pass (fp64)."""
+"""The state exchange alone: a sequence split into pieces across simulated ranks equals one pass (fp64),
+for GLA's diagonal decay and the gated delta rule's full-matrix one, with and without packed documents,
+and the short convolutions' halos.
+
+Each simulated rank runs the real wrapper; the all-gather is stubbed in two passes: the first records
+every rank's summary, the second hands each rank all of them (graph-connected), so gradients reach
+every piece through the exchange as they do through the real collective's backward.
+"""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_rel_close, gla_inputs
 
+from titan_ext import documents
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels import state_passing
+from titan_ext.kernels.conv import causal_conv1d
+from titan_ext.kernels.gated_delta import chunk_gated_delta_rule
+
+LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]
+"""(ranks, pieces per rank): contiguous pieces, and torchtitan's head-tail order."""
+
+DOC_STARTS = [0, 7, 24, 25, 60, 72, 95]
+"""Document starts in a row of 96 tokens: across piece borders, one at a piece start (24), a 1-token document."""
+
+
+def split(world, pieces_per_rank, T):
+    """Each rank's global token indices, its pieces back to back."""
+    size = T // (world * pieces_per_rank)
+    return {r: torch.cat([torch.arange(p * size, (p + 1) * size)
+                          for p in state_passing.piece_order(r, world, pieces_per_rank)]) for r in range(world)}
+
+
+def on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, document_positions=None):
+    """``run(layout, mine)`` on every simulated rank (``mine``: its global indices); the outputs put
+    back in sequence order along dim 1 (``[B, T, ...]``)."""
+    held = split(world, pieces_per_rank, T)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    recorded, replay = [], []
+
+    def gather(summary, group):
+        if replay:  # second pass: every rank's summary from the first
+            return torch.stack(replay)
+        recorded.append(summary)
+        return summary.new_zeros(world, *summary.shape)
+
+    monkeypatch.setattr(state_passing, "gather_pieces", gather)
+
+    def each_rank():
+        outputs = []
+        for r in range(world):
+            monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
+            layout = state_passing.PieceLayout(None, pieces_per_rank)
+            layout.positions = held[r].expand(2, -1)  # B = 2
+            layout.document_positions = document_positions
+            outputs.append(run(layout, held[r]))
+        return outputs
+
+    each_rank()
+    assert len(recorded) == world, "one all-gather per rank"
+    replay.extend(recorded)
+    outputs = each_rank()
+    whole = torch.empty(outputs[0].shape[0], T, *outputs[0].shape[2:], dtype=outputs[0].dtype)
+    for r, o in enumerate(outputs):
+        whole[:, held[r]] = o
+    return whole
+
+
+def packed(x, mine, layout):
+    """The local rows as the model's forward hands them to a mixer under document masking: one row."""
+    return x[:, mine].reshape(1, -1, *x.shape[2:])
+
+
+def local_cu_seqlens(layout):
+    """What ``context_parallel.step_inputs`` builds: every piece row and every document starts a sequence."""
+    local = layout.document_positions.gather(1, layout.positions.long())
+    size = local.shape[1] // layout.per_rank
+    starts = torch.zeros_like(local, dtype=torch.bool)
+    starts[:, ::size] = True
+    return documents.cu_seqlens(local.masked_fill(starts, 0))
+
+
+def document_positions(B, T):
+    """``[B, T]``: row 0 with ``DOC_STARTS``, the other rows with every start 7 tokens earlier (and one at 0)."""
+    shifted = sorted({0, *[s - 7 for s in DOC_STARTS if s >= 7]})
+    rows = []
+    for b in range(B):
+        starts = DOC_STARTS if b == 0 else shifted
+        row = torch.zeros(T, dtype=torch.long)
+        for start, end in zip(starts, starts[1:] + [T]):
+            row[start:end] = torch.arange(end - start)
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def gla_case(B, T, with_h0):
+    q, k, v, g, h0 = gla_inputs(B, T, 2, 8, 16, dtype=torch.float64, with_h0=with_h0)
+    return [x.clone().requires_grad_() for x in (q, k, v, g)], None if h0 is None else h0.double().requires_grad_()
+
+
+def delta_case(B, T, with_h0):
+    """Gated DeltaNet's call: grouped value heads, q/k L2-normalised in the kernel, a V-first state."""
+    gen = torch.Generator().manual_seed(3)
+    H, HV, K, V = 2, 4, 8, 6
+    q, k = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    g = F.logsigmoid(2 * torch.randn(B, T, HV, generator=gen, dtype=torch.float64))
+    beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(B, HV, V, K, generator=gen, dtype=torch.float64).requires_grad_() if with_h0 else None
+    return [x.clone().requires_grad_() for x in (q, k, v, g, beta)], h0
+
+
+def gla_call(kernel, xs, h0, cu_seqlens=None):
+    q, k, v, g = xs
+    return kernel(q=q, k=k, v=v, g=g, initial_state=h0, cu_seqlens=cu_seqlens, state_v_first=False)[0]
+
+
+def delta_call(kernel, xs, h0, cu_seqlens=None):
+    q, k, v, g, beta = xs
+    return kernel(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu_seqlens, state_v_first=True,
+                  use_qk_l2norm_in_kernel=True)[0]
+
+
+CASES = {
+    "gla": (gla_case, gla_call, portable.chunk_gla, state_passing.DiagonalDecay("g")),
+    "delta": (delta_case, delta_call, chunk_gated_delta_rule, state_passing.AffineState()),
+}
 
 
 @pytest.mark.parametrize("with_h0", [False, True])
-@pytest.mark.parametrize("world,pieces_per_rank", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)])
-def test_pieces_with_exchanged_states_equal_one_pass(monkeypatch, world, pieces_per_rank, with_h0):
-    B, H, K, V = 2, 2, 8, 16
-    chunks = world * pieces_per_rank
-    T = 24 * chunks  # pieces of 24: a partial last chunk of fla's 16
-    q, k, v, g, h0 = gla_inputs(B, T, H, K, V, dtype=torch.float64, with_h0=with_h0)
-    h0 = None if h0 is None else h0.double()
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, g)] + ([h0.clone().requires_grad_()] if with_h0 else [])
-    cotangent = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+@pytest.mark.parametrize("world,pieces_per_rank", LAYOUTS)
+@pytest.mark.parametrize("recurrence", ["gla", "delta"])
+def test_pieces_with_exchanged_states_equal_one_pass(monkeypatch, recurrence, world, pieces_per_rank, with_h0):
+    make, call, kernel, kind = CASES[recurrence]
+    B, T = 2, 24 * world * pieces_per_rank  # pieces of 24: partial chunks of fla's 16 and of 64
+    xs, h0 = make(B, T, with_h0)
+    leaves = xs + ([h0] if with_h0 else [])
+    cotangent = torch.randn(*xs[2].shape[:3], xs[2].shape[3], dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    ref = call(kernel, xs, h0)
+    ref_grads = torch.autograd.grad(ref, leaves, cotangent)
 
-    # one pass over the whole sequence
-    o_ref, _ = portable.chunk_gla(*leaves[:4], initial_state=leaves[4] if with_h0 else None)
-    ref_grads = torch.autograd.grad(o_ref, leaves, cotangent)
+    def run(layout, mine):
+        split_kernel = state_passing.across_ranks(kernel, kind, layout)
+        return call(split_kernel, [x[:, mine] for x in xs], h0)
 
-    # each simulated rank holds its pieces back to back (head-tail order with two per rank)
-    size = T // chunks
-    held = {r: [slice(p * size, (p + 1) * size) for p in state_passing.piece_order(r, world, pieces_per_rank)]
-            for r in range(world)}
-    local = {r: [torch.cat([x[:, s] for s in held[r]], dim=1) for x in leaves[:4]] for r in range(world)}
-    every = torch.stack([state_passing.piece_summaries(k_, v_, g_, pieces_per_rank) for _, k_, v_, g_ in local.values()])
-    out = torch.empty(B, T, H, V, dtype=torch.float64)
-    outputs = []
-    for r in range(world):  # the all-gather is every rank's summaries; its backward sums over ranks
-        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
-        monkeypatch.setattr(state_passing, "gather_pieces", lambda summary, group: every)
-        kernel = state_passing.across_ranks(portable.chunk_gla, "g", group=None, pieces_per_rank=pieces_per_rank)
-        lq, lk, lv, lg = local[r]
-        o, _ = kernel(lq, lk, lv, g=lg, initial_state=leaves[4] if with_h0 else None, state_v_first=r % 2 == 1)
-        outputs.append(o)
-    out = torch.cat([o[:, i * size:(i + 1) * size] for r, o in enumerate(outputs) for i in range(pieces_per_rank)], 1)
-    order = [p for r in range(world) for p in state_passing.piece_order(r, world, pieces_per_rank)]
-    whole = torch.empty_like(out)
-    for slot, p in enumerate(order):
-        whole[:, p * size:(p + 1) * size] = out[:, slot * size:(slot + 1) * size]
-    assert_rel_close(whole, o_ref, tol=1e-10, what="output")
-    for got, want, name in zip(torch.autograd.grad(whole, leaves, cotangent), ref_grads, "qkvgh"):
+    whole = on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run)
+    assert_rel_close(whole, ref, tol=1e-10, what="output")
+    for got, want, name in zip(torch.autograd.grad(whole, leaves, cotangent), ref_grads, "qkvgbh"):
+        assert_rel_close(got, want, tol=1e-10, what=f"d{name}")
+
+
+@pytest.mark.parametrize("world,pieces_per_rank", [(2, 1), (4, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("recurrence", ["gla", "delta"])
+def test_packed_documents_restart_across_ranks(monkeypatch, recurrence, world, pieces_per_rank):
+    """Documents packed in rows and split across ranks equal the same documents run one pass each:
+    a piece that starts a document reads no state, one that holds a start hands on only its last document's."""
+    make, call, kernel, kind = CASES[recurrence]
+    B, T = 2, 96
+    xs, _ = make(B, T, False)
+    doc_positions = document_positions(B, T)
+    cotangent = torch.randn(*xs[2].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    ref = call(kernel, [x.reshape(1, B * T, *x.shape[2:]) for x in xs], None, documents.cu_seqlens(doc_positions))
+    ref = ref.view(xs[2].shape)
+    ref_grads = torch.autograd.grad(ref, xs, cotangent)
+
+    def run(layout, mine):
+        split_kernel = state_passing.across_ranks(kernel, kind, layout)
+        o = call(split_kernel, [packed(x, mine, layout) for x in xs], None, local_cu_seqlens(layout))
+        return o.view(B, len(mine), *o.shape[2:])
+
+    whole = on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, doc_positions)
+    assert_rel_close(whole, ref, tol=1e-10, what="output")
+    for got, want, name in zip(torch.autograd.grad(whole, xs, cotangent), ref_grads, "qkvgb"):
         assert_rel_close(got, want, tol=1e-10, what=f"d{name}")
 
 
@@ -53,35 +180,35 @@ def test_piece_order():
     assert [state_passing.piece_order(r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
 
 
+@pytest.mark.parametrize("with_documents", [False, True])
 @pytest.mark.parametrize("world,pieces_per_rank", [(2, 1), (3, 1), (2, 2)])
-def test_convolution_pieces_with_halos_equal_one_pass(monkeypatch, world, pieces_per_rank):
-    from titan_ext.kernels.conv import causal_conv1d
-
+def test_convolution_pieces_with_halos_equal_one_pass(monkeypatch, world, pieces_per_rank, with_documents):
     B, D, W = 2, 6, 4
-    chunks = world * pieces_per_rank
-    T = 5 * chunks  # pieces longer than the halo (W - 1)
+    T = 96 if with_documents else 5 * world * pieces_per_rank  # pieces longer than the halo (W - 1)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, T, D, dtype=torch.float64, generator=g, requires_grad=True)
     weight = torch.randn(D, W, dtype=torch.float64, generator=g, requires_grad=True)
     bias = torch.randn(D, dtype=torch.float64, generator=g)
+    residual = torch.randn(B, T, D, dtype=torch.float64, generator=g)
     cotangent = torch.randn(B, T, D, dtype=torch.float64, generator=g)
-    ref, _ = causal_conv1d(x=x, weight=weight, bias=bias, activation="silu")
+    doc_positions = document_positions(B, T) if with_documents else None
+    if with_documents:
+        ref, _ = causal_conv1d(x=x.reshape(1, B * T, D), weight=weight, bias=bias, residual=residual.reshape(1, B * T, D),
+                               activation="silu", cu_seqlens=documents.cu_seqlens(doc_positions))
+        ref = ref.view(B, T, D)
+    else:
+        ref, _ = causal_conv1d(x=x, weight=weight, bias=bias, residual=residual, activation="silu")
     ref_grads = torch.autograd.grad(ref, (x, weight), cotangent)
 
-    size = T // chunks
-    order = {r: state_passing.piece_order(r, world, pieces_per_rank) for r in range(world)}
-    local = {r: torch.cat([x[:, p * size:(p + 1) * size] for p in order[r]], dim=1) for r in range(world)}
-    tails = torch.stack([torch.stack([local[r][:, (i + 1) * size - (W - 1):(i + 1) * size]
-                                      for i in range(pieces_per_rank)]) for r in range(world)])
-    whole = torch.empty_like(ref)
-    for r in range(world):
-        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
-        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
-        monkeypatch.setattr(state_passing, "gather_pieces", lambda summary, group: tails)
-        conv = state_passing.conv_across_ranks(causal_conv1d, group=None, pieces_per_rank=pieces_per_rank)
-        y, _ = conv(x=local[r], weight=weight, bias=bias, activation="silu")
-        for i, p in enumerate(order[r]):
-            whole[:, p * size:(p + 1) * size] = y[:, i * size:(i + 1) * size]
+    def run(layout, mine):
+        conv = state_passing.conv_across_ranks(causal_conv1d, layout)
+        if not with_documents:
+            return conv(x=x[:, mine], weight=weight, bias=bias, residual=residual[:, mine], activation="silu")[0]
+        y, _ = conv(x=packed(x, mine, layout), weight=weight, bias=bias, residual=packed(residual, mine, layout),
+                    activation="silu", cu_seqlens=local_cu_seqlens(layout))
+        return y.view(B, len(mine), D)
+
+    whole = on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, doc_positions)
     assert_rel_close(whole, ref, tol=1e-12, what="output")
     for got, want, name in zip(torch.autograd.grad(whole, (x, weight), cotangent), ref_grads, ("dx", "dweight")):
         assert_rel_close(got, want, tol=1e-12, what=name)

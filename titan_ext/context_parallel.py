@@ -11,16 +11,21 @@ whole sequence.
 
 With torchtitan's default ``headtail`` load balancer each rank holds two pieces
 (``r`` and ``2N-1-r`` of ``2N``); with ``--parallelism.context_parallel_load_balancer
-None`` one contiguous piece, which costs a recurrence the same and launches
-half the kernels. Both are exact.
+None`` one contiguous piece, which costs a recurrence the same. Both are exact.
 
 Softmax attention (``hf_llama``, the fla transformer) attends over keys and
 values all-gathered from every rank (``gathered_sdpa``): exact for either
 piece layout, and runnable on CPU, where torch's ring SDPA (CUDA kernels
 only) is not.
 
+With document masking the dataloader's ``document_positions`` cover the whole
+rows (torchtitan shards only the tokens, labels and its own ``positions``);
+read at each token's global position they restart the recurrent states, the
+convolutions' halos, the rotary positions and the attention at every document
+start, on whichever rank it falls (``step_inputs``, ``state_passing.PieceLayout``).
+
 An architecture opts in (``titan_ext.models.architecture``): ``cp_kernels`` (a recurrent mixer:
-the global names it calls and each one's decay argument) or ``cp_attention``
+the global names it calls and each one's kind of recurrence) or ``cp_attention``
 (the attention registry its attention module reads).
 """
 
@@ -30,7 +35,9 @@ import itertools
 import logging
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError
@@ -65,11 +72,6 @@ def check_cp(model_args, job_config) -> None:
     reason = model_args.context_parallel_blocker()
     if reason:
         raise ConfigError(f"{OPTION}={degree}: {reason}")
-    if documents.enabled(job_config):
-        raise ConfigError(
-            f"{OPTION}={degree} with {documents.OPTION}: the state exchange does not yet stop at document "
-            "boundaries; turn one of them off"
-        )
     balancer = p.context_parallel_load_balancer
     if balancer not in PIECES_PER_RANK:
         raise ConfigError(
@@ -83,6 +85,13 @@ def check_cp(model_args, job_config) -> None:
             f"--training.seq_len={seq_len} does not split into {pieces} equal pieces ({OPTION}={degree}"
             f"{', head-tail: 2 per rank' if pieces > degree else ''}); use a multiple of {pieces}"
         )
+    config = model_args.to_hf_config()
+    halo = config.conv_size - 1 if getattr(config, "use_short_conv", False) else 0
+    if seq_len // pieces < halo:
+        raise ConfigError(
+            f"--training.seq_len={seq_len} makes context-parallel pieces of {seq_len // pieces} tokens, shorter than "
+            f"the {halo} earlier inputs each short convolution reads; use at least {halo * pieces} tokens"
+        )
     tp = p.tensor_parallel_degree
     if tp > 1 and sequence_parallel_enabled(job_config) and (seq_len // degree) % tp:
         raise ConfigError(
@@ -93,50 +102,82 @@ def check_cp(model_args, job_config) -> None:
 
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     """Make each block's mixer see the whole sequence across ``cp_mesh`` (only this model's modules change)."""
-    group = cp_mesh.get_group()
+    from titan_ext.kernels.state_passing import PieceLayout
+
+    layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
     kind = model.arch.cp_attention
     if kind == "transformers":
-        _apply_gathered_attention(model, group, choice.pieces_per_rank)
+        _apply_gathered_attention(model, layout)
     elif kind == "fla":
-        _apply_fla_gathered_attention(model, group, choice.pieces_per_rank)
+        _apply_fla_gathered_attention(model, layout)
     else:
-        _apply_state_passing(model, group, choice)
-    model.positions_are_global = True  # torchtitan passes each token's place in the whole sequence
+        _apply_state_passing(model, layout)
+    model.cp_layout = layout  # the model's forward records each step's positions in it (``step_inputs``)
 
 
-def _apply_state_passing(model: nn.Module, group, choice: CPChoice) -> None:
+def step_inputs(model: nn.Module, first: dict, positions, document_positions) -> dict:
+    """The HF model's keyword arguments for one step under CP (``first``: its input ids or embeddings).
+
+    ``positions`` are torchtitan's: each local token's place in the whole row. ``document_positions``
+    (document masking) are the dataloader's for the whole rows, which torchtitan does not shard.
+    Both are recorded in the model's ``PieceLayout`` for the bound attention and kernels.
+    """
+    layout = model.cp_layout
+    layout.positions, layout.document_positions = positions, document_positions
+    if model.arch.cp_attention == "transformers":  # rotary at position_ids: global, or within each document
+        if document_positions is not None:
+            positions = document_positions.gather(1, positions.long())
+        return {**first, "position_ids": positions}
+    if document_positions is None or model.arch.cp_attention:  # fla's attention reads the layout
+        return first
+    # a recurrent mixer on packed documents: one row, every piece row and document a sequence of cu_seqlens
+    local = document_positions.gather(1, positions.long())
+    size = positions.shape[1] // layout.per_rank
+    piece_starts = torch.zeros_like(local, dtype=torch.bool)
+    piece_starts[:, ::size] = True
+    flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
+    return {**flat, "cu_seqlens": documents.cu_seqlens(local.masked_fill(piece_starts, 0))}
+
+
+def _apply_state_passing(model: nn.Module, layout) -> None:
     from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
-    names = model.arch.cp_kernels
     key = _binding_key()
     for block in model.get_decoder().layers:
         mixer = block.attn
         scope = type(mixer).forward.__globals__
-        replacements = {scope[name]: across_ranks(scope[name], gate, group, choice.pieces_per_rank) for name, gate in names}
-        binding.bind(mixer, replacements, key=f"{key}:mixer")
-        for conv in short_convolutions(mixer):  # each needs the previous piece's last inputs
-            kernel = type(conv).forward.__globals__["causal_conv1d"]
-            binding.bind(conv, {kernel: conv_across_ranks(kernel, group, choice.pieces_per_rank)}, key=f"{key}:conv")
+        replacements = {scope[name]: across_ranks(scope[name], recurrence, layout)
+                        for name, recurrence in model.arch.cp_kernels.items() if name in scope}
+        # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel,
+        # and the mixer's own call when it convolves q, k and v in one (Gated DeltaNet without TP)
+        convolutions = short_convolutions(mixer)
+        scopes = [scope] if convolutions else []
+        for conv in [type(c).forward.__globals__ for c in convolutions] + scopes:
+            kernel = conv.get("causal_conv1d")
+            if kernel is not None and kernel not in replacements:
+                replacements[kernel] = conv_across_ranks(kernel, layout)
+        binding.bind(mixer, replacements, key=key)  # the mixer and its convolutions, in one binding
     logger.info(
-        f"Applied context parallelism ({group.size()} ranks, {choice.pieces_per_rank} piece(s) per rank): "
-        f"{', '.join(name for name, _ in names)} pass their states across ranks"
+        f"Applied context parallelism ({layout.world} ranks, {layout.per_rank} piece(s) per rank): "
+        f"{', '.join(model.arch.cp_kernels)} pass their states across ranks by titan_ext's state passing "
+        "(kernels.state_passing; fla's own cp_context is not used)"
     )
 
 
-def _apply_gathered_attention(model: nn.Module, group, pieces_per_rank: int) -> None:
+def _apply_gathered_attention(model: nn.Module, layout) -> None:
     """Softmax attention: each rank's queries attend to the keys and values of every rank's pieces,
     all-gathered (differentiably; ``gathered_sdpa``). K and V of the whole sequence are held for the
     duration of one layer's attention."""
     from titan_ext.kernels import binding
 
-    interface = _OneAttention(gathered_kv_attention(group, pieces_per_rank))
+    interface = _OneAttention(gathered_kv_attention(layout))
     key = _binding_key()  # one for all blocks: they share one class, so compiled code is shared too
     for block in model.get_decoder().layers:
         owner = type(block.self_attn).forward.__globals__["__name__"]  # the modeling file's registry
         binding.bind(block.self_attn, {}, key=key,
                      names={owner: {"ALL_ATTENTION_FUNCTIONS": interface}})
-    logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
+    logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and values")
 
 
 _bindings = itertools.count()
@@ -158,38 +199,33 @@ class _OneAttention:
         return self.fn
 
 
-def gathered_sdpa(query, key, value, positions, group, pieces_per_rank: int, scale=None, window: int | None = None,
-                  dropout=0.0):
+def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0):
     """Causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
 
     K and V are all-gathered differentiably and put in sequence order; each local piece then attends
     to the keys up to its own end with a lower-right causal bias: no mask is built and no later key
-    is computed. A sliding ``window`` (fla's ``window_size``) masks by the tokens' global
-    ``positions`` (``[B, T]``) instead.
+    is computed. A sliding ``window`` (fla's ``window_size``) or packed documents mask by the
+    tokens' global positions (``layout.positions``) instead.
     """
-    import torch
-    import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
     from titan_ext import compat
     from titan_ext.kernels.state_passing import in_sequence_order, piece_order
 
-    keys = compat.all_gather_autograd(key.contiguous(), group, dim=2)
-    values = compat.all_gather_autograd(value.contiguous(), group, dim=2)
+    keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
+    values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
     gqa = query.shape[1] != keys.shape[1]
-    if window is not None:
-        key_positions = compat.all_gather_autograd(positions.contiguous(), group, dim=1)[:, None, None, :]
-        query_positions = positions[:, None, :, None]
-        mask = (key_positions <= query_positions) & (query_positions - key_positions < window)
+    per_rank = layout.per_rank
+    if per_rank > 1:  # gathered in rank order: put the pieces in sequence order
+        slots = in_sequence_order(layout.world, per_rank)
+        keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
+    if window is not None or layout.document_positions is not None:
+        mask = _global_mask(layout, keys.shape[2], window)
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
                                               enable_gqa=gqa)
-    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    size = query.shape[2] // pieces_per_rank
-    if pieces_per_rank > 1:  # gathered in rank order: put the pieces in sequence order
-        slots = in_sequence_order(world, pieces_per_rank)
-        keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
+    size = query.shape[2] // per_rank
     outputs = []
-    for query_piece, p in zip(query.chunk(pieces_per_rank, dim=2), piece_order(rank, world, pieces_per_rank)):
+    for query_piece, p in zip(query.chunk(per_rank, dim=2), piece_order(layout.rank, layout.world, per_rank)):
         end = (p + 1) * size
         outputs.append(F.scaled_dot_product_attention(
             query_piece, keys[:, :, :end], values[:, :, :end],
@@ -198,47 +234,65 @@ def gathered_sdpa(query, key, value, positions, group, pieces_per_rank: int, sca
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def gathered_kv_attention(group, pieces_per_rank: int):
-    """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``group``'s pieces."""
+def _global_mask(layout, length: int, window: int | None):
+    """``[B, 1, T_local, T]``: each local query's keys in the whole row, by global position: earlier
+    or itself, within ``window``, and in its own document."""
+    query = layout.positions.long()
+    key = torch.arange(length, device=query.device)
+    distance = query[:, :, None] - key[None, None, :]
+    mask = distance >= 0
+    if window is not None:
+        mask = mask & (distance < window)
+    if layout.document_positions is not None:
+        document = (layout.document_positions == 0).cumsum(dim=1)  # each token's document, in the whole row
+        mask = mask & (document.gather(1, query)[:, :, None] == document[:, None, :])
+    return mask[:, None]
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
-        out = gathered_sdpa(query, key, value, position_ids, group, pieces_per_rank, scale=scaling, dropout=dropout)
+
+def gathered_kv_attention(layout):
+    """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``layout``'s pieces."""
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        out = gathered_sdpa(query, key, value, layout, scale=scaling, dropout=dropout)
         return out.transpose(1, 2).contiguous(), None
 
     return attention
 
 
-def _apply_fla_gathered_attention(model: nn.Module, group, pieces_per_rank: int) -> None:
+def _apply_fla_gathered_attention(model: nn.Module, layout) -> None:
     """fla's softmax ``Attention``: its forward under CP is titan_ext's ``fla_attention_forward``."""
     from titan_ext.kernels import binding
 
     def forward(self, *args, **kwargs):
-        return fla_attention_forward(self, *args, group=group, pieces_per_rank=pieces_per_rank, **kwargs)
+        return fla_attention_forward(self, *args, layout=layout, **kwargs)
 
     key = _binding_key()
     for block in model.get_decoder().layers:
         binding.bind(block.attn, {type(block.attn).forward: forward}, key=key)
-    logger.info(f"Applied context parallelism ({group.size()} ranks): attention over all-gathered keys and values")
+    logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and values")
 
 
 def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
-                          use_cache=False, positions=None, group=None, pieces_per_rank=1, **kwargs):
+                          use_cache=False, layout=None, **kwargs):
     """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
-    (at the tokens' global positions) and causal (windowed) attention, over all-gathered K and V."""
+    (at the tokens' global positions, or within their documents) and causal (windowed) attention,
+    over all-gathered K and V."""
     from titan_ext import compat
     from titan_ext.kernels.rotary import rotate_at
 
-    if positions is None or attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
-        raise ValueError("fla Attention under context parallelism takes global positions only (no mask, cache or cu_seqlens)")
+    if attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
+        raise ValueError("fla Attention under context parallelism takes no mask, cache or cu_seqlens")
     B, T, _ = hidden_states.shape
     q, k, v = (proj(hidden_states).unflatten(-1, (-1, self.head_dim)) for proj in (self.q_proj, self.k_proj, self.v_proj))
     if self.qk_norm:
         q, k = self.q_norm(q), self.k_norm(k)
-    length = max(T * group.size(), self.max_position_embeddings or 0)  # positions of the whole sequence
+    positions = layout.positions.long()
+    if layout.document_positions is not None:
+        positions = layout.document_positions.gather(1, positions)
+    length = max(T * layout.world, self.max_position_embeddings or 0)  # positions of the whole sequence
     cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
     q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
-    o = gathered_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions, group, pieces_per_rank,
-                      window=self.window_size)
+    o = gathered_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, window=self.window_size)
     return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values
 
 

@@ -5,12 +5,13 @@ one sequence: attention looks across document boundaries, a recurrent state
 carries one document into the next, and a document's last token is asked to
 predict the next document's first.
 
-With it, the dataloader emits ``positions`` next to ``input``: each token's
+With it, the dataloader emits ``document_positions`` next to ``input``: each token's
 index within its document, restarting at 0 at every document start and at
 the first token of every window (a document cut by a window edge continues
 in the next window as a new segment). The label of a token whose successor
 starts another document is ``-100`` (ignored; the trainer's token count
-leaves it out). The models read the boundaries from ``positions``:
+leaves it out). The models read the boundaries from ``document_positions``
+(torchtitan's own ``positions`` are its context parallelism's):
 
 * fla models (GLA, the fla transformer): the batch is flattened to one row
   and the boundaries become ``cu_seqlens``, fla's packed layout: recurrent
@@ -40,7 +41,7 @@ def enabled(job_config) -> bool:
 
 
 def window_sample(window: torch.Tensor, starts: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """``({"input", "positions"}, labels)`` of one ``seq_len + 1`` token window whose documents begin at ``starts``."""
+    """``({"input", "document_positions"}, labels)`` of one ``seq_len + 1`` token window whose documents begin at ``starts``."""
     begins = torch.zeros(len(window), dtype=torch.bool)
     begins[starts] = True
     begins[0] = True  # a window's first token starts a segment, whatever came before it
@@ -48,7 +49,7 @@ def window_sample(window: torch.Tensor, starts: list[int]) -> tuple[dict[str, to
     positions = index - torch.cummax(torch.where(begins, index, 0), dim=0).values
     labels = window[1:].clone()
     labels[begins[1:]] = IGNORE_INDEX  # a document's last token does not predict the next one's first
-    return {"input": window[:-1], "positions": positions[:-1]}, labels
+    return {"input": window[:-1], "document_positions": positions[:-1]}, labels
 
 
 def cu_seqlens(positions: torch.Tensor) -> torch.Tensor:

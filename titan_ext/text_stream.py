@@ -165,7 +165,7 @@ class StreamedTextDataset(IterableDataset, Stateful):
                 )
 
     def _sample(self, window: int):
-        """The next window: ``({"input"}, labels)``, or with document masking ``({"input", "positions"}, labels)``."""
+        """The next window: ``({"input"}, labels)``, or with document masking ``({"input", "document_positions"}, labels)``."""
         x = torch.tensor(self.tokens[:window], dtype=torch.long)
         self.tokens = self.tokens[window:]
         if not self.document_mask:

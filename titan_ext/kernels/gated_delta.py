@@ -143,12 +143,17 @@ def chunk_gated_delta_rule(
         check_packed_batch(q.shape[0])
         o, ht = run(slice(None), None, token_sequences(cu_seqlens, q.shape[1])[0])
     else:  # each packed sequence from its own initial state, or with its own final state
-        spans = sequence_spans(cu_seqlens, batch_size=q.shape[0])
-        runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
-        o, ht = torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
+        o, ht = _each_sequence(run, cu_seqlens, h0, q.shape[0])
     o = o.transpose(1, 2).to(out_dtype)
     final = (ht.transpose(-1, -2) if state_v_first else ht) if output_final_state else None
     return o, final
+
+
+@torch.compiler.disable  # a loop over the sequences: one graph break, instead of a recompile per document count
+def _each_sequence(run, cu_seqlens, h0, batch_size):
+    spans = sequence_spans(cu_seqlens, batch_size=batch_size)
+    runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
+    return torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
 
 
 def fused_recurrent_gated_delta_rule(

@@ -1,29 +1,51 @@
 """A linear recurrence split across ranks (context parallelism), exact: pieces exchange their states.
 
-For a recurrence whose state decays elementwise and then takes an update,
-``S_t = exp(g_t) * S_{t-1} + k_t^T v_t`` (GLA: ``g`` per key channel;
-RetNet, Mamba-2 and other diagonal-decay mixers are the same shape), a piece
-of the sequence maps any incoming state ``h`` to ``D * h + F``: ``F`` is the
-piece's final state from a zero start and ``D = exp(sum of g)`` its total decay.
-So each rank
+Every recurrence titan_ext splits is linear in its state and its values
+jointly, with the value columns independent of each other. So a piece of a
+sequence maps the state ``h`` (``[K, V]`` per head) it receives to ``M h + F``,
+``F`` being its final state from a zero start, and each of its tokens reads
+``h`` through a row ``c_t``: its output is its output from zero plus ``c_t h``.
+Each rank
 
-1. summarises its own piece as ``(F, D)``, from a zero start, with no collective;
-2. all-gathers every piece's ``(F, D)`` in ONE collective per layer (one tensor of
-   ``[pieces, B, H, K, V + 1]``);
-3. folds the pieces before its own, in sequence order, into its initial state;
-4. runs the unchanged kernel (fla's on CUDA) on its piece from that state.
+1. runs the unchanged kernel (fla's on CUDA) on its pieces from a zero state,
+   and summarises each piece as ``[F | M]``, with no collective;
+2. all-gathers every piece's summary in ONE collective per layer;
+3. folds the pieces before each of its own, in sequence order, into that
+   piece's incoming state;
+4. adds each token's read of its incoming state, ``c_t h``, to its output.
+
+Two kinds of recurrence:
+
+* ``DiagonalDecay`` (GLA; RetNet and Mamba-2 have the same shape): the state
+  decays per key channel, ``M`` is a diagonal (``exp`` of the summed log decay),
+  and ``F`` and ``c_t`` are closed forms, one einsum each.
+* ``AffineState`` (the gated delta rule: ``M`` is the product of
+  ``exp(g_t) (I - beta_t k_t k_t^T)``, a full ``K x K`` matrix): the kernel
+  computes them itself. With its values widened by ``K`` zero columns and the
+  initial state ``[0 | I]``, its final state is ``[F | M]`` and its outputs are
+  ``[o | c]``: one kernel call, ``(V + K) / V`` of the plain call's work.
+
+Packed documents (``cu_seqlens`` over rows flattened into one, fla's layout;
+``PieceLayout.continues`` says whether each piece's first token continues a
+document of the piece before it): a piece holding a document start hands on
+only its last document's state (``M = 0``), and its tokens from the first
+start on read nothing from before it.
 
 The all-gather is differentiable (its backward sums each piece's gradient over
-the ranks), so gradients reach every earlier piece through the states, and the
-result equals one pass over the whole sequence. ``across_ranks`` wraps a kernel so; a mixer
-with another kind of state reuses ``gather_pieces``, ``piece_order`` and the
-fold with its own summary. A short convolution needs no state, only the
-previous piece's last inputs (``previous_tails``, ``conv_across_ranks``).
+the ranks), so gradients reach every earlier piece through the states, and
+the result equals one pass over the whole sequence. A short convolution
+needs no state, only the previous piece's last inputs, which it convolves
+as a prefix of its own (``conv_across_ranks``).
+
+Shapes: a rank's ``B`` rows hold ``per_rank`` pieces of ``P`` tokens each,
+back to back; the kernels here see them as ``R = B * per_rank`` rows of ``P``
+(row ``b * per_rank + i`` is batch row ``b``'s ``i``-th piece), unflattened.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -31,24 +53,42 @@ from torch import Tensor
 _FP32 = torch.float32
 
 
-def diagonal_decay_summary(k: Tensor, v: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """``(F [B, H, K, V], D [B, H, K])`` of a ``[B, T, H, *]`` piece: its final state from zero, its total decay.
+@dataclass(frozen=True)
+class DiagonalDecay:
+    """A state decaying per key channel; ``gate`` names the kernel's log-decay argument (``[B, T, H, K]``)."""
 
-    ``F = sum_t exp(G_T - G_t) k_t^T v_t`` with ``G`` the cumulative log decay:
-    every factor is at most 1, so long pieces stay finite in fp32.
+    gate: str
+
+
+@dataclass(frozen=True)
+class AffineState:
+    """Any state update linear in (state, values) with independent value columns (the gated delta rule)."""
+
+
+class PieceLayout:
+    """This rank's place in sequences split over ``group``, shared by one model's bound kernels.
+
+    ``per_rank`` pieces of each row per rank (torchtitan's layouts: ``piece_order``). For each
+    step the model's forward records the tokens' global ``positions`` (``[B, T_local]``) and,
+    with document masking, the whole rows' ``document_positions`` (``[B, T]``, each token's
+    index in its document; torchtitan does not shard them).
     """
-    dtype = torch.promote_types(k.dtype, _FP32)
-    G = g.to(dtype).cumsum(dim=1)
-    total = G[:, -1]
-    F = torch.einsum("bthk,bthv->bhkv", k.to(dtype) * torch.exp(total[:, None] - G), v.to(dtype))
-    return F, torch.exp(total)
 
+    def __init__(self, group, per_rank: int):
+        self.group, self.per_rank = group, per_rank
+        self.rank = torch.distributed.get_rank(group)
+        self.world = torch.distributed.get_world_size(group)
+        self.positions: Tensor | None = None
+        self.document_positions: Tensor | None = None
 
-def fold(state: Tensor, finals: Tensor, decays: Tensor) -> Tensor:
-    """``state`` carried through the pieces ``finals``/``decays`` (``[n, B, H, K, V]`` / ``[n, B, H, K]``, in order)."""
-    for final, decay in zip(finals, decays):
-        state = decay[..., None] * state + final
-    return state
+    def continues(self) -> Tensor | None:
+        """``[B * per_rank]``: whether each local piece's first token continues a document (None:
+        no document masking, so every piece continues the one before it)."""
+        if self.document_positions is None:
+            return None
+        size = self.positions.shape[1] // self.per_rank
+        firsts = self.positions[:, ::size].long()  # each piece's first token, in the whole row
+        return (self.document_positions.gather(1, firsts) != 0).flatten()
 
 
 def piece_order(rank: int, world: int, pieces_per_rank: int) -> list[int]:
@@ -76,83 +116,188 @@ def gather_pieces(summary: Tensor, group) -> Tensor:
     return compat.all_gather_autograd(summary.contiguous(), group).view(world, *summary.shape)
 
 
-def piece_summaries(k: Tensor, v: Tensor, g: Tensor, pieces_per_rank: int) -> Tensor:
-    """``[pieces, B, H, K, V + 1]``: each of this rank's pieces (back to back along T, equal lengths)
-    as ``F`` with ``D`` in the last column, so all of it travels in one collective."""
-    summaries = []
-    for k_piece, v_piece, g_piece in zip(*(x.chunk(pieces_per_rank, dim=1) for x in (k, v, g))):
-        F, D = diagonal_decay_summary(k_piece, v_piece, g_piece)
-        summaries.append(torch.cat([F, D[..., None]], dim=-1))
-    return torch.stack(summaries)
+def fold(state: Tensor, summaries: Tensor, value_dim: int) -> Tensor:
+    """``state`` (``[B, H, K, V]``) carried through ``summaries`` (``[n, B, H, K, V + m]``, ``[F | M]``, in
+    order; ``m`` is 1 for a diagonal ``M``, ``K`` for a full one: ``M * h`` and ``M @ h`` agree at 1)."""
+    for summary in summaries:
+        final, step = summary[..., :value_dim], summary[..., value_dim:]
+        state = (step * state if step.shape[-1] == 1 else step @ state) + final
+    return state
 
 
-def incoming_states(every: Tensor, rank: int, pieces_per_rank: int, initial_state: Tensor | None = None) -> list[Tensor]:
-    """The exact state ``[B, H, K, V]`` entering each of ``rank``'s pieces, from every rank's summaries
-    (``[world, pieces, B, H, K, V + 1]``) and the sequence's own initial state (before piece 0)."""
-    world = every.shape[0]
-    ordered = every.flatten(0, 1)[in_sequence_order(world, pieces_per_rank)]
-    finals, decays = ordered[..., :-1], ordered[..., -1]
+def incoming_states(summaries: Tensor, layout: PieceLayout, value_dim: int, initial_state: Tensor | None = None) -> Tensor:
+    """The exact state ``[R, H, K, V]`` entering each local piece row, from this rank's piece summaries
+    (``[R, H, K, V + m]``), all-gathered, and the sequence's own initial state (before piece 0)."""
+    rows, per_rank = summaries.shape[0], layout.per_rank
+    mine = summaries.unflatten(0, (rows // per_rank, per_rank)).transpose(0, 1)  # [pieces, B, ...]
+    every = gather_pieces(mine, layout.group).flatten(0, 1)[in_sequence_order(layout.world, per_rank)]
     # Every rank must take part in the all-gather's backward (a reduce-scatter), also the one whose first
     # piece folds nothing: a zero-weighted term keeps the gathered tensor in its graph.
-    start = finals[0] * 0 if initial_state is None else initial_state.to(finals.dtype) + finals[0] * 0
-    return [fold(start, finals[:p], decays[:p]) for p in piece_order(rank, world, pieces_per_rank)]
+    start = every[0, ..., :value_dim] * 0
+    if initial_state is not None:
+        start = start + initial_state.to(start.dtype)
+    states = [fold(start, every[:p], value_dim) for p in piece_order(layout.rank, layout.world, per_rank)]
+    return torch.stack(states, dim=1).flatten(0, 1)
 
 
-def across_ranks(kernel, gate: str, group, pieces_per_rank: int = 1):
-    """``kernel`` (fla's ``chunk_gla``/``fused_recurrent_gla`` call contract, keyword arguments;
-    ``gate`` names its decay argument) on this rank's pieces of sequences split over ``group``."""
-    rank = torch.distributed.get_rank(group)
+def document_starts(cu_seqlens: Tensor, continues: Tensor, size: int) -> Tensor:
+    """``[R, P]``: where a document starts in each piece row (flattened into ``cu_seqlens``' one
+    row, whose sequences also begin at every row): every sequence start, except a row's first
+    token when it continues the piece before."""
+    rows = continues.shape[0]
+    flat = torch.zeros(rows * size, dtype=torch.bool, device=cu_seqlens.device)
+    starts = flat.index_fill(0, cu_seqlens[:-1].long(), True).view(rows, size)
+    return torch.cat([~continues[:, None], starts[:, 1:]], dim=1)
+
+
+def across_ranks(kernel, recurrence: DiagonalDecay | AffineState, layout: PieceLayout):
+    """``kernel`` (an fla chunk kernel's call contract, keyword arguments) on this rank's pieces of
+    sequences split over ``layout.group``."""
+    summarise = _diagonal_pieces if isinstance(recurrence, DiagonalDecay) else _affine_pieces
 
     @functools.wraps(kernel)
     def kernel_across_ranks(q, k, v, **kwargs):
-        if kwargs.get("cu_seqlens") is not None:
-            raise ValueError("packed sequences (cu_seqlens) cannot be split across context-parallel ranks")
-        g, state_v_first = kwargs.pop(gate), kwargs.get("state_v_first", False)
-        summaries = gather_pieces(piece_summaries(k, v, g, pieces_per_rank), group)
-        states = incoming_states(summaries, rank, pieces_per_rank, kwargs.pop("initial_state", None))
-        outputs, final = [], None
-        pieces = zip(*(x.chunk(pieces_per_rank, dim=1) for x in (q, k, v, g)))
-        for state, (q_piece, k_piece, v_piece, g_piece) in zip(states, pieces):
-            state = state.transpose(-1, -2) if state_v_first else state
-            state = state.to(torch.promote_types(q.dtype, _FP32)).contiguous()  # fla takes fp32 states
-            o, final = kernel(q=q_piece, k=k_piece, v=v_piece, **{gate: g_piece}, initial_state=state, **kwargs)
-            outputs.append(o)
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), final
+        if kwargs.pop("output_final_state", False):
+            raise ValueError("a sequence split across context-parallel ranks has no final state on one rank")
+        initial_state = kwargs.pop("initial_state", None)
+        if initial_state is not None and kwargs.get("state_v_first", False):
+            initial_state = initial_state.transpose(-1, -2)
+        continues = layout.continues()
+        if kwargs.get("cu_seqlens") is not None and continues is None:
+            raise ValueError("packed sequences (cu_seqlens) under context parallelism need the step's document layout")
+        if continues is not None and initial_state is not None:
+            raise ValueError("packed documents under context parallelism start from zero (no initial_state)")
+        rows = q.shape[0] * layout.per_rank if continues is None else continues.shape[0]
+        o, reads, summaries = summarise(kernel, recurrence, q, k, v, rows, continues, kwargs)
+        incoming = incoming_states(summaries, layout, v.shape[-1], initial_state)
+        o = o.to(incoming.dtype) + torch.einsum("rthk,rhkv->rthv", reads.to(incoming.dtype), incoming)
+        return o.reshape(v.shape).to(v.dtype), None
 
     return kernel_across_ranks
 
 
-def previous_tails(x: Tensor, width: int, group, pieces_per_rank: int = 1) -> list[Tensor]:
-    """For each of this rank's pieces of ``x`` (``[B, T, ...]``, pieces back to back along T), the
-    last ``width`` steps of the piece before it in the sequence (zeros before the first piece):
-    the halo a causal convolution of ``width + 1`` taps needs. One all-gather, differentiable."""
-    rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-    T = x.shape[1] // pieces_per_rank
-    if width > T:
-        raise ValueError(f"a piece of {T} tokens cannot hold a halo of {width}; use longer sequences")
-    tails = torch.stack([piece[:, T - width:] for piece in x.chunk(pieces_per_rank, dim=1)])
-    every = gather_pieces(tails, group)  # [world, pieces, B, width, ...]
-    ordered = every.flatten(0, 1)[in_sequence_order(world, pieces_per_rank)]
-    anchor = ordered[0] * 0  # keeps every rank in the all-gather's backward (see ``incoming_states``)
-    return [anchor if p == 0 else ordered[p - 1] + anchor for p in piece_order(rank, world, pieces_per_rank)]
+def _as_rows(x: Tensor, rows: int) -> Tensor:
+    """``[B, T, ...]`` -> ``[rows, T * B / rows, ...]``: rows of consecutive tokens."""
+    return x.reshape(rows, -1, *x.shape[2:])
 
 
-def conv_across_ranks(kernel, group, pieces_per_rank: int = 1):
+def _diagonal_pieces(kernel, recurrence: DiagonalDecay, q, k, v, rows, continues, kwargs):
+    """GLA-like: the kernel's outputs from zero, and the reads and summaries in closed form.
+
+    With ``G_t`` the cumulative log decay of a piece row up to token ``t``:
+    ``c_t = scale * q_t * exp(G_t)`` (until the first document start),
+    ``F = sum_t exp(G_P - G_t) k_t^T v_t`` (from the last start) and ``M = exp(G_P)``
+    (0 with a start). Every exponent is at most 0, so long pieces stay finite.
+    """
+    g = kwargs.pop(recurrence.gate)
+    if kwargs.get("gv") is not None:
+        raise ValueError("context parallelism splits GLA states with a key-channel gate only (no gv)")
+    packed = kwargs.get("cu_seqlens") is not None
+    inputs = {"q": q, "k": k, "v": v, recurrence.gate: g}
+    if not packed:  # each piece row from zero, as a batch of rows
+        inputs = {name: _as_rows(x, rows) for name, x in inputs.items()}
+    o, _ = kernel(**inputs, **kwargs)
+    dtype = torch.promote_types(q.dtype, _FP32)
+    q, k, v, g = (_as_rows(x, rows).to(dtype) for x in (q, k, v, g))
+    scale = kwargs.get("scale") or q.shape[-1] ** -0.5
+    G = g.cumsum(dim=1)
+    total = G[:, -1]
+    if continues is None:
+        reads, since_last_start, no_start = 1, 1, 1
+    else:
+        starts = document_starts(kwargs["cu_seqlens"], continues, q.shape[1])
+        reads = (starts.cumsum(dim=1) == 0)[..., None, None]  # before the row's first start: none if it opens one
+        later = starts.flip(1).cumsum(dim=1).flip(1) - starts.to(torch.int64)  # starts after each token
+        since_last_start = (later == 0)[..., None, None]
+        no_start = reads[:, -1]
+    c = scale * q * torch.exp(G) * reads
+    F = torch.einsum("bthk,bthv->bhkv", k * torch.exp(total[:, None] - G) * since_last_start, v)
+    D = torch.exp(total) * no_start
+    return _as_rows(o, rows), c, torch.cat([F, D[..., None]], dim=-1)
+
+
+def _affine_pieces(kernel, recurrence: AffineState, q, k, v, rows, continues, kwargs):
+    """The kernel's own ``[F | M]`` and reads: values widened by K zero columns, initial state ``[0 | I]``
+    (``[0 | 0]`` for a piece row that starts a document, and for later documents of a row)."""
+    K, V, state_v_first = k.shape[-1], v.shape[-1], kwargs.get("state_v_first", False)
+    heads = v.shape[2]
+    widened = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
+    eye = torch.eye(K, dtype=_FP32 if v.dtype != torch.float64 else v.dtype, device=v.device)
+    start = torch.cat([eye.new_zeros(K, V), eye], dim=-1).expand(rows, heads, K, V + K)
+    if continues is not None:
+        start = start * continues[:, None, None, None]
+    cu_seqlens = kwargs.get("cu_seqlens")
+    if cu_seqlens is None:  # each piece row from [0 | I], as a batch of rows
+        inputs = {name: _as_rows(x, rows) for name, x in kwargs.items() if name in ("g", "beta")}
+        initial = start
+        o, final = kernel(q=_as_rows(q, rows), k=_as_rows(k, rows), v=_as_rows(widened, rows),
+                          **{**kwargs, **inputs}, initial_state=_v_first(initial, state_v_first), output_final_state=True)
+    else:  # one packed row: each sequence that opens a piece row from that row's start, the others from zero
+        size = q.shape[1] // rows
+        bos = cu_seqlens[:-1].long()
+        opens = (bos % size == 0)[:, None, None, None]
+        initial = start[bos // size] * opens
+        o, final = kernel(q=q, k=k, v=widened, **kwargs, initial_state=_v_first(initial, state_v_first),
+                          output_final_state=True)
+        last = torch.arange(1, rows + 1, device=bos.device) * size - 1  # each row's last token
+        final = final[torch.searchsorted(bos, last, right=True) - 1]  # ... and its sequence's final state
+    o = _as_rows(o, rows)
+    return o[..., :V], o[..., V:], _v_first(final, state_v_first)
+
+
+def _v_first(state: Tensor, state_v_first: bool) -> Tensor:
+    """A ``[..., K, V]`` state in the kernel's layout (``[..., V, K]`` with fla's ``state_v_first``), or back."""
+    return state.transpose(-1, -2).contiguous() if state_v_first else state
+
+
+def previous_tails(x: Tensor, width: int, layout: PieceLayout) -> Tensor:
+    """For each piece row of ``x`` (``[R, P, ...]``), the last ``width`` steps of the piece before it in
+    the sequence (zeros before the first piece): the halo a causal convolution of ``width + 1`` taps
+    needs. One all-gather, differentiable."""
+    rows, size = x.shape[:2]
+    if width > size:
+        raise ValueError(f"a piece of {size} tokens cannot hold a halo of {width}; use longer sequences")
+    tails = x[:, size - width:].unflatten(0, (rows // layout.per_rank, layout.per_rank)).transpose(0, 1)
+    every = gather_pieces(tails, layout.group).flatten(0, 1)[in_sequence_order(layout.world, layout.per_rank)]
+    anchor = every[0] * 0  # keeps every rank in the all-gather's backward (see ``incoming_states``)
+    halos = [anchor if p == 0 else every[p - 1] + anchor for p in piece_order(layout.rank, layout.world, layout.per_rank)]
+    return torch.stack(halos, dim=1).flatten(0, 1)
+
+
+def conv_across_ranks(kernel, layout: PieceLayout):
     """fla's ``causal_conv1d`` (keyword arguments, ``x`` ``[B, T, D]``) on this rank's pieces of
-    sequences split over ``group``: each piece starts from the previous piece's last inputs."""
+    sequences split over ``layout.group``: each piece row convolves the previous piece's last inputs
+    as a prefix of its own (zeros where it starts a document), and drops the prefix's outputs."""
 
     @functools.wraps(kernel)
-    def conv_from_halo(x, weight, residual=None, initial_state=None, cu_seqlens=None, **kwargs):
-        if cu_seqlens is not None or initial_state is not None:
-            raise ValueError("a convolution split across context-parallel ranks takes no cu_seqlens or cache")
-        halos = previous_tails(x, weight.shape[-1] - 1, group, pieces_per_rank)
-        residuals = [None] * pieces_per_rank if residual is None else residual.chunk(pieces_per_rank, dim=1)
-        outputs, final = [], None
-        for halo, x_piece, residual_piece in zip(halos, x.chunk(pieces_per_rank, dim=1), residuals):
-            # fla's conv state holds the last W inputs, newest last, and reads state[..., 1:]
-            state = torch.nn.functional.pad(halo.transpose(1, 2), (1, 0)).contiguous()
-            y, final = kernel(x=x_piece, weight=weight, residual=residual_piece, initial_state=state, **kwargs)
-            outputs.append(y)
-        return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), final
+    def conv_from_halo(x, weight, residual=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                       **kwargs):
+        if initial_state is not None or output_final_state:
+            raise ValueError("a convolution split across context-parallel ranks takes no cache and gives no final state")
+        kwargs.pop("cu_seqlens_cpu", None), kwargs.pop("chunk_indices", None)  # of the unwidened rows
+        continues = layout.continues()
+        rows = x.shape[0] * layout.per_rank if continues is None else continues.shape[0]
+        width = weight.shape[-1] - 1
+        pieces = _as_rows(x, rows)
+        halos = previous_tails(pieces, width, layout)
+        if continues is not None:
+            halos = halos * continues.view(rows, *[1] * (halos.dim() - 1))
+        widened = torch.cat([halos, pieces], dim=1)
+        if residual is not None:
+            residual = _as_rows(residual, rows)
+            residual = torch.cat([residual.new_zeros(halos.shape), residual], dim=1)
+        if cu_seqlens is None:
+            y, _ = kernel(x=widened, weight=weight, residual=residual, **kwargs)
+        else:  # one packed row: each sequence start moves by the prefixes before it, a row's first to its
+            size = pieces.shape[1]  # prefix (zeros, where the row starts a document, are a fresh start)
+            bos = cu_seqlens[:-1].long()
+            row = bos // size
+            moved = bos + row * width + width * (bos % size != 0).long()
+            end = moved.new_tensor([rows * (size + width)])
+            y, _ = kernel(x=widened.reshape(1, -1, *x.shape[2:]),
+                          weight=weight, residual=None if residual is None else residual.reshape(1, -1, *x.shape[2:]),
+                          cu_seqlens=torch.cat([moved, end]).to(cu_seqlens.dtype), **kwargs)
+            y = y.view(rows, size + width, *x.shape[2:])
+        return y[:, width:].reshape(x.shape), None
 
     return conv_from_halo

@@ -3,8 +3,9 @@
 An adapted model keeps the HF parameter names (so HF checkpoints load with an
 identity mapping) and adds what torchtitan's trainer calls: construction from
 a model-args dataclass on the meta device, ``init_weights`` after
-``to_empty``, and ``forward(tokens, positions=None) -> logits`` (``positions``
-comes from the dataloader with document masking: ``titan_ext.documents``). Labels are never passed to
+``to_empty``, and ``forward(tokens, document_positions=None, positions=None) -> logits``
+(``document_positions`` come from the dataloader with document masking:
+``titan_ext.documents``; ``positions`` from torchtitan's context parallelism). Labels are never passed to
 the HF forward: torchtitan's labels are already shifted, and its loss is a
 sum over tokens that the trainer normalizes. fla models get their kernels
 bound at construction (``titan_ext.kernels``).
@@ -19,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titan_ext import documents, kernels
+from titan_ext import context_parallel, documents, kernels
 from titan_ext.errors import ConfigError
 from titan_ext.job import kernel_path
 from titan_ext.models.args import HFModelArgs
@@ -41,16 +42,18 @@ class TitanCausalLM:
     sends and receives its local shard and rewraps it here, since HF decoders read the global
     sequence length (positions, masks) from their input's shape."""
 
-    positions_are_global = False
-    """Set by context parallelism: ``positions`` are torchtitan's places of the tokens in the whole
-    sequence, not document positions. Recurrent mixers need none (they exchange states);
-    transformers models take them as ``position_ids`` (rotary and the attention mask)."""
+    cp_layout = None
+    """Set by context parallelism (``titan_ext.context_parallel``): this rank's place in the split
+    sequences, where each step's positions are recorded for the bound mixers."""
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[B, T, vocab]``; ``positions`` (document masking) keeps each document to itself.
+    def forward(
+        self, tokens: torch.Tensor, document_positions: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``; ``document_positions`` (document masking) keeps each document to itself.
 
-        A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of tokens, and
-        one without the head returns hidden states (``titan_ext.pipeline``).
+        ``positions`` come from torchtitan under context parallelism: each token's place in the whole
+        row. A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of
+        tokens, and one without the head returns hidden states (``titan_ext.pipeline``).
         """
         if self.get_input_embeddings() is not None:
             first = {"input_ids": tokens}
@@ -58,21 +61,17 @@ class TitanCausalLM:
             if self.residual_layout is not None:
                 tokens = DTensor.from_local(tokens, *self.residual_layout, run_check=False)
             first = {"inputs_embeds": tokens}
-        if self.positions_are_global and self.arch.cp_attention:  # attention needs the global positions
-            # transformers reads position_ids; titan_ext's fla Attention forward under CP reads positions
-            where = {"position_ids" if self.arch.cp_attention == "transformers" else "positions": positions}
-            hidden = self.model(**first, **where, use_cache=False, return_dict=True).last_hidden_state
-        elif positions is None or self.positions_are_global:
-            hidden = self.model(**first, use_cache=False, return_dict=True).last_hidden_state
+        if self.cp_layout is not None:
+            inputs = context_parallel.step_inputs(self, first, positions, document_positions)
+        elif document_positions is None:
+            inputs = first
         elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
-            flat = tokens.reshape(1, -1)
-            cu_seqlens = documents.cu_seqlens(positions)
-            hidden = self.model(input_ids=flat, cu_seqlens=cu_seqlens, use_cache=False, return_dict=True).last_hidden_state
+            inputs = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
+            inputs["cu_seqlens"] = documents.cu_seqlens(document_positions)
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
-            hidden = self.model(
-                input_ids=tokens, position_ids=positions, attention_mask=documents.block_causal_mask(positions),
-                use_cache=False, return_dict=True,
-            ).last_hidden_state
+            mask = documents.block_causal_mask(document_positions)
+            inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
+        hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.lm_head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         return self.lm_head(hidden).view(*tokens.shape[:2], -1)

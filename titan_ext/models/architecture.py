@@ -14,9 +14,11 @@ A subclass of a known config class (a user's variant under a new
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from titan_ext.errors import ConfigError
+from titan_ext.kernels.state_passing import AffineState, DiagonalDecay
 
 LIBRARIES = {"fla": "fla", "hf": "transformers"}
 """Generic train spec name -> the library whose causal LMs it trains."""
@@ -31,9 +33,9 @@ class Architecture:
     packed_layout: ClassVar[str] = "position_ids"
     """How the model takes packed documents (``titan_ext.documents``): fla's ``cu_seqlens`` over one
     flattened row, or transformers' ``position_ids`` with a block-causal mask."""
-    cp_kernels: ClassVar[tuple[tuple[str, str], ...]] = ()
+    cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
     """Context parallelism (``titan_ext.context_parallel``) for a recurrent mixer: the kernels it
-    calls by global name, each with the name of its decay argument."""
+    calls by global name, each with its kind of recurrence (``kernels.state_passing``)."""
     cp_attention: ClassVar[str] = ""
     """Context parallelism for softmax attention over all-gathered keys and values: ``"transformers"``
     (through the attention registry its modeling file reads) or ``"fla"`` (fla's ``Attention``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan_ext.kernels.state_passing import AffineState
 from titan_ext.models.architecture import FlaArchitecture, register_architecture
 from titan_ext.models.args import fla_model
 
@@ -9,6 +10,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class GatedDeltaNet(FlaArchitecture):
     model_type = "gated_deltanet"
+    cp_kernels = {"chunk_gated_delta_rule": AffineState(), "fused_recurrent_gated_delta_rule": AffineState()}
 
     def mixer_flops_per_token(self, config, seq_len):
         """The chunked gated delta rule, per layer and token, forward (training is 3x).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from titan_ext.kernels.gla import fla_chunk_size
+from titan_ext.kernels.state_passing import DiagonalDecay
 from titan_ext.models.architecture import FlaArchitecture, register_architecture
 from titan_ext.models.args import fla_model
 
@@ -10,7 +11,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class GLA(FlaArchitecture):
     model_type = "gla"
-    cp_kernels = (("chunk_gla", "g"), ("fused_recurrent_gla", "gk"))
+    cp_kernels = {"chunk_gla": DiagonalDecay("g"), "fused_recurrent_gla": DiagonalDecay("gk")}
     # and the low-rank gate (gk_proj.0/.1, rank 16): too little work to pay for the casts
     float8_high_precision = ("gk_proj", "lm_head")
 

@@ -70,7 +70,8 @@ def _uncovered_parameter(model: nn.Module, plan: TPPlan, block_plans: list[dict]
     return None
 
 
-def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | None = None) -> None:
+def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | None = None,
+                seq_option: str = "--training.seq_len") -> None:
     """Raise ``ValueError`` (one line naming the field or module, its size and the degree) if TP cannot split ``model``.
 
     ``model`` may live on the meta device; it needs the HF ``config``.
@@ -102,6 +103,6 @@ def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | N
                 )
     if plan.options.sequence_parallel and seq_len is not None and seq_len % tp_degree:
         raise ValueError(
-            f"--training.seq_len={seq_len} is not divisible by {DEGREE}={tp_degree} with sequence parallel on; "
+            f"{seq_option}={seq_len} is not divisible by {DEGREE}={tp_degree} with sequence parallel on; "
             "pick a divisible seq_len or set [titan_ext] disable_sequence_parallel = true"
         )

@@ -52,6 +52,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   and ``pp2``.
 - ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
   under PP and at PP=1; HF export under PP), compared with one process.
+- Every eager job of titan_ext's specs also validates (``VALIDATION``) and its validation losses are
+  compared with the single-process run's.
 - Some rows belong to one spec (``Row.specs``): the README's extension example
   (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
@@ -102,6 +104,15 @@ COMMON = (
     # A job that fails on one rank only must not hold the others for long.
     "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "60",
 )
+
+# Every job of titan_ext's specs validates too (titan_ext.validate), on 2 windows of the corpus after steps
+# 1, 2 and 4: its validation losses must match the single-process run's like its training figures
+# (compiled rows excepted: ``Row.validates``).
+VALIDATION = (
+    "--validation.enable", "--validation.freq", "2", "--validation.steps", "2", "--validation.dataset",
+    "titan_ext_tiny", "--validation.seq_len", "80", "--validation.local_batch_size", "2",
+)
+VALIDATED_STEPS = [1, 2, 4]
 
 
 def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1, pp: int = 1) -> tuple[str, ...]:
@@ -176,6 +187,12 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+
+    @property
+    def validates(self) -> bool:
+        """Compiled rows do not validate: a no_grad forward recompiles the blocks (dynamo guards the
+        grad mode), once per job, and the matrix runs compiled jobs under ``error_on_recompile``."""
+        return "--compile.enable" not in self.flags
 
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
@@ -266,7 +283,7 @@ ROWS = {
        for name in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
     # DualPipeV needs a microbatch per stage (4): a batch of 4, so it trains on other data than the reference.
     "pp2_dualpipev": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "DualPipeV",
-                             "--training.local_batch_size", "4",
+                             "--training.local_batch_size", "4", "--validation.local_batch_size", "4",
                              "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains", specs=("fla_gla",)),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
@@ -331,6 +348,8 @@ class Matrix:
         spec_def = SPECS[spec]
         flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus),
                  *spec_def.flags)
+        if spec != "llama3":  # torchtitan's own model keeps torchtitan's validator
+            flags += (*VALIDATION, "--validation.dataset_path", str(self.corpus))
         if spec_def.hf_config:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "config.json"))
         tags = variant.split("+")
@@ -386,7 +405,7 @@ class Matrix:
         if README_COMMAND in flags:
             i = flags.index(README_COMMAND)
             flags = (*flags[:i], *self.readme_argv(), *flags[i + 1:])
-        train = (*self.from_seed(spec, variant), *flags)
+        train = (*self.from_seed(spec, variant), *flags, *(() if r.validates else ("--validation.no-enable",)))
         if r.kind in ("resume_pp1", "resume_from_pp1"):  # a checkpoint resumed at another PP degree
             every2 = (*train, "--checkpoint.interval", "2")
             one = (*self.from_seed(spec, variant), *parallel(), "--checkpoint.interval", "2")
@@ -521,10 +540,24 @@ def read_metrics(matrix: Matrix, job: Job) -> list[dict]:
     """Per-step metrics: titan_ext's full-precision JSON lines, or the console log for torchtitan's own models."""
     path = matrix.metrics_path(job.id)
     if path.exists():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [m for m in lines if "loss_metrics/global_avg_loss" in m]
     plain = re.sub(r"\x1b\[[0-9;]*m", "", job_log(matrix, job))
     return [{"step": int(s), "loss_metrics/global_avg_loss": float(loss), "grad_norm": float(norm)}
             for s, loss, norm in STEP_LINE.findall(plain)]
+
+
+def read_validation(matrix: Matrix, job: Job) -> dict[int, float]:
+    """Each validated step's validation loss."""
+    lines = [json.loads(line) for line in matrix.metrics_path(job.id).read_text().splitlines() if line.strip()]
+    return {m["step"]: m["validation_metrics/loss"] for m in lines if "validation_metrics/loss" in m}
+
+
+def compare_validation(run: dict[int, float], ref: dict[int, float], rtol: float) -> tuple[float, str]:
+    if sorted(run) != VALIDATED_STEPS or sorted(ref) != VALIDATED_STEPS:
+        return math.inf, f"validated steps {sorted(run)} (reference {sorted(ref)}), expected {VALIDATED_STEPS}"
+    step, worst = max(((s, abs(run[s] - ref[s]) / max(abs(ref[s]), 1e-30)) for s in VALIDATED_STEPS), key=lambda d: d[1])
+    return worst, "" if worst <= rtol else f"validation loss at step {step}: {run[step]!r} vs {ref[step]!r}"
 
 
 def job_error(matrix: Matrix, job: Job) -> str:
@@ -628,6 +661,9 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     else:
         rtol = LOG_RTOL if spec == "llama3" else ROWS[row].tolerance(spec)
         checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, rtol)))
+        if spec != "llama3" and ROWS[row].validates:
+            run_validation, ref_validation = read_validation(matrix, jobs[0]), read_validation(matrix, ref_jobs[-1])
+            checks.append(("validation vs single", *compare_validation(run_validation, ref_validation, rtol)))
     if ROWS[row].log_expect and ROWS[row].log_expect not in job_log(matrix, jobs[0]):
         checks.append(("log", math.inf, f"rank 0's log lacks {ROWS[row].log_expect!r}"))
     worst = max(rel for _, rel, _ in checks)

@@ -135,6 +135,21 @@ CASES = {
         ["--job.config_file", "{tmp}/pp_names.toml", *PP2], 2, "names 'tok_embeddings', which is not a part of this model",
     ),
     "pp with cp": ([*GLA, *PP2, "--parallelism.context_parallel_degree", "2"], 4, "does not combine with --parallelism.context_parallel_degree=2"),
+    "validation batch other than training's under pp": (
+        [*GLA, *PP2, "--validation.enable", "--validation.dataset", "titan_ext_tiny", "--validation.local_batch_size", "3"],
+        2, "--validation.local_batch_size=3 and --validation.seq_len=2048 must equal training's",
+    ),
+    "validation windows that cp cannot split": (
+        [*GLA, *CP2, "--validation.enable", "--validation.dataset", "titan_ext_tiny", "--validation.seq_len", "90"], 2,
+        "--validation.seq_len=90 does not split into 4 equal pieces",
+    ),
+    "validation without document boundaries under document masking": (
+        [*GLA, "--titan_ext.document_mask", "--validation.enable"], 1,
+        "which --validation.dataset='c4_validation' does not emit",
+    ),
+    "validation stream without a path": (
+        [*GLA, "--validation.enable", "--validation.dataset", "titan_ext_stream"], 1, "--validation.dataset_path is empty",
+    ),
     "context parallel pieces shorter than a convolution's halo": (
         [*GLA, *CP2, "--titan_ext.hf_config", "{tmp}/short_conv.json", "--training.seq_len", "8"], 2,
         "pieces of 2 tokens, shorter than the 3 earlier inputs",

@@ -79,25 +79,26 @@ def check_cp(model_args, job_config) -> None:
             "cannot follow; use 'headtail' (the default) or None (contiguous pieces)"
         )
     pieces = degree * PIECES_PER_RANK[balancer]
-    seq_len = job_config.training.seq_len
-    if seq_len % pieces:
-        raise ConfigError(
-            f"--training.seq_len={seq_len} does not split into {pieces} equal pieces ({OPTION}={degree}"
-            f"{', head-tail: 2 per rank' if pieces > degree else ''}); use a multiple of {pieces}"
-        )
     config = model_args.to_hf_config()
     halo = config.conv_size - 1 if getattr(config, "use_short_conv", False) else 0
-    if seq_len // pieces < halo:
-        raise ConfigError(
-            f"--training.seq_len={seq_len} makes context-parallel pieces of {seq_len // pieces} tokens, shorter than "
-            f"the {halo} earlier inputs each short convolution reads; use at least {halo * pieces} tokens"
-        )
-    tp = p.tensor_parallel_degree
-    if tp > 1 and sequence_parallel_enabled(job_config) and (seq_len // degree) % tp:
-        raise ConfigError(
-            f"--training.seq_len={seq_len}: each rank's {seq_len // degree} tokens ({OPTION}={degree}) do not split "
-            f"over --parallelism.tensor_parallel_degree={tp} with sequence parallel on; use a multiple of {degree * tp}"
-        )
+    tp = p.tensor_parallel_degree if sequence_parallel_enabled(job_config) else 1
+    for section in ("training", "validation") if job_config.validation.enable else ("training",):
+        option, seq_len = f"--{section}.seq_len", getattr(job_config, section).seq_len
+        if seq_len % pieces:
+            raise ConfigError(
+                f"{option}={seq_len} does not split into {pieces} equal pieces ({OPTION}={degree}"
+                f"{', head-tail: 2 per rank' if pieces > degree else ''}); use a multiple of {pieces}"
+            )
+        if seq_len // pieces < halo:
+            raise ConfigError(
+                f"{option}={seq_len} makes context-parallel pieces of {seq_len // pieces} tokens, shorter than "
+                f"the {halo} earlier inputs each short convolution reads; use at least {halo * pieces} tokens"
+            )
+        if (seq_len // degree) % tp:
+            raise ConfigError(
+                f"{option}={seq_len}: each rank's {seq_len // degree} tokens ({OPTION}={degree}) do not split over "
+                f"--parallelism.tensor_parallel_degree={tp} with sequence parallel on; use a multiple of {degree * tp}"
+            )
 
 
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:

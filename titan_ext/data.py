@@ -54,18 +54,25 @@ def register_datasets() -> None:
     DATASETS[STREAM_DATASET] = DatasetConfig(path="", loader=open_stream, sample_processor=lambda sample: sample["text"])
 
 
-def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs):
-    """torchtitan's text dataloader; titan_ext's streaming one for ``titan_ext_stream``, and for
-    ``titan_ext_tiny`` with document masking (torchtitan's does not emit document boundaries)."""
+def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, section: str = "training",
+                     infinite: bool = True, **kwargs):
+    """The dataloader of ``[training]`` (or of ``[validation]``): torchtitan's text dataloader; titan_ext's
+    streaming one for ``titan_ext_stream``, and for ``titan_ext_tiny`` with document masking
+    (torchtitan's does not emit document boundaries)."""
     from titan_ext import documents
     from titan_ext.text_stream import STREAM_DATASET, build_stream_dataloader
 
-    dataset = job_config.training.dataset
+    dataset = getattr(job_config, section).dataset
     if dataset == STREAM_DATASET:
-        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs)
+        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section=section, infinite=infinite)
     if dataset == TINY_DATASET and documents.enabled(job_config):
-        path = dataset_file(job_config.training.dataset_path)
-        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, path=path, **kwargs)
+        path = dataset_file(getattr(job_config, section).dataset_path)
+        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section=section,
+                                       infinite=infinite, path=path)
+    if section == "validation":
+        from torchtitan.hf_datasets.text_datasets import build_text_validation_dataloader
+
+        return build_text_validation_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=infinite)
     from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 
     return build_text_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, **kwargs)

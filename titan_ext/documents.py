@@ -79,18 +79,20 @@ def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
 
 
 def check_dataset(job_config) -> None:
-    """The job's data can carry boundaries: only titan_ext's own datasets emit them."""
+    """The job's data (and validation data) can carry boundaries: only titan_ext's own datasets emit them."""
     from titan_ext.data import TINY_DATASET
     from titan_ext.text_stream import STREAM_DATASET
 
     if not enabled(job_config):
         return
-    if job_config.training.dataset not in (TINY_DATASET, STREAM_DATASET):
-        raise ConfigError(
-            f"{OPTION} needs document boundaries from the dataloader, which --training.dataset="
-            f"{job_config.training.dataset!r} does not emit; use dataset {STREAM_DATASET!r} (any text shards) "
-            f"or {TINY_DATASET!r}, or turn document_mask off"
-        )
+    for section in ("training", "validation") if job_config.validation.enable else ("training",):
+        dataset = getattr(job_config, section).dataset
+        if dataset not in (TINY_DATASET, STREAM_DATASET):
+            raise ConfigError(
+                f"{OPTION} needs document boundaries from the dataloader, which --{section}.dataset="
+                f"{dataset!r} does not emit; use dataset {STREAM_DATASET!r} (any text shards) "
+                f"or {TINY_DATASET!r}, or turn document_mask off"
+            )
 
 
 def check_model(model_args, job_config) -> None:

@@ -182,6 +182,13 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
             f"--training.local_batch_size={batch} is not divisible by --parallelism.pipeline_parallel_microbatch_size="
             f"{micro}; pick sizes that divide"
         )
+    validation = job_config.validation
+    if validation.enable and (validation.local_batch_size != batch or validation.seq_len != training.seq_len):
+        raise ConfigError(  # the schedule's microbatches and stage buffers are sized once, for training's batch
+            f"--validation.local_batch_size={validation.local_batch_size} and --validation.seq_len={validation.seq_len} "
+            f"must equal training's ({batch}, {training.seq_len}) under {DEGREE}={p.pipeline_parallel_degree}; "
+            "set them to training's"
+        )
     if p.module_fqns_per_model_part:
         stages = [list(stage) for stage in p.module_fqns_per_model_part]
         _check_given_stages(model, stages)
@@ -296,6 +303,8 @@ class TokenMeanSchedule:
     def loss_fn(self, pred, labels):
         if self._warming_up:
             return pred.sum() * 0  # a loss for the schedule's backward, kept from the non-finite guard
+        if self._tokens is None:  # validation: the sum, as the validator expects
+            return self._loss_fn(pred, labels)
         return self._loss_fn(pred, labels) / self._tokens
 
     def step(self, *args, target=None, losses=None, **kwargs):
@@ -315,6 +324,11 @@ class TokenMeanSchedule:
         if losses is not None:
             losses[:] = [loss * self._tokens for loss in losses]
         return result
+
+    def eval(self, *args, **kwargs):
+        """A forward-only pass (``titan_ext.validate``): each microbatch's loss sum in ``losses``."""
+        self._tokens = None
+        return self._schedule.eval(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._schedule, name)

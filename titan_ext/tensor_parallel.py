@@ -42,6 +42,8 @@ def check_tp(model: nn.Module, job_config) -> None:
         plan_cls = plan_for_model(model)
         plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config)))
         validate_tp(model, plan, degree, job_config.training.seq_len)
+        if job_config.validation.enable:  # validation windows are split the same way
+            validate_tp(model, plan, degree, job_config.validation.seq_len, "--validation.seq_len")
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

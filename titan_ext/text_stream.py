@@ -190,19 +190,22 @@ def stream_options(job_config) -> tuple[str, int]:
     return section.text_field, section.shuffle_buffer
 
 
-def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infinite=True, path=None):
-    """torchtitan's data-parallel dataloader over ``StreamedTextDataset`` (of ``path``, else the dataset path)."""
+def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section="training", infinite=True, path=None):
+    """torchtitan's data-parallel dataloader over ``StreamedTextDataset`` (of ``path``, else the dataset
+    path), with the windows and batch of ``[training]`` or ``[validation]`` (which never shuffles)."""
     from torchtitan.components.dataloader import ParallelAwareDataloader
 
-    path = path or job_config.training.dataset_path
+    options = getattr(job_config, section)
+    path = path or options.dataset_path
     text_field, shuffle_buffer = stream_options(job_config)
+    shuffle_buffer = shuffle_buffer if section == "training" else 0
     document_mask = documents.enabled(job_config)
     logging.getLogger().info(
-        f"Streaming {path} ({STREAM_DATASET}, shuffle buffer {shuffle_buffer}, "
+        f"Streaming {path} ({STREAM_DATASET} for {section}, shuffle buffer {shuffle_buffer}, "
         f"document mask {'on' if document_mask else 'off'}, data-parallel rank {dp_rank} of {dp_world_size})"
     )
     dataset = StreamedTextDataset(
-        path, tokenizer, job_config.training.seq_len, dp_rank, dp_world_size,
+        path, tokenizer, options.seq_len, dp_rank, dp_world_size,
         text_field=text_field,
         shuffle_buffer=shuffle_buffer,
         seed=job_config.debug.seed or 0,
@@ -213,5 +216,5 @@ def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, infin
 
     return ParallelAwareDataloader(
         dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
-        **asdict(job_config.training.dataloader), batch_size=job_config.training.local_batch_size,
+        **asdict(options.dataloader), batch_size=options.local_batch_size,
     )

@@ -40,7 +40,6 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
     """torchtitan's components, with titan_ext's where torchtitan's assume its own models."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.components.validate import build_validator
     from torchtitan.protocols.train_spec import TrainSpec
 
     from titan_ext import data, metrics, nonfinite
@@ -48,6 +47,7 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
     from titan_ext.models.adapter import build_model
     from titan_ext.parallelize import parallelize_hf_model
     from titan_ext.pipeline import pipeline_hf_model
+    from titan_ext.validate import build_validator
 
     return TrainSpec(
         model_cls=build_model,
@@ -59,7 +59,7 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
         build_dataloader_fn=config_boundary(data.build_dataloader),
         build_tokenizer_fn=config_boundary(data.build_tokenizer),
         build_loss_fn=config_boundary(nonfinite.build_watched_loss),
-        build_validator_fn=build_validator,
+        build_validator_fn=config_boundary(build_validator),
         build_metrics_processor_fn=config_boundary(metrics.build_metrics_processor),
         state_dict_adapter=HFStateDictAdapter,
     )

@@ -139,6 +139,11 @@ CASES = {
         [*GLA, *PP2, "--validation.enable", "--validation.dataset", "titan_ext_tiny", "--validation.local_batch_size", "3"],
         2, "--validation.local_batch_size=3 and --validation.seq_len=2048 must equal training's",
     ),
+    "validation with a v-shaped pp schedule": (
+        [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--validation.enable",
+         "--validation.dataset", "titan_ext_tiny", "--validation.local_batch_size", "4", "--validation.seq_len", "128"],
+        2, "--validation.enable with --parallelism.pipeline_parallel_schedule='ZBVZeroBubble'",
+    ),
     "validation windows that cp cannot split": (
         [*GLA, *CP2, "--validation.enable", "--validation.dataset", "titan_ext_tiny", "--validation.seq_len", "90"], 2,
         "--validation.seq_len=90 does not split into 4 equal pieces",

@@ -32,7 +32,8 @@ def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1):
         data_parallel_shard_degree=1, data_parallel_replicate_degree=1, tensor_parallel_degree=1,
         context_parallel_degree=1, expert_parallel_degree=1,
     )
-    return SimpleNamespace(parallelism=p, training=SimpleNamespace(local_batch_size=4, global_batch_size=-1))
+    return SimpleNamespace(parallelism=p, training=SimpleNamespace(local_batch_size=4, global_batch_size=-1, seq_len=128),
+                           validation=SimpleNamespace(enable=False))
 
 
 def test_stages_are_balanced_in_the_models_own_names(monkeypatch):

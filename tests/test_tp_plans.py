@@ -160,6 +160,7 @@ def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None
         parallelism=SimpleNamespace(tensor_parallel_degree=degree, disable_loss_parallel=disable_loss_parallel,
                                     enable_async_tensor_parallel=async_tp),
         training=SimpleNamespace(seq_len=seq_len),
+        validation=SimpleNamespace(enable=False),
         titan_ext=titan_ext_section,
     )
 

@@ -201,6 +201,11 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
             "give a multiple of the degree"
         )
     v_shape = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+    if v_shape and validation.enable:
+        raise ConfigError(
+            f"--validation.enable with {SCHEDULE}={schedule!r}: torch's forward-only pass of a V-shaped schedule "
+            "waits forever for a receive (seen on gloo); validate with another schedule or turn validation off"
+        )
     per_rank = len(stages) // p.pipeline_parallel_degree
     if v_shape and per_rank != 2:
         raise ConfigError(f"{SCHEDULE}={schedule!r} runs 2 stages per rank (a V), not {per_rank}; give 2 per rank")
@@ -294,7 +299,7 @@ class TokenMeanSchedule:
         self._loss_fn, self._batch_mesh, self._parts = loss_fn, batch_mesh, parts
         self._schedule = None
         self._tokens: torch.Tensor | None = None
-        self._warm_up = warm_up
+        self._warm_up = self._on_gloo = warm_up
         self._warming_up = False
 
     def wrap(self, schedule) -> None:
@@ -326,8 +331,12 @@ class TokenMeanSchedule:
         return result
 
     def eval(self, *args, **kwargs):
-        """A forward-only pass (``titan_ext.validate``): each microbatch's loss sum in ``losses``."""
+        """A forward-only pass (``titan_ext.validate``): each microbatch's loss sum in ``losses``.
+
+        On gloo the next training step reads an unfilled receive buffer again (as the first one
+        does): it warms up again."""
         self._tokens = None
+        self._warm_up = self._on_gloo
         return self._schedule.eval(*args, **kwargs)
 
     def __getattr__(self, name):

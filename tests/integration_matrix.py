@@ -52,8 +52,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   and ``pp2``.
 - ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
   under PP and at PP=1; HF export under PP), compared with one process.
-- Every eager job of titan_ext's specs also validates (``VALIDATION``) and its validation losses are
-  compared with the single-process run's.
+- The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
+  are compared with the single-process run's.
 - Some rows belong to one spec (``Row.specs``): the README's extension example
   (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
@@ -105,9 +105,8 @@ COMMON = (
     "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "60",
 )
 
-# Every job of titan_ext's specs validates too (titan_ext.validate), on 2 windows of the corpus after steps
-# 1, 2 and 4: its validation losses must match the single-process run's like its training figures
-# (compiled rows excepted: ``Row.validates``).
+# Rows with ``Row.validation`` validate too (titan_ext.validate), on 2 windows of the corpus after steps
+# 1, 2 and 4: their validation losses must match the single-process run's like their training figures.
 VALIDATION = (
     "--validation.enable", "--validation.freq", "2", "--validation.steps", "2", "--validation.dataset",
     "titan_ext_tiny", "--validation.seq_len", "80", "--validation.local_batch_size", "2",
@@ -188,15 +187,10 @@ class Row:
     log_expect: str = ""
     """A line rank 0's log must hold."""
 
-    validation: bool = True
-    """Whether the row validates: not the NaN-injection rows (validation forwards would move the injected
-    step) nor V-shaped PP schedules (titan_ext refuses validation there)."""
-
-    @property
-    def validates(self) -> bool:
-        """Compiled rows do not validate either: a no_grad forward recompiles the blocks (dynamo guards the
-        grad mode), once per job, and the matrix runs compiled jobs under ``error_on_recompile``."""
-        return self.validation and "--compile.enable" not in self.flags
+    validation: bool = False
+    """The row validates (``VALIDATION``) and its validation losses must match the single-process run's.
+    Not for compiled rows: a no_grad forward recompiles the blocks (dynamo guards the grad mode), once per
+    job, and the matrix runs compiled jobs under ``error_on_recompile``."""
 
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
@@ -225,10 +219,10 @@ PP_SPECS = ("fla_gla", "hf_llama")
 README_COMMAND = "{readme}"
 """Stands for the README example's command-line arguments."""
 ROWS = {
-    "single": Row(1, parallel()),
-    "fsdp2": Row(2, parallel(shard=2)),
+    "single": Row(1, parallel(), validation=True),
+    "fsdp2": Row(2, parallel(shard=2), validation=True),
     "ddp2": Row(2, parallel(replicate=2)),
-    "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL),  # sequence parallel and loss parallel on (the defaults)
+    "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, validation=True),  # sequence parallel and loss parallel on (the defaults)
     "hsdp2x2": Row(4, parallel(shard=2, replicate=2)),
     "fsdp2_tp2": Row(
         4,
@@ -258,7 +252,8 @@ ROWS = {
                          kind="stream_resume", cost=2, specs=("fla_gla",)),
     # Sequences split across ranks, GLA's states exchanged (titan_ext.context_parallel): torchtitan's
     # head-tail pieces (2 per rank), contiguous pieces, and CP with FSDP and with TP.
-    "cp2": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla", "fla_transformer", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
+    "cp2": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla", "fla_transformer", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL,
+               validation=True),
     # (contiguous attention pieces are checked in fp64 on two ranks: tests/test_context_parallel.py)
     "cp2_contiguous": Row(2, (*parallel(cp=2), "--parallelism.context_parallel_load_balancer", "None"),
                           rtol=TP_RTOL, specs=("fla_gla",)),
@@ -271,7 +266,7 @@ ROWS = {
     # ... with document masking: states, halos, rotary positions and attention restart at every document start
     # on whichever rank it falls; compiled, with full AC (for the attention specs the compiled CP row),
     # against one process that masks too.
-    "cp2_tp2_docs": Row(4, parallel(tp=2, cp=2), rtol=TP_RTOL, documents=True, specs=("fla_gla",)),
+    "cp2_tp2_docs": Row(4, parallel(tp=2, cp=2), rtol=TP_RTOL, documents=True, specs=("fla_gla",), validation=True),
     "cp2_docs": Row(2, (*parallel(cp=2), *AC, "full", "--compile.enable", "--compile.backend", "aot_eager"),
                     rtol=TP_RTOL, cost=3, documents=True, spec_rtol=CP_DOCS_RTOL,
                     specs=("fla_gla", "fla_transformer", "hf_llama")),
@@ -280,27 +275,26 @@ ROWS = {
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
     "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS),
-    "pp2_tp2": Row(4, parallel(tp=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS),  # SP and loss parallel on
+    "pp2_tp2": Row(4, parallel(tp=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, validation=True),  # SP and loss parallel on
     # the remaining schedules torchtitan offers, on GLA
     **{f"pp2_{name.lower()}": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", name),
-                                  rtol=TP_RTOL, specs=("fla_gla",), validation=name != "ZBVZeroBubble")
+                                  rtol=TP_RTOL, specs=("fla_gla",))
        for name in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
     # DualPipeV needs a microbatch per stage (4): a batch of 4, so it trains on other data than the reference.
     "pp2_dualpipev": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "DualPipeV",
                              "--training.local_batch_size", "4",
                              "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains", specs=("fla_gla",),
-                         validation=False),
+                         ),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
     "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla",)),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
-    "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True),
+    "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
-                    specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),), validation=False),
+                    specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
-                    env=(("NAN_AT_STEP", "3"),), expect="non-finite loss (NaN or Inf) at step 3: stopped before its update",
-                    validation=False),
+                    env=(("NAN_AT_STEP", "3"),), expect="non-finite loss (NaN or Inf) at step 3: stopped before its update"),
 }
 
 
@@ -354,8 +348,6 @@ class Matrix:
         spec_def = SPECS[spec]
         flags = ("--job.config_file", str(CONFIGS / spec_def.config), "--training.dataset_path", str(self.corpus),
                  *spec_def.flags)
-        if spec != "llama3":  # torchtitan's own model keeps torchtitan's validator
-            flags += (*VALIDATION, "--validation.dataset_path", str(self.corpus))
         if spec_def.hf_config:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "config.json"))
         tags = variant.split("+")
@@ -411,7 +403,9 @@ class Matrix:
         if README_COMMAND in flags:
             i = flags.index(README_COMMAND)
             flags = (*flags[:i], *self.readme_argv(), *flags[i + 1:])
-        train = (*self.from_seed(spec, variant), *flags, *(() if r.validates else ("--validation.no-enable",)))
+        if r.validation and spec != "llama3":  # torchtitan's own model keeps torchtitan's validator
+            flags = (*flags, *VALIDATION, "--validation.dataset_path", str(self.corpus))
+        train = (*self.from_seed(spec, variant), *flags)
         if r.kind in ("resume_pp1", "resume_from_pp1"):  # a checkpoint resumed at another PP degree
             every2 = (*train, "--checkpoint.interval", "2")
             one = (*self.from_seed(spec, variant), *parallel(), "--checkpoint.interval", "2")
@@ -667,7 +661,7 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     else:
         rtol = LOG_RTOL if spec == "llama3" else ROWS[row].tolerance(spec)
         checks.append(("vs single", *compare(read_metrics(matrix, jobs[0]), ref, all_steps, rtol)))
-        if spec != "llama3" and ROWS[row].validates:
+        if spec != "llama3" and ROWS[row].validation:
             run_validation, ref_validation = read_validation(matrix, jobs[0]), read_validation(matrix, ref_jobs[-1])
             checks.append(("validation vs single", *compare_validation(run_validation, ref_validation, rtol)))
     if ROWS[row].log_expect and ROWS[row].log_expect not in job_log(matrix, jobs[0]):

@@ -2,7 +2,7 @@
 
 Rows, all at the same model, batch and sequence length:
   (a) plain loop over fla's model: bf16 autocast, fp32 params, fused AdamW;
-  (b) titan_ext through ``torchrun -m torchtitan.train``, bf16 mixed precision;
+  (b) titan_ext through stock ``torchtitan.train`` (one process), bf16 mixed precision;
   (c) (b) + per-block compile;
   (d) (c) + Float8 (``quantize.linear.float8``);
   (e) (b) + document masking (``[titan_ext] document_mask``: fla's packed
@@ -130,18 +130,19 @@ def _plain_loop(model_args, dev, batch, seq, steps, warmup) -> Row:
 
 
 def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row:
-    """One ``torchrun -m torchtitan.train`` job; median of its per-step metrics after warm-up."""
+    """One ``python -m torchtitan.train`` job (what torchrun runs, as its only process, without the
+    launcher's own ~6 s start); median of its per-step metrics after warm-up."""
     with tempfile.TemporaryDirectory() as folder:
         metrics = Path(folder) / "metrics.jsonl"
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-            "-m", "torchtitan.train", "--job.config_file", str(REPO / args.config), "--job.dump_folder", folder,
+            sys.executable, "-m", "torchtitan.train", "--job.config_file", str(REPO / args.config), "--job.dump_folder", folder,
             "--titan_ext.metrics_jsonl", str(metrics), "--metrics.log_freq", "1", "--checkpoint.no-enable",
             "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
             "--training.steps", str(args.steps), "--training.mixed_precision_param", "bfloat16",
             "--debug.seed", "0", *overrides,
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{name}: torchtitan exited {proc.returncode}:\n{proc.stdout[-4000:]}")
@@ -150,6 +151,14 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
     tps = statistics.median(s["throughput(tps)"] for s in steady)
     memory = max(s["memory/max_reserved(GiB)"] for s in steady)
     return Row(name, tps, memory, note)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def titan_rows(args) -> list[Row]:

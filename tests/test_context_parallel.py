@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+from helpers import on_forked_ranks
+
 from titan_ext import compat
 from titan_ext.context_parallel import CPChoice, apply_cp
 from titan_ext.kernels.state_passing import piece_order
@@ -139,19 +141,13 @@ DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
 """In a row of 160: across the pieces of 40 and 80, one at a piece start, a 1-token document."""
 
 
-def _two_ranks(rank, port, results):
+def _two_ranks(rank, mesh):
     """One of two gloo ranks: each case's model under CP=2 on this rank's pieces vs one process on the whole batch."""
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    try:
-        for spec, pieces_per_rank, _ in CASES:
-            torch.set_default_dtype(torch.float32 if spec.startswith("fla_gla") else torch.float64)
-            results[rank, spec, pieces_per_rank] = _compare(spec, pieces_per_rank, rank, mesh)
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for spec, pieces_per_rank, _ in CASES:
+        torch.set_default_dtype(torch.float32 if spec.startswith("fla_gla") else torch.float64)
+        results[spec, pieces_per_rank] = _compare(spec, pieces_per_rank, rank, mesh)
+    return results
 
 
 def _compare(spec, pieces_per_rank, rank, mesh):
@@ -205,20 +201,12 @@ def _compare(spec, pieces_per_rank, rank, mesh):
 def test_two_ranks_equal_one_process():
     """Logits and summed gradients of CP=2 on real gloo ranks equal one process over the whole sequence,
     for contiguous and head-tail pieces."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_two_ranks, args=(port, results), nprocs=2)
+    results = on_forked_ranks(2, _two_ranks)
     for spec, pieces_per_rank, tol in CASES:
         for rank in (0, 1):
-            forward, grads = results[rank, spec, pieces_per_rank]
+            forward, grads = results[rank][spec, pieces_per_rank]
             print(spec, pieces_per_rank, rank, f"{forward:.1e} {grads:.1e}")
     for spec, pieces_per_rank, tol in CASES:
         for rank in (0, 1):
-            forward, grads = results[rank, spec, pieces_per_rank]
+            forward, grads = results[rank][spec, pieces_per_rank]
             assert forward <= tol and grads <= tol, (spec, pieces_per_rank, rank, forward, grads)

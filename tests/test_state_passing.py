@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import assert_rel_close, gla_inputs
 
 from titan_ext import documents
+from titan_ext.context_parallel import packed_cu_seqlens
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels import state_passing
 from titan_ext.kernels.conv import causal_conv1d
@@ -52,8 +53,7 @@ def on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, document_pos
         for r in range(world):
             monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, r=r: r)
             layout = state_passing.PieceLayout(None, pieces_per_rank)
-            layout.positions = held[r].expand(2, -1)  # B = 2
-            layout.document_positions = document_positions
+            layout.record(held[r].expand(2, -1), document_positions)  # B = 2
             outputs.append(run(layout, held[r]))
         return outputs
 
@@ -70,15 +70,6 @@ def on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, document_pos
 def packed(x, mine, layout):
     """The local rows as the model's forward hands them to a mixer under document masking: one row."""
     return x[:, mine].reshape(1, -1, *x.shape[2:])
-
-
-def local_cu_seqlens(layout):
-    """What ``context_parallel.step_inputs`` builds: every piece row and every document starts a sequence."""
-    local = layout.document_positions.gather(1, layout.positions.long())
-    size = local.shape[1] // layout.per_rank
-    starts = torch.zeros_like(local, dtype=torch.bool)
-    starts[:, ::size] = True
-    return documents.cu_seqlens(local.masked_fill(starts, 0))
 
 
 def document_positions(B, T):
@@ -166,7 +157,7 @@ def test_packed_documents_restart_across_ranks(monkeypatch, recurrence, world, p
 
     def run(layout, mine):
         split_kernel = state_passing.across_ranks(kernel, kind, layout)
-        o = call(split_kernel, [packed(x, mine, layout) for x in xs], None, local_cu_seqlens(layout))
+        o = call(split_kernel, [packed(x, mine, layout) for x in xs], None, packed_cu_seqlens(layout))
         return o.view(B, len(mine), *o.shape[2:])
 
     whole = on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, doc_positions)
@@ -205,7 +196,7 @@ def test_convolution_pieces_with_halos_equal_one_pass(monkeypatch, world, pieces
         if not with_documents:
             return conv(x=x[:, mine], weight=weight, bias=bias, residual=residual[:, mine], activation="silu")[0]
         y, _ = conv(x=packed(x, mine, layout), weight=weight, bias=bias, residual=packed(residual, mine, layout),
-                    activation="silu", cu_seqlens=local_cu_seqlens(layout))
+                    activation="silu", cu_seqlens=packed_cu_seqlens(layout))
         return y.view(B, len(mine), D)
 
     whole = on_simulated_ranks(monkeypatch, world, pieces_per_rank, T, run, doc_positions)

@@ -78,11 +78,13 @@ def check_cp(model_args, job_config) -> None:
             f"--parallelism.context_parallel_load_balancer={balancer!r} reorders tokens in a way a recurrence "
             "cannot follow; use 'headtail' (the default) or None (contiguous pieces)"
         )
+    from titan_ext.data import sections
+
     pieces = degree * PIECES_PER_RANK[balancer]
     config = model_args.to_hf_config()
     halo = config.conv_size - 1 if getattr(config, "use_short_conv", False) else 0
     tp = p.tensor_parallel_degree if sequence_parallel_enabled(job_config) else 1
-    for section in ("training", "validation") if job_config.validation.enable else ("training",):
+    for section in sections(job_config):
         option, seq_len = f"--{section}.seq_len", getattr(job_config, section).seq_len
         if seq_len % pieces:
             raise ConfigError(
@@ -124,20 +126,24 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
     Both are recorded in the model's ``PieceLayout`` for the bound attention and kernels.
     """
     layout = model.cp_layout
-    layout.positions, layout.document_positions = positions, document_positions
+    layout.record(positions, document_positions)
+    local = layout.local_document_positions
     if model.arch.cp_attention == "transformers":  # rotary at position_ids: global, or within each document
-        if document_positions is not None:
-            positions = document_positions.gather(1, positions.long())
-        return {**first, "position_ids": positions}
-    if document_positions is None or model.arch.cp_attention:  # fla's attention reads the layout
+        return {**first, "position_ids": positions if local is None else local}
+    if local is None or model.arch.cp_attention:  # fla's attention reads the layout
         return first
-    # a recurrent mixer on packed documents: one row, every piece row and document a sequence of cu_seqlens
-    local = document_positions.gather(1, positions.long())
-    size = positions.shape[1] // layout.per_rank
-    piece_starts = torch.zeros_like(local, dtype=torch.bool)
-    piece_starts[:, ::size] = True
+    # a recurrent mixer on packed documents: the piece rows as one row
     flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
-    return {**flat, "cu_seqlens": documents.cu_seqlens(local.masked_fill(piece_starts, 0))}
+    return {**flat, "cu_seqlens": packed_cu_seqlens(layout)}
+
+
+def packed_cu_seqlens(layout) -> torch.Tensor:
+    """fla's ``cu_seqlens`` of this step's piece rows flattened into one: every piece row and every
+    document start a sequence."""
+    local = layout.local_document_positions
+    piece_starts = torch.zeros_like(local, dtype=torch.bool)
+    piece_starts[:, :: local.shape[1] // layout.per_rank] = True
+    return documents.cu_seqlens(local.masked_fill(piece_starts, 0))
 
 
 def _apply_state_passing(model: nn.Module, layout) -> None:
@@ -238,7 +244,7 @@ def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = No
 def _global_mask(layout, length: int, window: int | None):
     """``[B, 1, T_local, T]``: each local query's keys in the whole row, by global position: earlier
     or itself, within ``window``, and in its own document."""
-    query = layout.positions.long()
+    query = layout.positions
     key = torch.arange(length, device=query.device)
     distance = query[:, :, None] - key[None, None, :]
     mask = distance >= 0
@@ -287,9 +293,7 @@ def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_val
     q, k, v = (proj(hidden_states).unflatten(-1, (-1, self.head_dim)) for proj in (self.q_proj, self.k_proj, self.v_proj))
     if self.qk_norm:
         q, k = self.q_norm(q), self.k_norm(k)
-    positions = layout.positions.long()
-    if layout.document_positions is not None:
-        positions = layout.document_positions.gather(1, positions)
+    positions = layout.positions if layout.local_document_positions is None else layout.local_document_positions
     length = max(T * layout.world, self.max_position_embeddings or 0)  # positions of the whole sequence
     cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
     q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)

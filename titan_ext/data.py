@@ -54,6 +54,11 @@ def register_datasets() -> None:
     DATASETS[STREAM_DATASET] = DatasetConfig(path="", loader=open_stream, sample_processor=lambda sample: sample["text"])
 
 
+def sections(job_config) -> tuple[str, ...]:
+    """The config sections whose windows the job reads: ``training``, and ``validation`` when it is on."""
+    return ("training", "validation") if job_config.validation.enable else ("training",)
+
+
 def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, section: str = "training",
                      infinite: bool = True, **kwargs):
     """The dataloader of ``[training]`` (or of ``[validation]``): torchtitan's text dataloader; titan_ext's
@@ -62,11 +67,11 @@ def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, secti
     from titan_ext import documents
     from titan_ext.text_stream import STREAM_DATASET, build_stream_dataloader
 
-    dataset = getattr(job_config, section).dataset
-    if dataset == STREAM_DATASET:
+    options = getattr(job_config, section)
+    if options.dataset == STREAM_DATASET:
         return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section=section, infinite=infinite)
-    if dataset == TINY_DATASET and documents.enabled(job_config):
-        path = dataset_file(getattr(job_config, section).dataset_path)
+    if options.dataset == TINY_DATASET and documents.enabled(job_config):
+        path = dataset_file(options.dataset_path)
         return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section=section,
                                        infinite=infinite, path=path)
     if section == "validation":

@@ -80,12 +80,12 @@ def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
 
 def check_dataset(job_config) -> None:
     """The job's data (and validation data) can carry boundaries: only titan_ext's own datasets emit them."""
-    from titan_ext.data import TINY_DATASET
+    from titan_ext.data import TINY_DATASET, sections
     from titan_ext.text_stream import STREAM_DATASET
 
     if not enabled(job_config):
         return
-    for section in ("training", "validation") if job_config.validation.enable else ("training",):
+    for section in sections(job_config):
         dataset = getattr(job_config, section).dataset
         if dataset not in (TINY_DATASET, STREAM_DATASET):
             raise ConfigError(

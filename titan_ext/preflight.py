@@ -60,21 +60,18 @@ def _check_model_name_and_flavor(job_config) -> None:
 
 def _check_dataset(job_config) -> None:
     """The training data, and the validation data when validation is on (same checks, its own options)."""
-    from titan_ext.data import TINY_DATASET, dataset_file
+    from titan_ext.data import TINY_DATASET, dataset_file, sections
     from titan_ext.text_stream import STREAM_DATASET, check_stream, stream_options
 
     text_field, buffer = stream_options(job_config)
     if buffer < 0:
         raise ConfigError(f"--titan_ext.shuffle_buffer={buffer} is negative; use 0 (stream order) or more")
-    for section in ("training", "validation") if job_config.validation.enable else ("training",):
-        options = getattr(job_config, section)
-        try:
-            if options.dataset == TINY_DATASET:
-                inputs.check_jsonl_dataset(dataset_file(options.dataset_path))
-            if options.dataset == STREAM_DATASET:
-                check_stream(options.dataset_path, text_field)
-        except ConfigError as error:  # the checks name the training options
-            raise ConfigError(str(error).replace("--training.", f"--{section}.")) from None
+    for section in sections(job_config):
+        options, option = getattr(job_config, section), f"--{section}.dataset_path"
+        if options.dataset == TINY_DATASET:
+            inputs.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
+        if options.dataset == STREAM_DATASET:
+            check_stream(options.dataset_path, text_field, option)
 
 
 def _check_document_mask(job_config) -> None:

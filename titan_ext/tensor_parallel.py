@@ -38,12 +38,13 @@ def check_tp(model: nn.Module, job_config) -> None:
         return
     from model_plans import TPOptions, plan_for_model, validate_tp
 
+    from titan_ext.data import sections
+
     try:
         plan_cls = plan_for_model(model)
         plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config)))
-        validate_tp(model, plan, degree, job_config.training.seq_len)
-        if job_config.validation.enable:  # validation windows are split the same way
-            validate_tp(model, plan, degree, job_config.validation.seq_len, "--validation.seq_len")
+        for section in sections(job_config):  # validation windows are split as training's are
+            validate_tp(model, plan, degree, getattr(job_config, section).seq_len, f"--{section}.seq_len")
     except ValueError as error:
         raise ConfigError(str(error)) from None
 

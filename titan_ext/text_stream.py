@@ -35,15 +35,16 @@ FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "
 OPTION = "--training.dataset_path"
 
 
-def local_shards(path: str) -> tuple[str, list[str]] | None:
-    """(``datasets`` builder, files) for a local file, directory or glob; None for an HF dataset name."""
+def local_shards(path: str, option: str = OPTION) -> tuple[str, list[str]] | None:
+    """(``datasets`` builder, files) for a local file, directory or glob; None for an HF dataset name.
+    ``option`` is the config option that named ``path`` (errors name it)."""
     if os.path.isdir(path):
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
         where = f"the directory {path!r}"
     elif glob.has_magic(path):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
         if not files:
-            raise ConfigError(f"{OPTION}={path!r} matches no file; fix the pattern")
+            raise ConfigError(f"{option}={path!r} matches no file; fix the pattern")
         where = f"the files {path!r} matches"
     elif os.path.isfile(path):
         files, where = [path], f"{path!r}"
@@ -52,25 +53,25 @@ def local_shards(path: str) -> tuple[str, list[str]] | None:
     formats = {FORMATS.get(os.path.splitext(f)[1]) for f in files} - {None}
     if not formats:
         raise ConfigError(
-            f"{OPTION}={path!r}: {where} holds no {'/'.join(sorted(FORMATS))} file; "
+            f"{option}={path!r}: {where} holds no {'/'.join(sorted(FORMATS))} file; "
             "point it at text shards in one of those formats"
         )
     if len(formats) > 1:
-        raise ConfigError(f"{OPTION}={path!r} mixes {sorted(formats)} shards; keep one format per dataset")
+        raise ConfigError(f"{option}={path!r} mixes {sorted(formats)} shards; keep one format per dataset")
     (builder,) = formats
     files = [f for f in files if FORMATS.get(os.path.splitext(f)[1]) == builder]
     if all(os.path.getsize(f) == 0 for f in files):
-        raise ConfigError(f"{OPTION}={path!r} holds no record (empty files); an empty dataset would never yield a batch")
+        raise ConfigError(f"{option}={path!r} holds no record (empty files); an empty dataset would never yield a batch")
     return builder, files
 
 
-def open_stream(path: str):
-    """The dataset at ``path`` as a ``datasets`` streaming ``IterableDataset``."""
+def open_stream(path: str, option: str = OPTION):
+    """The dataset at ``path`` (named by ``option``) as a ``datasets`` streaming ``IterableDataset``."""
     from datasets import load_dataset
 
     if not path:
-        raise ConfigError(f"{OPTION} is empty; {STREAM_DATASET} streams the files or HF dataset it names")
-    shards = local_shards(path)
+        raise ConfigError(f"{option} is empty; {STREAM_DATASET} streams the files or HF dataset it names")
+    shards = local_shards(path, option)
     try:
         if shards is None:
             return load_dataset(path, split="train", streaming=True)
@@ -81,19 +82,19 @@ def open_stream(path: str):
     except Exception as error:  # datasets' errors for a name it cannot find or files it cannot read
         detail = " ".join(str(error).split())[:300]
         raise ConfigError(
-            f"{OPTION}={path!r} cannot be streamed ({type(error).__name__}: {detail}); "
+            f"{option}={path!r} cannot be streamed ({type(error).__name__}: {detail}); "
             "give local parquet/JSON-lines/arrow shards or an HF dataset available offline"
         ) from None
 
 
-def check_stream(path: str, text_field: str) -> None:
+def check_stream(path: str, text_field: str, option: str = OPTION) -> None:
     """Preflight: the stream opens, is not empty, and its first record has a string ``text_field``."""
-    first = next(iter(open_stream(path)), None)
+    first = next(iter(open_stream(path, option)), None)
     if first is None:
-        raise ConfigError(f"{OPTION}={path!r} holds no record; an empty dataset would never yield a batch")
+        raise ConfigError(f"{option}={path!r} holds no record; an empty dataset would never yield a batch")
     if not isinstance(first.get(text_field), str):
         raise ConfigError(
-            f"{OPTION}={path!r}: records have no string {text_field!r} field (fields: {sorted(first)}); "
+            f"{option}={path!r}: records have no string {text_field!r} field (fields: {sorted(first)}); "
             "set [titan_ext] text_field to the field holding the text"
         )
 
@@ -130,19 +131,19 @@ class StreamedTextDataset(IterableDataset, Stateful):
     """Packed ``(input, label)`` windows of ``seq_len`` tokens from one data-parallel rank's stream."""
 
     def __init__(self, path, tokenizer, seq_len, dp_rank, dp_world_size, text_field="text", shuffle_buffer=0,
-                 seed=0, infinite=True, document_mask=False):
+                 seed=0, infinite=True, document_mask=False, option=OPTION):
         from datasets.distributed import split_dataset_by_node
 
-        data = split_dataset_by_node(open_stream(path), dp_rank, dp_world_size)
-        if next(iter(split_dataset_by_node(open_stream(path), dp_rank, dp_world_size)), None) is None:
+        data = split_dataset_by_node(open_stream(path, option), dp_rank, dp_world_size)
+        if next(iter(split_dataset_by_node(open_stream(path, option), dp_rank, dp_world_size)), None) is None:
             raise ConfigError(  # a probe on its own stream: ``data``'s position stays at the start
-                f"{OPTION}={path!r}: data-parallel rank {dp_rank} of {dp_world_size} gets no document; "
+                f"{option}={path!r}: data-parallel rank {dp_rank} of {dp_world_size} gets no document; "
                 "give the dataset at least one record (better: one shard) per data-parallel rank"
             )
         self.documents = ShuffledStream(data, shuffle_buffer, seed) if shuffle_buffer > 0 else data
         self.tokenizer, self.seq_len, self.text_field, self.infinite = tokenizer, seq_len, text_field, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
-        self.document_mask = document_mask
+        self.document_mask, self.option = document_mask, option
         self.tokens: list[int] = []
         self.starts: list[int] = []  # with document masking: where in ``tokens`` each document begins
 
@@ -160,7 +161,7 @@ class StreamedTextDataset(IterableDataset, Stateful):
                 return
             if documents == 0:  # looping again would spin forever without a batch
                 raise ConfigError(
-                    f"{OPTION}: data-parallel rank {self.dp_rank} of {self.dp_world_size} got no document; "
+                    f"{self.option}: data-parallel rank {self.dp_rank} of {self.dp_world_size} got no document; "
                     "give the dataset at least one record (better: one shard) per data-parallel rank"
                 )
 
@@ -211,6 +212,7 @@ def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, secti
         seed=job_config.debug.seed or 0,
         infinite=infinite,
         document_mask=document_mask,
+        option=f"--{section}.dataset_path",
     )
     from dataclasses import asdict
 

@@ -78,17 +78,29 @@ class PieceLayout:
         self.group, self.per_rank = group, per_rank
         self.rank = torch.distributed.get_rank(group)
         self.world = torch.distributed.get_world_size(group)
-        self.positions: Tensor | None = None
-        self.document_positions: Tensor | None = None
+        self.record(None, None)
+
+    def record(self, positions: Tensor | None, document_positions: Tensor | None) -> None:
+        """One step's positions, and what the bound kernels derive from them, once per step."""
+        self.positions = None if positions is None else positions.long()
+        self.document_positions = document_positions
+        self.local_document_positions = None  # each local token's position in its document
+        if document_positions is not None:
+            self.local_document_positions = document_positions.gather(1, self.positions)
 
     def continues(self) -> Tensor | None:
         """``[B * per_rank]``: whether each local piece's first token continues a document (None:
         no document masking, so every piece continues the one before it)."""
-        if self.document_positions is None:
+        if self.local_document_positions is None:
             return None
-        size = self.positions.shape[1] // self.per_rank
-        firsts = self.positions[:, ::size].long()  # each piece's first token, in the whole row
-        return (self.document_positions.gather(1, firsts) != 0).flatten()
+        size = self.local_document_positions.shape[1] // self.per_rank
+        return (self.local_document_positions[:, ::size] != 0).flatten()
+
+    def rows(self, x: Tensor) -> int:
+        """How many piece rows ``x`` holds: batch x pieces per rank, or, packed into one row (documents),
+        one per ``continues``."""
+        continues = self.continues()
+        return x.shape[0] * self.per_rank if continues is None else continues.shape[0]
 
 
 def piece_order(rank: int, world: int, pieces_per_rank: int) -> list[int]:
@@ -125,19 +137,28 @@ def fold(state: Tensor, summaries: Tensor, value_dim: int) -> Tensor:
     return state
 
 
+def every_piece(rows: Tensor, layout: PieceLayout) -> Tensor:
+    """Every piece of the sequences, in sequence order (``[pieces, B, ...]``), from each rank's piece
+    rows (``[R, ...]``): one all-gather."""
+    mine = rows.unflatten(0, (rows.shape[0] // layout.per_rank, layout.per_rank)).transpose(0, 1)
+    return gather_pieces(mine, layout.group).flatten(0, 1)[in_sequence_order(layout.world, layout.per_rank)]
+
+
+def as_piece_rows(pieces: list[Tensor]) -> Tensor:
+    """This rank's per-piece tensors (``[B, ...]`` each, in its piece order) as piece rows ``[R, ...]``."""
+    return torch.stack(pieces, dim=1).flatten(0, 1)
+
+
 def incoming_states(summaries: Tensor, layout: PieceLayout, value_dim: int, initial_state: Tensor | None = None) -> Tensor:
     """The exact state ``[R, H, K, V]`` entering each local piece row, from this rank's piece summaries
     (``[R, H, K, V + m]``), all-gathered, and the sequence's own initial state (before piece 0)."""
-    rows, per_rank = summaries.shape[0], layout.per_rank
-    mine = summaries.unflatten(0, (rows // per_rank, per_rank)).transpose(0, 1)  # [pieces, B, ...]
-    every = gather_pieces(mine, layout.group).flatten(0, 1)[in_sequence_order(layout.world, per_rank)]
+    every = every_piece(summaries, layout)
     # Every rank must take part in the all-gather's backward (a reduce-scatter), also the one whose first
     # piece folds nothing: a zero-weighted term keeps the gathered tensor in its graph.
     start = every[0, ..., :value_dim] * 0
     if initial_state is not None:
         start = start + initial_state.to(start.dtype)
-    states = [fold(start, every[:p], value_dim) for p in piece_order(layout.rank, layout.world, per_rank)]
-    return torch.stack(states, dim=1).flatten(0, 1)
+    return as_piece_rows([fold(start, every[:p], value_dim) for p in piece_order(layout.rank, layout.world, layout.per_rank)])
 
 
 def document_starts(cu_seqlens: Tensor, continues: Tensor, size: int) -> Tensor:
@@ -167,7 +188,7 @@ def across_ranks(kernel, recurrence: DiagonalDecay | AffineState, layout: PieceL
             raise ValueError("packed sequences (cu_seqlens) under context parallelism need the step's document layout")
         if continues is not None and initial_state is not None:
             raise ValueError("packed documents under context parallelism start from zero (no initial_state)")
-        rows = q.shape[0] * layout.per_rank if continues is None else continues.shape[0]
+        rows = layout.rows(q)
         o, reads, summaries = summarise(kernel, recurrence, q, k, v, rows, continues, kwargs)
         incoming = incoming_states(summaries, layout, v.shape[-1], initial_state)
         o = o.to(incoming.dtype) + torch.einsum("rthk,rhkv->rthv", reads.to(incoming.dtype), incoming)
@@ -254,14 +275,13 @@ def previous_tails(x: Tensor, width: int, layout: PieceLayout) -> Tensor:
     """For each piece row of ``x`` (``[R, P, ...]``), the last ``width`` steps of the piece before it in
     the sequence (zeros before the first piece): the halo a causal convolution of ``width + 1`` taps
     needs. One all-gather, differentiable."""
-    rows, size = x.shape[:2]
+    size = x.shape[1]
     if width > size:
         raise ValueError(f"a piece of {size} tokens cannot hold a halo of {width}; use longer sequences")
-    tails = x[:, size - width:].unflatten(0, (rows // layout.per_rank, layout.per_rank)).transpose(0, 1)
-    every = gather_pieces(tails, layout.group).flatten(0, 1)[in_sequence_order(layout.world, layout.per_rank)]
+    every = every_piece(x[:, size - width:], layout)
     anchor = every[0] * 0  # keeps every rank in the all-gather's backward (see ``incoming_states``)
-    halos = [anchor if p == 0 else every[p - 1] + anchor for p in piece_order(layout.rank, layout.world, layout.per_rank)]
-    return torch.stack(halos, dim=1).flatten(0, 1)
+    return as_piece_rows([anchor if p == 0 else every[p - 1] + anchor
+                          for p in piece_order(layout.rank, layout.world, layout.per_rank)])
 
 
 def conv_across_ranks(kernel, layout: PieceLayout):
@@ -275,8 +295,7 @@ def conv_across_ranks(kernel, layout: PieceLayout):
         if initial_state is not None or output_final_state:
             raise ValueError("a convolution split across context-parallel ranks takes no cache and gives no final state")
         kwargs.pop("cu_seqlens_cpu", None), kwargs.pop("chunk_indices", None)  # of the unwidened rows
-        continues = layout.continues()
-        rows = x.shape[0] * layout.per_rank if continues is None else continues.shape[0]
+        continues, rows = layout.continues(), layout.rows(x)
         width = weight.shape[-1] - 1
         pieces = _as_rows(x, rows)
         halos = previous_tails(pieces, width, layout)

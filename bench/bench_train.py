@@ -2,7 +2,7 @@
 
 Rows, all at the same model, batch and sequence length:
   (a) plain loop over fla's model: bf16 autocast, fp32 params, fused AdamW;
-  (b) titan_ext through stock ``torchtitan.train`` (one process), bf16 mixed precision;
+  (b) titan_ext through stock torchtitan's ``Trainer`` (one rank, in this process), bf16 mixed precision;
   (c) (b) + per-block compile;
   (d) (c) + Float8 (``quantize.linear.float8``);
   (e) (b) + document masking (``[titan_ext] document_mask``: fla's packed
@@ -19,14 +19,14 @@ and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import gc
 import json
 import math
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -130,27 +130,58 @@ def _plain_loop(model_args, dev, batch, seq, steps, warmup) -> Row:
 
 
 def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row:
-    """One ``python -m torchtitan.train`` job (what torchrun runs, as its only process, without the
-    launcher's own ~6 s start); median of its per-step metrics after warm-up."""
-    with tempfile.TemporaryDirectory() as folder:
+    """One torchtitan job in this process: stock ``Trainer``, as torchrun's only rank runs it, without a
+    new interpreter's imports per row; median of its per-step metrics after warm-up."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torchtitan.config import ConfigManager
+    from torchtitan.train import Trainer
+
+    with tempfile.TemporaryDirectory() as folder, single_rank():
         metrics = Path(folder) / "metrics.jsonl"
-        cmd = [
-            sys.executable, "-m", "torchtitan.train", "--job.config_file", str(REPO / args.config), "--job.dump_folder", folder,
+        job_config = ConfigManager().parse_args([
+            "--job.config_file", str(REPO / args.config), "--job.dump_folder", folder,
             "--titan_ext.metrics_jsonl", str(metrics), "--metrics.log_freq", "1", "--checkpoint.no-enable",
             "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
             "--training.steps", str(args.steps), "--training.mixed_precision_param", "bfloat16",
             "--debug.seed", "0", *overrides,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{name}: torchtitan exited {proc.returncode}:\n{proc.stdout[-4000:]}")
+        ])
+        trainer = Trainer(job_config)
+        try:
+            trainer.train()
+        except Exception as error:
+            raise RuntimeError(f"{name}: torchtitan failed: {error}") from error
+        finally:
+            trainer.close()
+            del trainer
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            torch._dynamo.reset()  # the next row compiles its own graphs
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steady = [s for s in steps if s["step"] > args.warmup]
     tps = statistics.median(s["throughput(tps)"] for s in steady)
     memory = max(s["memory/max_reserved(GiB)"] for s in steady)
     return Row(name, tps, memory, note)
+
+
+@contextlib.contextmanager
+def single_rank():
+    """torchrun's variables for a one-rank job, restored afterwards."""
+    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
 
 
 def free_port() -> int:
@@ -189,7 +220,8 @@ def peak_flops() -> float:
 def print_table(rows: list[Row], flops: int, peak: float, args) -> None:
     base = rows[0].tps
     print(f"\nGLA {args.config}, batch {args.batch} x seq {args.seq}, median of steps {args.warmup + 1}-{args.steps}")
-    print(f"FLOPs/token {flops:,}, peak {peak / 1e12:.0f} TFLOP/s ({device().type})")
+    peak_text = f"{peak / 1e12:.0f} TFLOP/s" if math.isfinite(peak) else "unknown (MFU shows 0)"
+    print(f"FLOPs/token {flops:,}, peak {peak_text} ({device().type})")
     print(f"| {'run':<32} | {'tokens/s':>12} | {'vs (a)':>7} | {'peak mem GiB':>12} | {'MFU %':>7} |")
     print(f"|{'-' * 34}|{'-' * 14}|{'-' * 9}|{'-' * 14}|{'-' * 9}|")
     for row in rows:

@@ -128,14 +128,16 @@ def test_gated_deltanet_layer_sends_its_state_map_and_conv_halo_once(cp_mesh, wi
     assert sent == (convs + [state]) * 2, sent
 
 
-CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 2, 1e-12), ("fla_transformer", 1, 1e-12),
+CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 2, 1e-12), ("hf_llama+alltoall", 1, 1e-12),
+         ("fla_transformer", 1, 1e-12), ("fla_transformer+alltoall", 2, 1e-12),
          ("fla_transformer+window", 2, 1e-12), ("fla_gated_deltanet", 2, 1e-12),
          ("fla_gla+docs", 2, 1e-5), ("fla_gated_deltanet+docs", 1, 1e-12), ("hf_llama+docs", 1, 1e-12),
          ("fla_transformer+docs", 2, 1e-12), ("fla_transformer+window+docs", 1, 1e-12)]
 """(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
-Gated DeltaNet (its q/k/v convolution fused), Llama and the fla transformer (all-gathered keys and values;
-also with a sliding window) in fp64. ``+docs``: packed documents (document masking) on both sides. Each
-spec runs with contiguous pieces (1 per rank) and head-tail ones (2) in one case or another."""
+Gated DeltaNet (its q/k/v convolution fused), Llama and the fla transformer in fp64: torch's ring
+attention (rotating keys and values by all-gather, or ``+alltoall`` rank to rank), or with a sliding
+window or ``+docs`` (packed documents, document masking on both sides) all-gathered keys and values.
+Each spec runs with contiguous pieces (1 per rank) and head-tail ones (2) in one case or another."""
 
 DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
 """In a row of 160: across the pieces of 40 and 80, one at a piece start, a 1-token document."""
@@ -143,6 +145,10 @@ DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
 
 def _two_ranks(rank, mesh):
     """One of two gloo ranks: each case's model under CP=2 on this rank's pieces vs one process on the whole batch."""
+    from titan_ext import host_patches
+
+    host_patches.apply_cpu_mode()  # torch's ring on the CPU (this forked rank's own copy of torch)
+    compat.torch_cp_options()._cp_options.convert_to_f32 = False  # the ring merges fp64 blocks in fp64
     results = {}
     for spec, pieces_per_rank, _ in CASES:
         torch.set_default_dtype(torch.float32 if spec.startswith("fla_gla") else torch.float64)
@@ -173,7 +179,10 @@ def _compare(spec, pieces_per_rank, rank, mesh):
     whole.init_weights()
     whole.to(torch.get_default_dtype())  # also the parameters fla keeps in fp32 (Gated DeltaNet's A_log)
     model = copy.deepcopy(whole)
-    apply_cp(model, mesh, CPChoice(2, pieces_per_rank))
+    masks = [mask for mask in ("+window", "+docs") if mask in spec]
+    rotate = "alltoall" if "+alltoall" in spec else "allgather"
+    apply_cp(model, mesh, CPChoice(2, pieces_per_rank, masked_attention=", ".join(masks) or None, rotate_method=rotate))
+    compat.torch_cp_options()._cp_options.enable_load_balance = pieces_per_rank > 1  # as torchtitan's input sharding
     tokens = torch.randint(0, 2048, (2, 160), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(160).expand(2, 160)
     extra = {}
@@ -210,3 +219,75 @@ def test_two_ranks_equal_one_process():
         for rank in (0, 1):
             forward, grads = results[rank][spec, pieces_per_rank]
             assert forward <= tol and grads <= tol, (spec, pieces_per_rank, rank, forward, grads)
+
+
+@pytest.fixture
+def ring_on_cpu():
+    """torch's ring attention with titan_ext's CPU handlers (``host_patches.CPU_MODE``), in this process only
+    for the test; torch's CP dispatcher (turned on by ``apply_cp``) is turned off after it."""
+    from torch.distributed.tensor.experimental._attention import _disable_context_parallel_dispatcher
+
+    from titan_ext import host_patches
+
+    undo = next(p for p in host_patches.CPU_MODE if p.target.endswith(":custom_ops")).apply()
+    options = compat.torch_cp_options()._cp_options
+    saved = (options.enable_load_balance, options.rotate_method)
+    try:
+        yield options
+    finally:
+        _disable_context_parallel_dispatcher()
+        options.enable_load_balance, options.rotate_method = saved
+        undo()
+
+
+@pytest.mark.parametrize("pieces_per_rank", [1, 2])
+def test_ring_attention_passes_each_layers_keys_and_values_once(cp_mesh, ring_on_cpu, pieces_per_rank, monkeypatch):
+    """Llama under CP: torch's ring (``allgather`` rotation) all-gathers each layer's local keys and values
+    in one buffer; nothing else is sent in the forward."""
+    from torch.distributed import _functional_collectives as funcol
+
+    from titan_ext.models.llama import llama_flavors
+
+    sent = []  # what the ring sends, through the functional collectives torch's rotaters call
+    for name in ("all_gather_single", "permute_tensor", "all_gather_tensor_autograd"):
+        original = getattr(funcol, name)
+        monkeypatch.setattr(funcol, name, lambda t, *a, _f=original, _n=name, **k: sent.append((_n, t.nbytes)) or _f(t, *a, **k))
+
+    torch.manual_seed(0)
+    model = build_model(copy.deepcopy(llama_flavors["debugmodel"]))
+    model.init_weights()
+    apply_cp(model, cp_mesh, CPChoice(2, pieces_per_rank))
+    ring_on_cpu.enable_load_balance = pieces_per_rank > 1  # as torchtitan's input sharding sets it
+    B, T = 2, 64
+    # (not CommDebugMode: its module tracker loses its place around the hooks torch's CP puts on RingSDPA)
+    model(torch.randint(0, 2048, (B, T)), positions=torch.arange(T, 2 * T).expand(B, T))
+    H, D = 4, 64 // 4  # debug Llama: 4 query heads (2 key/value heads, repeated for the ring), head dim 16
+    assert sent == [("all_gather_single", 2 * B * H * T * D * 4)] * 2, sent  # keys and values, one buffer per layer
+    print(f"\nring attention, batch {B}, {T} local tokens: each layer all-gathers {sent[0][1]} bytes per rank")
+
+
+@pytest.mark.parametrize("config,flags,masked", [
+    ("debug_llama.toml", [], None),
+    ("debug_llama.toml", ["--parallelism.context_parallel_rotate_method", "alltoall"], None),
+    ("debug_llama.toml", ["--titan_ext.document_mask"], "--titan_ext.document_mask"),
+    ("debug_transformer.toml", ["--titan_ext.hf_config", "{window}"], "window_size=64"),
+])
+def test_attention_takes_the_ring_unless_masked(tmp_path, monkeypatch, config, flags, masked):
+    """The job plan: torch's ring for causal attention; all-gathered keys where a mask does more."""
+    from launch import CONFIGS
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    from titan_ext import job
+
+    (tmp_path / "window.json").write_text('{"window_size": 64}')
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    flags = [f.replace("{window}", str(tmp_path / "window.json")) for f in flags]
+    job_config = ConfigManager().parse_args(["--job.config_file", str(CONFIGS / config), *flags,
+                                             "--parallelism.context_parallel_degree", "2",
+                                             "--parallelism.data_parallel_shard_degree", "1"])
+    model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    type(model_args).update_from_config.__wrapped__(model_args, job_config)
+    choice = job.current().cp
+    assert choice.masked_attention == masked
+    assert choice.rotate_method == ("alltoall" if "alltoall" in flags else "allgather")

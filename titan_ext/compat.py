@@ -162,3 +162,19 @@ def fla_rotary_tables(rotary, length: int, like):
             )
     rotary._update_cos_sin_cache(length, device=like.device, dtype=like.dtype)
     return rotary._cos_cached, rotary._sin_cached
+
+
+@functools.cache
+def torch_ring_template() -> types.SimpleNamespace:
+    """torch's ring-attention template, forward and backward (what its CP dispatcher runs for CUDA's SDPA
+    kernels); titan_ext's CPU handlers (``kernels.ring_attention``) run it with the CPU kernel."""
+    ring = _lookup("torch", "torch.distributed.tensor.experimental._context_parallel._attention",
+                   "_templated_ring_attention", "_templated_ring_attention_backward")
+    return types.SimpleNamespace(forward=ring._templated_ring_attention, backward=ring._templated_ring_attention_backward)
+
+
+@functools.cache
+def torch_cp_options() -> types.SimpleNamespace:
+    """torch's context-parallel options: ``_cp_options`` (whether the ring expects head-tail pieces, set by
+    torchtitan's input sharding each step) and ``set_rotate_method`` (how the ring passes keys and values)."""
+    return _lookup("torch", "torch.distributed.tensor.experimental._attention", "_cp_options", "set_rotate_method")

@@ -13,10 +13,13 @@ With torchtitan's default ``headtail`` load balancer each rank holds two pieces
 (``r`` and ``2N-1-r`` of ``2N``); with ``--parallelism.context_parallel_load_balancer
 None`` one contiguous piece, which costs a recurrence the same. Both are exact.
 
-Softmax attention (``hf_llama``, the fla transformer) attends over keys and
-values all-gathered from every rank (``gathered_sdpa``): exact for either
-piece layout, and runnable on CPU, where torch's ring SDPA (CUDA kernels
-only) is not.
+Softmax attention (``hf_llama``, the fla transformer) runs as torchtitan runs
+its own models': a module calling causal SDPA, made context parallel by
+torchtitan's ``apply_cp_to_attention_module``, so torch's ring attention
+passes the keys and values between ranks (``--parallelism.context_parallel_rotate_method``;
+on a CPU through ``kernels.ring_attention``). Where a mask does more than
+causality (document masking, a sliding window), each rank attends over keys
+and values all-gathered from every rank instead (``gathered_sdpa``).
 
 With document masking the dataloader's ``document_positions`` cover the whole
 rows (torchtitan shards only the tokens, labels and its own ``positions``);
@@ -31,6 +34,7 @@ the global names it calls and each one's kind of recurrence) or ``cp_attention``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from dataclasses import dataclass
@@ -54,13 +58,21 @@ PIECES_PER_RANK = {None: 1, "headtail": 2}
 class CPChoice:
     degree: int
     pieces_per_rank: int
+    masked_attention: str | None = None
+    """What masks softmax attention beyond causality (document masking, a sliding window): it then attends
+    over all-gathered keys and values. None: torch's ring attention."""
+    rotate_method: str = "allgather"
+    """How torch's ring passes keys and values: ``allgather`` (all at once) or ``alltoall`` (rank to rank)."""
 
 
-def cp_choice(job_config) -> CPChoice | None:
+def cp_choice(model_args, job_config) -> CPChoice | None:
     p = job_config.parallelism
     if p.context_parallel_degree <= 1:
         return None
-    return CPChoice(p.context_parallel_degree, PIECES_PER_RANK[p.context_parallel_load_balancer])
+    masks = [documents.OPTION] if documents.enabled(job_config) else []
+    masks += [reason] if (reason := model_args.ring_attention_blocker()) else []
+    return CPChoice(p.context_parallel_degree, PIECES_PER_RANK[p.context_parallel_load_balancer],
+                    masked_attention=", ".join(masks) or None, rotate_method=p.context_parallel_rotate_method)
 
 
 def check_cp(model_args, job_config) -> None:
@@ -109,10 +121,12 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
 
     layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
     kind = model.arch.cp_attention
-    if kind == "transformers":
-        _apply_gathered_attention(model, layout)
-    elif kind == "fla":
-        _apply_fla_gathered_attention(model, layout)
+    if kind:
+        attend = attention_across_ranks(cp_mesh, layout, choice)
+        if kind == "transformers":
+            _apply_transformers_attention(model, attend)
+        else:
+            _apply_fla_attention(model, layout, attend)
     else:
         _apply_state_passing(model, layout)
     model.cp_layout = layout  # the model's forward records each step's positions in it (``step_inputs``)
@@ -172,19 +186,69 @@ def _apply_state_passing(model: nn.Module, layout) -> None:
     )
 
 
-def _apply_gathered_attention(model: nn.Module, layout) -> None:
-    """Softmax attention: each rank's queries attend to the keys and values of every rank's pieces,
-    all-gathered (differentiably; ``gathered_sdpa``). K and V of the whole sequence are held for the
-    duration of one layer's attention."""
+def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
+    """``attend(query, key, value, scale=None, window=None, dropout=0.0)`` of this rank's pieces
+    (``[B, H, T_local, D]``) over the whole sequence: torch's ring attention, or where the attention is
+    masked (``choice.masked_attention``) all-gathered keys and values."""
+    if choice.masked_attention:
+        logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and "
+                    f"values ({choice.masked_attention}: masked beyond causality)")
+        return functools.partial(gathered_sdpa, layout=layout)
+    from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
+
+    from titan_ext import compat
+
+    ring = RingSDPA(layout.per_rank)
+    apply_cp_to_attention_module([ring], cp_mesh, "sdpa")
+    compat.torch_cp_options().set_rotate_method(choice.rotate_method)
+    logger.info(f"Applied context parallelism ({layout.world} ranks): torch's ring attention "
+                f"(rotate method {choice.rotate_method})")
+
+    def attend(query, key, value, scale=None, window=None, dropout=0.0):
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:  # the ring's kernels take as many key/value heads as query heads (torchtitan repeats too)
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        return ring(query, key, value, scale=scale)
+
+    return attend
+
+
+class RingSDPA(nn.Module):
+    """Causal SDPA as a module of its own, for torchtitan's ``apply_cp_to_attention_module``: its inputs
+    become sequence-sharded DTensors and torch's CP dispatcher runs the ring. One per model, outside its
+    module tree (no parameters; checkpoints, FSDP and AC never see it)."""
+
+    def __init__(self, pieces_per_rank: int):
+        super().__init__()
+        from titan_ext import compat
+
+        self.head_tail = pieces_per_rank > 1
+        self.options = compat.torch_cp_options()._cp_options
+
+    def forward(self, query, key, value, scale=None):
+        # torchtitan's input sharding tells torch's ring the piece layout; it must be this model's
+        if self.options.enable_load_balance != self.head_tail:
+            raise RuntimeError(
+                f"torch's ring attention expects {'head-tail' if self.options.enable_load_balance else 'contiguous'} "
+                f"pieces, this model was built for {'head-tail' if self.head_tail else 'contiguous'} ones: shard the "
+                "inputs with torchtitan's prepare_context_parallel_input and the job's load balancer"
+            )
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+
+
+def _apply_transformers_attention(model: nn.Module, attend) -> None:
+    """A transformers model's attention modules read ``attend`` from their modeling file's attention registry."""
     from titan_ext.kernels import binding
 
-    interface = _OneAttention(gathered_kv_attention(layout))
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        return attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None
+
+    interface = _OneAttention(attention)
     key = _binding_key()  # one for all blocks: they share one class, so compiled code is shared too
     for block in model.get_decoder().layers:
         owner = type(block.self_attn).forward.__globals__["__name__"]  # the modeling file's registry
         binding.bind(block.self_attn, {}, key=key,
                      names={owner: {"ALL_ATTENTION_FUNCTIONS": interface}})
-    logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and values")
 
 
 _bindings = itertools.count()
@@ -207,38 +271,24 @@ class _OneAttention:
 
 
 def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0):
-    """Causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
+    """Masked causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
 
-    K and V are all-gathered differentiably and put in sequence order; each local piece then attends
-    to the keys up to its own end with a lower-right causal bias: no mask is built and no later key
-    is computed. A sliding ``window`` (fla's ``window_size``) or packed documents mask by the
-    tokens' global positions (``layout.positions``) instead.
+    K and V are all-gathered differentiably and put in sequence order; the mask is built from the
+    tokens' global positions (``layout.positions``): causal, within a sliding ``window`` (fla's
+    ``window_size``), within each packed document. K and V of the whole sequence, and a ``B x T_local x T``
+    mask, are held for the duration of one layer's attention.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     from titan_ext import compat
-    from titan_ext.kernels.state_passing import in_sequence_order, piece_order
+    from titan_ext.kernels.state_passing import in_sequence_order
 
     keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
     values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
-    gqa = query.shape[1] != keys.shape[1]
-    per_rank = layout.per_rank
-    if per_rank > 1:  # gathered in rank order: put the pieces in sequence order
-        slots = in_sequence_order(layout.world, per_rank)
+    if layout.per_rank > 1:  # gathered in rank order: put the pieces in sequence order
+        slots = in_sequence_order(layout.world, layout.per_rank)
         keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
-    if window is not None or layout.document_positions is not None:
-        mask = _global_mask(layout, keys.shape[2], window)
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                              enable_gqa=gqa)
-    size = query.shape[2] // per_rank
-    outputs = []
-    for query_piece, p in zip(query.chunk(per_rank, dim=2), piece_order(layout.rank, layout.world, per_rank)):
-        end = (p + 1) * size
-        outputs.append(F.scaled_dot_product_attention(
-            query_piece, keys[:, :, :end], values[:, :, :end],
-            attn_mask=causal_lower_right(size, end), dropout_p=dropout, scale=scale, enable_gqa=gqa,
-        ))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    mask = _global_mask(layout, keys.shape[2], window)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                          enable_gqa=query.shape[1] != keys.shape[1])
 
 
 def _global_mask(layout, length: int, window: int | None):
@@ -256,34 +306,23 @@ def _global_mask(layout, length: int, window: int | None):
     return mask[:, None]
 
 
-def gathered_kv_attention(layout):
-    """A transformers attention function (``[B, H, T, D]`` in, ``[B, T, H, D]`` out) over ``layout``'s pieces."""
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        out = gathered_sdpa(query, key, value, layout, scale=scaling, dropout=dropout)
-        return out.transpose(1, 2).contiguous(), None
-
-    return attention
-
-
-def _apply_fla_gathered_attention(model: nn.Module, layout) -> None:
+def _apply_fla_attention(model: nn.Module, layout, attend) -> None:
     """fla's softmax ``Attention``: its forward under CP is titan_ext's ``fla_attention_forward``."""
     from titan_ext.kernels import binding
 
     def forward(self, *args, **kwargs):
-        return fla_attention_forward(self, *args, layout=layout, **kwargs)
+        return fla_attention_forward(self, *args, layout=layout, attend=attend, **kwargs)
 
     key = _binding_key()
     for block in model.get_decoder().layers:
         binding.bind(block.attn, {type(block.attn).forward: forward}, key=key)
-    logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and values")
 
 
 def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
-                          use_cache=False, layout=None, **kwargs):
+                          use_cache=False, layout=None, attend=None, **kwargs):
     """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
     (at the tokens' global positions, or within their documents) and causal (windowed) attention,
-    over all-gathered K and V."""
+    by ``attend`` (``attention_across_ranks``)."""
     from titan_ext import compat
     from titan_ext.kernels.rotary import rotate_at
 
@@ -297,7 +336,7 @@ def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_val
     length = max(T * layout.world, self.max_position_embeddings or 0)  # positions of the whole sequence
     cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
     q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
-    o = gathered_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout, window=self.window_size)
+    o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=self.window_size)
     return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values
 
 

@@ -87,6 +87,12 @@ def _always_sum_on_gloo(original):
     return set_gradient_divide_factor
 
 
+def _ring_attention_on_cpu(original):
+    from titan_ext.kernels.ring_attention import HANDLERS
+
+    return {**original, **HANDLERS}
+
+
 def _no_peak_flops(_original):
     """A CPU has no peak in torchtitan's table: report MFU as 0 without its lspci/A100 warnings."""
     return lambda device_name: math.inf
@@ -106,6 +112,12 @@ CPU_MODE: tuple[Patch, ...] = (
         "torch.distributed.fsdp:FSDPModule.set_gradient_divide_factor",
         "torchtitan's own apply_fsdp sets factor 1.0, which reduces with PREMUL_SUM: gloo lacks it",
         TORCH, _always_sum_on_gloo,
+    ),
+    Patch(
+        "torch.distributed.tensor.experimental._context_parallel._attention:custom_ops",
+        "torch's CP dispatcher (which torchtitan's apply_cp_to_attention_module enables from this table) rings only "
+        "CUDA's SDPA kernels: the CPU kernel and its backward run the same ring template (kernels.ring_attention)",
+        "torch 2.13", _ring_attention_on_cpu,
     ),
 )
 
@@ -152,6 +164,10 @@ JOB: tuple[tuple[str, str], ...] = (
     # Flags torch reads, set by the apply_* that needs them (as torchtitan's own do):
     ("torch._dynamo.config.optimize_ddp", "'ddp_optimizer' for DDP with compile (titan_ext.parallelize.apply_ddp)"),
     ("torch._inductor.config._micro_pipeline_tp", "async TP (model_plans.enable_async_tp)"),
+    ("torch CP: DTensor's SDPA handlers", "ring attention under CP (torchtitan's apply_cp_to_attention_module, as for "
+     "its own models; titan_ext.context_parallel.apply_cp); torchtitan never turns it off"),
+    ("torch CP: set_rotate_method", "how the ring passes keys and values: --parallelism.context_parallel_rotate_method, "
+     "which torchtitan 0.2.2 applies only in its own validator (titan_ext.context_parallel.apply_cp)"),
 )
 
 

@@ -141,7 +141,7 @@ def _build(model_args, job_config, meta) -> JobPlan:
     return JobPlan(
         kernel_path=kernel_path(),
         tp=tensor_parallel.tp_choice(meta, job_config),
-        cp=context_parallel.cp_choice(job_config),
+        cp=context_parallel.cp_choice(model_args, job_config),
         pp=pipeline.pp_choice(meta, job_config),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),

@@ -37,8 +37,8 @@ class Architecture:
     """Context parallelism (``titan_ext.context_parallel``) for a recurrent mixer: the kernels it
     calls by global name, each with its kind of recurrence (``kernels.state_passing``)."""
     cp_attention: ClassVar[str] = ""
-    """Context parallelism for softmax attention over all-gathered keys and values: ``"transformers"``
-    (through the attention registry its modeling file reads) or ``"fla"`` (fla's ``Attention``)."""
+    """Context parallelism for softmax attention (torch's ring, or all-gathered keys and values where masked):
+    ``"transformers"`` (through the attention registry its modeling file reads) or ``"fla"`` (fla's ``Attention``)."""
     float8_high_precision: ClassVar[tuple[str, ...]] = ("lm_head",)
     """Linears (FQN parts) Float8 training keeps in high precision unless the job names its own
     filters: the output head, for the precision of the logits."""
@@ -53,6 +53,11 @@ class Architecture:
 
     def document_mask_blocker(self, config) -> str | None:
         """Why this model cannot keep packed documents apart (a one-line reason and fix), or None."""
+        return None
+
+    def ring_attention_blocker(self, config) -> str | None:
+        """Why this model's attention under CP is not plain causal SDPA, which torch's ring runs (it then
+        attends over all-gathered keys and values, masked), or None."""
         return None
 
     def context_parallel_blocker(self, config) -> str | None:

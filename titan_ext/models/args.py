@@ -158,6 +158,9 @@ class HFModelArgs(BaseModelArgs):
     def context_parallel_blocker(self) -> str | None:
         return self.arch.context_parallel_blocker(self.to_hf_config())
 
+    def ring_attention_blocker(self) -> str | None:
+        return self.arch.ring_attention_blocker(self.to_hf_config())
+
     def mixer_flops_per_token(self, seq_len: int) -> int | None:
         return self.arch.mixer_flops_per_token(self.to_hf_config(), seq_len)
 

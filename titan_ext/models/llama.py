@@ -11,6 +11,9 @@ class Llama(TransformersArchitecture):
     model_type = "llama"
     cp_attention = "transformers"
 
+    def ring_attention_blocker(self, config):
+        return f"attention_dropout={config.attention_dropout}" if config.attention_dropout else None
+
 
 def llama3_rope(factor: float, original_context: int = 8192, theta: float = 500000.0) -> dict:
     """Llama 3.1/3.2's frequency-scaled RoPE (their original context is 8192)."""

@@ -16,6 +16,9 @@ class Transformer(FlaArchitecture):
     model_type = "transformer"
     cp_attention = "fla"
 
+    def ring_attention_blocker(self, config):
+        return f"window_size={config.window_size}" if config.window_size else None
+
     def mixer_flops_per_token(self, config, seq_len):
         """Softmax attention beyond the projections: 12 * layers * heads * head_dim * keys.
 

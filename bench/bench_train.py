@@ -19,7 +19,6 @@ and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
@@ -31,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -167,21 +167,10 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
     return Row(name, tps, memory, note)
 
 
-@contextlib.contextmanager
 def single_rank():
     """torchrun's variables for a one-rank job, restored afterwards."""
-    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key)
-            else:
-                os.environ[key] = value
+    return mock.patch.dict(os.environ, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
 
 
 def free_port() -> int:

@@ -60,23 +60,12 @@ def barrier(store: dist.Store, key: str, size: int) -> None:
     store.wait([f"{key}/go"], PHASE_TIMEOUT)
 
 
-@contextlib.contextmanager
 def job_env(rank: int, size: int, port: int, extra: dict):
     """torchrun's variables for one job's process group (and the job's own), restored afterwards."""
-    values = {
+    return mock.patch.dict(os.environ, {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False", **extra,
-    }
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    })
 
 
 def train(argv: list[str], log: Path) -> dict:

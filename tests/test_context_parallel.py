@@ -274,8 +274,7 @@ def test_ring_attention_passes_each_layers_keys_and_values_once(cp_mesh, ring_on
 ])
 def test_attention_takes_the_ring_unless_masked(tmp_path, monkeypatch, config, flags, masked):
     """The job plan: torch's ring for causal attention; all-gathered keys where a mask does more."""
-    from launch import CONFIGS
-    from torchtitan.config import ConfigManager
+    from helpers import REPO, job_config
     from torchtitan.protocols.train_spec import get_train_spec
 
     from titan_ext import job
@@ -283,11 +282,9 @@ def test_attention_takes_the_ring_unless_masked(tmp_path, monkeypatch, config, f
     (tmp_path / "window.json").write_text('{"window_size": 64}')
     monkeypatch.setenv("WORLD_SIZE", "2")
     flags = [f.replace("{window}", str(tmp_path / "window.json")) for f in flags]
-    job_config = ConfigManager().parse_args(["--job.config_file", str(CONFIGS / config), *flags,
-                                             "--parallelism.context_parallel_degree", "2",
-                                             "--parallelism.data_parallel_shard_degree", "1"])
-    model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
-    type(model_args).update_from_config.__wrapped__(model_args, job_config)
+    config = job_config(*flags, "--parallelism.context_parallel_degree", "2",
+                        "--parallelism.data_parallel_shard_degree", "1", config_file=REPO / "train_configs" / config)
+    copy.deepcopy(get_train_spec(config.model.name).model_args[config.model.flavor]).update_from_config(config)
     choice = job.current().cp
     assert choice.masked_attention == masked
     assert choice.rotate_method == ("alltoall" if "alltoall" in flags else "allgather")

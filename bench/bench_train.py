@@ -5,8 +5,9 @@ Rows, all at the same model, batch and sequence length:
   (b) titan_ext through stock torchtitan's ``Trainer`` (one rank, in this process), bf16 mixed precision;
   (c) (b) + per-block compile;
   (d) (c) + Float8 (``quantize.linear.float8``);
-  (e) (b) + document masking (``[titan_ext] document_mask``: fla's packed
-      ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(d) turn it off).
+  (e) (c) + op-level selective AC (saves GLA's core and every other matmul: memory for speed);
+  (f) (b) + document masking (``[titan_ext] document_mask``: fla's packed
+      ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(e) turn it off).
 Each row: median tokens/s over the steps after warm-up, ratio to (a), peak
 memory, and MFU from the spec's FLOPs per token (``get_nparams_and_flops``)
 and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
@@ -195,7 +196,9 @@ def titan_rows(args) -> list[Row]:
         print(f"(d): {note}")
         emulate = float8 + ["--quantize.linear.float8.emulate"]
         rows.append(torchtitan_run("(d) (b) + Float8 emulated", args, unmasked + emulate, note))
-    rows.append(torchtitan_run("(e) (b) + document mask", args, ["--titan_ext.document_mask"]))
+    op_sac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    rows.append(torchtitan_run("(e) (c) + op-level SAC", args, unmasked + compile_flags + op_sac))
+    rows.append(torchtitan_run("(f) (b) + document mask", args, ["--titan_ext.document_mask"]))
     return rows
 
 

@@ -59,6 +59,10 @@ def on_forked_ranks(world: int, work):
     ignores the group) whose collectives exchange nothing, are cleared here, before the fork (in a
     forked child the clear can block on a lock another thread of this process held); each child
     drops an inherited initialized process group itself.
+
+    Once this process has started autograd's device threads (any CUDA backward; a DTensor backward
+    in torch 2.11's CUDA build), a forked child cannot run backward at all. The ranks then fork from
+    a fresh server process instead (``forkserver``: one import of titan_ext for the whole session).
     """
     import socket
 
@@ -70,10 +74,26 @@ def on_forked_ranks(world: int, work):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    start_method = "fork" if _forked_child_can_backward() else "forkserver"
+    if start_method == "forkserver":
+        mp.set_forkserver_preload(["titan_ext", "fla.models", "transformers", "helpers"])
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_forked_rank, args=(world, port, work, results), nprocs=world, start_method="fork")
+        mp.start_processes(_forked_rank, args=(world, port, work, results), nprocs=world, start_method=start_method)
         return dict(results)
+
+
+def _forked_child_can_backward() -> bool:
+    import os
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            (torch.ones(1, requires_grad=True) * 2).sum().backward()
+        except RuntimeError:
+            os._exit(1)
+        os._exit(0)
+    return os.waitpid(pid, 0)[1] == 0
 
 
 def _forked_rank(rank, world, port, work, results):

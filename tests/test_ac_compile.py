@@ -10,6 +10,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.config.job_config import ActivationCheckpoint
 
 from titan_ext import activation_checkpoint, compat
@@ -87,25 +88,39 @@ def test_ac_modes_wrap_blocks_and_match_no_ac(base_model, tokens, mode, option, 
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
 
+class _RanAgain(TorchDispatchMode):
+    """Beneath SAC's recompute mode: did the op it was handed run (not come from the cache)?"""
+
+    expecting, ran = None, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.expecting:
+            self.ran = True
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("save_list", ["titan_ext", "torchtitan"])
 def test_op_sac_saves_the_gla_core_and_every_other_mm(base_model, tokens, monkeypatch, save_list):
     """Count, per op, what backward's recompute replays from the cache and what it runs again.
 
-    torch 2.13 calls the policy only in forward (the recompute mode ignores
-    ``ctx.is_recompute`` and replays forward's decisions), so the count hooks
-    the recompute mode itself. With torchtitan's own save list (the control)
-    the GLA core runs twice per block; with titan_ext's, once.
+    The count hooks the recompute mode and sees, from a mode beneath it,
+    whether each op it was handed ran again: no reading of its cache, whose
+    layout changed between torch 2.11 and 2.13. With torchtitan's own save
+    list (the control) the GLA core runs twice per block; with titan_ext's, once.
     """
     replayed = []
     cached_mode = torch_checkpoint._CachedTorchDispatchMode
     original = cached_mode.__torch_dispatch__
+    beneath = _RanAgain()
 
     def recording(self, func, types, args=(), kwargs=None):
-        if func not in torch_checkpoint.SAC_IGNORED_OPS:
-            key = torch_checkpoint._sac_storage_key(func, args)
-            entry = self.storage.get(key, {}).get(self.func_counter[key])
-            replayed.append((func, entry is torch_checkpoint._RECOMPUTE))
-        return original(self, func, types, args, kwargs)
+        if func in torch_checkpoint.SAC_IGNORED_OPS:
+            return original(self, func, types, args, kwargs)
+        beneath.expecting, beneath.ran = func, False
+        out = original(self, func, types, args, kwargs)
+        replayed.append((func, beneath.ran))
+        beneath.expecting = None
+        return out
 
     gla_runs = []
     portable_forward = gla_op._portable_forward
@@ -115,7 +130,8 @@ def test_op_sac_saves_the_gla_core_and_every_other_mm(base_model, tokens, monkey
         monkeypatch.setattr(activation_checkpoint, "op_sac_save_list", lambda: compat.torchtitan_ac().op_sac_save_list)
     model = copy.deepcopy(base_model)
     apply_ac(model, choice("selective", "op"))
-    loss_and_grads(model, tokens)
+    with beneath:
+        loss_and_grads(model, tokens)
 
     def count(func, recomputed):
         return sum(1 for f, r in replayed if f == func and r == recomputed)

@@ -1,4 +1,4 @@
-"""The benchmarks still run: bench_train.py --cpu-tiny prints five rows, bench_data.py three."""
+"""The benchmarks still run: bench_train.py --cpu-tiny prints six rows, bench_data.py three."""
 
 import math
 import re
@@ -9,14 +9,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_cpu_tiny_prints_five_finite_rows():
+def test_bench_cpu_tiny_prints_six_finite_rows():
     proc = subprocess.run(
         [sys.executable, "bench/bench_train.py", "--cpu-tiny"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
-    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \([a-e]\) ", line)]
-    assert [r[2:5] for r in rows] == ["(a)", "(b)", "(c)", "(d)", "(e)"], proc.stdout[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \([a-f]\) ", line)]
+    assert [r[2:5] for r in rows] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)"], proc.stdout[-3000:]
     for row in rows:
         numbers = [float(cell.replace(",", "")) for cell in row.strip("|").split("|")[1:]]
         assert len(numbers) == 4 and all(math.isfinite(n) and n >= 0 for n in numbers), row
@@ -32,3 +32,28 @@ def test_bench_data_quick_check_prints_three_rows_of_tokens_per_second():
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("stream order", "shuffle buffer"))]
     assert len(rows) == 3, proc.stdout[-3000:]
     assert all(float(row[-2].replace(",", "")) > 0 and math.isfinite(float(row[-1])) for row in rows), rows
+
+
+def test_gpu_proof_sums_kernel_time_by_name_and_refuses_unknown_stages(tmp_path, capsys):
+    import json
+
+    import pytest
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import gpu_proof
+    finally:
+        sys.path.pop(0)
+    trace = tmp_path / "rank0_trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"cat": "kernel", "name": "chunk_gla_fwd_kernel_o", "dur": 1500},
+        {"cat": "kernel", "name": "chunk_gla_fwd_kernel_o", "dur": 500},
+        {"cat": "kernel", "name": "sm90_gemm", "dur": 3000},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 9000},
+        {"cat": "kernel", "name": "no_duration"},
+    ]}))
+    assert gpu_proof.top_kernels(trace) == [("sm90_gemm", 3.0), ("chunk_gla_fwd_kernel_o", 2.0)]
+    for stages, error in ([["train:nope"], "no train_configs/nope.toml"], [["bench:x"], "use tests, bench or train:CONFIG"]):
+        with pytest.raises(SystemExit):
+            gpu_proof.parse_args([*stages, "--out", str(tmp_path)])
+        assert error in capsys.readouterr().err

@@ -201,7 +201,12 @@ def test_one_block_issues_the_megatron_minimum(mesh, model_type, options):
 
 @pytest.mark.parametrize("model_type", FAKE_MODELS)
 def test_every_parameter_becomes_a_dtensor_and_trains(mesh, model_type):
-    """The plan class comes from the meta-device model, as in a job, and is checked there first."""
+    """The plan class comes from the meta-device model, as in a job, and is checked there first.
+
+    The fake group's collectives move no data (torch 2.11's leave gathered
+    buffers uninitialized), so the loss's value means nothing here: the real
+    two-rank tests below check the numbers.
+    """
     meta = build(model_type, "meta", num_hidden_layers=2)
     plan_cls = hf_plan_class(meta)
     for options in OPTIONS.values():
@@ -210,8 +215,7 @@ def test_every_parameter_becomes_a_dtensor_and_trains(mesh, model_type):
         apply_tp(model, mesh, plan_cls(options))
         assert all(isinstance(p, DTensor) for p in model.parameters())
         loss = _loss(model, torch.randint(0, VOCAB, (2, SEQ)), options.loss_parallel)
-        assert all(isinstance(p.grad, DTensor) for p in model.parameters())
-        assert torch.isfinite(loss)
+        assert loss.shape == () and all(isinstance(p.grad, DTensor) for p in model.parameters())
 
 
 def test_validation_names_what_tp_cannot_split():

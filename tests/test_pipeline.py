@@ -9,7 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.torch_version import TorchVersion
 
+from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import gla_flavors
 from titan_ext.models.llama import llama_flavors
@@ -30,7 +32,7 @@ def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1):
         pipeline_parallel_layers_per_stage=per_stage, pipeline_parallel_first_stage_less_layers=first,
         pipeline_parallel_last_stage_less_layers=last, module_fqns_per_model_part=None,
         data_parallel_shard_degree=1, data_parallel_replicate_degree=1, tensor_parallel_degree=1,
-        context_parallel_degree=1, expert_parallel_degree=1,
+        context_parallel_degree=1, expert_parallel_degree=1, pipeline_parallel_expert_parallel_overlap=False,
     )
     return SimpleNamespace(parallelism=p, training=SimpleNamespace(local_batch_size=4, global_batch_size=-1, seq_len=128),
                            validation=SimpleNamespace(enable=False))
@@ -38,6 +40,7 @@ def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1):
 
 def test_stages_are_balanced_in_the_models_own_names(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # V schedules on any torch
     with torch.device("meta"):
         model = build_model(debug_args("fla_gla"))
     choice = pp_choice(model, job())
@@ -47,6 +50,19 @@ def test_stages_are_balanced_in_the_models_own_names(monkeypatch):
     assert len(looped.stages) == 4 and looped.stage_indices(1) == (1, 3)
     v_shape = pp_choice(model, job(schedule="ZBVZeroBubble"))
     assert v_shape.stage_indices(0) == (0, 3) and v_shape.stage_indices(1) == (1, 2)
+
+
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_a_v_schedule_on_gloo_before_torch_2_13_is_refused(monkeypatch, schedule):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    with torch.device("meta"):
+        model = build_model(debug_args("fla_gla"))
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0+cu130"))
+    with pytest.raises(ConfigError, match=f"schedule='{schedule}' on CPU \\(gloo\\) needs torch 2.13 or later"):
+        pp_choice(model, job(schedule=schedule))
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0+cpu"))
+    assert pp_choice(model, job(schedule=schedule)).v_shape
 
 
 @pytest.mark.parametrize("spec", list(FLAVORS))

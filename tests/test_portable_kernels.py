@@ -8,11 +8,15 @@ explicit torch formulas; every comparison covers forward and gradients.
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import fla.layers.gla
 import fla.modules.activations
 import fla.ops.gla
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from fla.layers.gla import GatedLinearAttention
 from fla.models import GLAConfig, GLAForCausalLM
@@ -24,6 +28,7 @@ from fla.modules import (
     RMSNorm,
     ShortConvolution,
 )
+from fla.ops.delta_rule import chunk_delta_rule
 from fla.ops.gla.naive import naive_recurrent_gla
 from helpers import assert_rel_close, backward_with_random_cotangents, gla_inputs, leaves
 
@@ -38,16 +43,19 @@ from titan_ext.kernels import gla as torch_gla
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
     assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
-    # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, and fla's
-    # own kernels behind an unwrap of TP-sharded parameters (tp_local)
+    # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
+    # cache helpers, and fla's own kernels behind an unwrap of TP-sharded parameters (tp_local)
+    import fla.layers.utils
     from fla.layers.gated_deltanet import GatedDeltaNet
     from fla.modules.rotary.ops import RotaryEmbedding
 
-    from titan_ext.kernels import rotary, tp_local
+    from titan_ext.kernels import layer_cache, rotary, tp_local
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
         vars(RotaryEmbedding)["_update_cos_sin_cache"]: rotary.update_cos_sin_cache,
+        fla.layers.utils.get_layer_cache: layer_cache.get_layer_cache,
+        fla.layers.utils.update_layer_cache: layer_cache.update_layer_cache,
         vars(GatedDeltaNet)["_use_fused_qkv_conv"]: tp_local.use_fused_qkv_conv,
         fla.modules.causal_conv1d.ops.causal_conv1d: tp_local.causal_conv1d,
         fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
@@ -79,6 +87,62 @@ def test_binding_one_model_leaves_fla_and_other_models_alone():
     # binding again is a no-op (classes are cached, nothing is wrapped twice)
     kernels.portable(bound)
     assert type(bound.model.layers[0].attn) is type(layer)
+
+
+
+def _checkpointing(forward):
+    """Wraps a layer's forward as transformers >= 5.2x does: the wrapper's own code names no kernel."""
+
+    @functools.wraps(forward)
+    def forward_with_checkpointing(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return forward_with_checkpointing
+
+
+class _DeltaRuleBlock(nn.Module):
+    @_checkpointing
+    def forward(self, q, k, v, beta):
+        return chunk_delta_rule(q, k, v, beta)
+
+
+class _OneBlockModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config, self.layers = SimpleNamespace(), nn.ModuleList([_DeltaRuleBlock()])
+
+    def get_decoder(self):
+        return self
+
+
+def test_unported_kernels_are_read_through_decorators():
+    assert kernels.unported(_OneBlockModel()) == {"fla.ops.delta_rule.chunk.chunk_delta_rule": "_DeltaRuleBlock.forward"}
+
+
+def test_unported_kernels_count_a_feature_only_when_the_config_turns_it_on():
+    assert kernels.unported(kernels.portable(tiny_gla())) == {}
+    with_attnres = kernels.portable(tiny_gla(attnres_block_size=2))
+    assert kernels.unported(with_attnres) == {"fla.ops.attnres.fused.fused_attnres": "GLABlock.forward"}
+
+
+
+@pytest.mark.parametrize("model_type", ["gla", "gated_deltanet"])
+def test_bound_layers_read_no_layer_index_without_a_cache(model_type):
+    """torch 2.11's dynamo guards on an integer a compiled block reads; fla's cache helpers read the
+    layer's ``layer_idx`` on every call, so each block compiled anew (``titan_ext.kernels.layer_cache``)."""
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    if model_type == "gla":
+        model = tiny_gla()
+    else:
+        model = GatedDeltaNetForCausalLM(GatedDeltaNetConfig(hidden_size=64, num_hidden_layers=2, num_heads=4,
+                                                             head_dim=16, vocab_size=128))
+    kernels.portable(model)
+    reads = []
+    for block in model.model.layers:
+        block.attn.__class__ = type("Spy", (type(block.attn),), {"layer_idx": property(lambda _: reads.append(1))})
+    model(tokens()).logits.sum().backward()
+    assert reads == []
 
 
 # --- GLA ------------------------------------------------------------------------------

@@ -208,6 +208,10 @@ _TP_LOCAL = (
     "under TP it receives DTensor shards of the conv weight/bias or A_log/dt_bias, which fla's Triton code cannot "
     "read: fla's function, called with each DTensor argument's local shard (a pass-through without TP)"
 )
+_LAYER_IDX = (
+    "reads module.layer_idx even without a cache; torch 2.11's dynamo guards on its value, so per-block compile "
+    "recompiled for every block (torch 2.13 does not guard it)"
+)
 MODEL_KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:chunk_gla",
@@ -237,6 +241,11 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache", "titan_ext.kernels.rotary:update_cos_sin_cache",
         "its cache check calls tensor.is_inference(), which dynamo cannot trace: a graph break in every compiled "
         "block on every step once the cache is filled",
+        ("portable", "fla"),
+    ),
+    Kernel("fla.layers.utils:get_layer_cache", "titan_ext.kernels.layer_cache:get_layer_cache", _LAYER_IDX, ("portable", "fla")),
+    Kernel(
+        "fla.layers.utils:update_layer_cache", "titan_ext.kernels.layer_cache:update_layer_cache", _LAYER_IDX,
         ("portable", "fla"),
     ),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.conv:causal_conv1d", _TRITON),

@@ -220,6 +220,11 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
             f"{SCHEDULE}='DualPipeV' needs a microbatch per stage: {batch // micro} microbatches for {len(stages)} stages; "
             "raise --training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size"
         )
+    if v_shape and not torch.accelerator.is_available() and torch.__version__ < "2.13":
+        raise ConfigError(
+            f"{SCHEDULE}={schedule!r} on CPU (gloo) needs torch 2.13 or later: torch {torch.__version__}'s V-shaped "
+            "schedules first send to their own rank, which gloo cannot (the job stalls until its timeout); pick another schedule"
+        )
     return PPChoice(p.pipeline_parallel_degree, schedule, tuple(tuple(s) for s in stages), v_shape)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.nn as nn
 
@@ -102,6 +102,8 @@ def unported(model: nn.Module) -> dict[str, str]:
     read that hold a function of ``fla.ops`` (fla's Triton kernels; its
     ``utils`` are torch code). A kernel titan_ext replaces is no longer there
     once ``bind`` ran, so on the portable path what remains needs a GPU.
+    Decorated methods are read through (transformers >= 5.2x wraps each
+    layer's ``forward`` in a checkpointing closure whose code names no kernel).
     """
     found = {}
     for module in model.get_decoder().layers.modules():
@@ -110,9 +112,36 @@ def unported(model: nn.Module) -> dict[str, str]:
             method = inspect.getattr_static(cls, name, None)
             if not isinstance(method, types.FunctionType):
                 continue
-            for global_name in method.__code__.co_names:
-                value = method.__globals__.get(global_name)
-                where = getattr(value, "__module__", None) or ""
-                if callable(value) and where.startswith("fla.ops.") and not where.startswith("fla.ops.utils"):
-                    found.setdefault(f"{where}.{value.__qualname__}", f"{cls.__qualname__}.{name}")
+            for fn in _functions_run(method):
+                for global_name in fn.__code__.co_names:
+                    value = fn.__globals__.get(global_name)
+                    where = getattr(value, "__module__", None) or ""
+                    if callable(value) and where.startswith("fla.ops.") and not where.startswith("fla.ops.utils"):
+                        kernel = f"{where}.{value.__qualname__}"
+                        if _reachable(kernel, model.config):
+                            found.setdefault(kernel, f"{cls.__qualname__}.{name}")
     return found
+
+
+def _functions_run(method: types.FunctionType) -> Iterator[types.FunctionType]:
+    """``method`` and the functions its decorators wrap, each with the globals it runs with.
+
+    A ``binding.rebased`` copy shares its original's code and replaces it: the
+    original's globals never run, so the chain skips it.
+    """
+    fn = method
+    while isinstance(fn, types.FunctionType):
+        yield fn
+        inner = getattr(fn, "__wrapped__", None)
+        while isinstance(inner, types.FunctionType) and inner.__code__ is fn.__code__:
+            inner = getattr(inner, "__wrapped__", None)
+        fn = inner
+
+
+# Kernels a block calls only when its config turns a feature on: the option that does.
+_KERNEL_OPTIONS = {"fla.ops.attnres.fused.fused_attnres": "attnres_block_size"}
+
+
+def _reachable(kernel: str, config) -> bool:
+    option = _KERNEL_OPTIONS.get(kernel)
+    return option is None or getattr(config, option, None) is not None

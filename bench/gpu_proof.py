@@ -9,7 +9,8 @@ machine has Python 3.12 and torch 2.11 but not torchtitan, fla or torchao: fetch
         python3 bench/gpu_proof.py --out $OUT tests train:gla_340M train:gla_340M
 
 Stages run in the order given:
-  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA op, SDPA on CUDA)
+  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA op, SDPA on CUDA),
+                with the GLA op's gradient difference from fla's chunk_gla
   train:CONFIG  ``--steps`` steps of train_configs/CONFIG.toml through torchrun on one GPU, compiled,
                 with TORCH_LOGS=recompiles and (on CUDA) the profiler on the last step: seconds from
                 launch to step 1, loss first/last, median tokens/s, peak memory, recompiles, and the kernels
@@ -113,10 +114,11 @@ def train(config: str, args, out: Path) -> dict:
 
 
 def tests(out: Path) -> dict:
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *CUDA_TESTS]
+    command = [sys.executable, "-m", "pytest", "-q", "-rsP", "-p", "no:cacheprovider", *CUDA_TESTS]
     code, _, seconds = run_logged(command, out / "tests.log")
-    tail = (out / "tests.log").read_text().strip().splitlines()[-1:]
-    return {"stage": "tests", "exit": code, "seconds": round(seconds, 1), "summary": tail}
+    lines = (out / "tests.log").read_text().strip().splitlines()
+    figures = [line for line in lines if "bit for bit" in line and line.startswith("cuda")]
+    return {"stage": "tests", "exit": code, "seconds": round(seconds, 1), "summary": lines[-1:], "gla_op": figures}
 
 
 def bench(out: Path) -> dict:

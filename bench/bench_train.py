@@ -10,7 +10,7 @@ Rows, all at the same model, batch and sequence length:
       ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(e) turn it off).
 Each row: median tokens/s over the steps after warm-up, ratio to (a), peak
 memory, and MFU from the spec's FLOPs per token (``get_nparams_and_flops``)
-and torchtitan's ``get_peak_flops``. (b)-(d) read per-step metrics written by
+and torchtitan's ``get_peak_flops``. (b)-(f) read per-step metrics written by
 ``--titan_ext.metrics_jsonl``.
 
     python bench/bench_train.py                 # GLA 340M, 16 x 2048, one GPU

@@ -95,8 +95,9 @@ def train(config: str, args, out: Path) -> dict:
     if torch.cuda.is_available():  # torchtitan 0.2.2's profiler asks for a device activity a CPU run lacks
         command += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
                     "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"]
-    code, first_step, seconds = run_logged(command, dump.with_suffix(".log"), {"TORCH_LOGS": "recompiles"})
-    log = dump.with_suffix(".log").read_text()
+    log_file = dump.with_suffix(".log")
+    code, first_step, seconds = run_logged(command, log_file, {"TORCH_LOGS": "recompiles"})
+    log = log_file.read_text()
     result = {"stage": f"train:{config}", "exit": code, "seconds": round(seconds, 1),
               "seconds_to_step_1": None if first_step is None else round(first_step, 1),
               "recompiles": log.count("Recompiling function")}

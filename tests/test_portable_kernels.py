@@ -89,7 +89,6 @@ def test_binding_one_model_leaves_fla_and_other_models_alone():
     assert type(bound.model.layers[0].attn) is type(layer)
 
 
-
 def _checkpointing(forward):
     """Wraps a layer's forward as transformers >= 5.2x does: the wrapper's own code names no kernel."""
 
@@ -123,7 +122,6 @@ def test_unported_kernels_count_a_feature_only_when_the_config_turns_it_on():
     assert kernels.unported(kernels.portable(tiny_gla())) == {}
     with_attnres = kernels.portable(tiny_gla(attnres_block_size=2))
     assert kernels.unported(with_attnres) == {"fla.ops.attnres.fused.fused_attnres": "GLABlock.forward"}
-
 
 
 @pytest.mark.parametrize("model_type", ["gla", "gated_deltanet"])

@@ -128,3 +128,30 @@ def test_binding_one_model_leaves_fla_classes_alone(path):
     assert type(layer) is not gla.GatedLinearAttention and isinstance(layer, gla.GatedLinearAttention)
     assert type(layer).forward.__code__ is gla.GatedLinearAttention.forward.__code__  # fla's own code
     assert gla.chunk_gla.__module__.startswith("fla.")
+
+
+def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
+    """Each JOB_WARNINGS/JOB_LOGS row drops its message during a titan_ext job, and only then."""
+    import logging
+
+    host_patches.undo()
+
+    def emitted() -> int:
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", append=True)  # behind the job's filters, which come first
+            for message, _, _ in host_patches.JOB_WARNINGS:
+                warnings.warn(message.replace(".*", " (FSDPGLAForTitan) "), UserWarning)
+        with caplog.at_level(logging.WARNING):
+            for name, part, _ in host_patches.JOB_LOGS:
+                logging.getLogger(name).warning(f"x {part} y")
+        return len(caught) + len(caplog.records)
+
+    everything = len(host_patches.JOB_WARNINGS) + len(host_patches.JOB_LOGS)
+    assert emitted() == everything
+    host_patches.apply_job()
+    try:
+        assert emitted() == 0
+    finally:
+        host_patches.undo()
+    assert emitted() == everything

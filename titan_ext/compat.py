@@ -19,7 +19,7 @@ import types
 SUPPORTED = {
     "torchtitan": "0.2.2 (0.2.x)",
     "flash-linear-attention": "0.6.0 (0.6.x)",
-    "torch": "2.11-2.13",
+    "torch": "2.11-2.15",
 }
 
 
@@ -148,7 +148,9 @@ def all_gather_autograd(tensor, group, dim: int = 0):
     (``torch.distributed._functional_collectives``: traceable by dynamo, runs on gloo and NCCL)."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.all_gather_tensor_autograd(tensor, gather_dim=dim, group=group)
+    # the newer name where torch has it: torch 2.13's old one warns on every call
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor, gather_dim=dim, group=group)
 
 
 def fla_rotary_tables(rotary, length: int, like):

@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_ext import documents
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, HostChanged
 from titan_ext.tensor_parallel import sequence_parallel_enabled
 
 logger = logging.getLogger()
@@ -246,9 +246,14 @@ def _apply_transformers_attention(model: nn.Module, attend) -> None:
     interface = _OneAttention(attention)
     key = _binding_key()  # one for all blocks: they share one class, so compiled code is shared too
     for block in model.get_decoder().layers:
-        owner = type(block.self_attn).forward.__globals__["__name__"]  # the modeling file's registry
-        binding.bind(block.self_attn, {}, key=key,
-                     names={owner: {"ALL_ATTENTION_FUNCTIONS": interface}})
+        cls = type(block.self_attn)
+        registry = (cls.__module__, "ALL_ATTENTION_FUNCTIONS")  # the modeling file's attention registry
+        used = binding.bind(block.self_attn, {}, key=key, names={registry[0]: {registry[1]: interface}})
+        if registry not in used:  # the attention would stay local to each rank: wrong, and silent
+            raise HostChanged(
+                "transformers", f"{cls.__qualname__}.forward no longer reads {registry[1]} from {registry[0]}, "
+                "where context parallelism puts its attention"
+            )
 
 
 _bindings = itertools.count()

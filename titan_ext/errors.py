@@ -24,6 +24,22 @@ class ConfigError(ValueError):
     """A bad option, flag or file: one line that names it and the fix."""
 
 
+class HostChanged(ConfigError):
+    """An installed release of a host package (transformers, fla, torchtitan, torch) no longer behaves as
+    titan_ext relies on: training would run on wrong numbers, so the job stops, naming the package, its
+    version and what changed."""
+
+    def __init__(self, package: str, what: str):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            installed = "(not installed)"
+        super().__init__(f"{package} {installed}: {what}; titan_ext would train on wrong numbers. Install a "
+                         f"tested version (README, Tested versions) or report it")
+
+
 def rank() -> int:
     """This process's global rank, before or after the process group exists."""
     import torch.distributed as dist

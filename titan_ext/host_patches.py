@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 TORCHTITAN = "torchtitan 0.2.2"
 FLA = "fla 0.6.0"
-TORCH = "torch 2.11-2.13"
+TORCH = "torch 2.11-2.15"
 
 
 def owner_and_name(target: str) -> tuple[object, str]:
@@ -143,8 +143,22 @@ class _DropMessages(logging.Filter):
 # Log records a CPU run cannot act on: (logger, message part, why).
 CPU_MODE_LOGS: tuple[tuple[str, str, str], ...] = (
     ("torchao", "Failed to load", "torchao's CUDA extensions (mxfp8, cutlass), on import"),
-    ("torch.utils._pytree", "is an Enum subclass", "torchao registers enums with torch.compile, on import"),
     ("", "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "torchtitan sets an NCCL variable; gloo never reads it"),
+)
+
+# Python warnings of any titan_ext job that ask nothing of its user: (message regex, why, versions seen).
+JOB_WARNINGS: tuple[tuple[str, str, str], ...] = (
+    ("FSDP2-wrapped module .* returned a view tensor",
+     "torch's FSDP, on every rank at step 1: titan_ext's forward returns its logits as a view (reshaped from a "
+     "packed row); only the loss reads them, nothing writes them in place", "torch 2.13-2.15"),
+)
+
+# Log records of any titan_ext job that ask nothing of its user: (logger, message part, why).
+JOB_LOGS: tuple[tuple[str, str, str], ...] = (
+    ("torch.utils._pytree", "is an Enum subclass",
+     "torchao 0.18 registers its enums with torch.compile on import, which torch 2.13 deprecates"),
+    ("transformers.utils.generic", "`past_key_values`/`cache_params` are deprecated",
+     "fla 0.6's models build their outputs with past_key_values=, which transformers 5.24 renamed to cache"),
 )
 
 
@@ -308,13 +322,7 @@ def apply_cpu_mode() -> None:
         return
     _applied.add("cpu_mode")
     apply(CPU_MODE)
-    for message, _ in CPU_MODE_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
-        _undo_stack.append(lambda m=message: _remove_warning_filter(m))
-    for name, part, _ in CPU_MODE_LOGS:
-        log_filter = _DropMessages(part)
-        logging.getLogger(name).addFilter(log_filter)
-        _undo_stack.append(lambda n=name, f=log_filter: logging.getLogger(n).removeFilter(f))
+    _quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])
 
 
 def apply_job() -> None:
@@ -324,6 +332,18 @@ def apply_job() -> None:
     log_filter = _OneLineModelArgs()
     logging.getLogger().addFilter(log_filter)
     _undo_stack.append(lambda: logging.getLogger().removeFilter(log_filter))
+    _quiet([message for message, _, _ in JOB_WARNINGS], [(name, part) for name, part, _ in JOB_LOGS])
+
+
+def _quiet(messages: list[str], logs: list[tuple[str, str]]) -> None:
+    """Drop these warnings (message regexes) and log records (logger, message part); ``undo()`` restores them."""
+    for message in messages:
+        warnings.filterwarnings("ignore", message=message)
+        _undo_stack.append(lambda m=message: _remove_warning_filter(m))
+    for name, part in logs:
+        log_filter = _DropMessages(part)
+        logging.getLogger(name).addFilter(log_filter)
+        _undo_stack.append(lambda n=name, f=log_filter: logging.getLogger(n).removeFilter(f))
 
 
 def _remove_warning_filter(message: str) -> None:

@@ -120,10 +120,11 @@ def check_model_job(model_args, job_config, kernel_path: str):
 
     Returns the meta-device model the checks read (the job plan reads it too).
     """
-    from titan_ext import activation_checkpoint, context_parallel, documents, float8, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, tensor_parallel
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
+    host_checks.check_host(model_args)  # a host release that changed what titan_ext relies on stops here
     if kernel_path == "portable":
         _check_portable(model_args, model)
     documents.check_model(model_args, job_config)

@@ -65,7 +65,8 @@ def global_names(path: str) -> dict[str, dict[str, object]]:
 
 def bind(model: nn.Module, path: str) -> nn.Module:
     """Make ``model`` (in place) run the kernels of ``path``; returns it."""
-    return _bind(model, replacements(path), path, global_names(path))
+    _bind(model, replacements(path), path, global_names(path))
+    return model
 
 
 def portable(model: nn.Module) -> nn.Module:

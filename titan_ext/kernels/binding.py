@@ -24,31 +24,71 @@ ModuleNames = Mapping[str, Mapping[str, object]]
 _bound_classes: dict[tuple[type, str], type] = {}
 
 
-def rebased(fn: types.FunctionType, names: Mapping[str, object]) -> types.FunctionType:
-    """``fn``'s code with ``names`` replaced in the globals it sees (its module is not changed).
+def rebased(fn: types.FunctionType, names: Mapping[str, object], closure=None) -> types.FunctionType:
+    """``fn``'s code with ``names`` replaced in the globals it sees (its module is not changed), and
+    ``closure`` (cells) in place of its own.
 
     The copy has no ``__name__``: dynamo would otherwise guard the names
     through the module of that name (fla's, unchanged) instead of this dict.
     """
     scope = {**fn.__globals__, **names}
     scope.pop("__name__", None)  # absent when fn is itself a rebased copy
-    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__ if closure is None else closure)
+    new.__dict__.update(fn.__dict__)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__, new.__module__, new.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     new.__wrapped__ = fn
     return new
 
 
-def _global_overrides(fn: types.FunctionType, replacements: Replacements, names: ModuleNames) -> dict[str, object]:
+def _rebind(fn: types.FunctionType, replacements: Replacements, names: ModuleNames, used: set,
+            seen: frozenset = frozenset()) -> types.FunctionType | None:
+    """A copy of ``fn`` that sees the replacements, or None where it reads none of them.
+
+    Read through decorators: a wrapper made by ``functools.wraps``
+    (transformers >= 5.24 wraps each attention ``forward`` in
+    ``deprecate_kwarg``) runs the function it wraps from its closure, with
+    that function's module globals; the wrapped function is rebound and the
+    wrapper copied around it.
+    """
+    overrides = _global_overrides(fn, replacements, names, used)
+    wrapped = fn.__dict__.get("__wrapped__")
+    inner = None
+    if isinstance(wrapped, types.FunctionType) and wrapped not in seen and wrapped.__code__ is not fn.__code__:
+        inner = _rebind(wrapped, replacements, names, used, seen | {fn})
+    if not overrides and inner is None:
+        return None
+    closure = None
+    if inner is not None:
+        closure = tuple(types.CellType(inner) if _holds(cell, wrapped) else cell for cell in fn.__closure__ or ())
+        if not any(_holds(cell, wrapped) for cell in fn.__closure__ or ()):
+            return rebased(fn, overrides) if overrides else None  # wraps it, but does not call it from a closure
+    new = rebased(fn, overrides, closure)
+    if inner is not None:
+        new.__wrapped__ = inner  # read through to the rebound function (``kernels.unported``)
+    return new
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _global_overrides(fn: types.FunctionType, replacements: Replacements, names: ModuleNames, used: set) -> dict[str, object]:
     """The global names ``fn`` reads that hold an object ``replacements`` replaces, or that ``names`` sets."""
-    by_name = names.get(fn.__globals__.get("__name__"), {})
+    module = fn.__globals__.get("__name__")
+    by_name = names.get(module, {})
     overrides = {}
     for name in fn.__code__.co_names:
         value = fn.__globals__.get(name)
         if name in by_name:
             overrides[name] = by_name[name]
+            used.add((module, name))
         elif value is not None and _hashable(value) and value in replacements:
             overrides[name] = replacements[value]
+            used.add(value)
     return overrides
 
 
@@ -69,10 +109,11 @@ def bound_class(cls: type, replacements: Replacements, key: str, names: ModuleNa
     """
     replacement = replacements.get(cls) if _hashable(cls) else None
     if isinstance(replacement, type) and issubclass(replacement, cls):
+        _uses[cls, key] = {cls}
         return replacement
     cache_key = (cls, key)
     if cache_key not in _bound_classes:
-        methods = {}
+        methods, used = {}, set()
         for klass in reversed(cls.__mro__):
             for name, fn in vars(klass).items():
                 if not isinstance(fn, types.FunctionType):
@@ -80,23 +121,37 @@ def bound_class(cls: type, replacements: Replacements, key: str, names: ModuleNa
                     continue
                 if fn in replacements:
                     methods[name] = replacements[fn]
-                elif overrides := _global_overrides(fn, replacements, names):
-                    methods[name] = rebased(fn, overrides)
+                    used.add(fn)
+                elif (new := _rebind(fn, replacements, names, used)) is not None:
+                    methods[name] = new
                 else:
                     methods.pop(name, None)
         _bound_classes[cache_key] = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__}) if methods else cls
+        _uses[cache_key] = used
     return _bound_classes[cache_key]
 
 
-def bind(model: nn.Module, replacements: Replacements, key: str, names: ModuleNames = {}) -> nn.Module:
-    """Make every module of ``model`` call ``replacements`` (in place; returns ``model``).
+_uses: dict[tuple[type, str], set] = {}
+"""(class, key) -> the replacements (objects, or (module, name) pairs of ``names``) its bound class uses."""
+
+
+def bind(model: nn.Module, replacements: Replacements, key: str, names: ModuleNames = {}) -> set:
+    """Make every module of ``model`` call ``replacements`` (in place).
 
     Instance attributes holding a replaced function (fla's ``self.gate_fn =
-    ACT2FN['swish']``) are replaced on the instance.
+    ACT2FN['swish']``) are replaced on the instance. Returns what was
+    replaced (objects of ``replacements``, ``(module, name)`` pairs of
+    ``names``): a caller that needs a replacement checks it is there, since a
+    host release that renames what it calls would otherwise leave the model
+    silently unchanged.
     """
+    used = set()
     for module in model.modules():
-        module.__class__ = bound_class(type(module), replacements, key, names)
+        cls = type(module)
+        module.__class__ = bound_class(cls, replacements, key, names)
+        used |= _uses[cls, key]
         for name, value in list(vars(module).items()):
             if callable(value) and _hashable(value) and value in replacements:
                 setattr(module, name, replacements[value])
-    return model
+                used.add(value)
+    return used

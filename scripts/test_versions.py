@@ -1,0 +1,95 @@
+"""Build a venv with chosen releases of titan_ext's hosts and run the test suite in it.
+
+    python scripts/test_versions.py newest   # the newest releases pyproject.toml allows
+    python scripts/test_versions.py lowest   # every declared lower bound
+    python scripts/test_versions.py latest   # the newest releases, upper bounds ignored (a host released)
+
+``latest`` is for the day a dependency releases: if the suite passes, raise that upper bound in
+pyproject.toml (and the README's "Tested versions") to what it printed. Extra arguments after ``--`` go to
+pytest (``-- -x tests/test_context_parallel.py``). The venv is ``.venv-<mode>`` unless ``--venv`` names one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+HOSTS = ("torch", "torchtitan", "flash-linear-attention", "transformers", "torchao", "datasets")
+"""The packages whose bounds are tested; pyproject.toml gives each a lower and an upper bound."""
+LATEST_LIMITS = {"torchtitan": "<0.3"}
+"""Kept even by ``latest``: torchtitan 0.3 replaced the TOML configs titan_ext plugs into."""
+
+
+def declared() -> dict[str, str]:
+    """Each dependency's name -> its specifier in pyproject.toml."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    specs = {}
+    for requirement in project["dependencies"]:
+        name, spec = re.match(r"([A-Za-z0-9_.-]+)\s*(.*)", requirement).groups()
+        specs[name] = spec
+    return specs
+
+
+def lower_bound(spec: str) -> str:
+    found = re.search(r"(?:>=|==)\s*([^,\s]+)", spec)
+    if not found:
+        raise SystemExit(f"pyproject.toml: {spec!r} has no lower bound (>= or ==)")
+    return found.group(1)
+
+
+def requirements(mode: str) -> list[str]:
+    specs = declared()
+    missing = [name for name in HOSTS if name not in specs]
+    if missing:
+        raise SystemExit(f"pyproject.toml declares no {missing}")
+    chosen = []
+    for name, spec in specs.items():
+        if name in HOSTS and mode == "lowest":
+            chosen.append(f"{name}=={lower_bound(spec)}")
+        elif name in HOSTS and mode == "latest":
+            chosen.append(name + LATEST_LIMITS.get(name, ""))
+        else:
+            chosen.append(name + spec)
+    return chosen + ["pytest"]
+
+
+def run(*command: str) -> None:
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=("newest", "lowest", "latest"))
+    parser.add_argument("--venv", type=Path, help="the venv to (re)use (default .venv-<mode>)")
+    parser.add_argument("--no-tests", action="store_true", help="build the venv and print its versions only")
+    args, pytest_args = parser.parse_known_args()
+    pytest_args = [a for a in pytest_args if a != "--"] or ["-q", "tests"]
+    venv = args.venv or REPO / f".venv-{args.mode}"
+    if not (venv / "bin" / "python").exists():
+        run(sys.executable, "-m", "venv", str(venv))
+    python = str(venv / "bin" / "python")
+    run(python, "-m", "pip", "install", "-q", "--upgrade", "pip")
+    wanted = requirements(args.mode)
+    torch = next(r for r in wanted if r.startswith("torch") and not r.startswith(("torchtitan", "torchao")))
+    run(python, "-m", "pip", "install", "-q", torch)  # first: its build decides what the rest resolves against
+    run(python, "-m", "pip", "install", "-q", *wanted)
+    run(python, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO))
+    versions = subprocess.run(
+        [python, "-c", "import importlib.metadata as m, sys; "
+                       f"print(' | '.join(m.version(p) for p in {HOSTS!r}))"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    print(f"\n| {' | '.join(HOSTS)} |\n|{' --- |' * len(HOSTS)}\n| {versions} |\n", flush=True)
+    if args.no_tests:
+        return 0
+    return subprocess.run([python, "-m", "pytest", *pytest_args], cwd=REPO).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

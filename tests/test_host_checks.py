@@ -1,0 +1,131 @@
+"""Host behaviours titan_ext relies on: each probe passes on the installed versions and stops the job, in one
+line naming the package and its version, when the behaviour changes (simulated here by patching the host)."""
+
+import copy
+import types
+
+import pytest
+import torch
+
+from titan_ext import host_checks
+from titan_ext.errors import ConfigError, HostChanged
+from titan_ext.kernels import binding
+from titan_ext.models.args import transformers_model
+from titan_ext.models.gla import gla_flavors
+from titan_ext.models.llama import llama_flavors
+
+QWEN3 = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("args", [llama_flavors["debugmodel"], llama_flavors["8B"], gla_flavors["debugmodel"],
+                                  transformers_model("qwen3", **QWEN3)], ids=["llama", "llama8B", "gla", "qwen3"])
+def test_every_check_passes_on_the_installed_hosts(args):
+    args = copy.deepcopy(args)
+    host_checks.check_host(args)
+    if args.library == "transformers":
+        assert host_checks._tiny(args) is not None  # the probe ran: the architecture took the tiny sizes
+
+
+def expect_host_changed(package, what, args=None):
+    with pytest.raises(HostChanged) as error:
+        host_checks.check_host(copy.deepcopy(args or llama_flavors["debugmodel"]))
+    message = str(error.value)
+    assert message.startswith(f"{package} ") and what in message and "\n" not in message, message
+    assert isinstance(error.value, ConfigError)  # the job's config boundary turns it into one line and exit 2
+    return message
+
+
+def test_an_attention_forward_the_binding_cannot_reach_stops_the_job(monkeypatch):
+    """transformers 5.24's failure: the CP attention bound where forward no longer reads the registry."""
+    def without_read_through(fn, replacements, names, used, seen=frozenset()):
+        overrides = binding._global_overrides(fn, replacements, names, used)
+        return binding.rebased(fn, overrides) if overrides else None
+
+    monkeypatch.setattr(binding, "_rebind", without_read_through)
+    expect_host_changed("transformers", "LlamaAttention.forward no longer calls the attention")
+
+
+def test_position_ids_ignored_stop_the_job(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaRotaryEmbedding.forward
+
+    def from_zero(self, x, position_ids):
+        return original(self, x, torch.arange(position_ids.shape[-1])[None])
+
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", from_zero)
+    expect_host_changed("transformers", "position_ids")
+
+
+def test_a_4d_mask_not_used_as_given_stops_the_job(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", lambda **kwargs: None)
+    expect_host_changed("transformers", "attention_mask")
+
+
+def test_a_changed_fla_kernel_signature_stops_the_job(monkeypatch):
+    import fla.ops.gla.chunk as chunk
+
+    original = chunk.chunk_gla
+
+    def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=True, **kwargs):
+        return original(q, k, v, g, scale, initial_state, output_final_state, **kwargs)
+
+    monkeypatch.setattr(chunk, "chunk_gla", chunk_gla)
+    message = expect_host_changed("flash-linear-attention", "chunk_gla now takes", gla_flavors["debugmodel"])
+    assert "output_final_state=True" in message
+
+
+def test_fla_signature_table_names_real_functions():
+    from titan_ext.host_patches import MODEL_KERNELS, resolve
+
+    replaced = {k.fla for k in MODEL_KERNELS if not isinstance(resolve(k.fla), type)}
+    unsigned = {t for t in replaced if host_checks.parameters(resolve(t)) in ("*args, **kwargs", "**kwargs")}
+    assert replaced - unsigned <= set(host_checks.FLA_SIGNATURES), replaced - unsigned - set(host_checks.FLA_SIGNATURES)
+
+
+def test_torchtitan_loss_scaling_changed_stops_the_job(monkeypatch):
+    from torchtitan.train import Trainer
+
+    original = Trainer.forward_backward_step
+
+    def averaged(self, *, input_dict, labels, global_valid_tokens):  # a mean where titan_ext expects sum / tokens
+        return original(self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens / 2)
+
+    monkeypatch.setattr(Trainer, "forward_backward_step", averaged)
+    expect_host_changed("torchtitan", "no longer backpropagates the loss sum")
+
+
+def test_binding_reads_through_decorators():
+    """A ``functools.wraps`` wrapper defined in another module: the wrapped function's globals are rebound."""
+    decorators = types.ModuleType("decorators")
+    exec("import functools\n"
+         "def logged(fn):\n"
+         "    @functools.wraps(fn)\n"
+         "    def wrapper(*args, **kwargs):\n"
+         "        return fn(*args, **kwargs)\n"
+         "    return wrapper\n", decorators.__dict__)
+    layer = types.ModuleType("layer")
+    layer.__dict__["logged"] = decorators.logged
+    exec("import torch\n"
+         "def kernel(x):\n"
+         "    return x + 1\n"
+         "class Mixer(torch.nn.Module):\n"
+         "    @logged\n"
+         "    def forward(self, x):\n"
+         "        return kernel(x)\n", layer.__dict__)
+    mixer = layer.Mixer()
+    used = binding.bind(mixer, {layer.kernel: lambda x: x + 2}, key="test_decorated")
+    assert used == {layer.kernel}
+    assert mixer(torch.zeros(1)).item() == 2.0
+    assert layer.Mixer()(torch.zeros(1)).item() == 1.0  # the class itself unchanged
+
+
+def test_the_probes_leave_the_jobs_random_state_alone():
+    """A job's first random draws (initial weights without a seed checkpoint) must not depend on the probes."""
+    state = torch.random.get_rng_state()
+    host_checks.check_host(copy.deepcopy(llama_flavors["debugmodel"]))
+    host_checks.check_host(copy.deepcopy(gla_flavors["debugmodel"]))
+    assert torch.equal(torch.random.get_rng_state(), state)

@@ -1,0 +1,237 @@
+"""Host behaviours titan_ext relies on that a release could change without raising, probed at job start.
+
+A renamed function fails loudly; a changed meaning does not. transformers
+5.24 wrapped every attention ``forward`` in a decorator, and titan_ext's
+context-parallel attention, bound where the old ``forward`` read its
+attention registry, silently stayed local to each rank: a run trained on
+wrong numbers. Each row below is one such reliance, checked in milliseconds
+on tiny tensors (or by reading a signature) before the model is built; a
+change stops the job in one line naming the package, its version and what
+changed (``errors.HostChanged``).
+
+``check_host(model_args)`` runs the rows that apply to the job's model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from titan_ext.errors import HostChanged
+
+
+@dataclass(frozen=True)
+class HostCheck:
+    package: str
+    relies_on: str
+    """What titan_ext relies on, in a sentence (the README's table)."""
+    applies: Callable[[object], bool]
+    """model args -> whether the job uses this behaviour."""
+    check: Callable[[object], None]
+    """model args -> None, or raises ``HostChanged``."""
+
+
+# fla functions titan_ext replaces (host_patches.MODEL_KERNELS) or calls by keyword, and the parameters
+# (name=default) they had when titan_ext's replacements and calls were written against them.
+FLA_SIGNATURES = {
+    "fla.ops.gla.chunk:chunk_gla": "q, k, v, g, scale=None, initial_state=None, output_final_state=False, "
+    "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None",
+    "fla.ops.gla.chunk:chunk_gla_fwd": "q, k, v, g, g_cumsum, scale, initial_state, output_final_state, "
+    "state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None",
+    "fla.ops.gla.chunk:chunk_gla_bwd": "q, k, v, g, g_cumsum, scale, initial_state, h, A, do, dht, "
+    "state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None",
+    "fla.ops.gla.fused_recurrent:fused_recurrent_gla": "q, k, v, gk=None, gv=None, scale=None, initial_state=None, "
+    "output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule": "q, k, v, g, beta, scale=None, initial_state=None, "
+    "output_final_state=False, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
+    "allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, "
+    "cp_context=None, **kwargs",
+    "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule": "q, k, v, g=None, gk=None, gv=None, "
+    "beta=None, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, "
+    "use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
+    "state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.modules.norm.layernorm:rms_norm": "x, weight, bias, residual=None, eps=1e-05, prenorm=False, "
+    "residual_in_fp32=False",
+    "fla.modules.norm.fused_norm_gate:rms_norm_gated": "x, g, weight, bias, activation='swish', residual=None, "
+    "prenorm=False, residual_in_fp32=False, eps=1e-06",
+    "fla.modules.activations.ops:logsigmoid": "x, temperature=1.0",
+    "fla.modules.activations.ops:swiglu_linear": "x, y, weight, bias",
+    "fla.modules.rotary.ops:rotary_embedding": "x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, "
+    "cu_seqlens=None, chunk_indices=None",
+    "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache": "self, seqlen, device=None, dtype=None",
+    "fla.layers.utils:get_layer_cache": "module, past_key_values",
+    "fla.layers.utils:update_layer_cache": "module, past_key_values, **kwargs",
+    "fla.modules.causal_conv1d.ops:causal_conv1d": "x, weight=None, bias=None, residual=None, initial_state=None, "
+    "output_final_state=False, activation=None, backend='triton', cu_seqlens=None, cu_seqlens_cpu=None, "
+    "chunk_indices=None, cp_context=None, **kwargs",
+    "fla.modules.causal_conv1d.ops:causal_conv1d_update": "x, cache, residual=None, weight=None, bias=None, "
+    "activation=None",
+    "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv": "self, last_state, use_cache, cu_seqlens",
+    "fla.modules.fused_cross_entropy.ops:cross_entropy_loss": "logits, target, label_smoothing=0.0, logit_scale=1.0, "
+    "lse_square_scale=0.0, logit_softcapping=None, ignore_index=-100, inplace_backward=False, process_group=None",
+    "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
+    "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
+    "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
+}
+"""Checked with flash-linear-attention 0.6.0. fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
+and its deprecated ``fused_chunk_gla(**kwargs)`` carry no signature to compare."""
+
+
+def parameters(fn) -> str:
+    """``fn``'s parameters as ``name=default`` (no annotations: they change without changing a call)."""
+    parts = []
+    for p in inspect.signature(fn).parameters.values():
+        name = {p.VAR_POSITIONAL: f"*{p.name}", p.VAR_KEYWORD: f"**{p.name}"}.get(p.kind, p.name)
+        parts.append(name if p.default is p.empty else f"{name}={p.default!r}")
+    return ", ".join(parts)
+
+
+def check_fla_signatures(model_args) -> None:
+    from titan_ext.host_patches import resolve
+
+    for target, expected in FLA_SIGNATURES.items():
+        found = parameters(resolve(target))
+        if found != expected:
+            raise HostChanged(
+                "flash-linear-attention", f"{target.replace(':', '.')} now takes ({found}), titan_ext's kernels "
+                f"were written for ({expected})"
+            )
+
+
+def check_torchtitan_loss_scaling(model_args) -> None:
+    """The trainer backpropagates the loss function's SUM divided by the step's global count of valid
+    tokens (titan_ext's losses are sums; its PP schedule divides each microbatch by the same count)."""
+    from torchtitan.train import Trainer
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    tokens = torch.tensor(4.0)
+    trainer = types.SimpleNamespace(
+        model_parts=[model], parallel_dims=types.SimpleNamespace(pp_enabled=False), device=torch.device("cpu"),
+        post_dataloading_process=lambda input_dict, labels: (input_dict["input"], labels, {}, {}),
+        train_context=contextlib.nullcontext, maybe_enable_amp=contextlib.nullcontext(),
+        loss_fn=lambda pred, labels: (pred - labels).sum(),
+    )
+    inputs = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    loss = Trainer.forward_backward_step(trainer, input_dict={"input": inputs}, labels=torch.zeros(2, 1),
+                                         global_valid_tokens=tokens)
+    expected_loss, expected_grad = inputs.sum() / tokens, inputs.sum(0) / tokens
+    if not (torch.allclose(loss.detach(), expected_loss) and torch.allclose(model.weight.grad[0], expected_grad)):
+        raise HostChanged(
+            "torchtitan", f"Trainer.forward_backward_step no longer backpropagates the loss sum divided by the global "
+            f"valid-token count (loss {loss.item():.4g}, expected {expected_loss.item():.4g})"
+        )
+
+
+def check_transformers_attention(model_args) -> None:
+    """Under CP and document masking a transformers model must (1) call the attention its modeling file
+    looks up in ``ALL_ATTENTION_FUNCTIONS`` (where CP binds the ring), with queries and keys (2) rotated at
+    the ``position_ids`` given (CP's global positions, documents' restarting ones), and (3) use a given
+    boolean 4D ``attention_mask`` as the mask (document masking's block-causal one)."""
+    from titan_ext.kernels import binding
+
+    model = _tiny(model_args)
+    if model is None:
+        return
+    seen = []
+
+    def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        seen.append((query, key))
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        mask = attention_mask if attention_mask is not None else torch.ones(
+            query.shape[2], key.shape[2], dtype=torch.bool).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+    interface = types.SimpleNamespace(get_interface=lambda name, default: record)
+    layers = model.get_decoder().layers
+    cls, name = type(layers[0].self_attn).__qualname__, type(layers[0].self_attn).__module__
+    used = binding.bind(layers[0].self_attn, {}, key=f"host_checks:{next(_probes)}", names={name: {"ALL_ATTENTION_FUNCTIONS": interface}})
+    T = 6
+    tokens = torch.arange(1, T + 1)[None]
+    with torch.no_grad():
+        model(input_ids=tokens, use_cache=False)
+        if (name, "ALL_ATTENTION_FUNCTIONS") not in used or len(seen) != 1:
+            raise HostChanged("transformers", f"{cls}.forward no longer calls the attention it looks up in "
+                                              f"{name}.ALL_ATTENTION_FUNCTIONS, where titan_ext's context parallelism puts its own")
+        (q_all, k_all), = seen
+        seen.clear()
+        model(input_ids=tokens[:, T // 2:], position_ids=torch.arange(T // 2, T)[None], use_cache=False)
+        (q_half, k_half), = seen
+        if not (torch.allclose(q_half, q_all[:, :, T // 2:], atol=1e-5) and torch.allclose(k_half, k_all[:, :, T // 2:], atol=1e-5)):
+            raise HostChanged("transformers", f"{cls} no longer rotates queries and keys at the position_ids given, "
+                                              "which context parallelism and document masking pass")
+        seen.clear()
+        whole = model(input_ids=tokens, use_cache=False).logits
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        mask[T // 2:, : T // 2] = False  # two documents
+        positions = torch.arange(T) % (T // 2)
+        packed = model(input_ids=tokens, position_ids=positions[None], attention_mask=mask[None, None], use_cache=False).logits
+        second = model(input_ids=tokens[:, T // 2:], use_cache=False).logits
+        if not (torch.allclose(packed[:, T // 2:], second, atol=1e-5) and torch.allclose(packed[:, :T // 2], whole[:, :T // 2], atol=1e-5)):
+            raise HostChanged("transformers", f"{type(model).__qualname__} no longer keeps packed documents apart by a "
+                                              "boolean 4D attention_mask and position_ids, as document masking passes them")
+
+
+_probes = itertools.count()  # a binding key per probe: a bound class holds its probe's recorder
+
+
+TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, attention_dropout=0.0, tie_word_embeddings=False)
+"""A one-layer, 32-wide copy of the job's architecture: the same modeling code in a few milliseconds."""
+
+
+def _tiny(model_args):
+    """The job's transformers model at ``TINY`` sizes, in fp32 with eager-built weights; None when its
+    config does not take them (an architecture these sizes do not fit is not probed)."""
+    config = model_args.to_hf_config()
+    fields = {name: value for name, value in TINY.items() if hasattr(config, name)}
+    if isinstance(getattr(config, "layer_types", None), list):
+        fields["layer_types"] = config.layer_types[:1]
+    try:
+        tiny = type(config)(**{**config.to_dict(), **fields})
+        tiny._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            model = model_args.hf_model_class(tiny).float().eval()
+    except Exception:  # noqa: BLE001  (the library's own refusal: this architecture is not probed)
+        return None
+    return model
+
+
+def _transformers_model(model_args) -> bool:
+    return model_args.library == "transformers"
+
+
+def _fla_model(model_args) -> bool:
+    return model_args.library == "fla"
+
+
+HOST_CHECKS: tuple[HostCheck, ...] = (
+    HostCheck("torchtitan", "the trainer backpropagates the loss function's sum divided by the step's global "
+              "count of valid tokens", lambda args: True, check_torchtitan_loss_scaling),
+    HostCheck("flash-linear-attention", "the parameters (names and defaults) of every fla kernel titan_ext "
+              "replaces or calls", _fla_model, check_fla_signatures),
+    HostCheck("transformers", "attention modules call the attention their modeling file looks up in "
+              "ALL_ATTENTION_FUNCTIONS, rotate queries and keys at the position_ids given, and use a boolean 4D "
+              "attention_mask as given", _transformers_model, check_transformers_attention),
+)
+
+
+def check_host(model_args) -> None:
+    """Every row of ``HOST_CHECKS`` that applies to this model; the first change found ends the job.
+
+    The probes draw random weights: the job's random state is left as it was (``fork_rng``).
+    """
+    with torch.random.fork_rng(devices=[]):
+        for row in HOST_CHECKS:
+            if row.applies(model_args):
+                row.check(model_args)

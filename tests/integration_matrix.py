@@ -298,6 +298,9 @@ ROWS = {
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
     "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla",)),
+    # fla's own Triton kernels (the GPU code path) under Triton's interpreter, TP2 with sequence and loss parallel,
+    # against one process on titan_ext's portable kernels ("single").
+    "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True, cost=3),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
@@ -533,7 +536,10 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
     python_path = os.pathsep.join([str(REPO / "tests"), str(matrix.readme_folder)])  # + the README's module
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path}
+    # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
+    # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,
+           "TRITON_INTERPRET": "1"}
     begin = time.monotonic()
     with open(matrix.root / "driver.log", "w") as log:
         try:

@@ -180,3 +180,30 @@ def torch_cp_options() -> types.SimpleNamespace:
     """torch's context-parallel options: ``_cp_options`` (whether the ring expects head-tail pieces, set by
     torchtitan's input sharding each step) and ``set_rotate_method`` (how the ring passes keys and values)."""
     return _lookup("torch", "torch.distributed.tensor.experimental._attention", "_cp_options", "set_rotate_method")
+
+
+def waited(tensor):
+    """``tensor`` itself, or, for a functional collective's result still in flight (``AsyncCollectiveTensor``,
+    what ``DTensor.to_local`` gives after a redistribution), the finished tensor: a Triton kernel reads
+    memory directly, so it must not receive the wrapper. Differentiable, without a copy."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if not isinstance(tensor, funcol.AsyncCollectiveTensor):
+        return tensor
+    return _wait_function().apply(tensor) if tensor.requires_grad else tensor.wait()
+
+
+@functools.cache
+def _wait_function():
+    import torch
+
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.wait()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return Wait

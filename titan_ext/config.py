@@ -42,6 +42,11 @@ class TitanExt:
     crosses a boundary (``titan_ext.documents``). Needs dataset
     ``titan_ext_stream`` or ``titan_ext_tiny``."""
 
+    kernels: str = "auto"
+    """Which kernels titan_ext's fla models run: "auto" (fla's Triton kernels on CUDA, titan_ext's portable
+    torch kernels on the CPU), "fla" (fla's kernels as shipped; on the CPU under Triton's interpreter,
+    TRITON_INTERPRET=1) or "portable" (torch kernels anywhere, e.g. to bisect a kernel problem on a GPU)."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -8,6 +8,8 @@
   These stay for the rest of that process, which is that job's; ``undo()``
   restores every original.
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
+* ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
+  the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
 * ``BUILD``: only while titan_ext builds one of its own models (``building()``).
 * ``MODEL_KERNELS``: not a change to any library: titan_ext's own model
   instances call these instead of fla's kernels (``titan_ext.kernels.bind``:
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 TORCHTITAN = "torchtitan 0.2.2"
 FLA = "fla 0.6.0"
 TORCH = "torch 2.11-2.15"
+TRITON = "triton 3.9"
 
 
 def owner_and_name(target: str) -> tuple[object, str]:
@@ -185,6 +188,38 @@ JOB: tuple[tuple[str, str], ...] = (
 )
 
 
+def _first_config_only(original):
+    """The interpreter has no GPU driver to time configs with: every kernel runs its first config."""
+
+    def prune_configs(self, kwargs, *args, **more):
+        return original(self, kwargs, *args, **more)[:1]
+
+    return prune_configs
+
+
+def _loop_variables_as_tensors(original):
+    from titan_ext.kernels.interpreter import LoopVariablesAsTensors
+
+    return LoopVariablesAsTensors()
+
+
+INTERPRETER: tuple[Patch, ...] = (
+    Patch(
+        "triton.runtime.autotuner:Autotuner.prune_configs",
+        "fla's autotuned kernels time each config through a GPU driver, which the interpreter lacks ('0 active "
+        "drivers'): the first config is taken, none timed",
+        TRITON, _first_config_only,
+    ),
+    Patch(
+        "triton.runtime.interpreter:FunctionRewriter.ast_transformer",
+        "the interpreter leaves for-loop variables Python ints, on which fla's kernels call .to() ('int' object has "
+        "no attribute 'to'): each loop variable becomes an interpreter tensor (kernels.interpreter)",
+        TRITON, _loop_variables_as_tensors,
+    ),
+)
+"""Triton's interpreter (``TRITON_INTERPRET=1``) running fla's kernels on the CPU (``--titan_ext.kernels fla``)."""
+
+
 def _sdpa_for_flash_attn(name: str):
     def new(original):
         from titan_ext.models import sdpa_attention
@@ -230,8 +265,12 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:chunk_gla",
         "GLA's training kernel as torch ops: op-level SAC can save it and compile keeps it in the graph "
-        "(fla's is a Triton autograd.Function behind torch.compiler.disable); fla's kernels run inside on CUDA",
-        ("portable", "fla"),
+        "(fla's is a Triton autograd.Function behind torch.compiler.disable); fla's drivers run inside",
+        ("fla",),
+    ),
+    Kernel(
+        "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:portable_chunk_gla",
+        "the same torch ops with titan_ext's torch GLA inside (on any device)",
     ),
     Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", "titan_ext.kernels.gla:fused_chunk_gla", _TRITON),
     Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", "titan_ext.kernels.gla:fused_recurrent_gla", _TRITON),
@@ -282,6 +321,22 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "titan_ext.kernels.tp_local:fused_recurrent_gated_delta_rule", _TP_LOCAL, ("fla",),
     ),
     Kernel(
+        "fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.tp_local:rms_norm",
+        "under TP (sequence parallel, or the per-head output norm) its input is a DTensor and its weight a replicated "
+        "DTensor, which fla's Triton kernel cannot read: fla's kernel on the local shards, the output rewrapped "
+        "(found under Triton's interpreter)", ("fla",),
+    ),
+    Kernel(
+        "fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.tp_local:rms_norm_gated",
+        "the same, for the gated output norm (GLA's g_norm, Gated DeltaNet's o_norm)", ("fla",),
+    ),
+    Kernel(
+        "fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.tp_local:swiglu_linear",
+        "under TP fla's own SwiGLULinearParallel hands it DTensors (inputs and down_proj's weight), which its Triton "
+        "kernel cannot read: fla's kernel on the local shards, a partial sum rewrapped (found under Triton's "
+        "interpreter)", ("fla",),
+    ),
+    Kernel(
         "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv", "titan_ext.kernels.tp_local:use_fused_qkv_conv",
         "under TP its fused path concatenates the three sharded conv weights (a DTensor cat gathers them whole) and "
         "splits by global widths while q/k/v are local: False for DTensor conv weights (each conv runs on its shard), "
@@ -323,6 +378,14 @@ def apply_cpu_mode() -> None:
     _applied.add("cpu_mode")
     apply(CPU_MODE)
     _quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])
+
+
+def apply_interpreter() -> None:
+    """``INTERPRETER``, once per process."""
+    if "interpreter" in _applied:
+        return
+    _applied.add("interpreter")
+    apply(INTERPRETER)
 
 
 def apply_job() -> None:

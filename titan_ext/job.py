@@ -40,9 +40,12 @@ def on_trainer_import() -> None:
     try:
         preflight.check_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         _cpu_mode = cpu_mode.wanted()
+        path = kernel_path(job_config)
     except ConfigError as error:
         exit_with(error)
     host_patches.apply_job()
+    if path == "fla" and interpreting():
+        host_patches.apply_interpreter()
     if _cpu_mode:
         host_patches.apply_cpu_mode()
         if rank() == 0:
@@ -56,9 +59,31 @@ def in_cpu_mode() -> bool:
     return _cpu_mode
 
 
-def kernel_path() -> str:
-    """fla's kernels on CUDA, torch code anywhere else or in CPU mode (``titan_ext.kernels``)."""
-    return "fla" if torch.cuda.is_available() and not (_cpu_mode or cpu_mode.forced()) else "portable"
+KERNELS_OPTION = "--titan_ext.kernels"
+KERNEL_CHOICES = ("auto", "fla", "portable")
+
+
+def kernel_path(job_config=None) -> str:
+    """The kernels titan_ext's fla models run (``titan_ext.kernels``), from ``[titan_ext] kernels``:
+    ``auto`` is fla's on CUDA and torch code anywhere else or in CPU mode."""
+    choice = getattr(getattr(job_config, "titan_ext", None), "kernels", "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"{KERNELS_OPTION}={choice!r} is not one of {KERNEL_CHOICES}")
+    on_cuda = torch.cuda.is_available() and not (_cpu_mode or cpu_mode.forced())
+    if choice == "fla" and not on_cuda and not interpreting():
+        raise ConfigError(
+            f"{KERNELS_OPTION}='fla' runs fla's Triton kernels, which need a CUDA GPU or, on the CPU, Triton's "
+            f"interpreter: set TRITON_INTERPRET=1 in the environment (slow: tiny models only), or use 'auto'"
+        )
+    if choice == "auto":
+        return "fla" if on_cuda else "portable"
+    return choice
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs Triton kernels in this process (``TRITON_INTERPRET=1``, read by
+    Triton when a kernel is defined: it must be set before fla is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
 @dataclass(frozen=True)
@@ -127,7 +152,8 @@ def plan_job(model_args, job_config) -> JobPlan:
     """Check the job against the model, then decide everything; the plan becomes ``current()``."""
     global _current
     preflight.check_job_config_once(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    meta = preflight.check_model_job(model_args, job_config, kernel_path())
+    model_args.kernel_path = kernel_path(job_config)  # the model built from these args binds these kernels
+    meta = preflight.check_model_job(model_args, job_config, model_args.kernel_path)
     _current = _build(model_args, job_config, meta)
     return _current
 
@@ -139,7 +165,7 @@ def _build(model_args, job_config, meta) -> JobPlan:
 
     section = getattr(job_config, "titan_ext", None)
     return JobPlan(
-        kernel_path=kernel_path(),
+        kernel_path=model_args.kernel_path,
         tp=tensor_parallel.tp_choice(meta, job_config),
         cp=context_parallel.cp_choice(model_args, job_config),
         pp=pipeline.pp_choice(meta, job_config),

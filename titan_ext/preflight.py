@@ -93,10 +93,11 @@ def _check_titan_ext_parallelism(job_config) -> None:
     if p.pipeline_parallel_degree > 1:
         from titan_ext import documents
 
-        others = [("--parallelism.context_parallel_degree", p.context_parallel_degree)]
-        others += [(documents.OPTION, documents.enabled(job_config))]
-        for option, value in others:
-            if value not in (1, False):
+        # (option, value, whether it is on): `True in (1, False)` holds in Python, so no value test
+        others = [("--parallelism.context_parallel_degree", p.context_parallel_degree, p.context_parallel_degree > 1)]
+        others += [(documents.OPTION, True, documents.enabled(job_config))]
+        for option, value, on in others:
+            if on:
                 raise ConfigError(
                     f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} does not combine with "
                     f"{option}={value} in titan_ext yet; use PP with FSDP/HSDP/DDP, or drop PP"

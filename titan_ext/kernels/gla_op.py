@@ -14,16 +14,16 @@ autograd formula calling ``torch.ops.titan_ext.chunk_gla_bwd``. SAC can
 ``MUST_SAVE`` the forward (``SAVE_LIST``); dynamo treats both as opaque ops
 with fake (shape-only) implementations.
 
-Per device, inside the ops: on CUDA, fla's own forward and backward drivers
-(``fla.ops.gla.chunk.chunk_gla_fwd``/``chunk_gla_bwd``, the ones
-``ChunkGLAFunction`` runs; the gate's chunk cumsum is recomputed in backward,
-as fla does for non-fp32 gates). Anywhere else, the portable torch GLA
-(``titan_ext.kernels.gla``), whose backward differentiates it with autograd:
-it recomputes the forward, fine for a path that exists for correctness.
+Per kernel path (``fla_kernels``), inside the ops: fla's own forward and
+backward drivers (``fla.ops.gla.chunk.chunk_gla_fwd``/``chunk_gla_bwd``, the
+ones ``ChunkGLAFunction`` runs; the gate's chunk cumsum is recomputed in
+backward, as fla does for non-fp32 gates), on CUDA or under Triton's
+interpreter; or the portable torch GLA (``titan_ext.kernels.gla``), whose
+backward differentiates it with autograd: it recomputes the forward, fine for
+a path that exists for correctness.
 
 DTensor inputs (a TP plan that hands the mixer DTensors; the bundled plans
-give it local shards) skip the ops: fla's kernel on CUDA, the portable GLA
-elsewhere.
+give it local shards) skip the ops: fla's kernel or the portable GLA.
 """
 
 from __future__ import annotations
@@ -110,23 +110,24 @@ def _portable_backward(q, k, v, g, A, initial_state, do, dht, scale, state_v_fir
 def chunk_gla_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, initial_state: Tensor | None,
     output_final_state: bool, state_v_first: bool, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+    fla_kernels: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(o, final state or empty, A or empty)``; ``A`` is fla's fp32 intra-chunk matrix (CUDA only)."""
-    run = _fla_forward if q.is_cuda else _portable_forward
+    """``(o, final state or empty, A or empty)``; ``A`` is fla's fp32 intra-chunk matrix (fla's kernels only)."""
+    run = _fla_forward if fla_kernels else _portable_forward
     o, ht, A = run(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
     return o, (ht if ht is not None else _empty(q)), (A if A is not None else _empty(q))
 
 
 @chunk_gla_fwd.register_fake
-def _(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu):
+def _(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu, fla_kernels):
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
-    state_dtype = _FP32 if q.is_cuda else torch.promote_types(q.dtype, _FP32)  # the portable path keeps fp64
+    state_dtype = _FP32 if fla_kernels else torch.promote_types(q.dtype, _FP32)  # the portable path keeps fp64
     state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
     ht = q.new_empty(state_shape, dtype=state_dtype) if output_final_state else _empty(q)
-    A = q.new_empty(B, T, H, fla_chunk_size(T), dtype=_FP32) if q.is_cuda else _empty(q)
+    A = q.new_empty(B, T, H, fla_chunk_size(T), dtype=_FP32) if fla_kernels else _empty(q)
     return o, ht, A
 
 
@@ -134,25 +135,27 @@ def _(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_se
 def chunk_gla_bwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, A: Tensor, initial_state: Tensor | None, do: Tensor,
     dht: Tensor | None, scale: float, state_v_first: bool, cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+    fla_kernels: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dg, dh0 or empty)``, contiguous, each in its input's dtype (as the fake says)."""
-    run = _fla_backward if q.is_cuda else _portable_backward
+    run = _fla_backward if fla_kernels else _portable_backward
     dq, dk, dv, dg, dh0 = run(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu)
     grads = [grad.to(x.dtype).contiguous() for grad, x in zip((dq, dk, dv, dg), (q, k, v, g))]
     return (*grads, dh0.to(_FP32).contiguous() if dh0 is not None else _empty(q))
 
 
 @chunk_gla_bwd.register_fake
-def _(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu):
+def _(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu, fla_kernels):
     dh0 = torch.empty_like(initial_state, dtype=_FP32) if initial_state is not None else _empty(q)
     return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g)), dh0)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu = inputs
+    q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu, fla_kernels = inputs
     _, _, A = output
     ctx.save_for_backward(q, k, v, g, A, initial_state, cu_seqlens, cu_seqlens_cpu)
     ctx.scale, ctx.output_final_state, ctx.state_v_first = scale, output_final_state, state_v_first
+    ctx.fla_kernels = fla_kernels
     ctx.mark_non_differentiable(A)
 
 
@@ -160,9 +163,9 @@ def _backward(ctx, do, dht, _dA):
     q, k, v, g, A, initial_state, cu_seqlens, cu_seqlens_cpu = ctx.saved_tensors
     dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, dh0 = torch.ops.titan_ext.chunk_gla_bwd(
-        q, k, v, g, A, initial_state, do, dht, ctx.scale, ctx.state_v_first, cu_seqlens, cu_seqlens_cpu
+        q, k, v, g, A, initial_state, do, dht, ctx.scale, ctx.state_v_first, cu_seqlens, cu_seqlens_cpu, ctx.fla_kernels
     )
-    return dq, dk, dv, dg, None, dh0 if initial_state is not None else None, None, None, None, None
+    return dq, dk, dv, dg, None, dh0 if initial_state is not None else None, None, None, None, None, None
 
 
 chunk_gla_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -188,24 +191,33 @@ def _check_inputs(q, k, v, g, initial_state, cu_seqlens) -> None:
         raise ValueError(f"v must be [B, T, H, V] with q's B, T, H; got {tuple(v.shape)} for q {tuple(q.shape)}.")
 
 
-def _dtensor_fallback(*args):
-    """DTensor inputs: fla's kernel on CUDA, the portable torch GLA elsewhere (both take DTensors' local math)."""
-    if args[0].device.type == "cuda":
-        return compat.fla_gla_drivers().chunk_gla(*args)
-    return portable.chunk_gla(*args)
-
-
 def chunk_gla(
     q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
     cu_seqlens=None, cu_seqlens_cpu=None,
 ):
-    """fla's ``chunk_gla`` (same arguments and returns) through ``titan_ext::chunk_gla_fwd``/``bwd``."""
+    """fla's ``chunk_gla`` (same arguments and returns) through ``titan_ext::chunk_gla_fwd``/``bwd``, fla's
+    drivers inside (the ``fla`` kernel path)."""
+    return _through_ops(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                        cu_seqlens_cpu, fla_kernels=True)
+
+
+def portable_chunk_gla(
+    q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
+    cu_seqlens=None, cu_seqlens_cpu=None,
+):
+    """The same, titan_ext's torch GLA inside (the ``portable`` kernel path)."""
+    return _through_ops(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                        cu_seqlens_cpu, fla_kernels=False)
+
+
+def _through_ops(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                 fla_kernels):
     args = (q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
-    if any(isinstance(x, DTensor) for x in (q, k, v, g, initial_state)):
-        return _dtensor_fallback(*args)
+    if any(isinstance(x, DTensor) for x in (q, k, v, g, initial_state)):  # both take DTensors' local math
+        return compat.fla_gla_drivers().chunk_gla(*args) if fla_kernels else portable.chunk_gla(*args)
     _check_inputs(q, k, v, g, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, ht, _ = torch.ops.titan_ext.chunk_gla_fwd(
-        q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu
+        q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu, fla_kernels
     )
     return o, (ht if output_final_state else None)

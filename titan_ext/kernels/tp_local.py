@@ -18,14 +18,21 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import torch
+
 from fla.layers.gated_deltanet import GatedDeltaNet
+from fla.modules.activations import swiglu_linear as fla_swiglu_linear
 from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_conv1d_update
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from titan_ext import compat
 
 
 def local(x):
@@ -33,12 +40,38 @@ def local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
+class _WaitForGradient(torch.autograd.Function):
+    """Identity whose backward finishes a gradient still in flight: the backward of a redistribution can
+    hand an fla kernel's backward an ``AsyncCollectiveTensor``, and Triton reads memory directly."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return compat.waited(grad)
+
+
+def waiting_for_gradients(out):
+    """``out`` (a tensor, or a tuple of tensors and None) with ``_WaitForGradient`` on every tensor that
+    takes a gradient."""
+    if isinstance(out, tuple):
+        return tuple(waiting_for_gradients(y) for y in out)
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        return _WaitForGradient.apply(out)
+    return out
+
+
 def with_local_args(fn: Callable) -> Callable:
     """``fn`` called with each DTensor argument replaced by its local shard."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        return fn(*(local(a) for a in args), **{name: local(value) for name, value in kwargs.items()})
+        if not any(isinstance(a, DTensor) for a in (*args, *kwargs.values())):
+            return fn(*args, **kwargs)
+        out = fn(*(local(a) for a in args), **{name: local(value) for name, value in kwargs.items()})
+        return waiting_for_gradients(out)
 
     return call
 
@@ -47,6 +80,50 @@ causal_conv1d = with_local_args(fla_causal_conv1d)
 causal_conv1d_update = with_local_args(fla_causal_conv1d_update)
 chunk_gated_delta_rule = with_local_args(fla_chunk_gated_delta_rule)
 fused_recurrent_gated_delta_rule = with_local_args(fla_fused_recurrent_gated_delta_rule)
+
+
+def norm_on_local_shards(fn: Callable) -> Callable:
+    """An fla norm kernel under TP (``model_plans.styles.NormParallel``): its input arrives as a DTensor
+    (sharded over the sequence or heads, or replicated) with replicated DTensor weights, which a
+    Triton kernel cannot read. Normalising runs along the last dimension, never a sharded one, so
+    fla's kernel runs on the local shards; the output gets the input's layout back, and a replicated
+    weight's gradient is a partial sum over the ranks wherever the input is sharded."""
+
+    @functools.wraps(fn)
+    def call(x, *args, **kwargs):
+        if not isinstance(x, DTensor):
+            return fn(x, *args, **kwargs)
+        mesh, layout = x.device_mesh, x.placements
+        weight_grads = tuple(Partial() if p.is_shard() else Replicate() for p in layout)
+
+        def unwrap(a):
+            if not isinstance(a, DTensor):
+                return a
+            shard = a.to_local() if a.placements == layout else a.to_local(grad_placements=weight_grads)
+            return compat.waited(shard)  # a redistribution's result may still be in flight: Triton reads memory
+
+        out = waiting_for_gradients(fn(unwrap(x), *(unwrap(a) for a in args), **{name: unwrap(v) for name, v in kwargs.items()}))
+        wrap = lambda y: DTensor.from_local(y, mesh, layout, run_check=False) if y is not None else y  # noqa: E731
+        return tuple(wrap(y) for y in out) if isinstance(out, tuple) else wrap(out)
+
+    return call
+
+
+rms_norm = norm_on_local_shards(fla_rms_norm)
+rms_norm_gated = norm_on_local_shards(fla_rms_norm_gated)
+
+
+def swiglu_linear(x, y, weight, bias):
+    """fla's fused ``swish(x) * y @ weight.T + bias`` under TP (fla's ``SwiGLULinearParallel``): x and y
+    arrive sharded on features and the weight on its input features, all DTensors, which fla's Triton
+    kernel cannot read. Each rank multiplies its shards (a partial sum of the output), and the bias is
+    added once, by DTensor."""
+    if not isinstance(weight, DTensor):
+        return fla_swiglu_linear(x, y, weight, bias)
+    shards = [compat.waited(local(a)) for a in (x, y, weight)]
+    out = waiting_for_gradients(fla_swiglu_linear(*shards, None))
+    out = DTensor.from_local(out, weight.device_mesh, (Partial(),), run_check=False)
+    return out if bias is None else out + bias
 
 
 def use_fused_qkv_conv(self: GatedDeltaNet, *args, **kwargs) -> bool:

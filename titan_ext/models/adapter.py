@@ -35,7 +35,7 @@ class TitanCausalLM:
         self.model_args = model_args
         self.arch = model_args.arch
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
-            kernels.bind(self, kernel_path())
+            kernels.bind(self, model_args.kernel_path or kernel_path())
 
     residual_layout = None
     """Set by TP with sequence parallel: (mesh, placements) of the residual stream. A pipeline stage

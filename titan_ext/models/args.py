@@ -72,6 +72,9 @@ class HFModelArgs(BaseModelArgs):
     library: str = "fla"
     """``fla`` or ``transformers``."""
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kernel_path: str = ""
+    """The kernels an fla model runs (``titan_ext.kernels``): set from the job's plan; empty outside a job
+    (fla's on CUDA, portable elsewhere)."""
 
     def __setattr__(self, name: str, value) -> None:
         # ``args.num_heads = 2`` would set an attribute nothing reads

@@ -1,0 +1,268 @@
+"""fla's Triton kernels (the GPU code path) under Triton's interpreter on the CPU, against titan_ext's portable ones.
+
+    TRITON_INTERPRET=1 python tests/interpret_checks.py [CASE ...]
+
+Two independent implementations agreeing: each fla kernel entry titan_ext's models call, forward and
+backward, with initial and final states and ``cu_seqlens``; GLA and Gated DeltaNet under context
+parallelism on fla's kernels (2 gloo ranks) against one process; Gated DeltaNet under TP=2 on fla's
+kernels against one process. Prints one JSON line per case: ``{"case", "worst", "tol", "seconds"}``
+(``worst``: the largest relative difference of any output or gradient). ``tests/test_interpret.py``
+runs it once (a process of its own: TRITON_INTERPRET must be set before fla is imported).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from titan_ext import host_patches  # noqa: E402
+
+host_patches.apply_interpreter()
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def leaves(*shapes_and_makers, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, make in shapes_and_makers:
+        out.append(make(torch.randn(*shape, generator=g)).requires_grad_())
+    return out
+
+
+def compare(fla_fn, ours_fn, inputs, **kwargs) -> float:
+    """Outputs (and final states) and the gradients of every input of two implementations."""
+    copies = [[x.detach().clone().requires_grad_() for x in inputs] for _ in range(2)]
+    results = []
+    for fn, xs in zip((fla_fn, ours_fn), copies):
+        out = fn(*xs, **kwargs)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o is not None]
+        weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(7 + i)) for i, o in enumerate(outs)]
+        sum((o.float() * w).sum() for o, w in zip(outs, weights)).backward()
+        results.append((outs, [x.grad for x in xs]))
+    (fo, fg), (oo, og) = results
+    assert len(fo) == len(oo), (len(fo), len(oo))
+    return max(rel(a, b) for a, b in zip(fo + fg, oo + og))
+
+
+T = 70  # more than one 64-token chunk
+CU = torch.tensor([0, 23, 70])  # two sequences packed in one row (cu_seqlens)
+
+
+def gla_inputs(B, H=2, K=16, V=16, states=1):
+    return leaves(((B, T, H, K), lambda x: x), ((B, T, H, K), lambda x: x), ((B, T, H, V), lambda x: x),
+                  ((B, T, H, K), lambda x: F.logsigmoid(x) / 4), ((states, H, K, V), lambda x: x))
+
+
+def case_chunk_gla(packed: bool):
+    import fla.ops.gla as fla_gla
+
+    from titan_ext.kernels import gla_op
+
+    q, k, v, g, h0 = gla_inputs(1 if packed else 2, states=2)
+    kwargs = dict(output_final_state=True, cu_seqlens=CU if packed else None)
+    shipped = compare(lambda *x, **kw: fla_gla.chunk_gla(*x[:4], initial_state=x[4], **kw),
+                      lambda *x, **kw: gla_op.portable_chunk_gla(*x[:4], initial_state=x[4], **kw), [q, k, v, g, h0], **kwargs)
+    op = compare(lambda *x, **kw: gla_op.chunk_gla(*x[:4], initial_state=x[4], **kw),  # the fla path's op
+                 lambda *x, **kw: gla_op.portable_chunk_gla(*x[:4], initial_state=x[4], **kw), [q, k, v, g, h0], **kwargs)
+    return max(shipped, op)
+
+
+def case_fused_recurrent_gla(packed: bool):
+    import fla.ops.gla as fla_gla
+
+    from titan_ext.kernels import gla
+
+    q, k, v, g, h0 = gla_inputs(1 if packed else 2, states=2)
+    return compare(lambda *x, **kw: fla_gla.fused_recurrent_gla(*x[:3], gk=x[3], initial_state=x[4], **kw),
+                   lambda *x, **kw: gla.fused_recurrent_gla(*x[:3], gk=x[3], initial_state=x[4], **kw),
+                   [q, k, v, g, h0], output_final_state=True, cu_seqlens=CU if packed else None)
+
+
+def delta_inputs(B, H=2, K=16, V=16, states=2):
+    return leaves(((B, T, H, K), lambda x: x), ((B, T, H, K), lambda x: x), ((B, T, H, V), lambda x: x),
+                  ((B, T, H), lambda x: F.logsigmoid(x) / 4), ((B, T, H), lambda x: x.sigmoid()),
+                  ((states, H, K, V), lambda x: x / 4))
+
+
+def case_gated_delta_rule(entry: str, packed: bool):
+    import fla.ops.gated_delta_rule as fla_delta
+
+    from titan_ext.kernels import gated_delta
+
+    q, k, v, g, beta, h0 = delta_inputs(1 if packed else 2)
+    shipped, ours = getattr(fla_delta, entry), getattr(gated_delta, entry)
+    if entry.startswith("fused_recurrent"):  # fla's decoding kernel: forward only (fla has no backward for it)
+        kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=CU if packed else None)
+        with torch.no_grad():
+            a = shipped(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, **kwargs)
+            b = ours(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, **kwargs)
+        return max(rel(x, y) for x, y in zip(a, b))
+    return compare(lambda *x, **kw: shipped(q=x[0], k=x[1], v=x[2], g=x[3], beta=x[4], initial_state=x[5], **kw),
+                   lambda *x, **kw: ours(q=x[0], k=x[1], v=x[2], g=x[3], beta=x[4], initial_state=x[5], **kw),
+                   [q, k, v, g, beta, h0], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                   cu_seqlens=CU if packed else None)
+
+
+def case_causal_conv1d(packed: bool):
+    from fla.modules.causal_conv1d.ops import causal_conv1d as shipped
+
+    from titan_ext.kernels.conv import causal_conv1d as ours
+
+    D, W = 32, 4
+    x, weight, bias = leaves(((1 if packed else 2, T, D), lambda x: x), ((D, W), lambda x: x / 2), ((D,), lambda x: x))
+    return compare(lambda *a, **kw: shipped(a[0], weight=a[1], bias=a[2], **kw)[0],
+                   lambda *a, **kw: ours(a[0], weight=a[1], bias=a[2], **kw)[0],
+                   [x, weight, bias], activation="silu", cu_seqlens=CU if packed else None)
+
+
+def case_norms():
+    from fla.modules.norm import layernorm, fused_norm_gate
+
+    from titan_ext.kernels import norms
+
+    x, g, w = leaves(((2, T, 32), lambda x: x), ((2, T, 32), lambda x: x), ((32,), lambda x: 1 + x / 4))
+    plain = compare(lambda a, b: layernorm.rms_norm(a, b, None, eps=1e-6), lambda a, b: norms.rms_norm(a, b, None, eps=1e-6), [x, w])
+    gated = compare(lambda a, b, c: fused_norm_gate.rms_norm_gated(a, b, c, None, activation="swish", eps=1e-6),
+                    lambda a, b, c: norms.rms_norm_gated(a, b, c, None, activation="swish", eps=1e-6), [x, g, w])
+    return max(plain, gated)
+
+
+def tiny_args(name: str, **fields):
+    """A debug flavor cut to a few milliseconds per interpreted kernel: 1 layer, hidden 64."""
+    if name == "gla":
+        from titan_ext.models.gla import gla_flavors as flavors
+    else:
+        from titan_ext.models.gated_deltanet import gated_deltanet_flavors as flavors
+    args = copy.deepcopy(flavors["debugmodel"])
+    args.config.update(num_hidden_layers=1, vocab_size=256, hidden_size=64, num_heads=2, **fields)
+    return args
+
+
+def built(args, path: str, like=None):
+    from titan_ext.models.adapter import build_model
+
+    args = copy.deepcopy(args)
+    args.kernel_path = path
+    torch.manual_seed(0)
+    model = build_model(args)
+    if like is None:
+        model.init_weights()
+    else:
+        model.load_state_dict(like.state_dict())
+    return model
+
+
+def _cp_rank(rank, mesh):
+    """One of two gloo ranks: GLA (short convolutions) and Gated DeltaNet under CP=2 on fla's kernels."""
+    from titan_ext.context_parallel import CPChoice, apply_cp
+    from titan_ext.kernels.state_passing import piece_order
+
+    host_patches.apply_interpreter()  # a forkserver child imports afresh
+    worst = {}
+    for name, fields in (("gla", {"use_short_conv": True}), ("gated_deltanet", {})):
+        args = tiny_args(name, **fields)
+        whole = built(args, "fla")
+        model = built(args, "fla", like=whole)
+        apply_cp(model, mesh, CPChoice(2, 2))  # head-tail pieces: two per rank
+        tokens = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+        size = 64 // 4
+        mine = torch.cat([torch.arange(p * size, (p + 1) * size) for p in piece_order(rank, 2, 2)])
+        whole(tokens).float().sum().backward()
+        out = model(tokens[:, mine], positions=torch.arange(64).expand(1, 64)[:, mine])
+        out.float().sum().backward()
+        grads = []
+        for p, q in zip(model.parameters(), whole.parameters()):
+            grad = p.grad.clone()
+            torch.distributed.all_reduce(grad)
+            grads.append(rel(grad, q.grad))
+        with torch.no_grad():
+            forward = rel(out, whole(tokens)[:, mine])
+        worst[name] = max(forward, *grads)
+    return worst
+
+
+def _tp_rank(rank, mesh):
+    """One of two gloo ranks: Gated DeltaNet sharded by its TP plan, on fla's kernels (tp_local wrappers)."""
+    from model_plans import TPOptions, apply_tp, get_tp_plan
+
+    host_patches.apply_interpreter()
+    args = tiny_args("gated_deltanet")
+    whole = built(args, "fla")
+    model = built(args, "fla", like=whole)
+    apply_tp(model, mesh, get_tp_plan("gated_deltanet")(TPOptions(sequence_parallel=True, loss_parallel=False)))
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    whole(tokens).float().sum().backward()
+    out = model(tokens)
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    out.float().sum().backward()
+    worst = rel(out.detach(), whole(tokens).detach())
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        if p.grad is None and q.grad is None:  # unused by this forward on both sides
+            continue
+        if p.grad is None or q.grad is None:
+            raise AssertionError(f"{name}: a gradient on one side only (TP {p.grad is not None}, one process {q.grad is not None})")
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, rel(grad, q.grad))
+    return worst
+
+
+def case_cp():
+    from helpers import on_forked_ranks
+
+    results = on_forked_ranks(2, _cp_rank)
+    return {f"cp2_{name}": max(r[name] for r in results.values()) for name in results[0]}
+
+
+def case_tp():
+    from helpers import on_forked_ranks
+
+    return {"tp2_gated_deltanet": max(on_forked_ranks(2, _tp_rank).values())}
+
+
+CASES = {
+    "chunk_gla": (lambda: case_chunk_gla(False), 1e-4),
+    "chunk_gla_packed": (lambda: case_chunk_gla(True), 1e-4),
+    "fused_recurrent_gla": (lambda: case_fused_recurrent_gla(False), 1e-4),
+    "fused_recurrent_gla_packed": (lambda: case_fused_recurrent_gla(True), 1e-4),
+    "chunk_gated_delta_rule": (lambda: case_gated_delta_rule("chunk_gated_delta_rule", False), 1e-4),
+    "chunk_gated_delta_rule_packed": (lambda: case_gated_delta_rule("chunk_gated_delta_rule", True), 1e-4),
+    "fused_recurrent_gated_delta_rule": (lambda: case_gated_delta_rule("fused_recurrent_gated_delta_rule", False), 1e-4),
+    "causal_conv1d": (lambda: case_causal_conv1d(False), 1e-4),
+    "causal_conv1d_packed": (lambda: case_causal_conv1d(True), 1e-4),
+    "rms_norms": (case_norms, 1e-4),
+    "cp": (case_cp, 1e-4),
+    "tp": (case_tp, 1e-4),
+}
+
+
+def main(names) -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("set TRITON_INTERPRET=1 (before fla is imported)", file=sys.stderr)
+        return 2
+    for name in names or CASES:
+        fn, tol = CASES[name]
+        start = time.time()
+        try:
+            worst = fn()
+        except Exception as error:  # noqa: BLE001  (reported per case)
+            print(json.dumps({"case": name, "error": f"{type(error).__name__}: {error}"}), flush=True)
+            continue
+        for case, value in (worst.items() if isinstance(worst, dict) else [(name, worst)]):
+            print(json.dumps({"case": case, "worst": value, "tol": tol, "seconds": round(time.time() - start, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -67,9 +67,32 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     """Shard ``model`` in place: the model-level plan, then each block's."""
     name = type(plan).__name__
     parallelize_module(model, tp_mesh, resolve(plan.model_plan(), model, name))
+    retie_embeddings(model, plan)
     for block in model.get_submodule(plan.layers):
         parallelize_module(block, tp_mesh, resolve(plan.block_plan(), block, name))
     _check_coverage(model, plan)
+
+
+def retie_embeddings(model: nn.Module, plan: TPPlan) -> None:
+    """A tied output head shares the embedding's weight again (``tie_word_embeddings``).
+
+    Each style distributes the parameters of its module: the embedding (rowwise) and the head (colwise)
+    would each get a DTensor copy of the one weight, and train apart. Both shard it on the vocabulary
+    (``Shard(0)``), so the head takes the embedding's DTensor: one weight, sharded once, gradients from both.
+    """
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return
+    try:
+        embeddings, head = model.get_submodule(plan.embeddings), model.get_submodule(plan.lm_head)
+    except AttributeError:  # a pipeline stage holds one of them (or neither)
+        return
+    if embeddings.weight.placements != head.weight.placements:
+        raise ValueError(
+            f"{type(plan).__name__} shards the tied {plan.embeddings}.weight as {embeddings.weight.placements} and "
+            f"{plan.lm_head}.weight as {head.weight.placements}; a tied weight needs one layout: shard both on the "
+            "vocabulary (Shard(0)), or set tie_word_embeddings to false"
+        )
+    head.weight = embeddings.weight
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -46,8 +46,6 @@ def _split_size(style, module: nn.Module) -> tuple[str, int] | None:
 def _unsupported(config) -> list[tuple[str, object, str]]:
     """(field, value, fix) for features no shipped plan shards."""
     found = []
-    if getattr(config, "tie_word_embeddings", None):
-        found.append(("tie_word_embeddings", True, "set it to false (a tied embedding/head weight cannot take two TP layouts)"))
     if getattr(config, "attnres_block_size", None) is not None:
         found.append(("attnres_block_size", config.attnres_block_size, "set it to null (attention residuals are not sharded)"))
     return found

@@ -175,8 +175,8 @@ def test_compile_with_cuda_style_graph_break_still_shares_frames(base_model, tok
     model = copy.deepcopy(base_model)
     # what the bound GLA layers' forward sees as chunk_gla (a copy of fla's globals; fla is untouched)
     scope = type(model.model.layers[0].attn).forward.__globals__
-    assert scope["chunk_gla"] is gla_op.chunk_gla
-    monkeypatch.setitem(scope, "chunk_gla", torch.compiler.disable(gla_op.chunk_gla))
+    assert scope["chunk_gla"] is gla_op.portable_chunk_gla
+    monkeypatch.setitem(scope, "chunk_gla", torch.compiler.disable(gla_op.portable_chunk_gla))
     run_compiled(model, tokens)
     assert sum(counters["graph_break"].values()) > 0, "the simulated graph break did not happen"
     # error_on_recompile held: blocks 2..4 reused every frame (block, attn, resumes) that block 1 compiled

@@ -23,6 +23,7 @@ import titan_ext  # noqa: F401  (train specs)
 from titan_ext import preflight
 from titan_ext.checkpoint import checkpoint_config
 from titan_ext.errors import ConfigError
+from titan_ext.models.adapter import meta_model
 
 GLA = ["--job.config_file", str(CONFIGS / "debug_gla.toml")]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
@@ -47,6 +48,7 @@ def write_inputs(tmp):
         "fused_chunk.json": json.dumps({"attn_mode": "fused_chunk"}),
         "short_conv.json": json.dumps({"use_short_conv": True, "conv_size": 4}),
         "typo.json": json.dumps({"num_hiden_layers": 4}),
+        "vocab100.json": json.dumps({"vocab_size": 100}),
         "wrong_type.json": json.dumps({"hidden_size": "64"}),
         "impossible.json": json.dumps({"num_hidden_layers": 0}),
         "bad.json": "{oops",
@@ -81,6 +83,14 @@ def write_inputs(tmp):
             body = len(header).to_bytes(8, "little") + header + b"\0" * 100
         (tmp / name / "model.safetensors").write_bytes(body)
     dcp_save({"lm_head.weight": torch.zeros(3, 3)}, checkpoint_id=str(tmp / "dcp_other_model"))
+    debug_gla.save_pretrained(tmp / "hf_wrong_shape")  # the flavor's config.json over weights of another size
+    from safetensors.torch import save_file
+
+    save_file({"model.embeddings.weight": torch.zeros(1000, 64)}, tmp / "hf_wrong_shape" / "model.safetensors")
+    # a run's own checkpoint, saved by 2 data-parallel ranks (their dataloader positions, as torchtitan keys them)
+    model = {name: torch.zeros(p.shape) for name, p in meta_model(get_train_spec("fla_gla").model_args["debugmodel"]).named_parameters()}
+    dataloader = {"dp_rank_0": b"x", "dp_rank_1": b"y", "world_size": 2}
+    dcp_save({**model, "dataloader": dataloader}, checkpoint_id=str(tmp / "dp2_run" / "checkpoint" / "step-2"))
     (tmp / "dcp_corrupt").mkdir()
     (tmp / "dcp_corrupt" / ".metadata").write_bytes(b"\x80\x04garbage")
 
@@ -206,7 +216,9 @@ CASES = {
     "dataset path empty": ([*GLA, "--training.dataset_path", "{tmp}/empty.jsonl"], 1, "empty.jsonl"),
     "dataset not json lines": ([*GLA, "--training.dataset_path", "{tmp}/not_json.jsonl"], 1, "line 2"),
     "dataset without text field": ([*GLA, "--training.dataset_path", "{tmp}/no_text.jsonl"], 1, "'text'"),
-    "dataset path is a directory": ([*GLA, "--training.dataset_path", "{tmp}/a_directory.jsonl"], 1, "a_directory.jsonl"),
+    "dataset path is a directory": (
+        [*GLA, "--training.dataset_path", "{tmp}/a_directory.jsonl"], 1, "is a directory; a folder of shards is read by "
+        "--training.dataset titan_ext_stream"),
     # document masking where the boundaries cannot reach the model, or the model cannot honour them
     "document mask on a dataset without boundaries": (
         [*GLA, "--titan_ext.document_mask", "--training.dataset", "c4_test"], 1, "--titan_ext.document_mask needs"
@@ -224,6 +236,17 @@ CASES = {
         [*GLA, *HF_LOAD, "{tmp}/hf_mismatch"], 1, "config.json does not match --model.flavor: hidden_size=64 (flavor) vs 128"
     ),
     "hf checkpoint of another model": ([*GLA, *HF_LOAD, "{tmp}/hf_other_model"], 1, "hf_other_model"),
+    "resume on another number of data-parallel ranks": (
+        [*GLA, "--checkpoint.enable", "--job.dump_folder", "{tmp}/dp2_run"], 1,
+        "was saved by 2 data-parallel ranks, this job has 1: --training.dataset='titan_ext_tiny' cannot re-split",
+    ),
+    "hf checkpoint shapes not its config's": (
+        [*GLA, *HF_LOAD, "{tmp}/hf_wrong_shape"], 1,
+        "holds 'model.embeddings.weight' of shape [1000, 64], this model needs [2048, 64]",
+    ),
+    "vocabulary smaller than the tokenizer's": (
+        [*GLA, "--titan_ext.hf_config", "{tmp}/vocab100.json"], 1, "vocab100.json') is smaller than the tokenizer's 621 ids",
+    ),
     "hf safetensors corrupt": ([*GLA, *HF_LOAD, "{tmp}/hf_corrupt"], 1, "model.safetensors"),
     "hf safetensors truncated": ([*GLA, *HF_LOAD, "{tmp}/hf_truncated"], 1, "model.safetensors"),
     "dcp checkpoint of another model": ([*GLA, *DCP_LOAD, "{tmp}/dcp_other_model"], 1, "another model or flavor"),
@@ -328,3 +351,10 @@ def test_exit_with_logs_once_on_rank_0_and_other_ranks_wait_for_it(monkeypatch, 
     assert exit_info.value.code == errors.EXIT_CODE
     assert [r.getMessage() for r in caplog.records] == [f"{prefix}--x=1 is bad; use 2"]
     assert slept == ([] if rank == "0" else [errors.OTHER_RANKS_WAIT_S])
+
+
+def test_the_way_out_of_a_changed_data_parallel_degree_passes(tmp, monkeypatch):
+    """What the message offers: resume without the dataloader's positions."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = [*GLA, "--checkpoint.enable", "--job.dump_folder", f"{tmp}/dp2_run", "--checkpoint.exclude_from_loading", "dataloader"]
+    assert first_error(argv, 1) == ""

@@ -223,7 +223,6 @@ def meta_gdn(**kw):
         # a degree dividing num_heads divides a larger num_v_heads (fla needs a multiple): reached with fewer only
         (dict(num_heads=4, num_v_heads=2), 4, f"num_v_heads=2 {DEGREE}=4"),
         (dict(intermediate_size=130), 4, f"model.layers.0.mlp.gate_proj.out_features=130 {DEGREE}=4"),
-        (dict(tie_word_embeddings=True), 2, "tie_word_embeddings=True is not supported"),
     ],
 )
 def test_validation_is_one_line_naming_the_field(kw, degree, expected):

@@ -29,11 +29,11 @@ def inputs(B=2, T=37, H=3, K=8, V=16, dtype=torch.float64, h0=True, device="cpu"
     return gla_inputs(B, T, H, K, V, with_h0=h0, dtype=dtype, device=device)
 
 
-@pytest.mark.parametrize("path", ["portable", "fla"])
-def test_bound_gla_layers_call_the_op_wrapper_on_both_paths(path):
-    assert kernels.replacements(path)[fla.ops.gla.chunk_gla] is gla_op.chunk_gla
+@pytest.mark.parametrize("path,wrapper", [("portable", gla_op.portable_chunk_gla), ("fla", gla_op.chunk_gla)])
+def test_bound_gla_layers_call_the_op_wrapper_on_both_paths(path, wrapper):
+    assert kernels.replacements(path)[fla.ops.gla.chunk_gla] is wrapper
     layer = kernels.bind(GatedLinearAttention(hidden_size=32, num_heads=2, layer_idx=0), path)
-    assert type(layer).forward.__globals__["chunk_gla"] is gla_op.chunk_gla
+    assert type(layer).forward.__globals__["chunk_gla"] is wrapper
     assert GatedLinearAttention.forward.__globals__["chunk_gla"] is fla.ops.gla.chunk_gla  # fla unchanged
     assert gla_op.SAVE_LIST == {FWD}
 
@@ -52,18 +52,19 @@ def test_opcheck(h0, final_state, state_v_first, lengths):
     if state_v_first and state is not None:
         state = state.transpose(-1, -2).contiguous()
     args = leaves(q, k, v, g, state)
-    torch.library.opcheck(FWD, (*args[:4], 0.3, args[4], final_state, state_v_first, cu, cu))
+    torch.library.opcheck(FWD, (*args[:4], 0.3, args[4], final_state, state_v_first, cu, cu, False))
     do = torch.randn_like(v)
     N = B if cu is None else len(lengths)
     dht = (torch.randn(N, 3, 16, 8) if state_v_first else torch.randn(N, 3, 8, 16)) if final_state else None
     A = torch.empty(0)
-    torch.library.opcheck(BWD, (q, k, v, g, A, state, do, dht, 0.3, state_v_first, cu, cu))
+    torch.library.opcheck(BWD, (q, k, v, g, A, state, do, dht, 0.3, state_v_first, cu, cu, False))
 
 
-def assert_op_matches(reference, q, k, v, g, state, grad_tol):
-    """The op path against ``reference``: outputs bit for bit, gradients within ``grad_tol``."""
+def assert_op_matches(op, reference, q, k, v, g, state, grad_tol):
+    """The op path (``op``: a kernel path's wrapper) against ``reference``: outputs bit for bit, gradients
+    within ``grad_tol``."""
     ours, ref = leaves(q, k, v, g, state), leaves(q, k, v, g, state)
-    o, ht = gla_op.chunk_gla(*ours[:4], initial_state=ours[4], output_final_state=True)
+    o, ht = op(*ours[:4], initial_state=ours[4], output_final_state=True)
     o_ref, ht_ref = reference(*ref[:4], initial_state=ref[4], output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
@@ -80,7 +81,7 @@ def assert_op_matches(reference, q, k, v, g, state, grad_tol):
 
 @pytest.mark.parametrize("h0", [True, False])
 def test_op_gradients_equal_the_portable_autograd_path(h0):
-    assert_op_matches(portable.chunk_gla, *inputs(h0=h0), grad_tol=1e-12)
+    assert_op_matches(gla_op.portable_chunk_gla, portable.chunk_gla, *inputs(h0=h0), grad_tol=1e-12)
 
 
 def test_op_checks_arguments_like_fla():
@@ -95,16 +96,16 @@ def test_op_checks_arguments_like_fla():
 
 @pytest.mark.parametrize("T, chunk", [(1, 16), (16, 16), (20, 32), (64, 64), (2048, 64)])
 def test_cuda_fake_shapes_are_flas(T, chunk):
-    """Under compile the fake decides the buffers: A must be fla's [B, T, H, chunk] fp32."""
+    """Under compile the fake decides the buffers: A must be fla's [B, T, H, chunk] fp32 (fla's kernels)."""
     assert gla_op.fla_chunk_size(T) == chunk
     with FakeTensorMode():
         q = torch.empty(2, T, 4, 8, device="cuda", dtype=torch.bfloat16)
         v = torch.empty(2, T, 4, 16, device="cuda", dtype=torch.bfloat16)
-        o, ht, A = FWD(q, q, v, q, 0.3, None, True, True, None, None)
+        o, ht, A = FWD(q, q, v, q, 0.3, None, True, True, None, None, True)
         assert (o.shape, o.dtype) == (v.shape, torch.bfloat16)
         assert (ht.shape, ht.dtype) == ((2, 4, 16, 8), torch.float32)
         assert (A.shape, A.dtype) == ((2, T, 4, chunk), torch.float32)
-        grads = BWD(q, q, v, q, A, None, o, None, 0.3, True, None, None)
+        grads = BWD(q, q, v, q, A, None, o, None, 0.3, True, None, None, True)
         assert [(x.shape, x.dtype) for x in grads[:4]] == [(x.shape, x.dtype) for x in (q, q, v, q)]
 
 
@@ -130,4 +131,4 @@ def test_cuda_path_wiring_to_fla_drivers():
 def test_cuda_op_matches_fla_chunk_gla(h0):
     """The same kernels on the same inputs; gradients get bf16 slack in case a backward kernel is not deterministic."""
     q, k, v, g, state = inputs(B=2, T=300, H=4, K=64, V=64, dtype=torch.bfloat16, h0=h0, device="cuda")
-    assert_op_matches(fla.ops.gla.chunk_gla, q, k, v, g, state, grad_tol=1e-2)
+    assert_op_matches(gla_op.chunk_gla, fla.ops.gla.chunk_gla, q, k, v, g, state, grad_tol=1e-2)

@@ -241,19 +241,26 @@ def _relative_error(actual, expected):
     return ((actual - expected).norm() / expected.norm()).item()
 
 
-EXACT_CASES = [("qwen3", "sp"), ("qwen3", "no_sp"), ("gemma3_text", "sp")]
+EXACT_CASES = [("qwen3", "sp"), ("qwen3", "no_sp"), ("gemma3_text", "sp"),
+               ("qwen3+tied", "sp"), ("qwen3+tied", "no_sp"), ("llama+tied", "sp")]
+"""``+tied``: ``tie_word_embeddings`` (Llama 3.2, Qwen3 0.6-4B, Gemma): one weight, sharded once on the vocabulary,
+serves the embedding and the head, with sequence and loss parallel on or off."""
 STEPS = 3
 
 
 def _compare(model_type, options, mesh):
     """Worst relative error of the loss, the gradients and the parameters over a few AdamW steps."""
     torch.manual_seed(0)
-    whole = build(model_type, num_hidden_layers=2)
+    name, _, variant = model_type.partition("+")
+    whole = build(name, num_hidden_layers=2, **({"tie_word_embeddings": True} if variant == "tied" else {}))
     with torch.no_grad():  # away from ones/zeros, so every norm weight matters
         for p in whole.parameters():
             p.add_(0.1 * torch.randn_like(p))
     model = copy.deepcopy(whole)
     apply_tp(model, mesh, hf_plan_class(model)(OPTIONS[options]))
+    if variant == "tied":  # still one weight (deduplicated by parameters(), as in one process)
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+        assert len(list(model.parameters())) == len(list(whole.parameters()))
     # Adam's first step moves every weight by about +-lr whatever its gradient's size, so a weight whose
     # gradient is near zero differs by up to lr between the two; a small lr keeps that under the tolerance.
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (whole, model)]

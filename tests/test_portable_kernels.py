@@ -44,7 +44,7 @@ def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
     assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
     # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
-    # cache helpers, and fla's own kernels behind an unwrap of TP-sharded parameters (tp_local)
+    # cache helpers, and fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local)
     import fla.layers.utils
     from fla.layers.gated_deltanet import GatedDeltaNet
     from fla.modules.rotary.ops import RotaryEmbedding
@@ -61,8 +61,11 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
         fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: tp_local.chunk_gated_delta_rule,
         fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule: tp_local.fused_recurrent_gated_delta_rule,
+        fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
+        fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
+        fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,
     }
-    assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.chunk_gla
+    assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.portable_chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla
     with pytest.raises(ValueError, match="unknown kernel path 'cuda'"):
         kernels.replacements("cuda")
@@ -83,7 +86,7 @@ def test_binding_one_model_leaves_fla_and_other_models_alone():
     assert fla.modules.activations.ACT2FN["swish"] is swish
     assert GatedLinearAttention.forward.__globals__["chunk_gla"] is chunk_gla
     # the bound layer's forward sees titan_ext's op wrapper instead
-    assert type(layer).forward.__globals__["chunk_gla"] is gla_op.chunk_gla
+    assert type(layer).forward.__globals__["chunk_gla"] is gla_op.portable_chunk_gla
     # binding again is a no-op (classes are cached, nothing is wrapped twice)
     kernels.portable(bound)
     assert type(bound.model.layers[0].attn) is type(layer)
@@ -178,7 +181,7 @@ def test_torch_gla_is_stable_for_strong_decay():
 
 # What a bound model calls in place of fla's three public GLA entry points.
 GLA_OPS = {
-    "chunk_gla": gla_op.chunk_gla,
+    "chunk_gla": gla_op.portable_chunk_gla,
     "fused_chunk_gla": torch_gla.fused_chunk_gla,
     "fused_recurrent_gla": torch_gla.fused_recurrent_gla,
 }
@@ -202,7 +205,7 @@ def test_gla_replacements_match_naive_recurrent_gla(name):
         assert_rel_close(a.grad, b.grad, what=f"{name} {grad_name}")
 
 
-@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.chunk_gla], ids=["torch", "op"])
+@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.portable_chunk_gla], ids=["torch", "op"])
 def test_gla_scale_state_v_first_and_no_final_state(chunk_gla):
     q, k, v, gk, h0 = gla_inputs(1, 20, 2, 8, 4)
     o, ht = chunk_gla(q, k, v, gk, scale=0.3, initial_state=h0.transpose(-1, -2).contiguous(),
@@ -241,7 +244,7 @@ def test_fused_recurrent_gla_with_value_gate_and_reverse(reverse):
         assert_rel_close(a.grad, b.grad, what="grad")
 
 
-@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.chunk_gla], ids=["torch", "op"])
+@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.portable_chunk_gla], ids=["torch", "op"])
 def test_gla_cu_seqlens_matches_separate_sequences(chunk_gla):
     lengths = [7, 33, 1, 20]
     seqs = [gla_inputs(1, n, 2, 8, 8, seed=i) for i, n in enumerate(lengths)]
@@ -254,7 +257,7 @@ def test_gla_cu_seqlens_matches_separate_sequences(chunk_gla):
     assert_rel_close(ht, torch.cat([r[1] for r in refs], dim=0), what="packed final states")
 
 
-@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.chunk_gla], ids=["torch", "op"])
+@pytest.mark.parametrize("chunk_gla", [torch_gla.chunk_gla, gla_op.portable_chunk_gla], ids=["torch", "op"])
 def test_gla_traces_without_graph_breaks(chunk_gla):
     q, k, v, gk, _ = gla_inputs(2, 40, 2, 8, 8)
 
@@ -456,7 +459,7 @@ def test_dtensor_on_cpu_takes_the_torch_path(gloo_group):
     q, k, v, gk, _ = gla_inputs(1, 20, 2, 8, 8)
     dq, dk, dv, dgk = (distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v, gk))
     o_ref, ht_ref = naive_recurrent_gla(q, k, v, gk, output_final_state=True)
-    for chunk_gla in (gla_op.chunk_gla, torch_gla.chunk_gla):  # the op wrapper hands DTensors to the torch GLA
+    for chunk_gla in (gla_op.portable_chunk_gla, torch_gla.chunk_gla):  # the op wrapper hands DTensors to the torch GLA
         o, ht = chunk_gla(dq, dk, dv, dgk, output_final_state=True)
         assert isinstance(o, DTensor)
         assert_rel_close(o.full_tensor(), o_ref, what="DTensor o")

@@ -119,7 +119,6 @@ DEGREE = "is not divisible by --parallelism.tensor_parallel_degree"
         (lambda: meta_llama(num_key_value_heads=1), 2, None, True, "num_key_value_heads=1 is not divisible"),
         (lambda: meta_llama(num_attention_heads=8, num_key_value_heads=8, intermediate_size=100), 8, None, True, f"model.layers.0.mlp.gate_proj.out_features=100 {DEGREE}=8"),
         (meta_gla, 2, 127, True, f"--training.seq_len=127 {DEGREE}=2"),
-        (lambda: meta_llama(tie_word_embeddings=True), 2, None, True, "tie_word_embeddings=True is not supported"),
     ],
 )
 def test_validation_names_field_value_and_degree(build, degree, seq_len, sp, expected):
@@ -136,6 +135,7 @@ def test_validation_passes_what_tp_can_split():
     validate_tp(meta_gla(use_short_conv=True), GLATPPlan(), 2, 128)  # convs sharded with their projections
     validate_tp(gla, GLATPPlan(TPOptions(sequence_parallel=False)), 2, 127)  # no sequence sharding, any length
     validate_tp(llama, LlamaTPPlan(), 2, 128)
+    validate_tp(meta_llama(tie_word_embeddings=True), LlamaTPPlan(), 2, 128)  # one vocab-sharded weight (apply_tp)
     validate_tp(meta_gla(num_heads=3, hidden_size=96), GLATPPlan(), 1, 127)  # no TP, nothing to check
 
 

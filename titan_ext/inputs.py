@@ -54,6 +54,10 @@ def _jsonl_records(path: str, text_field: str, option: str, max_lines: int | Non
     """Yield the checked records of the first ``max_lines`` lines (all when None); blank lines are skipped."""
     where = f"{option}={path!r}"
     fix = f"give a JSON-lines file whose every line is a JSON object with a string {text_field!r} field"
+    if os.path.isdir(path):  # a folder of shards is what the streaming dataset reads
+        section = option.removeprefix("--").split(".")[0]
+        raise ConfigError(f"{where} is a directory; a folder of shards is read by --{section}.dataset "
+                          f"titan_ext_stream (parquet, JSON lines or arrow), or give one JSON-lines file")
     _require_file(path, where, fix)
     with open(path, "rb") as f:
         for number, raw in enumerate(itertools.islice(f, max_lines), start=1):
@@ -283,6 +287,28 @@ def check_hf_checkpoint_dir(path: str, option: str = "--checkpoint.initial_load_
     _check_index(path, where, fix)
 
 
+def safetensors_shapes(path: str) -> dict[str, tuple[str, list[int]]]:
+    """Each tensor of an HF directory's safetensors files: name -> (file, shape), from the headers alone."""
+    shapes = {}
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+        with open(os.path.join(path, name), "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        shapes.update({key: (name, entry["shape"]) for key, entry in header.items() if key != "__metadata__"})
+    return shapes
+
+
+def check_hf_checkpoint_shapes(path: str, expected: dict[str, tuple[int, ...]], option: str) -> None:
+    """Every tensor of the HF checkpoint that the model has, with the model's shape (a config.json that
+    matches tensors of another size loads as a size-mismatch traceback on every rank)."""
+    for key, (file, shape) in safetensors_shapes(path).items():
+        if key in expected and list(expected[key]) != list(shape):
+            raise ConfigError(
+                f"{option}={path!r}: {file} holds {key!r} of shape {list(shape)}, this model needs "
+                f"{list(expected[key])}; its config.json does not describe its weights: fix it or re-export the checkpoint"
+            )
+
+
 # ---------------------------------------------------------------- torch DCP checkpoints
 
 
@@ -327,6 +353,13 @@ def check_dcp_checkpoint(path: str, expected: dict[str, tuple[int, ...]], option
             raise ConfigError(
                 f"{where} holds {key!r} of shape {list(stored[key].size)}, this model needs {list(shape)}; {fix}"
             )
+
+
+def dcp_dataloader_ranks(path: str) -> int:
+    """How many data-parallel ranks saved a dataloader position in this DCP checkpoint (torchtitan's
+    ``ParallelAwareDataloader`` keys each rank's state ``dataloader.dp_rank_<n>``); 0 when none did."""
+    keys = _read_dcp_metadata(path, "--checkpoint.folder").state_dict_metadata
+    return sum(1 for key in keys if re.fullmatch(r"dataloader\.dp_rank_\d+", key))
 
 
 def _complete_steps(folder: str) -> list[int]:

@@ -10,6 +10,8 @@ compile, Float8, document masking, CP, the HF config, checkpoints to load). Each
 
 from __future__ import annotations
 
+import os
+
 from titan_ext import inputs
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError
@@ -128,6 +130,7 @@ def check_model_job(model_args, job_config, kernel_path: str):
     host_checks.check_host(model_args)  # a host release that changed what titan_ext relies on stops here
     if kernel_path == "portable":
         _check_portable(model_args, model)
+    _check_vocabulary(model_args, model, job_config)
     documents.check_model(model_args, job_config)
     context_parallel.check_cp(model_args, job_config)
     tensor_parallel.check_tp(model, job_config)
@@ -165,9 +168,53 @@ def _check_checkpoint_to_load(model_args, model, job_config) -> None:
         option = "--model.hf_assets_path"
     else:
         option = "--checkpoint.folder"
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if kind == "hf":
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
         inputs.check_hf_checkpoint_dir(path, option)
+        inputs.check_hf_checkpoint_shapes(path, shapes, option)
     else:
-        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         inputs.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
+        if option == "--checkpoint.folder":  # a resume: the dataloader's position loads too
+            _check_data_parallel_degree(path, job_config)
+
+
+def _check_data_parallel_degree(path: str, job_config) -> None:
+    """torchtitan's dataloaders keep one position per data-parallel rank and stop with an AssertionError
+    traceback when the degree changed; none of the datasets can re-split those positions yet."""
+    if "dataloader" in job_config.checkpoint.exclude_from_loading:
+        return
+    saved = inputs.dcp_dataloader_ranks(path)
+    p = job_config.parallelism
+    now = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.data_parallel_replicate_degree
+    if saved and saved != now:
+        raise ConfigError(
+            f"--checkpoint.folder ({path}) was saved by {saved} data-parallel ranks, this job has {now}: "
+            f"--training.dataset={job_config.training.dataset!r} cannot re-split its data position over another number "
+            f"of ranks; resume with {saved} data-parallel ranks, or add --checkpoint.exclude_from_loading dataloader "
+            "(model and optimizer resume, the data starts again from its beginning)"
+        )
+
+
+def _check_vocabulary(model_args, model, job_config) -> None:
+    """Every id the tokenizer can produce (special tokens included) must index the embedding: a smaller
+    vocabulary ends in 'index out of range' in the middle of the first forward."""
+    from titan_ext.data import resolve_asset_path
+
+    assets = resolve_asset_path(job_config.model.hf_assets_path)
+    path = os.path.join(assets, "tokenizer.json") if assets else ""
+    if not os.path.isfile(path):
+        return  # no HF tokenizer to compare with (the tokenizer's own build reports a missing one)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(path)
+    needed = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    rows = model.get_input_embeddings().weight.shape[0]
+    if rows < needed:
+        hf_config = getattr(getattr(job_config, "titan_ext", None), "hf_config", "")
+        source = f"--titan_ext.hf_config={hf_config!r}" if hf_config else f"--model.flavor={job_config.model.flavor!r}"
+        raise ConfigError(
+            f"vocab_size={rows} ({source}) is smaller than the tokenizer's {needed} ids (--model.hf_assets_path="
+            f"{job_config.model.hf_assets_path!r}, special tokens included); set vocab_size to at least {needed}, "
+            "or use the tokenizer the model was made for"
+        )

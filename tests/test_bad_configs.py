@@ -75,6 +75,12 @@ def write_inputs(tmp):
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(content)
     (tmp / "a_directory.jsonl").mkdir()
+    (tmp / "late_bad").mkdir()  # 10 shards (5 per rank); the preflight's first look reads the first 8
+    for n in range(10):
+        lines = [json.dumps({"text": f"shard {n} document {i} " + "word " * 30}) for i in range(6)]
+        if n == 9:
+            lines[2] = '{"text": "cut off'
+        (tmp / "late_bad" / f"part-{n}.jsonl").write_text("\n".join(lines) + "\n")
     debug_gla = checkpoint_config(get_train_spec("fla_gla").model_args["debugmodel"])
     for name, body in (("hf_corrupt", b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}"), ("hf_truncated", None)):
         debug_gla.save_pretrained(tmp / name)
@@ -106,6 +112,7 @@ CASES = {
     "unknown compile backend": ([*GLA, "--compile.enable", "--compile.backend", "inductr"], 1, "--compile.backend"),
     "unknown converter": ([*GLA, "--model.converters", "float8"], 1, "use 'quantize.linear.float8'"),
     "bad nonfinite policy": ([*GLA, "--titan_ext.nonfinite_loss", "ignore"], 1, "--titan_ext.nonfinite_loss='ignore'"),
+    "bad bad_records policy": ([*GLA, "--titan_ext.bad_records", "drop"], 1, "--titan_ext.bad_records='drop' is not one of"),
     # numbers and degrees
     "zero seq_len": ([*GLA, "--training.seq_len", "0"], 1, "--training.seq_len"),
     "negative batch": ([*GLA, "--training.local_batch_size", "-2"], 1, "--training.local_batch_size"),
@@ -302,6 +309,10 @@ LAUNCHES = {
     ),
     # found once the model args see the config, after the process group exists
     "at model args": ([*TP2, "--titan_ext.hf_config", "{tmp}/heads3.json"], "titan_ext: num_heads=3 is not divisible"),
+    # met during training: a broken JSON line past the preflight's first look (rank 1's last shard)
+    "at a step": (["--training.dataset", "titan_ext_stream", "--training.dataset_path", "{tmp}/late_bad",
+                   "--titan_ext.shuffle_buffer", "0"],
+                  "titan_ext: --training.dataset_path: {tmp}/late_bad/part-9.jsonl line 3 is not JSON"),
 }
 
 
@@ -315,13 +326,13 @@ def launches(tmp):
             *(flag.replace("{tmp}", str(tmp)) for flag in flags),
         ]
         procs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return {name: (proc.communicate(timeout=600)[0], proc.returncode) for name, proc in procs.items()}
+    return {"tmp": tmp, **{name: (proc.communicate(timeout=600)[0], proc.returncode) for name, proc in procs.items()}}
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_the_user_sees_one_line_and_no_traceback(launches, name):
     output, code = launches[name]
-    expected = LAUNCHES[name][1]
+    expected = LAUNCHES[name][1].replace("{tmp}", str(launches["tmp"]))
     lines = output.splitlines()
     hits = [i for i, line in enumerate(lines) if expected in line]
     assert code != 0 and len(hits) == 1, f"{name}: exit {code}, line found {len(hits)}x\n{output[-4000:]}"

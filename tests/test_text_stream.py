@@ -141,3 +141,72 @@ def test_a_job_without_the_titan_ext_section_gets_the_documented_defaults():
     from titan_ext.text_stream import stream_options
 
     assert stream_options(SimpleNamespace()) == ("text", 10000)  # README: text_field "text", shuffle_buffer 10000
+
+
+def write_with_bad_line(folder, line_number, bad='{"text": "cut off'):
+    """One JSON-lines shard of 30 documents whose line ``line_number`` is ``bad``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"text": f"document {i} " + "word " * 5, "id": i}) for i in range(30)]
+    lines[line_number - 1] = bad
+    (folder / "part-0.jsonl").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+@pytest.mark.parametrize("bad,problem", [('{"text": "cut off', "line 12 is not JSON"),
+                                         ('{"body": "x"}', "line 12 has no string 'text' field"),
+                                         ('["text"]', "line 12 has no string 'text' field")])
+def test_a_bad_record_names_its_file_and_line(tmp_path, bad, problem):
+    path = write_with_bad_line(tmp_path / "d", 12, bad)
+    with pytest.raises(ConfigError) as error:  # the preflight's first look
+        check_stream(path, "text")
+    assert f"part-0.jsonl {problem}" in str(error.value) and "--titan_ext.bad_records=skip" in str(error.value)
+    dataset = StreamedTextDataset(path, CharTokenizer(), 16, 0, 1, infinite=False)
+    with pytest.raises(ConfigError, match=problem):  # met while training (past the first look)
+        list(dataset)
+
+
+def test_skipped_bad_records_are_counted_and_the_rest_trains(tmp_path, caplog):
+    path = write_with_bad_line(tmp_path / "d", 12)
+    check_stream(path, "text", bad_records="skip")  # no first look: the records are skipped instead
+    dataset = StreamedTextDataset(path, CharTokenizer(), 16, 0, 1, infinite=False, shuffle_buffer=0, bad_records="skip")
+    ids = [r["id"] for r in dataset.documents]
+    assert ids == [i for i in range(30) if i != 11] and dataset.bad_records.skipped == 1
+    assert "part-0.jsonl line 12 is not JSON" in caplog.text and "(1 skipped so far)" in caplog.text
+
+
+def test_in_a_training_job_a_bad_record_pads_the_step_and_defers_the_stop(tmp_path):
+    """The rank that meets it keeps the step's collectives company with windows that train nothing; every rank
+    then stops at the step's end (titan_ext.nonfinite's per-step agreement)."""
+    from titan_ext import errors
+
+    path = write_with_bad_line(tmp_path / "d", 12)
+    dataset = StreamedTextDataset(path, CharTokenizer(), 16, 0, 1, infinite=False)
+    dataset.bad_records.in_job = "defer"
+    windows = iter(dataset)
+    samples = [next(windows) for _ in range(60)]  # past the bad line: padding windows from then on
+    assert (samples[-1][1] == -100).all() and samples[-1][0]["input"].shape == (16,)
+    deferred = errors.take_deferred()
+    assert deferred is not None and "part-0.jsonl line 12 is not JSON" in str(deferred)
+    assert errors.take_deferred() is None
+
+
+def test_a_parquet_row_without_text_is_a_bad_record(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "p"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"text": "fine " * 9}, {"text": None}, {"text": "also fine " * 5}]),
+                   folder / "part-0.parquet")
+    with pytest.raises(ConfigError, match="part-0.parquet row 2 has no string 'text' field"):
+        list(StreamedTextDataset(str(folder), CharTokenizer(), 8, 0, 1, infinite=False))
+    dataset = StreamedTextDataset(str(folder), CharTokenizer(), 8, 0, 1, infinite=False, bad_records="skip")
+    assert len(list(dataset)) > 0 and dataset.bad_records.skipped == 1
+
+
+def test_a_corrupt_parquet_shard_is_named(tmp_path):
+    folder = write_shards(tmp_path / "p", "parquet")
+    data = (folder / "part-1.parquet").read_bytes()
+    (folder / "part-1.parquet").write_bytes(data[:4] + b"\0" * 64 + data[68:])  # a page header overwritten
+    with pytest.raises(ConfigError, match=r"part-1.parquet after row 0 cannot be read"):
+        list(StreamedTextDataset(str(folder), CharTokenizer(), 16, 0, 1, infinite=False))

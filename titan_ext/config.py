@@ -36,6 +36,10 @@ class TitanExt:
     """Documents in the seeded shuffle buffer of ``dataset = "titan_ext_stream"`` (0: stream order).
     The buffer is part of the checkpoint, so a resumed run sees the same documents."""
 
+    bad_records: str = "stop"
+    """A record ``titan_ext_stream`` cannot train on (a JSON-lines line that is not JSON, a record without the
+    text field): "stop" the job in one line naming the file and line, or "skip" it (each logged, counted)."""
+
     document_mask: bool = False
     """Train each packed window as its separate documents: attention and
     recurrent state stay inside a document, positions restart, no label

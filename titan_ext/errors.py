@@ -81,3 +81,17 @@ def config_boundary(fn):
             exit_with(error)
 
     return hook
+
+
+_deferred: list[ConfigError] = []
+
+
+def defer(error: ConfigError) -> None:
+    """Hold an error met inside a training step (a bad data record): the ranks learn of it together at the
+    step's end (``nonfinite``'s per-step agreement) and stop in one line, none left blocked in a collective."""
+    if not _deferred:
+        _deferred.append(error)
+
+
+def take_deferred() -> ConfigError | None:
+    return _deferred.pop() if _deferred else None

@@ -28,7 +28,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, exit_with, take_deferred
 
 logger = logging.getLogger()
 
@@ -60,17 +60,26 @@ class NonFiniteLossGuard:
         self.flag = bad if self.flag is None else self.flag | bad
 
     def step_is_nonfinite(self) -> bool:
-        """Whether any rank saw a non-finite loss since the last call (collective: every rank calls it)."""
-        flag = self.flag
+        """Whether any rank saw a non-finite loss since the last call (collective: every rank calls it).
+
+        The same reduction carries whether any rank met a bad data record this step (``errors.defer``):
+        then every rank ends the job here, together, in one line (rank 0 prints the record's)."""
+        flag, deferred = self.flag, take_deferred()
         self.flag = None
         if not dist.is_initialized():
+            if deferred is not None:
+                exit_with(deferred)
             return bool(flag) if flag is not None else False
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         if flag is None:  # a pipeline stage without the loss still joins the reduction
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
             flag = torch.zeros((), dtype=torch.bool, device=device)
-        flag = flag.to(torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        flags = torch.stack([flag.to(device, torch.int32), torch.tensor(deferred is not None, dtype=torch.int32, device=device)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1].item():
+            messages = [None] * dist.get_world_size()
+            dist.all_gather_object(messages, None if deferred is None else str(deferred))
+            exit_with(ConfigError(next(m for m in messages if m is not None)))
+        return bool(flags[0].item())
 
 
 _guard = NonFiniteLossGuard()

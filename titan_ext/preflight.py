@@ -63,9 +63,10 @@ def _check_model_name_and_flavor(job_config) -> None:
 def _check_dataset(job_config) -> None:
     """The training data, and the validation data when validation is on (same checks, its own options)."""
     from titan_ext.data import TINY_DATASET, dataset_file, sections
-    from titan_ext.text_stream import STREAM_DATASET, check_stream, stream_options
+    from titan_ext.text_stream import STREAM_DATASET, bad_records_policy, check_stream, stream_options
 
     text_field, buffer = stream_options(job_config)
+    bad_records = bad_records_policy(job_config)
     if buffer < 0:
         raise ConfigError(f"--titan_ext.shuffle_buffer={buffer} is negative; use 0 (stream order) or more")
     for section in sections(job_config):
@@ -73,7 +74,7 @@ def _check_dataset(job_config) -> None:
         if options.dataset == TINY_DATASET:
             inputs.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
         if options.dataset == STREAM_DATASET:
-            check_stream(options.dataset_path, text_field, option)
+            check_stream(options.dataset_path, text_field, option, bad_records)
 
 
 def _check_document_mask(job_config) -> None:

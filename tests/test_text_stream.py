@@ -210,3 +210,73 @@ def test_a_corrupt_parquet_shard_is_named(tmp_path):
     (folder / "part-1.parquet").write_bytes(data[:4] + b"\0" * 64 + data[68:])  # a page header overwritten
     with pytest.raises(ConfigError, match=r"part-1.parquet after row 0 cannot be read"):
         list(StreamedTextDataset(str(folder), CharTokenizer(), 16, 0, 1, infinite=False))
+
+
+class RecordingTokenizer(CharTokenizer):
+    """Notes every document it tokenizes: the documents that entered a rank's token stream."""
+
+    def __init__(self):
+        self.seen = []
+
+    def encode(self, text, add_bos=False, add_eos=False):
+        self.seen.append(text)
+        return super().encode(text, add_bos, add_eos)
+
+
+def loader(path, rank, world, tokenizer, saved_degree=None, document_mask=False):
+    from titan_ext.text_stream import StreamDataloader
+
+    dataset = StreamedTextDataset(path, tokenizer, 16, rank, world, shuffle_buffer=5, seed=3, infinite=False,
+                                  document_mask=document_mask)
+    return StreamDataloader(dataset, dp_rank=rank, dp_world_size=world, saved_degree=saved_degree, batch_size=2)
+
+
+@pytest.mark.parametrize("fmt,files,before,after", [("jsonl", 4, 2, 1), ("parquet", 4, 2, 3), ("jsonl", 1, 2, 3),
+                                                    ("parquet", 3, 4, 2)])
+def test_resuming_on_another_number_of_ranks_reads_every_document_once(tmp_path, fmt, files, before, after):
+    """``before`` ranks train a few steps and checkpoint (DCP, as torchtitan saves the dataloader); ``after``
+    ranks resume from it and read to the end: across both runs every document entered exactly one rank's token
+    stream exactly once (by document text, unique per document), shuffle buffers and partial windows included."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = str(write_shards(tmp_path / "d", fmt, shards=files))
+    seen, saved = [], {}
+    for rank in range(before):
+        tokenizer = RecordingTokenizer()
+        data = loader(folder, rank, before, tokenizer, document_mask=True)
+        batches = iter(data)
+        for _ in range(3 + rank):  # ranks stop at different points of their streams
+            next(batches)
+        saved.update(data.state_dict())
+        seen += tokenizer.seen
+    dcp.save({"dataloader": saved}, checkpoint_id=str(tmp_path / "step-3"), no_dist=True)
+    for rank in range(after):
+        tokenizer = RecordingTokenizer()
+        data = loader(folder, rank, after, tokenizer, saved_degree=before, document_mask=True)
+        template = {"dataloader": data.state_dict()}
+        assert sorted(template["dataloader"]) == sorted([f"dp_rank_{r}" for r in range(before)] + ["world_size"])
+        dcp.load(template, checkpoint_id=str(tmp_path / "step-3"), no_dist=True)
+        data.load_state_dict(template["dataloader"])
+        for _ in data:
+            pass
+        seen += tokenizer.seen
+        assert list(data.state_dict()) == [f"dp_rank_{rank}", "world_size"]  # later saves: its own position
+    assert sorted(seen) == sorted(DOCS), (len(seen), len(set(seen)), len(DOCS))
+
+
+def test_the_resumed_shuffle_is_deterministic(tmp_path):
+    folder = str(write_shards(tmp_path / "d", "jsonl"))
+    old = []
+    for rank in range(2):
+        dataset = StreamedTextDataset(folder, CharTokenizer(), 16, rank, 2, shuffle_buffer=5, seed=3, infinite=False)
+        windows = iter(dataset)
+        next(windows)
+        old.append(dataset.state_dict())
+
+    def resumed():
+        dataset = StreamedTextDataset(folder, RecordingTokenizer(), 16, 0, 1, shuffle_buffer=5, seed=3, infinite=False)
+        dataset.load_resharded(old)
+        list(dataset)
+        return dataset.tokenizer.seen
+
+    assert resumed() == resumed()

@@ -355,6 +355,17 @@ def check_dcp_checkpoint(path: str, expected: dict[str, tuple[int, ...]], option
             )
 
 
+def dataloader_resume_degree(job_config) -> int | None:
+    """How many data-parallel ranks saved the dataloader positions this job resumes (from its own checkpoint
+    folder, dataloader not excluded), or None."""
+    checkpoint = job_config.checkpoint
+    if "dataloader" in checkpoint.exclude_from_loading or not os.path.exists(
+            os.path.join(job_config.job.dump_folder, checkpoint.folder)):
+        return None
+    found = checkpoint_to_load(job_config)
+    return dcp_dataloader_ranks(found[0]) or None if found and found[1] == "dcp" else None
+
+
 def dcp_dataloader_ranks(path: str) -> int:
     """How many data-parallel ranks saved a dataloader position in this DCP checkpoint (torchtitan's
     ``ParallelAwareDataloader`` keys each rank's state ``dataloader.dp_rank_<n>``); 0 when none did."""

@@ -31,6 +31,7 @@ from torch.utils.data import IterableDataset
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError, defer, exit_with
+from titan_ext.shards import BAD_RECORDS, BAD_RECORDS_OPTION, BadRecords, LocalRecords, file_records, split
 
 IGNORE_INDEX = -100
 """torchtitan's ignored label."""
@@ -70,113 +71,29 @@ def local_shards(path: str, option: str = OPTION) -> tuple[str, list[str]] | Non
     return builder, files
 
 
-BAD_RECORDS = ("stop", "skip")
-BAD_RECORDS_OPTION = "--titan_ext.bad_records"
-
-
-class BadRecords:
-    """What a bad record does (``[titan_ext] bad_records``): stop the job in one line naming the file and
-    line or row, or skip it with a logged count."""
-
-    def __init__(self, policy: str = "stop", option: str = OPTION):
-        self.policy, self.option, self.skipped = policy, option, 0
-        self.in_job = ""
-        """In a job, how a stop ends it: "defer" (training: at the step's end, where every rank learns of it,
-        the dataset padding the step with windows that train nothing) or "exit" (this rank, in one line);
-        "" outside a job: the ``ConfigError`` is raised."""
-
-    def meet(self, where: str, problem: str) -> None:
-        """Raise (stop), or log and count (skip); ``where`` is the file and line or row."""
-        if self.policy == "stop":
-            raise ConfigError(
-                f"{self.option}: {where} {problem}; fix or remove the record, or set {BAD_RECORDS_OPTION}=skip "
-                "to train past bad records (logged, counted)"
-            )
-        self.skipped += 1
-        logging.getLogger().warning(f"titan_ext: skipped a bad record: {where} {problem} ({self.skipped} skipped so far)")
-
-
-def json_lines(files: list[str], text_field: str, bad_records: BadRecords):
-    """The records of JSON-lines shards, read line by line (not by ``datasets``' chunked JSON reader, whose
-    parse error names neither the file nor the line): each one an object with a string ``text_field``."""
-    for file in files:
-        with open(file, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                    bad_records.meet(f"{file} line {number}", f"is not JSON ({error})")
-                    continue
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    bad_records.meet(f"{file} line {number}", f"has no string {text_field!r} field")
-                    continue
-                yield record
-
-
-def table_rows(files: list[str], text_field: str, bad_records: BadRecords, builder: str):
-    """The rows of parquet or arrow shards, read with pyarrow batch by batch: a row without a string
-    ``text_field`` is named by its file and row, a file pyarrow cannot read by its name."""
-    for file in files:
-        row = 0
-        try:
-            for batch in _record_batches(file, builder):
-                for record in batch.to_pylist():
-                    row += 1
-                    if not isinstance(record.get(text_field), str):
-                        bad_records.meet(f"{file} row {row}", f"has no string {text_field!r} field")
-                        continue
-                    yield record
-        except ConfigError:
-            raise
-        except Exception as error:  # pyarrow's: a corrupt or truncated file (skipping drops its rest)
-            bad_records.meet(f"{file} after row {row}", f"cannot be read ({type(error).__name__}: {error})")
-
-
-def _record_batches(file: str, builder: str):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if builder == "parquet":
-        yield from pq.ParquetFile(file).iter_batches(batch_size=1024)
-        return
-    with pa.memory_map(file) as source:  # datasets' arrow files are IPC streams; plain IPC files work too
-        try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            reader = pa.ipc.open_file(source)
-            yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
-            return
-        yield from reader
-
-
-def open_stream(path: str, option: str = OPTION, text_field: str = "text", bad_records: BadRecords | None = None):
-    """The dataset at ``path`` (named by ``option``) as a ``datasets`` streaming ``IterableDataset``."""
-    from datasets import IterableDataset, load_dataset
+def open_stream(path: str, option: str = OPTION, text_field: str = "text", bad_records: BadRecords | None = None,
+                rank: int = 0, world: int = 1):
+    """Data-parallel rank ``rank`` of ``world``'s records of the dataset at ``path`` (named by ``option``):
+    local shards as ``shards.LocalRecords`` (a fixed order, re-splittable on resume), an HF dataset name as a
+    ``datasets`` stream split by ``split_dataset_by_node``."""
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
 
     if not path:
         raise ConfigError(f"{option} is empty; {STREAM_DATASET} streams the files or HF dataset it names")
     shards = local_shards(path, option)
-    try:
-        if shards is None:
-            return load_dataset(path, split="train", streaming=True)
+    if shards is not None:
         builder, files = shards
-        # one shard per file, as datasets' own builders: split over ranks by file, resumed by position
-        bad_records = bad_records or BadRecords(option=option)
-        if builder == "json":
-            return IterableDataset.from_generator(json_lines, gen_kwargs={
-                "files": files, "text_field": text_field, "bad_records": bad_records})
-        return IterableDataset.from_generator(table_rows, gen_kwargs={
-            "files": files, "text_field": text_field, "bad_records": bad_records, "builder": builder})
-    except ConfigError:
-        raise
-    except Exception as error:  # datasets' errors for a name it cannot find or files it cannot read
+        return LocalRecords(files, builder, text_field, bad_records or BadRecords(option=option), rank, world)
+    try:
+        data = load_dataset(path, split="train", streaming=True)
+    except Exception as error:  # datasets' errors for a name it cannot find
         detail = " ".join(str(error).split())[:300]
         raise ConfigError(
             f"{option}={path!r} cannot be streamed ({type(error).__name__}: {detail}); "
             "give local parquet/JSON-lines/arrow shards or an HF dataset available offline"
         ) from None
+    return split_dataset_by_node(data, rank, world) if world > 1 else data
 
 
 FIRST_LOOK_FILES, FIRST_LOOK_LINES = 8, 1000
@@ -191,7 +108,8 @@ def check_stream(path: str, text_field: str, option: str = OPTION, bad_records: 
         _check_text_field(_first_json_object(shards[1]), path, text_field, option)  # the wrong field, not a bad record
         if bad_records == "stop":
             for file in shards[1][:FIRST_LOOK_FILES]:
-                for _ in itertools.islice(json_lines([file], text_field, BadRecords("stop", option)), FIRST_LOOK_LINES):
+                for _ in itertools.islice(file_records(file, "json", text_field, BadRecords("stop", option)),
+                                          FIRST_LOOK_LINES):
                     pass
     first = next(iter(open_stream(path, option, text_field, BadRecords(bad_records, option))), None)
     if first is None:
@@ -230,6 +148,8 @@ class ShuffledStream:
         self.rng = random.Random(seed)
 
     def __iter__(self):
+        while len(self.buffer) > self.size:  # buffers merged on a resume over fewer ranks: back to size first
+            yield self.buffer.pop(self.rng.randrange(len(self.buffer)))
         for sample in self.data:
             if len(self.buffer) < self.size:
                 self.buffer.append(sample)
@@ -254,17 +174,16 @@ class StreamedTextDataset(IterableDataset, Stateful):
 
     def __init__(self, path, tokenizer, seq_len, dp_rank, dp_world_size, text_field="text", shuffle_buffer=0,
                  seed=0, infinite=True, document_mask=False, option=OPTION, bad_records="stop"):
-        from datasets.distributed import split_dataset_by_node
-
         self.bad_records = BadRecords(bad_records, option)
-        data = split_dataset_by_node(open_stream(path, option, text_field, self.bad_records), dp_rank, dp_world_size)
-        probe = open_stream(path, option, text_field, BadRecords("skip" if bad_records == "skip" else "stop", option))
-        if next(iter(split_dataset_by_node(probe, dp_rank, dp_world_size)), None) is None:
+        data = open_stream(path, option, text_field, self.bad_records, dp_rank, dp_world_size)
+        probe = open_stream(path, option, text_field, BadRecords(bad_records, option), dp_rank, dp_world_size)
+        if next(iter(probe), None) is None:
             raise ConfigError(  # a probe on its own stream: ``data``'s position stays at the start
                 f"{option}={path!r}: data-parallel rank {dp_rank} of {dp_world_size} gets no document; "
                 "give the dataset at least one record (better: one shard) per data-parallel rank"
             )
         self.documents = ShuffledStream(data, shuffle_buffer, seed) if shuffle_buffer > 0 else data
+        self.seed = seed
         self.tokenizer, self.seq_len, self.text_field, self.infinite = tokenizer, seq_len, text_field, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.document_mask, self.option = document_mask, option
@@ -330,6 +249,34 @@ class StreamedTextDataset(IterableDataset, Stateful):
         self.tokens, self.starts = list(state["tokens"]), list(state["starts"])
         self.documents.load_state_dict(state["documents"])
 
+    def load_resharded(self, old: list[dict[str, Any]]) -> None:
+        """Resume from the states of a run over another number of data-parallel ranks (``old``, in rank order):
+        this rank's share of every record they had left (``shards.split``), and the shuffle buffers and
+        partial windows of the old ranks ``r`` with ``r % world == rank``. No document is repeated or skipped;
+        the new shuffle is seeded by the job's seed, this rank and both degrees."""
+        if not isinstance(self.documents, (LocalRecords, ShuffledStream)) or (
+                isinstance(self.documents, ShuffledStream) and not isinstance(self.documents.data, LocalRecords)):
+            raise ConfigError(f"{self.option}: an HF dataset name streams through datasets, which cannot re-split its "
+                              "position over another number of ranks; resume with the saved number of ranks")
+        rank, world = self.dp_rank, self.dp_world_size
+        shuffled = isinstance(self.documents, ShuffledStream)
+        positions = [state["documents"]["data"] if shuffled else state["documents"] for state in old]
+        local = {"units": [list(u) for u in split(positions, rank, world)], "unit": 0, "done": 0,
+                 "passes": max(p["passes"] for p in positions)}
+        mine = [state for r, state in enumerate(old) if r % world == rank]
+        tokens, starts = [], []
+        for state in mine:  # each old partial window begins a segment of its own
+            head = [] if not tokens or state["starts"][:1] == [0] else [len(tokens)]
+            starts += head + [len(tokens) + start for start in state["starts"]]
+            tokens += state["tokens"]
+        if shuffled:
+            buffer = [doc for state in mine for doc in (state["documents"].get("buffer") or [])]
+            rng = random.Random(f"{self.seed}:{rank}:{len(old)}->{world}").getstate()
+            documents = {"data": local, "buffer": buffer, "rng": rng}
+        else:
+            documents = local
+        self.load_state_dict({"tokens": tokens, "starts": starts if self.document_mask else [], "documents": documents})
+
 
 def stream_options(job_config) -> tuple[str, int]:
     """``[titan_ext] text_field`` and ``shuffle_buffer``; the section's own defaults when the job has none."""
@@ -351,8 +298,6 @@ def bad_records_policy(job_config) -> str:
 def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section="training", infinite=True, path=None):
     """torchtitan's data-parallel dataloader over ``StreamedTextDataset`` (of ``path``, else the dataset
     path), with the windows and batch of ``[training]`` or ``[validation]`` (which never shuffles)."""
-    from torchtitan.components.dataloader import ParallelAwareDataloader
-
     options = getattr(job_config, section)
     path = path or options.dataset_path
     text_field, shuffle_buffer = stream_options(job_config)
@@ -380,7 +325,47 @@ def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, secti
 
     synced = section == "training" and policy(getattr(job_config, "titan_ext", None)) != "off"
     dataset.bad_records.in_job = "defer" if synced else "exit"
-    return ParallelAwareDataloader(
-        dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
+    from titan_ext.inputs import dataloader_resume_degree
+
+    saved = dataloader_resume_degree(job_config) if section == "training" else None
+    return StreamDataloader(
+        dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, saved_degree=saved,
         **asdict(options.dataloader), batch_size=options.local_batch_size,
     )
+
+
+def _parallel_aware_dataloader():
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    return ParallelAwareDataloader
+
+
+class StreamDataloader(_parallel_aware_dataloader()):
+    """torchtitan's data-parallel dataloader, resuming from a checkpoint saved over another number of ranks.
+
+    torchtitan keeps one position per rank (``dataloader.dp_rank_<n>``) and refuses another degree. Here,
+    when the checkpoint to resume was saved by ``saved_degree`` ranks, the first ``state_dict`` (the one
+    DCP fills on load) asks for all of theirs, and ``load_state_dict`` hands them to the dataset
+    (``StreamedTextDataset.load_resharded``)."""
+
+    def __init__(self, dataset, dp_rank: int, dp_world_size: int, saved_degree: int | None = None, **kwargs):
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
+        self.saved_degree = saved_degree if saved_degree != dp_world_size else None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.saved_degree:  # the load's template: every old rank's position
+            return {**{f"dp_rank_{r}": b"" for r in range(self.saved_degree)}, "world_size": self.saved_degree}
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved, self.saved_degree = self.saved_degree, None
+        if not saved or not state_dict:
+            return super().load_state_dict(state_dict)
+        import pickle
+
+        old = [pickle.loads(state_dict[f"dp_rank_{r}"])["dataset_state"] for r in range(saved)]
+        self.dataset.load_resharded(old)
+        logging.getLogger().info(
+            f"titan_ext: data-parallel rank {self.dp_rank} of {self.dp_world_size} resumes its share of the "
+            f"data positions of {saved} saved ranks (titan_ext_stream re-split them)"
+        )

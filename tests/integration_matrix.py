@@ -118,6 +118,8 @@ VALIDATION = (
     "titan_ext_tiny", "--validation.seq_len", "80", "--validation.local_batch_size", "2",
 )
 VALIDATED_STEPS = [1, 2, 4]
+ACCUMULATE = ("--training.global_batch_size", "4")
+"""2 batches of 2 per optimizer step, at data-parallel degree 1 (the PP rows')."""
 
 
 def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1, pp: int = 1) -> tuple[str, ...]:
@@ -190,6 +192,9 @@ class Row:
     """Document masking on, in this row and in the single-process run it is compared with."""
     short_conv: bool = False
     """GLA with short convolutions (``use_short_conv``), in this row and its single-process run."""
+    accumulate: bool = False
+    """Gradient accumulation over 2 batches per optimizer step (``ACCUMULATE``), in this row and its
+    single-process run (torchtitan's own accumulation)."""
     spec_rtol: tuple[tuple[str, float], ...] = ()
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
@@ -231,7 +236,7 @@ CP_DOCS_RTOL = (*CP_ATTENTION_RTOL, ("fla_gated_deltanet", 1e-4))
 # The gradients themselves agree to 1e-5 (tests/test_hf_tp_plan.py, tied cases).
 TIED_TP_RTOL = (("hf_llama", 2e-5), ("hf_qwen3", 2e-5))
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
-PP_SPECS = ("fla_gla", "hf_llama")
+PP_SPECS = ("fla_gla", "hf_llama", "fla_transformer")
 README_COMMAND = "{readme}"
 """Stands for the README example's command-line arguments."""
 ROWS = {
@@ -303,6 +308,8 @@ ROWS = {
                              "--training.local_batch_size", "4",
                              "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains", specs=("fla_gla",),
                          ),
+    # gradient accumulation: 2 batches per optimizer step, against one process accumulating the same 2
+    "pp2_accum2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), accumulate=True),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
@@ -366,6 +373,7 @@ class Matrix:
         """What the row and its single-process reference share: "base", "untied", "docs" or "untied+docs"."""
         r = ROWS[row]
         tags = ["untied"] * bool(r.pipelined and SPECS[spec].pp_hf_config) + ["docs"] * r.documents + ["conv"] * r.short_conv
+        tags += ["accum"] * r.accumulate
         return "+".join(tags) or "base"
 
     def variant_flags(self, spec: str, variant: str) -> tuple[str, ...]:
@@ -381,6 +389,8 @@ class Matrix:
             flags += ("--titan_ext.document_mask",)
         if "conv" in tags:
             flags += ("--titan_ext.hf_config", str(self.root / "short_conv.json"))
+        if "accum" in tags:
+            flags += ACCUMULATE
         return flags
 
     @property

@@ -38,6 +38,8 @@ SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 class PPChoice:
     degree: int
     schedule: str
+    accumulation: int
+    """Schedule steps per optimizer step (``--training.global_batch_size`` over local batch x data-parallel degree)."""
     stages: tuple[tuple[str, ...], ...]
     """Each virtual stage's module FQNs (HF names), in pipeline order."""
     v_shape: bool
@@ -171,11 +173,6 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
     schedule = p.pipeline_parallel_schedule
     schedule_class = _schedule_class(schedule)
     training = job_config.training
-    if training.global_batch_size > 0 and training.global_batch_size != training.local_batch_size * _dp_degree(job_config):
-        raise ConfigError(
-            f"--training.global_batch_size={training.global_batch_size} accumulates gradients over several steps, "
-            f"which titan_ext does not combine with {DEGREE} yet; set it to -1 (local batch x data-parallel degree)"
-        )
     batch, micro = training.local_batch_size, p.pipeline_parallel_microbatch_size
     if batch % micro:
         raise ConfigError(
@@ -225,7 +222,9 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
             f"{SCHEDULE}={schedule!r} on CPU (gloo) needs torch 2.13 or later: torch {torch.__version__}'s V-shaped "
             "schedules first send to their own rank, which gloo cannot (the job stalls until its timeout); pick another schedule"
         )
-    return PPChoice(p.pipeline_parallel_degree, schedule, tuple(tuple(s) for s in stages), v_shape)
+    step_batch = training.local_batch_size * _dp_degree(job_config)
+    accumulation = training.global_batch_size // step_batch if training.global_batch_size > 0 else 1
+    return PPChoice(p.pipeline_parallel_degree, schedule, accumulation, tuple(tuple(s) for s in stages), v_shape)
 
 
 def _dp_degree(job_config) -> int:
@@ -276,7 +275,8 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     from titan_ext.cpu_mode import on_gloo
 
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
-    schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh))
+    schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
+                                 pp_group=mesh.get_group())
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
 
@@ -290,8 +290,13 @@ class TokenMeanSchedule:
     with the token count. Here the last stage divides each microbatch's loss by
     the step's global valid-token count (its labels, summed over the
     data-parallel ranks), and multiplies the losses it hands back so torchtitan's
-    own division logs the same number. One step of the schedule is one
-    optimizer step: ``pp_choice`` refuses gradient accumulation with PP.
+    own division logs the same number.
+
+    With gradient accumulation torchtitan runs the schedule once per accumulated batch, and the count
+    that matters is the whole optimizer step's, which no single schedule step sees: each one divides by
+    the first batch's count instead, and after the last one every stage multiplies its gradients by
+    (first count / step's count), agreed over the pipeline ranks (one scalar all-reduce per optimizer
+    step), before torchtitan clips them.
 
     On gloo, torch 2.13's schedules feed the first microbatch of their first
     step from a receive buffer the data has not reached (uninitialized values,
@@ -300,12 +305,16 @@ class TokenMeanSchedule:
     real first step starts from initialized buffers.
     """
 
-    def __init__(self, loss_fn, batch_mesh, parts: list[nn.Module], warm_up: bool):
+    def __init__(self, loss_fn, batch_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
+                 pp_group=None):
         self._loss_fn, self._batch_mesh, self._parts = loss_fn, batch_mesh, parts
         self._schedule = None
         self._tokens: torch.Tensor | None = None
+        """What this optimizer step's microbatch losses are divided by (the last stage's; None in validation)."""
         self._warm_up = self._on_gloo = warm_up
         self._warming_up = False
+        self._accumulation, self._pp_group = accumulation, pp_group
+        self._calls, self._step_tokens = 0, None
 
     def wrap(self, schedule) -> None:
         self._schedule = schedule
@@ -323,7 +332,10 @@ class TokenMeanSchedule:
             from torchtitan.distributed import utils as dist_utils
 
             tokens = (target != IGNORE_INDEX).sum()
-            self._tokens = dist_utils.dist_sum(tokens, self._batch_mesh) if self._batch_mesh is not None else tokens.float()
+            tokens = dist_utils.dist_sum(tokens, self._batch_mesh) if self._batch_mesh is not None else tokens.float()
+            if self._calls == 0:  # the first batch of an optimizer step sets the divisor
+                self._tokens, self._step_tokens = tokens, 0.0
+            self._step_tokens += float(tokens)
         if self._warm_up:  # once, on gloo: see the class docstring
             self._warm_up, self._warming_up = False, True
             self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
@@ -333,7 +345,25 @@ class TokenMeanSchedule:
         result = self._schedule.step(*args, target=target, losses=losses, **kwargs)
         if losses is not None:
             losses[:] = [loss * self._tokens for loss in losses]
+        if self._accumulation > 1:
+            self._calls += 1
+            if self._calls == self._accumulation:
+                self._rescale_gradients()
+                self._calls = 0
         return result
+
+    def _rescale_gradients(self) -> None:
+        """Gradients of the accumulated batches, each divided by the first batch's count: to the step's count."""
+        import torch.distributed as dist
+
+        factor = float(self._tokens) / self._step_tokens if self._step_tokens else 0.0  # the last stage's
+        device = next((p.device for part in self._parts for p in part.parameters()), torch.device("cpu"))
+        agreed = torch.tensor([factor], dtype=torch.float64, device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._pp_group)  # stages without the loss add 0
+        for part in self._parts:
+            for param in part.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(agreed.item())
 
     def eval(self, *args, **kwargs):
         """A forward-only pass (``titan_ext.validate``): each microbatch's loss sum in ``losses``.

@@ -336,6 +336,8 @@ UNSUPPORTED = {
     "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
     "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
 }
+if tuple(int(n) for n in version("triton").split(".")[:2]) < (3, 9):  # titan_ext refuses it in one line
+    UNSUPPORTED["interpret_tp2"] = "Triton's interpreter runs fla's kernels from triton 3.9"
 if tuple(int(n) for n in version("torch").split(".")[:2]) < (2, 13):  # titan_ext refuses these in one line
     UNSUPPORTED |= dict.fromkeys(("pp2_zbvzerobubble", "pp2_dualpipev"),
                                  "V-shaped schedules on gloo need torch 2.13 (earlier ones send to their own rank)")

@@ -10,8 +10,9 @@ import pytest
 import torch
 from launch import REPO
 
-from titan_ext import host_patches
+from titan_ext import compat, host_patches
 from titan_ext.errors import ConfigError
+from titan_ext.job import INTERPRETER_TRITON
 
 CHECKS = REPO / "tests" / "interpret_checks.py"
 EXPECTED = [
@@ -19,6 +20,12 @@ EXPECTED = [
     "chunk_gated_delta_rule_packed", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_packed",
     "rms_norms", "cp2_gla", "cp2_gated_deltanet", "tp2_gated_deltanet",
 ]
+
+
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    compat.triton_version() < INTERPRETER_TRITON,
+    reason=f"Triton {compat.triton_version_string()}'s interpreter cannot run fla's kernels (titan_ext refuses it in one line)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +37,7 @@ def interpreted():
     return {row["case"]: row for row in rows}
 
 
+@NEEDS_INTERPRETER
 @pytest.mark.parametrize("case", EXPECTED)
 def test_interpret_fla_kernels_agree_with_portable_ones(interpreted, case):
     row = interpreted.get(case)
@@ -44,16 +52,16 @@ def test_interpret_bridges_are_host_patch_rows_undone_by_undo():
     import triton.runtime.interpreter as interpreter
 
     host_patches.undo()
-    before = (autotuner.Autotuner.prune_configs, interpreter.FunctionRewriter.ast_transformer)
+    before = (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer)
     host_patches.apply_interpreter()
     try:
         assert interpreter.FunctionRewriter.ast_transformer is not before[1]
-        assert autotuner.Autotuner.prune_configs is not before[0]
+        assert autotuner.Autotuner._bench is not before[0]
         for patch in host_patches.INTERPRETER:
             assert patch.why and patch.checked
     finally:
         host_patches.undo()
-    assert (autotuner.Autotuner.prune_configs, interpreter.FunctionRewriter.ast_transformer) == before
+    assert (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer) == before
 
 
 @pytest.mark.parametrize("choice,interpret,expected", [
@@ -67,9 +75,23 @@ def test_interpret_kernels_option(monkeypatch, choice, interpret, expected):
     from titan_ext import job
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(compat, "triton_version", lambda: INTERPRETER_TRITON)
     config = job_config("--titan_ext.kernels", choice)
     if expected in ("fla", "portable"):
         assert job.kernel_path(config) == expected
     else:
         with pytest.raises(ConfigError, match=expected):
             job.kernel_path(config)
+
+
+def test_interpret_kernels_option_names_a_triton_too_old(monkeypatch):
+    from helpers import job_config
+
+    from titan_ext import job
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compat, "triton_version", lambda: (3, 6))
+    if torch.cuda.is_available():
+        pytest.skip("fla's kernels run on the GPU here")
+    with pytest.raises(ConfigError, match="interpreter cannot run fla's kernels .*install triton>=3.9"):
+        job.kernel_path(job_config("--titan_ext.kernels", "fla"))

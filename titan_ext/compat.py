@@ -207,3 +207,15 @@ def _wait_function():
             return grad
 
     return Wait
+
+
+def triton_version_string() -> str:
+    return _version("triton")
+
+
+def triton_version() -> tuple[int, ...]:
+    """The installed Triton's (major, minor), (0,) when it is missing."""
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", _version("triton"))
+    return (int(found[1]), int(found[2])) if found else (0,)

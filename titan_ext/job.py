@@ -61,6 +61,8 @@ def in_cpu_mode() -> bool:
 
 KERNELS_OPTION = "--titan_ext.kernels"
 KERNEL_CHOICES = ("auto", "fla", "portable")
+INTERPRETER_TRITON = (3, 9)
+"""The first Triton whose interpreter runs fla's kernels on the CPU (with ``host_patches.INTERPRETER``)."""
 
 
 def kernel_path(job_config=None) -> str:
@@ -68,12 +70,18 @@ def kernel_path(job_config=None) -> str:
     ``auto`` is fla's on CUDA and torch code anywhere else or in CPU mode."""
     choice = getattr(getattr(job_config, "titan_ext", None), "kernels", "auto")
     if choice not in KERNEL_CHOICES:
-        raise ConfigError(f"{KERNELS_OPTION}={choice!r} is not one of {KERNEL_CHOICES}")
+        raise ConfigError(f"{KERNELS_OPTION}={choice!r} is not one of {KERNEL_CHOICES}; use one of them")
     on_cuda = torch.cuda.is_available() and not (_cpu_mode or cpu_mode.forced())
     if choice == "fla" and not on_cuda and not interpreting():
         raise ConfigError(
             f"{KERNELS_OPTION}='fla' runs fla's Triton kernels, which need a CUDA GPU or, on the CPU, Triton's "
             f"interpreter: set TRITON_INTERPRET=1 in the environment (slow: tiny models only), or use 'auto'"
+        )
+    if choice == "fla" and not on_cuda and compat.triton_version() < INTERPRETER_TRITON:
+        raise ConfigError(
+            f"{KERNELS_OPTION}='fla' on the CPU: Triton {compat.triton_version_string()}'s interpreter cannot run fla's "
+            f"kernels (its range() of a program id fails under NumPy 2); install triton>="
+            f"{'.'.join(map(str, INTERPRETER_TRITON))}, or use 'auto'"
         )
     if choice == "auto":
         return "fla" if on_cuda else "portable"

@@ -291,7 +291,7 @@ def bad_records_policy(job_config) -> str:
 
     policy = (getattr(job_config, "titan_ext", None) or TitanExt()).bad_records
     if policy not in BAD_RECORDS:
-        raise ConfigError(f"{BAD_RECORDS_OPTION}={policy!r} is not one of {BAD_RECORDS}")
+        raise ConfigError(f"{BAD_RECORDS_OPTION}={policy!r} is not one of {BAD_RECORDS}; use one of them")
     return policy
 
 

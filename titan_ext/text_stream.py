@@ -321,9 +321,7 @@ def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, secti
 
     # A bad record met in training stops every rank together at that step's end, in one line: the ranks agree
     # there on non-finite losses already (titan_ext.nonfinite); with that check off, the rank stops alone.
-    from titan_ext.nonfinite import policy
-
-    synced = section == "training" and policy(getattr(job_config, "titan_ext", None)) != "off"
+    synced = section == "training" and getattr(getattr(job_config, "titan_ext", None), "nonfinite_loss", "stop") != "off"
     dataset.bad_records.in_job = "defer" if synced else "exit"
     from titan_ext.inputs import dataloader_resume_degree
 

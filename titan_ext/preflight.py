@@ -185,14 +185,14 @@ def _check_data_parallel_degree(path: str, job_config) -> None:
     traceback when the degree changed; titan_ext_stream over local shards re-splits them, nothing else can."""
     from titan_ext.text_stream import STREAM_DATASET, local_shards
 
+    training = job_config.training
     if "dataloader" in job_config.checkpoint.exclude_from_loading:
         return
+    if training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
+        return  # StreamDataloader re-splits the saved positions
     saved = inputs.dcp_dataloader_ranks(path)
     p = job_config.parallelism
     now = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.data_parallel_replicate_degree
-    training = job_config.training
-    if training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
-        return  # StreamDataloader re-splits the saved positions
     if saved and saved != now:
         raise ConfigError(
             f"--checkpoint.folder ({path}) was saved by {saved} data-parallel ranks, this job has {now}: "

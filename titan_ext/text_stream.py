@@ -33,9 +33,6 @@ from titan_ext import documents
 from titan_ext.errors import ConfigError, defer, exit_with
 from titan_ext.shards import BAD_RECORDS, BAD_RECORDS_OPTION, BadRecords, LocalRecords, file_records, split
 
-IGNORE_INDEX = -100
-"""torchtitan's ignored label."""
-
 STREAM_DATASET = "titan_ext_stream"
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
 OPTION = "--training.dataset_path"
@@ -204,7 +201,7 @@ class StreamedTextDataset(IterableDataset, Stateful):
 
     def _ignored_window(self):
         x = torch.zeros(self.seq_len, dtype=torch.long)
-        labels = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        labels = torch.full((self.seq_len,), documents.IGNORE_INDEX, dtype=torch.long)
         if self.document_mask:
             return {"input": x, "document_positions": torch.zeros_like(x)}, labels
         return {"input": x}, labels

@@ -25,7 +25,7 @@ With document masking the dataloader's ``document_positions`` cover the whole
 rows (torchtitan shards only the tokens, labels and its own ``positions``);
 read at each token's global position they restart the recurrent states, the
 convolutions' halos, the rotary positions and the attention at every document
-start, on whichever rank it falls (``step_inputs``, ``state_passing.PieceLayout``).
+start, on whichever rank it falls (``models.packing.step_inputs``, ``state_passing.PieceLayout``).
 
 An architecture opts in (``titan_ext.models.architecture``): ``cp_kernels`` (a recurrent mixer:
 the global names it calls and each one's kind of recurrence) or ``cp_attention``
@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError, HostChanged
+from titan_ext.job_plan import CPChoice
 from titan_ext.tensor_parallel import sequence_parallel_enabled
 
 logger = logging.getLogger()
@@ -52,17 +52,6 @@ logger = logging.getLogger()
 OPTION = "--parallelism.context_parallel_degree"
 PIECES_PER_RANK = {None: 1, "headtail": 2}
 """torchtitan's load balancer -> pieces of each sequence per CP rank (``state_passing.piece_order``)."""
-
-
-@dataclass(frozen=True)
-class CPChoice:
-    degree: int
-    pieces_per_rank: int
-    masked_attention: str | None = None
-    """What masks softmax attention beyond causality (document masking, a sliding window): it then attends
-    over all-gathered keys and values. None: torch's ring attention."""
-    rotate_method: str = "allgather"
-    """How torch's ring passes keys and values: ``allgather`` (all at once) or ``alltoall`` (rank to rank)."""
 
 
 def cp_choice(model_args, job_config) -> CPChoice | None:
@@ -129,35 +118,7 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
             _apply_fla_attention(model, layout, attend)
     else:
         _apply_state_passing(model, layout)
-    model.cp_layout = layout  # the model's forward records each step's positions in it (``step_inputs``)
-
-
-def step_inputs(model: nn.Module, first: dict, positions, document_positions) -> dict:
-    """The HF model's keyword arguments for one step under CP (``first``: its input ids or embeddings).
-
-    ``positions`` are torchtitan's: each local token's place in the whole row. ``document_positions``
-    (document masking) are the dataloader's for the whole rows, which torchtitan does not shard.
-    Both are recorded in the model's ``PieceLayout`` for the bound attention and kernels.
-    """
-    layout = model.cp_layout
-    layout.record(positions, document_positions)
-    local = layout.local_document_positions
-    if model.arch.cp_attention == "transformers":  # rotary at position_ids: global, or within each document
-        return {**first, "position_ids": positions if local is None else local}
-    if local is None or model.arch.cp_attention:  # fla's attention reads the layout
-        return first
-    # a recurrent mixer on packed documents: the piece rows as one row
-    flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
-    return {**flat, "cu_seqlens": packed_cu_seqlens(layout)}
-
-
-def packed_cu_seqlens(layout) -> torch.Tensor:
-    """fla's ``cu_seqlens`` of this step's piece rows flattened into one: every piece row and every
-    document start a sequence."""
-    local = layout.local_document_positions
-    piece_starts = torch.zeros_like(local, dtype=torch.bool)
-    piece_starts[:, :: local.shape[1] // layout.per_rank] = True
-    return documents.cu_seqlens(local.masked_fill(piece_starts, 0))
+    model.cp_layout = layout  # the model's forward records each step's positions in it (``models.packing.step_inputs``)
 
 
 def _apply_state_passing(model: nn.Module, layout) -> None:
@@ -196,11 +157,11 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
         return functools.partial(gathered_sdpa, layout=layout)
     from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
 
-    from titan_ext import compat
+    from titan_ext import compat, host_patches
 
     ring = RingSDPA(layout.per_rank)
     apply_cp_to_attention_module([ring], cp_mesh, "sdpa")
-    compat.torch_cp_options().set_rotate_method(choice.rotate_method)
+    host_patches.CP_ROTATE_METHOD.set(choice.rotate_method, compat.torch_cp_options().set_rotate_method)
     logger.info(f"Applied context parallelism ({layout.world} ranks): torch's ring attention "
                 f"(rotate method {choice.rotate_method})")
 

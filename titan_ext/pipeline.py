@@ -20,36 +20,17 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from titan_ext.errors import ConfigError
+from titan_ext.job_plan import PPChoice, plan_of
 
 logger = logging.getLogger()
 
 DEGREE = "--parallelism.pipeline_parallel_degree"
 SCHEDULE = "--parallelism.pipeline_parallel_schedule"
-
-
-@dataclass(frozen=True)
-class PPChoice:
-    degree: int
-    schedule: str
-    accumulation: int
-    """Schedule steps per optimizer step (``--training.global_batch_size`` over local batch x data-parallel degree)."""
-    stages: tuple[tuple[str, ...], ...]
-    """Each virtual stage's module FQNs (HF names), in pipeline order."""
-    v_shape: bool
-    """Stages placed in a V (ZBVZeroBubble, DualPipeV: rank r runs r and its mirror), else looped
-    (rank r runs r, r + degree, ...)."""
-
-    def stage_indices(self, rank: int) -> tuple[int, ...]:
-        if self.v_shape:
-            return rank, len(self.stages) - 1 - rank
-        return tuple(range(rank, len(self.stages), self.degree))
 
 
 class StageLayers(nn.Module):
@@ -153,7 +134,7 @@ def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
         raise ConfigError(f"{option} must name every part once: missing {missing}, repeated {twice}")
 
 
-def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
+def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
     """Check PP against the meta-device model and decide the stages (before the build)."""
     p = job_config.parallelism
     if p.pipeline_parallel_degree <= 1:
@@ -222,16 +203,16 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
             f"{SCHEDULE}={schedule!r} on CPU (gloo) needs torch 2.13 or later: torch {torch.__version__}'s V-shaped "
             "schedules first send to their own rank, which gloo cannot (the job stalls until its timeout); pick another schedule"
         )
-    step_batch = training.local_batch_size * _dp_degree(job_config)
+    step_batch = training.local_batch_size * _dp_degree(job_config, world_size)
     accumulation = training.global_batch_size // step_batch if training.global_batch_size > 0 else 1
     return PPChoice(p.pipeline_parallel_degree, schedule, accumulation, tuple(tuple(s) for s in stages), v_shape)
 
 
-def _dp_degree(job_config) -> int:
+def _dp_degree(job_config, world_size: int) -> int:
     from titan_ext import inputs
 
     p = job_config.parallelism
-    return inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.data_parallel_replicate_degree
+    return inputs.shard_degree(p, world_size) * p.data_parallel_replicate_degree
 
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
@@ -262,9 +243,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     from torch.distributed.pipelining import PipelineStage
     from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
-    from titan_ext import job
-
-    choice = job.current().pp
+    choice = plan_of(model_args).pp
     mesh = parallel_dims.get_mesh("pp")
     stages, parts = [], []
     for index in choice.stage_indices(mesh.get_local_rank()):

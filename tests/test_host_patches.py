@@ -185,3 +185,17 @@ def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
     finally:
         host_patches.undo()
     assert emitted() == everything
+
+
+def test_a_new_context_parallel_binding_drops_the_last_ones_classes():
+    """Each CP binding's classes hold its job's group: the cache keeps none of a finished job's."""
+    import torch
+
+    from titan_ext import context_parallel
+    from titan_ext.kernels import binding
+
+    first = context_parallel._binding_key()
+    binding.bound_class(torch.nn.Linear, {torch.nn.Linear.forward: lambda self, x: x}, key=first)
+    assert (torch.nn.Linear, first) in binding._bound_classes
+    second = context_parallel._binding_key()
+    assert second != first and not any(key.startswith("context_parallel:") for _, key in binding._bound_classes)

@@ -50,12 +50,21 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
     layout.record(positions, document_positions)
     local = layout.local_document_positions
     if model.arch.cp_attention == "transformers":  # rotary at position_ids: global, or within each document
-        return {**first, "position_ids": positions if local is None else local}
+        if local is None:
+            return {**first, "position_ids": positions}
+        return {**first, "position_ids": local, "attention_mask": _MASKED_BY_LAYOUT.to(local.device)}
     if local is None or model.arch.cp_attention:  # fla's attention reads the layout
         return first
     # a recurrent mixer on packed documents: the piece rows as one row
     flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
     return {**flat, "cu_seqlens": packed_cu_seqlens(layout)}
+
+
+_MASKED_BY_LAYOUT = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+"""The ``attention_mask`` of a transformers model under CP with documents. Its attention never reads an HF
+mask (``kernels.cp_attention.gathered_sdpa`` masks from the layout), but transformers would build one from
+restarting ``position_ids`` for a batch where some row holds two documents and none otherwise: compiled
+blocks would see a tensor one step and None the next, and recompile. A 4D mask is passed through as is."""
 
 
 def packed_cu_seqlens(layout) -> torch.Tensor:

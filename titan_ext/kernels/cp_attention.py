@@ -9,7 +9,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_ext import compat
-from titan_ext.kernels.rotary import rotate_at
 from titan_ext.kernels.state_passing import in_sequence_order
 
 
@@ -82,6 +81,8 @@ def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_val
     """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
     (at the tokens' global positions, or within their documents) and causal (windowed) attention,
     by ``attend`` (``attention_across_ranks``)."""
+    from titan_ext.kernels.rotary import rotate_at  # imports fla
+
     if attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
         raise ValueError("fla Attention under context parallelism takes no mask, cache or cu_seqlens")
     B, T, _ = hidden_states.shape

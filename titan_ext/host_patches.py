@@ -21,7 +21,8 @@
   an evaluation script's, runs fla's code.
 
 Each row: the target, why, the versions it was checked against, and how it is
-undone. ``tests/test_host_patches.py`` checks that import changes nothing and
+undone. Rows name titan_ext's replacements by ``module:name`` too, resolved when
+applied: the kernels read this table, and the table imports no kernel. ``tests/test_host_patches.py`` checks that import changes nothing and
 that ``undo()`` restores every original.
 """
 
@@ -94,9 +95,7 @@ def _always_sum_on_gloo(original):
 
 
 def _ring_attention_on_cpu(original):
-    from titan_ext.kernels.ring_attention import HANDLERS
-
-    return {**original, **HANDLERS}
+    return {**original, **resolve("titan_ext.kernels.ring_attention:HANDLERS")}
 
 
 def _no_peak_flops(_original):
@@ -266,9 +265,7 @@ def _configs_timed_equal(original):
 
 
 def _loop_variables_as_tensors(original):
-    from titan_ext.kernels.interpreter import LoopVariablesAsTensors
-
-    return LoopVariablesAsTensors()
+    return resolve("titan_ext.kernels.interpreter:LoopVariablesAsTensors")()
 
 
 INTERPRETER: tuple[Patch, ...] = (
@@ -290,9 +287,7 @@ INTERPRETER: tuple[Patch, ...] = (
 
 def _sdpa_for_flash_attn(name: str):
     def new(original):
-        from titan_ext.kernels import sdpa_attention
-
-        return getattr(sdpa_attention, name) if original is None else original
+        return resolve(f"titan_ext.kernels.sdpa_attention:{name}") if original is None else original
 
     return new
 

@@ -22,7 +22,8 @@ class RankPlan:
     grad_bytes: int
     optimizer_bytes: int
     saved_bytes: int
-    """Bytes autograd saved for backward in this step's forward (all microbatches of the step)."""
+    """Activations: bytes autograd saved for backward in one forward (parameters excepted), plus the inputs of
+    the blocks activation checkpointing recomputes (held by the checkpoint, not by autograd)."""
     collectives: tuple[collectives.Collective, ...]
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
@@ -92,7 +93,7 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
             optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
             step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
             recorder = collectives.Recorder(collectives.group_labels(dims))
-            saved = _SavedBytes()
+            saved = _SavedBytes(parts)
             with recorder, saved:
                 step()
             grad_bytes = memory.grad_bytes(parts)
@@ -130,21 +131,37 @@ def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_
 
 
 class _SavedBytes:
-    """Bytes of the tensors autograd saves for backward (each tensor once)."""
+    """Bytes of the tensors autograd saves for backward, each once, parameters (and views of them: FSDP's
+    gathered weights) excepted; and the input of every checkpointed block (torch's checkpoint keeps it
+    itself, out of autograd's sight)."""
 
-    def __init__(self):
+    def __init__(self, parts):
         self.bytes, self._seen = 0, set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._blocks = [m for part in parts for m in part.modules() if type(m).__name__ == "CheckpointWrapper"]
+        self._handles = []
 
-    def _pack(self, tensor):
-        if id(tensor) not in self._seen:
+    def _count(self, tensor) -> None:
+        base = tensor._base if tensor._is_view() else tensor
+        if id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
             self._seen.add(id(tensor))
             self.bytes += memory.local_bytes(tensor)
+
+    def _pack(self, tensor):
+        self._count(tensor)
         return tensor
+
+    def _block_input(self, module, args, kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                self._count(value)
 
     def __enter__(self):
         self._hooks.__enter__()
+        self._handles = [b.register_forward_pre_hook(self._block_input, with_kwargs=True) for b in self._blocks]
         return self
 
     def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
         return self._hooks.__exit__(*exc)

@@ -63,16 +63,27 @@ def describe(planned, job_config, link_gbps: float) -> str:
     ]
     for rank in planned:
         who = f"rank {rank.rank}" + (f" (stages {','.join(map(str, rank.stages))})" if rank.stages else "")
-        held = (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes, rank.saved_bytes)
+        held = (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes)
+        saved = "not run" if rank.saved_bytes is None else f"{rank.saved_bytes / GIB:.3f}"
+        total = sum(held) + (rank.saved_bytes or 0)
         lines.append(f"{who:<18}" + "".join(f"{b / GIB:>10.3f}" for b in held[:2]) + f"{held[2] / GIB:>11.3f}"
-                     + f"{held[3] / GIB:>13.3f}" + f"{sum(held) / GIB:>10.3f}")
+                     + f"{saved:>13}" + f"{total / GIB:>10.3f}")
     lines += [
         "  params, grads, optimizer: exact, the local shards of the sharded tensors (optimizer: after one step).",
-        "  activations: what autograd saved in one forward pass of one microbatch/local batch (parameters and",
-        "  FSDP's gathered weights excepted), recorded under FakeTensorMode, plus checkpointed blocks' inputs; not",
-        "  counted: the recomputed block's transient peak (AC), backward's temporaries, allocator fragmentation"
-        + (", and under PP the microbatches in flight beyond one" if first.plan.pp else "") + ".",
+        "  activations: what autograd saved in one forward pass of the local batch (parameters and FSDP's",
+        "  gathered weights excepted), recorded under FakeTensorMode, plus checkpointed blocks' inputs; not",
+        "  counted: the recomputed block's transient peak (AC), backward's temporaries, allocator fragmentation.",
         "",
+    ]
+    bubble = (f"pipeline bubble: {estimates.bubble(first.plan, job_config):.1%}"
+              + (f" ({first.plan.pp.schedule}, {len(first.plan.pp.stages)} stages, "
+                 f"{training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size} microbatches; "
+                 "(p - 1) / (stages per rank x microbatches + p - 1))" if first.plan.pp else " (no pipeline)"))
+    if first.collectives is None:
+        from titan_ext.planner.rank import PIPELINE_UNRECORDED
+
+        return "\n".join(lines + [f"collectives and activations: {PIPELINE_UNRECORDED}", "", bubble])
+    lines += [
         f"collectives of one forward-backward pass, rank {first.rank} (recorded on a fake process group):",
         "  kind            group                     ranks   count        MiB   sent MiB",
     ]
@@ -81,13 +92,12 @@ def describe(planned, job_config, link_gbps: float) -> str:
         lines.append(f"  {kind:<15} {group:<25} {ranks:>5} {count:>7} {total / MIB:>10.1f} {sent / MIB:>10.1f}")
     seconds = estimates.collective_seconds(list(first.collectives), link_gbps, passes)
     lines += [
+        "  (sent: what each rank sends in ring algorithms; the step's scalar all-reduces outside forward and",
+        "  backward, token count and gradient norm, are not included)",
         "",
-        f"pipeline bubble: {estimates.bubble(first.plan, job_config):.1%}"
-        + (f" ({first.plan.pp.schedule}, {len(first.plan.pp.stages)} stages, "
-           f"{training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size} microbatches)"
-           if first.plan.pp else " (no pipeline)"),
-        f"collectives alone: {seconds:.3f} s per step at {link_gbps:g} GB/s per rank (ring algorithms, no overlap, no "
-        "latency: a lower bound on the step time)",
+        bubble,
+        f"collectives alone: {seconds * 1e3:.1f} ms per step at {link_gbps:g} GB/s per rank ({passes} pass(es); no "
+        "overlap, no latency: a lower bound on the step time)",
     ]
     return "\n".join(lines)
 

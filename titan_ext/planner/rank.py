@@ -21,10 +21,11 @@ class RankPlan:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    saved_bytes: int
+    saved_bytes: int | None
     """Activations: bytes autograd saved for backward in one forward (parameters excepted), plus the inputs of
     the blocks activation checkpointing recomputes (held by the checkpoint, not by autograd)."""
-    collectives: tuple[collectives.Collective, ...]
+    collectives: tuple[collectives.Collective, ...] | None
+    """None under PP (``PIPELINE_UNRECORDED``)."""
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
     parallel_dims: object
@@ -72,36 +73,62 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         dims.build_mesh()
         spec = registry.get_train_spec(job_config.model.name)
         model_args = spec.model_args[job_config.model.flavor]
-        model_args.update_from_config(job_config)  # what torchtitan calls: the HF config, titan_ext's checks and plan
+        # what torchtitan calls: the HF config, titan_ext's checks and plan
+        _raising(type(model_args).update_from_config)(model_args, job_config)
         plan = job.plan_job(model_args, job_config)  # the same plan again, as a value (checks already passed)
         with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
             model = spec.model_cls(model_args)
         build_model_converters(job_config, dims).convert(model)
-        loss_fn = spec.build_loss_fn(job_config, parallel_dims=dims)
+        loss_fn = _raising(spec.build_loss_fn)(job_config, parallel_dims=dims)
         device = torch.device("cpu")
+        parallelize = _raising(spec.parallelize_fn)
         if dims.pp_enabled:
-            schedule, parts, first, last = spec.pipelining_fn(
-                model, dims, job_config, device, model_args, spec.parallelize_fn, loss_fn
+            schedule, parts, first, last = _raising(spec.pipelining_fn)(
+                model, dims, job_config, device, model_args, parallelize, loss_fn
             )
         else:
-            schedule, parts, first, last = None, [spec.parallelize_fn(model, dims, job_config)], True, True
+            schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
         param_bytes = memory.param_bytes(parts)
         with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
             for part in parts:
                 part.to_empty(device=device)
                 part.train()
             optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
-            step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
-            recorder = collectives.Recorder(collectives.group_labels(dims))
-            saved = _SavedBytes(parts)
-            with recorder, saved:
-                step()
+            recorded, saved_bytes = None, None
+            if dims.pp_enabled:
+                _fake_gradients(parts)  # see PIPELINE_UNRECORDED
+            else:
+                step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
+                recorder = collectives.Recorder(collectives.group_labels(dims))
+                saved = _SavedBytes(parts)
+                with recorder, saved:
+                    step()
+                recorded, saved_bytes = tuple(recorder.log), saved.bytes
             grad_bytes = memory.grad_bytes(parts)
             optimizers.step()
             optimizer_bytes = memory.optimizer_bytes(optimizers)
         stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
-        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved.bytes,
-                        tuple(recorder.log), plan, dims)
+        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+
+
+PIPELINE_UNRECORDED = (
+    "not recorded under pipeline parallelism: torch's schedules read values received from other stages "
+    "(their warm-up's handshake), which fake tensors do not hold"
+)
+"""Under PP the step does not run: gradients are one per parameter, of its local shape and dtype (what FSDP's
+reduce-scatter and a plain backward leave), and the optimizer steps on those."""
+
+
+def _fake_gradients(parts) -> None:
+    for part in parts:
+        for param in part.parameters():
+            param.grad = torch.zeros_like(param)
+
+
+def _raising(hook):
+    """A train spec's hook without its ``config_boundary`` (which ends the process on a ``ConfigError``):
+    the planner reports the error, and a sweep goes on to the next layout."""
+    return getattr(hook, "__wrapped__", hook)
 
 
 def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device):

@@ -83,14 +83,14 @@ def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> s
     lines = [f"layouts of {world} ranks that fit {memory_gib:g} GiB per rank, fastest first by the collectives' time "
              f"at {link_gbps:g} GB/s (a lower bound on the step time):",
              "  collectives ms   peak GiB   bubble   layout"]
-    lines += [f"  {_ms(s):>14} {peak / GIB:>10.2f} {bubble:>8.1%}   {layout.name()}"
+    lines += [f"  {_ms(s):>14} {peak / GIB:>10.3f} {bubble:>8.1%}   {layout.name()}"
               for s, layout, peak, bubble, _ in sorted(fits, key=lambda r: r[:1] + (r[2],))]
     if any(row[0] == float("inf") for row in fits):
         from titan_ext.planner.rank import PIPELINE_UNRECORDED
 
         lines.append(f"  (-: parameters, gradients and optimizer state only; collectives and activations {PIPELINE_UNRECORDED})")
     lines += ["", f"do not fit {memory_gib:g} GiB:"]
-    lines += [f"  {layout.name()}: {peak / GIB:.2f} GiB" for _, layout, peak, _, _ in sorted(too_big, key=lambda r: r[2])]
+    lines += [f"  {layout.name()}: {peak / GIB:.3f} GiB" for _, layout, peak, _, _ in sorted(too_big, key=lambda r: r[2])]
     lines += ["", "skipped (titan_ext's checks, or the planner's limits):"]
     lines += [f"  {layout.name()}: {reason}" for layout, reason in invalid]
     return "\n".join(lines)

@@ -165,7 +165,8 @@ class _SavedBytes:
     def __init__(self, parts):
         self.bytes, self._seen = 0, set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._blocks = [m for part in parts for m in part.modules() if type(m).__name__ == "CheckpointWrapper"]
+        wrapper = compat.checkpoint_wrapper_class()
+        self._blocks = [m for part in parts for m in part.modules() if isinstance(m, wrapper)]
         self._handles = []
 
     def _count(self, tensor) -> None:

@@ -271,9 +271,3 @@ def torch_c_module():
 
     return torch._C
 
-
-def checkpoint_wrapper_class():
-    """torch's ``CheckpointWrapper`` (what torchtitan's full and selective AC wrap blocks in): the planner
-    counts the inputs these blocks keep for their recomputation."""
-    module = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
-    return _lookup("torch", module, "CheckpointWrapper").CheckpointWrapper

@@ -71,8 +71,8 @@ def describe(planned, job_config, link_gbps: float) -> str:
     lines += [
         "  params, grads, optimizer: exact, the local shards of the sharded tensors (optimizer: after one step).",
         "  activations: what autograd saved in one forward pass of the local batch (parameters and FSDP's",
-        "  gathered weights excepted), recorded under FakeTensorMode, plus checkpointed blocks' inputs; not",
-        "  counted: the recomputed block's transient peak (AC), backward's temporaries, allocator fragmentation.",
+        "  gathered weights excepted; under AC what checkpointed blocks keep), recorded under FakeTensorMode;",
+        "  not counted: the recomputed block's transient peak (AC), backward's temporaries, fragmentation.",
         "",
     ]
     bubble = (f"pipeline bubble: {estimates.bubble(first.plan, job_config):.1%}"

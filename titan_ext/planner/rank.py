@@ -22,8 +22,8 @@ class RankPlan:
     grad_bytes: int
     optimizer_bytes: int
     saved_bytes: int | None
-    """Activations: bytes autograd saved for backward in one forward (parameters excepted), plus the inputs of
-    the blocks activation checkpointing recomputes (held by the checkpoint, not by autograd)."""
+    """Activations: bytes autograd saved for backward in one forward (parameters excepted; under AC, what the
+    checkpointed blocks keep)."""
     collectives: tuple[collectives.Collective, ...] | None
     """None under PP (``PIPELINE_UNRECORDED``)."""
     plan: object
@@ -100,7 +100,7 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
             else:
                 step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
                 recorder = collectives.Recorder(collectives.group_labels(dims))
-                saved = _SavedBytes(parts)
+                saved = _SavedBytes()
                 with recorder, saved:
                     step()
                 recorded, saved_bytes = tuple(recorder.log), saved.bytes
@@ -159,37 +159,23 @@ def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_
 
 class _SavedBytes:
     """Bytes of the tensors autograd saves for backward, each once, parameters (and views of them: FSDP's
-    gathered weights) excepted; and the input of every checkpointed block (torch's checkpoint keeps it
-    itself, out of autograd's sight)."""
+    gathered weights) excepted. Under AC this is what the checkpointed blocks keep: torch's checkpoint
+    saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
 
-    def __init__(self, parts):
+    def __init__(self):
         self.bytes, self._seen = 0, set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        wrapper = compat.checkpoint_wrapper_class()
-        self._blocks = [m for part in parts for m in part.modules() if isinstance(m, wrapper)]
-        self._handles = []
 
-    def _count(self, tensor) -> None:
+    def _pack(self, tensor):
         base = tensor._base if tensor._is_view() else tensor
         if id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
             self._seen.add(id(tensor))
             self.bytes += memory.local_bytes(tensor)
-
-    def _pack(self, tensor):
-        self._count(tensor)
         return tensor
-
-    def _block_input(self, module, args, kwargs):
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                self._count(value)
 
     def __enter__(self):
         self._hooks.__enter__()
-        self._handles = [b.register_forward_pre_hook(self._block_input, with_kwargs=True) for b in self._blocks]
         return self
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
         return self._hooks.__exit__(*exc)

@@ -22,6 +22,15 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _host_patches_undone():
+    """The planner points torchtitan at the CPU in its process (``titan_ext.plan.prepare``): not for later tests."""
+    yield
+    from titan_ext import host_patches
+
+    host_patches.undo()
+
+
 def argv(flags: list[str], dump: Path | None = None) -> list[str]:
     out = ["--job.config_file", CONFIG, "--training.steps", "2", *flags]
     return out + (["--job.dump_folder", str(dump)] if dump else [])

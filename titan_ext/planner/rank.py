@@ -9,7 +9,8 @@ from unittest import mock
 
 import torch
 
-from titan_ext import compat, job
+from titan_ext import compat
+from titan_ext.job_plan import plan_of
 from titan_ext.planner import collectives, memory
 
 
@@ -73,9 +74,9 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         dims.build_mesh()
         spec = registry.get_train_spec(job_config.model.name)
         model_args = spec.model_args[job_config.model.flavor]
-        # what torchtitan calls: the HF config, titan_ext's checks and plan
+        # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
         _raising(type(model_args).update_from_config)(model_args, job_config)
-        plan = job.plan_job(model_args, job_config)  # the same plan again, as a value (checks already passed)
+        plan = plan_of(model_args)
         with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
             model = spec.model_cls(model_args)
         build_model_converters(job_config, dims).convert(model)

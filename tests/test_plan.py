@@ -68,7 +68,7 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     (kind, group, group size, count, bytes)."""
     from titan_ext.planner.collectives import summary
     from titan_ext.planner.rank import plan_rank
-    from titan_ext.plan import job_config_of, prepare
+    from titan_ext.planner import job_config_of, prepare
 
     prepare()
     for rank in range(world):
@@ -121,7 +121,7 @@ def test_the_cli_reports_memory_collectives_bubble_and_time(capsys):
 def test_activation_checkpointing_shrinks_the_recorded_activations():
     """Full AC keeps each block's input instead of everything the block saved: fewer bytes than no AC, and at
     least the blocks' inputs (blocks x batch x seq x hidden, fp32)."""
-    from titan_ext.plan import job_config_of, prepare
+    from titan_ext.planner import job_config_of, prepare
     from titan_ext.planner.rank import plan_rank
 
     prepare()

@@ -12,22 +12,6 @@ import argparse
 import sys
 import time
 
-GIB, MIB = 2**30, 2**20
-
-
-def prepare() -> None:
-    """titan_ext registered, and torchtitan pointed at the CPU: the planner never touches an accelerator."""
-    import titan_ext  # noqa: F401  (the train specs)
-    from titan_ext import host_patches
-
-    host_patches.apply_job()
-    host_patches.apply_cpu_mode()
-
-
-def job_config_of(argv: list[str]):
-    from torchtitan.config import ConfigManager
-
-    return ConfigManager().parse_args(argv)
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -49,6 +33,7 @@ def describe(planned, job_config, link_gbps: float) -> str:
     """The report for one layout: ``planned`` holds one RankPlan per role (each pipeline stage's first rank)."""
     from titan_ext.planner import estimates
     from titan_ext.planner.collectives import summary
+    from titan_ext.planner.memory import GIB, MIB
 
     first = planned[0]
     training, ac = job_config.training, job_config.activation_checkpoint
@@ -102,18 +87,13 @@ def describe(planned, job_config, link_gbps: float) -> str:
     return "\n".join(lines)
 
 
-def plan_layout(job_config, world: int):
-    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage."""
-    from titan_ext.planner.rank import plan_rank
-
-    pp = job_config.parallelism.pipeline_parallel_degree
-    return [plan_rank(job_config, world, stage * (world // pp)) for stage in range(pp)]
-
-
 def main(argv: list[str] | None = None) -> int:
     options, rest = parse(sys.argv[1:] if argv is None else argv)
+    from titan_ext.planner import job_config_of, prepare
+
     prepare()
     from titan_ext.errors import ConfigError
+    from titan_ext.planner.rank import plan_layout
 
     begin = time.monotonic()
     if options.sweep:

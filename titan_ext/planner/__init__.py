@@ -9,3 +9,19 @@ what the step communicates is recorded as it is issued: nothing is a formula
 except the activation, bubble and bandwidth figures, which say their
 assumptions. Not imported by ``import titan_ext``.
 """
+
+
+def prepare() -> None:
+    """titan_ext registered, and torchtitan pointed at the CPU: the planner never touches an accelerator."""
+    import titan_ext  # noqa: F401  (the train specs)
+    from titan_ext import host_patches
+
+    host_patches.apply_job()
+    host_patches.apply_cpu_mode()
+
+
+def job_config_of(argv: list[str]):
+    """torchtitan's own parsing of a TOML and its flags."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(argv)

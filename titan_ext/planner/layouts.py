@@ -56,8 +56,9 @@ def _ms(seconds: float) -> str:
 
 def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> str:
     from titan_ext.errors import ConfigError
-    from titan_ext.plan import GIB, job_config_of, plan_layout
-    from titan_ext.planner import estimates
+    from titan_ext.planner import estimates, job_config_of
+    from titan_ext.planner.memory import GIB
+    from titan_ext.planner.rank import plan_layout
 
     fits, too_big, invalid = [], [], []
     for layout in candidates(world):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+GIB, MIB = 2**30, 2**20
+
 
 def local_bytes(tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

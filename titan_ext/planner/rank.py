@@ -180,3 +180,9 @@ class _SavedBytes:
 
     def __exit__(self, *exc):
         return self._hooks.__exit__(*exc)
+
+
+def plan_layout(job_config, world: int):
+    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage."""
+    pp = job_config.parallelism.pipeline_parallel_degree
+    return [plan_rank(job_config, world, stage * (world // pp)) for stage in range(pp)]

@@ -51,7 +51,7 @@ def candidates(world: int) -> list[Layout]:
 
 
 def _ms(seconds: float) -> str:
-    return "-" if seconds == float("inf") else f"{seconds * 1e3:.1f}"
+    return "-" if seconds == float("inf") else f"{seconds * 1e3:.3f}"
 
 
 def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> str:

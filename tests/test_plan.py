@@ -100,6 +100,32 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     compat.clear_dtensor_sharding_cache()
 
 
+def test_recorded_bytes_are_the_whole_buffer_for_c10d_and_functional_collectives():
+    """An all-gather of 4 floats over 4 ranks moves a 64-byte buffer, however it is issued."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    from titan_ext import compat
+    from titan_ext.planner.collectives import Recorder
+
+    dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=0, world_size=4)
+    try:
+        recorder, x, whole = Recorder({dist.group.WORLD.group_name: "world"}), torch.zeros(4), torch.zeros(16)
+        with recorder:
+            dist.all_gather_into_tensor(whole, x)
+            dist.reduce_scatter_tensor(x, whole)
+            dist.all_reduce(whole)
+            funcol.all_gather_tensor(x, 0, dist.group.WORLD).wait()
+            funcol.reduce_scatter_tensor(whole, "sum", 0, dist.group.WORLD).wait()
+            funcol.all_reduce(whole, "sum", dist.group.WORLD).wait()
+    finally:
+        dist.destroy_process_group()
+    kinds = ["all_gather", "reduce_scatter", "all_reduce"] * 2
+    assert [(c.kind, c.group, c.ranks, c.bytes) for c in recorder.log] == [(k, "world", 4, 64) for k in kinds]
+    assert [c.wire_bytes() for c in recorder.log[:3]] == [48, 48, 96]
+
+
 def test_import_titan_ext_does_not_import_the_planner():
     code = "import sys, titan_ext; print(sorted(m for m in sys.modules if m.startswith(('titan_ext.plan', 'titan_ext.planner'))))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout

@@ -50,9 +50,21 @@ def _kind(op_name: str) -> str | None:
     if base in NOT_COLLECTIVES:
         return None
     for key, kind in KINDS.items():
-        if base.startswith(key) or base.startswith(f"{key}_"):
+        if base.startswith(key):
             return kind
     return base
+
+
+def _bytes(op_name: str, kind: str, args: list, ranks: int) -> int:
+    """``Collective.bytes``. c10d's ops take (outputs, inputs): the larger is the whole buffer. A functional
+    collective takes its input only and returns its output: an all-gather's whole buffer is its input times
+    the group's ranks."""
+    def size(value) -> int:
+        return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+    if op_name.startswith("c10d."):
+        return max(size(args[0]), size(args[1]) if len(args) > 1 else 0)
+    return size(args[0]) * (ranks if kind == "all_gather" else 1)
 
 
 def _tensors(value):
@@ -97,15 +109,14 @@ class Recorder:
                 kwargs = kwargs or {}
                 kind = _kind(str(func))
                 if kind is not None:
-                    recorder._record(kind, list(args) + list(kwargs.values()))
+                    recorder._record(str(func), kind, list(args) + list(kwargs.values()))
                 return func(*args, **kwargs)
 
         self._mode = Mode()
 
-    def _record(self, kind: str, args: list) -> None:
+    def _record(self, op_name: str, kind: str, args: list) -> None:
         group, ranks = _group(args)
-        sizes = [t.numel() * t.element_size() for t in _tensors(args)]
-        self.log.append(Collective(kind, self.labels.get(group, f"group {group}"), ranks, max(sizes, default=0)))
+        self.log.append(Collective(kind, self.labels.get(group, f"group {group}"), ranks, _bytes(op_name, kind, args, ranks)))
 
     def __enter__(self):
         self._mode.__enter__()

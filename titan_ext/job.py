@@ -22,11 +22,12 @@ import os
 import torch
 
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, float8, host_patches, inputs, nonfinite, pipeline,
-    preflight, tensor_parallel,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, float8, host_patches, nonfinite, pipeline, preflight,
+    tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
+from titan_ext.inputs import degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.models.args import HFModelArgs
 
@@ -172,7 +173,7 @@ def _data_parallel(job_config, world_size: int) -> DataParallelChoice:
 
     p = job_config.parallelism
     # context-parallel ranks hold pieces of one batch: FSDP spans them too, summing their gradients
-    shard = inputs.shard_degree(p, world_size) * p.context_parallel_degree
+    shard = degrees.shard_degree(p, world_size) * p.context_parallel_degree
     replicate = p.data_parallel_replicate_degree
     kind = "hsdp" if shard > 1 and replicate > 1 else "fsdp" if shard > 1 else "ddp" if replicate > 1 else "none"
     policy = p.fsdp_reshard_after_forward

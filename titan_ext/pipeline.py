@@ -209,10 +209,10 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
 
 
 def _dp_degree(job_config, world_size: int) -> int:
-    from titan_ext import inputs
+    from titan_ext.inputs import degrees
 
     p = job_config.parallelism
-    return inputs.shard_degree(p, world_size) * p.data_parallel_replicate_degree
+    return degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
 
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:

@@ -310,6 +310,7 @@ ROWS = {
                          ),
     # gradient accumulation: 2 batches per optimizer step, against one process accumulating the same 2
     "pp2_accum2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), accumulate=True),
+    "pp2_cp2": Row(4, parallel(cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),

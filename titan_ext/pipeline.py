@@ -253,8 +253,9 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
         logger.info(f"PP: stage {index} of {len(choice.stages)} holds {list(choice.stages[index])}")
     from titan_ext.cpu_mode import on_gloo
 
-    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
-    schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
+    # the last stage's labels are this rank's piece of its batch: count them over data and context parallel ranks
+    loss_mesh = parallel_dims.get_mesh("loss") if parallel_dims.dp_cp_enabled else None
+    schedule = TokenMeanSchedule(loss_fn, loss_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
                                  pp_group=mesh.get_group())
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
@@ -268,7 +269,8 @@ class TokenMeanSchedule:
     only the logged loss, so gradients (and what gradient clipping sees) grow
     with the token count. Here the last stage divides each microbatch's loss by
     the step's global valid-token count (its labels, summed over the
-    data-parallel ranks), and multiplies the losses it hands back so torchtitan's
+    data-parallel ranks and, under CP, the context-parallel ones: each holds a
+    piece of every row), and multiplies the losses it hands back so torchtitan's
     own division logs the same number.
 
     With gradient accumulation torchtitan runs the schedule once per accumulated batch, and the count
@@ -284,9 +286,9 @@ class TokenMeanSchedule:
     real first step starts from initialized buffers.
     """
 
-    def __init__(self, loss_fn, batch_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
+    def __init__(self, loss_fn, loss_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
                  pp_group=None):
-        self._loss_fn, self._batch_mesh, self._parts = loss_fn, batch_mesh, parts
+        self._loss_fn, self._loss_mesh, self._parts = loss_fn, loss_mesh, parts
         self._schedule = None
         self._tokens: torch.Tensor | None = None
         """What this optimizer step's microbatch losses are divided by (the last stage's; None in validation)."""
@@ -311,7 +313,7 @@ class TokenMeanSchedule:
             from torchtitan.distributed import utils as dist_utils
 
             tokens = (target != IGNORE_INDEX).sum()
-            tokens = dist_utils.dist_sum(tokens, self._batch_mesh) if self._batch_mesh is not None else tokens.float()
+            tokens = dist_utils.dist_sum(tokens, self._loss_mesh) if self._loss_mesh is not None else tokens.float()
             if self._calls == 0:  # the first batch of an optimizer step sets the divisor
                 self._tokens, self._step_tokens = tokens, 0.0
             self._step_tokens += float(tokens)

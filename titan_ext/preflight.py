@@ -100,18 +100,6 @@ def _check_titan_ext_parallelism(job_config) -> None:
     p = job_config.parallelism
     if not _titan_ext_spec(job_config.model.name):
         return
-    if p.pipeline_parallel_degree > 1:
-        from titan_ext import documents
-
-        # (option, value, whether it is on): `True in (1, False)` holds in Python, so no value test
-        others = [("--parallelism.context_parallel_degree", p.context_parallel_degree, p.context_parallel_degree > 1)]
-        others += [(documents.OPTION, True, documents.enabled(job_config))]
-        for option, value, on in others:
-            if on:
-                raise ConfigError(
-                    f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} does not combine with "
-                    f"{option}={value} in titan_ext yet; use PP with FSDP/HSDP/DDP, or drop PP"
-                )
     shard = p.data_parallel_shard_degree
     if p.data_parallel_replicate_degree > 1 and shard == 1 and p.tensor_parallel_degree > 1:
         raise ConfigError(

@@ -311,6 +311,14 @@ ROWS = {
     # gradient accumulation: 2 batches per optimizer step, against one process accumulating the same 2
     "pp2_accum2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), accumulate=True),
     "pp2_cp2": Row(4, parallel(cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
+    # ... with context parallelism (each stage's mixers pass states, or keys and values, across the CP ranks),
+    # and with document masking: each micro-batch's boundaries reach every stage (torchtitan's extra kwargs),
+    # also where full AC recomputes a block in its backward after later micro-batches' forwards (Interleaved1F1B)
+    "pp2_cp2": Row(4, parallel(cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
+    "pp2_docs": Row(2, parallel(pp=2), rtol=TP_RTOL, documents=True, specs=("fla_gla", "hf_llama")),
+    "pp2_cp2_docs": Row(4, (*parallel(cp=2, pp=2), *AC, "full", "--parallelism.pipeline_parallel_schedule",
+                            "Interleaved1F1B"), rtol=TP_RTOL, documents=True, validation=True,
+                        specs=("fla_gla", "hf_llama"), spec_rtol=CP_DOCS_RTOL),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),

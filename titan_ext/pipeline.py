@@ -23,6 +23,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
 
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import PPChoice, plan_of
@@ -240,7 +241,6 @@ def _replace(model: nn.Module, fqn: str, module: nn.Module | None) -> None:
 
 def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
     """torchtitan's ``pipelining_fn``: this rank's stages, each parallelized, and the schedule."""
-    from torch.distributed.pipelining import PipelineStage
     from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
     choice = plan_of(model_args).pp
@@ -248,7 +248,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     stages, parts = [], []
     for index in choice.stage_indices(mesh.get_local_rank()):
         part = parallelize_fn(stage_model(model, choice.stages[index]), parallel_dims, job_config)
-        stages.append(PipelineStage(part, index, len(choice.stages), device, group=mesh.get_group()))
+        stages.append(MicroBatchStage(part, index, len(choice.stages), device, group=mesh.get_group()))
         parts.append(part)
         logger.info(f"PP: stage {index} of {len(choice.stages)} holds {list(choice.stages[index])}")
     from titan_ext.cpu_mode import on_gloo
@@ -357,3 +357,32 @@ class TokenMeanSchedule:
 
     def __getattr__(self, name):
         return getattr(self._schedule, name)
+
+
+class MicroBatchStage(PipelineStage):
+    """A ``PipelineStage`` that tells its model's context-parallel layout which micro-batch it runs.
+
+    Under CP the bound mixers read each forward's positions and document boundaries from the model's
+    ``PieceLayout``, recorded when the stage's forward starts (the schedule hands every stage its
+    micro-batch's slice of torchtitan's kwargs). A stage runs several forwards before their backwards,
+    and activation checkpointing recomputes blocks inside a backward: the layout keeps one record per
+    micro-batch, and the stage selects it before each forward and backward (``PieceLayout.micro_batch``).
+    Without CP it is torch's stage.
+    """
+
+    def _select(self, index: int) -> None:
+        layout = getattr(self.submod, "cp_layout", None)
+        if layout is not None:
+            layout.micro_batch(index)
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self._select(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        self._select(bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        self._select(bwd_chunk_id)
+        return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)

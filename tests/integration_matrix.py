@@ -165,7 +165,7 @@ SPECS = {
     "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
-                               rows=(*GENERIC_ROWS, "cp2", "cp2_docs")),
+                               rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", {**TINY_QWEN3, "tie_word_embeddings": False}, flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
@@ -199,6 +199,10 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+
+    opt_in: bool = False
+    """Not part of the CI matrix (``ALL_ROWS``): run by name (``--rows``), e.g. rows of 8 ranks
+    (``bench/compose_8ranks.py``)."""
 
     validation: bool = False
     """The row validates (``VALIDATION``) and its validation losses must match the single-process run's.
@@ -318,7 +322,11 @@ ROWS = {
     "pp2_docs": Row(2, parallel(pp=2), rtol=TP_RTOL, documents=True, specs=("fla_gla", "hf_llama")),
     "pp2_cp2_docs": Row(4, (*parallel(cp=2, pp=2), *AC, "full", "--parallelism.pipeline_parallel_schedule",
                             "Interleaved1F1B"), rtol=TP_RTOL, documents=True, validation=True,
-                        specs=("fla_gla", "hf_llama"), spec_rtol=CP_DOCS_RTOL),
+                        specs=("fla_gla", "hf_llama", "fla_transformer"), spec_rtol=CP_DOCS_RTOL),
+    # Outside CI (8 ranks; bench/compose_8ranks.py): TP2 x PP2 x CP2 with document masking, and FSDP2 x PP2 x CP2.
+    "pp2_tp2_cp2_docs": Row(8, parallel(tp=2, cp=2, pp=2), rtol=TP_RTOL, documents=True, validation=True,
+                            specs=("fla_gla",), opt_in=True),
+    "pp2_fsdp2_cp2": Row(8, parallel(shard=2, cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla",), opt_in=True),
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
@@ -514,7 +522,7 @@ class Matrix:
         units = self.units()
         phases = [lanes(nproc, 1, [(1, [self.seed(*variant)]) for variant in self.variants()])]
         for late in (False, True):
-            for world in (1, 2, 4):
+            for world in sorted({unit[0] for unit in units}):
                 work = [(cost, jobs) for w, cost, jobs, is_late in units if w == world and is_late == late]
                 if work:
                     phases.append(lanes(nproc, world, work))
@@ -757,7 +765,9 @@ def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1
     return results, seconds
 
 
-ALL_ROWS = [*ROWS, *(row for row in UNSUPPORTED if row not in ROWS)]
+ALL_ROWS = [*(row for row in ROWS if not ROWS[row].opt_in), *(row for row in UNSUPPORTED if row not in ROWS)]
+"""The CI matrix's rows (``tests/test_integration_matrix.py``)."""
+OPT_IN_ROWS = [row for row in ROWS if ROWS[row].opt_in]
 
 
 def table(results: list[Result]) -> str:
@@ -772,7 +782,7 @@ def table(results: list[Result]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", nargs="+", choices=list(SPECS), default=list(SPECS))
-    parser.add_argument("--rows", nargs="+", choices=ALL_ROWS, default=ALL_ROWS)
+    parser.add_argument("--rows", nargs="+", choices=[*ALL_ROWS, *OPT_IN_ROWS], default=ALL_ROWS)
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "integration_matrix")
     args = parser.parse_args()
     if args.root.exists():

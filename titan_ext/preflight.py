@@ -107,6 +107,15 @@ def _check_titan_ext_parallelism(job_config) -> None:
             f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}; use HSDP (also set "
             "--parallelism.data_parallel_shard_degree > 1) or FSDP instead"
         )
+    if p.data_parallel_replicate_degree > 1 and shard == 1 and p.context_parallel_degree == 1 \
+            and p.pipeline_parallel_degree > 1:
+        raise ConfigError(  # torchtitan's own models refuse it too ("DDP has not supported > 1D parallelism")
+            f"DDP (--parallelism.data_parallel_replicate_degree={p.data_parallel_replicate_degree}) cannot combine with "
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: torch's pipeline stages hold a "
+            "DDP module's gradient all-reduce until the last micro-batch only for FSDP modules, so DDP would sum "
+            "earlier micro-batches' gradients again; use HSDP (also set --parallelism.data_parallel_shard_degree > 1) "
+            "or FSDP instead"
+        )
     if p.enable_async_tensor_parallel and not model_compile_enabled(job_config):
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs the model compiled (its collective-matmul fusion "

@@ -52,7 +52,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
 - ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
-  under PP and at PP=1; HF export under PP), compared with one process.
+  under PP and at PP=1; HF export under PP), compared with one process. ``pp2_cp2``: PP x CP (GLA's
+  state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
+  ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
+  later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
+- Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
+  (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
   are compared with the single-process run's.
 - Rows whose code path does not depend on the model run for fewer specs: ``hsdp2x2`` (GLA),

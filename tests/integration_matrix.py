@@ -44,8 +44,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   FSDP2, TP2, full AC + compile, with short convolutions: the "conv" variant; ``cp2_docs``: with document
   masking, against one process that masks too; ``cp2_tp2_docs`` for GLA), compared with one process.
   (No FSDP row with document masking: titan_ext_stream hands each data-parallel rank its own
-  documents, so its batches are not the single process's.) Gated DeltaNet runs ``cp2``
-  and ``cp2_docs``.
+  documents, so its batches are not the single process's.) Gated DeltaNet runs ``cp2``,
+  ``cp2_docs`` and ``pp2_cp2_docs``.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
@@ -77,7 +77,9 @@ first the seed checkpoints and every 1-process job (four lanes of one
 process), then 2-process jobs (two lanes), then 4-process jobs; ``Row.cost``
 (roughly seconds) balances the lanes. The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
-and 59 s).
+and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
+the 4-process phase) it took 221 s again inside a whole-suite run, while other
+jobs loaded the machine (phases of 5, 76, 105 and 60 s).
 """
 
 from __future__ import annotations

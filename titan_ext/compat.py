@@ -109,6 +109,12 @@ def importing_trainer_job_config():
     return None if frame is None else frame.f_locals["job_config"]
 
 
+def importing_trainer():
+    """The torchtitan ``Trainer`` whose ``__init__`` is importing titan_ext (see ``importing_trainer_job_config``)."""
+    frame = _frame_on_stack("torchtitan.train", "__init__", lambda f: "job_config" in f.f_locals)
+    return None if frame is None else frame.f_locals.get("self")
+
+
 def _frame_on_stack(module: str, function: str, accept=lambda frame: True):
     """The innermost caller frame running ``function`` of ``module``'s file (matched by file, not by
     module object: ``-m torchtitan.train`` runs that file as ``__main__``)."""

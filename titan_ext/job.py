@@ -22,8 +22,8 @@ import os
 import torch
 
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, float8, host_patches, nonfinite, pipeline, preflight,
-    tensor_parallel,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, nonfinite,
+    pipeline, preflight, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
@@ -58,6 +58,8 @@ def on_trainer_import() -> None:
     except ConfigError as error:
         exit_with(error)
     host_patches.apply_job()
+    if documents.enabled(job_config):  # every pipeline stage reads the boundaries
+        host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():
         host_patches.apply_interpreter()
     if _cpu_mode:

@@ -23,7 +23,7 @@ def check_job_config(job_config, world_size: int) -> None:
     _check_model_name_and_flavor(job_config)
     _check_dataset(job_config)
     _check_document_mask(job_config)
-    _check_titan_ext_parallelism(job_config)
+    _check_titan_ext_parallelism(job_config, world_size)
 
 
 def _titan_ext_spec(name: str) -> bool:
@@ -95,29 +95,26 @@ def _check_document_mask(job_config) -> None:
             )
 
 
-def _check_titan_ext_parallelism(job_config) -> None:
+def _check_titan_ext_parallelism(job_config, world_size: int) -> None:
     """What titan_ext's specs do not support yet, or what torchtitan would get wrong."""
     p = job_config.parallelism
     if not _titan_ext_spec(job_config.model.name):
         return
-    if p.pipeline_parallel_degree > 1:
-        from titan_ext import documents
-
-        # (option, value, whether it is on): `True in (1, False)` holds in Python, so no value test
-        others = [("--parallelism.context_parallel_degree", p.context_parallel_degree, p.context_parallel_degree > 1)]
-        others += [(documents.OPTION, True, documents.enabled(job_config))]
-        for option, value, on in others:
-            if on:
-                raise ConfigError(
-                    f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} does not combine with "
-                    f"{option}={value} in titan_ext yet; use PP with FSDP/HSDP/DDP, or drop PP"
-                )
-    shard = p.data_parallel_shard_degree
+    shard = degrees.shard_degree(p, world_size)
     if p.data_parallel_replicate_degree > 1 and shard == 1 and p.tensor_parallel_degree > 1:
         raise ConfigError(
             "DDP (--parallelism.data_parallel_replicate_degree) cannot combine with "
             f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}; use HSDP (also set "
             "--parallelism.data_parallel_shard_degree > 1) or FSDP instead"
+        )
+    if p.data_parallel_replicate_degree > 1 and shard == 1 and p.context_parallel_degree == 1 \
+            and p.pipeline_parallel_degree > 1:
+        raise ConfigError(  # torchtitan's own models refuse it too ("DDP has not supported > 1D parallelism")
+            f"DDP (--parallelism.data_parallel_replicate_degree={p.data_parallel_replicate_degree}) cannot combine with "
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: torch's pipeline stages defer the "
+            "gradient reduction to a step's last micro-batch for FSDP modules, not for DDP's replicate, which would "
+            "sum earlier micro-batches' gradients again; use HSDP (also set --parallelism.data_parallel_shard_degree > 1) "
+            "or FSDP instead"
         )
     if p.enable_async_tensor_parallel and not model_compile_enabled(job_config):
         raise ConfigError(

@@ -186,12 +186,13 @@ def test_a_bad_layout_stops_in_titan_exts_one_line(capsys):
 def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest(capsys):
     from titan_ext.plan import main
 
-    assert main(["--job.config_file", CONFIG, "--world", "4", "--sweep", "--memory-gib", "0.0085"]) == 0
+    assert main(["--job.config_file", CONFIG, "--world", "4", "--sweep", "--memory-gib", "0.0085",
+                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]) == 0  # 2 stages per rank
     out = capsys.readouterr().out
     fits = out.split("do not fit")[0].splitlines()[2:]
     times = [float(line.split()[0]) for line in fits if line.strip() and line.split()[0] not in ("-", "(-:")]
     assert times == sorted(times) and len(times) >= 3
-    assert "pp 2 x cp 2: --parallelism.pipeline_parallel_degree=2 does not combine with" in out
+    assert "pp 4: --parallelism.pipeline_parallel_degree=4 cannot split 2 blocks into 8 stages" in out
     assert "fsdp 4: " in out.split("do not fit")[1].split("skipped")[0]  # 0.0085 GiB: FSDP alone keeps too much
     assert "\n  tp 4: " not in out  # it fits, it is not skipped
 

@@ -252,33 +252,24 @@ def fake_process_group() -> types.SimpleNamespace:
 
 
 def clear_dtensor_sharding_cache() -> None:
-    """Forget DTensor's cached sharding decisions (``DTensor._op_dispatcher.sharding_propagator``).
+    """Forget DTensor's cached sharding decisions (``DTensor._op_dispatcher.sharding_propagator``'s Python
+    caches and the C++ fast path's copy).
 
     They are keyed by meshes that compare equal across process groups, and hold the first mesh seen: a
     job planned after another in the same process would issue its collectives on the previous job's
     (destroyed) groups."""
+    import torch
     from torch.distributed.tensor import DTensor
 
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     caches = [getattr(propagator, name, None) for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")]
-    if propagator is None or not all(hasattr(cache, "cache_clear") for cache in caches):
-        import torch
-
-        raise CompatError(f"titan_ext needs DTensor's sharding_propagator caches; installed torch {torch.__version__}, "
-                          f"supported {SUPPORTED['torch']}")
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is None or not all(hasattr(cache, "cache_clear") for cache in caches):
+        raise CompatError(
+            "titan_ext needs DTensor's sharding_propagator caches and torch._C._clear_DTensor_sharding_propagator_cache; "
+            f"installed torch {torch.__version__}, supported {SUPPORTED['torch']}"
+        )
     for cache in caches:
         cache.cache_clear()
-    native = getattr(torch_c_module(), "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's copy
-    if native is None:
-        import torch
-
-        raise CompatError(f"titan_ext needs torch._C._clear_DTensor_sharding_propagator_cache; installed torch "
-                          f"{torch.__version__}, supported {SUPPORTED['torch']}")
     native()
-
-
-def torch_c_module():
-    import torch
-
-    return torch._C
 

@@ -135,9 +135,6 @@ def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1, pp: i
 @dataclass(frozen=True)
 class Spec:
     config: str
-    pp_hf_config: dict | None = None
-    """HF config overrides for PP rows (hf_llama's debug flavor ties its head to the embedding, which PP
-    cannot split yet); TP rows run the shipped, tied config."""
     flags: tuple[str, ...] = ()
     recompiles: str = ""
     """Why this spec's compiled blocks recompile (then allowed), or '' (a recompile is an error)."""
@@ -162,11 +159,11 @@ SPECS = {
         recompiles="fla's RotaryEmbedding fills its cos/sin cache lazily in step 1 (_seq_len_cached is a "
         "guarded int): each block's code recompiles once, at step 2 (tests/test_ac_compile.py)",
     ),
-    "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
+    "hf_llama": Spec("debug_llama.toml"),
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs")),
-    "hf_qwen3": Spec("debug_llama.toml", {**TINY_QWEN3, "tie_word_embeddings": False}, flags=("--model.name", "hf"),
+    "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
@@ -208,13 +205,6 @@ class Row:
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
 
-    def _degree(self, flag: str) -> int:
-        return int(self.flags[self.flags.index(flag) + 1]) if flag in self.flags else 1
-
-    @property
-    def pipelined(self) -> bool:
-        """PP: a tied embedding and head cannot be split over stages yet."""
-        return self._degree("--parallelism.pipeline_parallel_degree") > 1
 
 
 AC = ("--activation_checkpoint.mode",)
@@ -372,9 +362,9 @@ class Matrix:
         return applies(spec, row)
 
     def variant(self, spec: str, row: str) -> str:
-        """What the row and its single-process reference share: "base", "untied", "docs" or "untied+docs"."""
+        """What the row and its single-process reference share: "base", or its tags ("docs", "conv", "accum")."""
         r = ROWS[row]
-        tags = ["untied"] * bool(r.pipelined and SPECS[spec].pp_hf_config) + ["docs"] * r.documents + ["conv"] * r.short_conv
+        tags = ["docs"] * r.documents + ["conv"] * r.short_conv
         tags += ["accum"] * r.accumulate
         return "+".join(tags) or "base"
 
@@ -385,8 +375,6 @@ class Matrix:
         if spec_def.hf_config:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "config.json"))
         tags = variant.split("+")
-        if "untied" in tags:
-            flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
         if "docs" in tags:
             flags += ("--titan_ext.document_mask",)
         if "conv" in tags:
@@ -533,9 +521,6 @@ class Matrix:
             if SPECS[spec].hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
-            if SPECS[spec].pp_hf_config:
-                (self.root / spec).mkdir(exist_ok=True)
-                (self.root / spec / "untied.json").write_text(json.dumps(SPECS[spec].pp_hf_config))
 
 
 def lanes(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> list[dict]:

@@ -51,6 +51,10 @@ class PPChoice:
             return rank, len(self.stages) - 1 - rank
         return tuple(range(rank, len(self.stages), self.degree))
 
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank running ``stage``."""
+        return next(rank for rank in range(self.degree) if stage in self.stage_indices(rank))
+
 
 class StageLayers(nn.Module):
     """One stage's blocks under their original indices, so parameter names stay the whole model's.
@@ -164,12 +168,6 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
         ScheduleZBVZeroBubble,
     )
 
-    if model.config.tie_word_embeddings:
-        raise ConfigError(
-            f"{DEGREE}={p.pipeline_parallel_degree} with tie_word_embeddings=true: the embedding (first stage) and "
-            "the head (last stage) share one weight; untie them ([titan_ext] hf_config with "
-            '"tie_word_embeddings": false)'
-        )
     schedule = p.pipeline_parallel_schedule
     schedule_class = _schedule_class(schedule)
     training = job_config.training
@@ -236,14 +234,20 @@ def _dp_degree(job_config) -> int:
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     """A copy of ``whole`` (meta device) holding only ``modules``: the others are gone (None, or an
-    Identity for the final norm, which HF decoders always call)."""
-    model = copy.deepcopy(whole)
+    Identity for the final norm, which HF decoders always call).
+
+    A tied head's stage also keeps the embedding module, unused, as the owner of the weight the head
+    shares: the stage's parameters, state dict and optimizer state then name that weight as one process
+    names it (``model.embed_tokens.weight``), so checkpoints hold it once at every PP degree, and TP
+    shards it as in one process (``model_plans.apply.retie_embeddings``)."""
+    model = copy.deepcopy(whole)  # a tied head keeps sharing the embedding's weight
     embeddings, layers, norm, head = model_parts_of(model)
     keep = set(modules)
     blocks = model.get_submodule(layers)
     kept = {name: block for name, block in blocks.named_children() if f"{layers}.{name}" in keep}
     _replace(model, layers, StageLayers(kept))
-    if embeddings not in keep:
+    model.takes_hidden_states = embeddings not in keep
+    if embeddings not in keep and not (model.config.tie_word_embeddings and head in keep):
         _replace(model, embeddings, None)
     if norm not in keep:
         _replace(model, norm, nn.Identity())
@@ -275,10 +279,107 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     from titan_ext.cpu_mode import on_gloo
 
     batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
+    tied = None
+    if model.config.tie_word_embeddings:
+        embeddings, _, _, head = model_parts_of(model)
+        tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
+        from titan_ext import host_patches
+
+        host_patches.apply_pipeline()
     schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
-                                 pp_group=mesh.get_group())
+                                 pp_group=mesh.get_group(), tied=tied)
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+
+TIED_COPY = "_titan_ext_tied_copy"
+"""Marks a stage's copy of the tied weight that gradient clipping must not count again
+(``host_patches.PIPELINE``): every copy but the first stage's."""
+
+
+def is_tied_copy(param: torch.Tensor) -> bool:
+    return getattr(param, TIED_COPY, False)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP/TP-sharded) tensor, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class TiedWeight:
+    """A tied embedding and head under PP, as Megatron-LM's embedding group: one copy of the weight on each
+    stage that uses it (the first stage's embedding, the last stage's head), kept equal.
+
+    The copies start from the first stage's values, and after each optimizer step's last backward every
+    copy's gradient becomes the sum of all copies' (one all-reduce over the pipeline ranks holding them, for
+    each data/tensor-parallel coordinate; local where one rank holds both stages, as in V-shaped schedules).
+    With equal values, equal gradients and the same optimizer the copies stay equal; clipping counts the
+    weight once (``TIED_COPY``), and checkpoints name it once (the embedding's name on every stage).
+    FSDP and TP shard each copy alike (on the vocabulary), so their local shards line up rank for rank.
+    """
+
+    def __init__(self, parts: list[nn.Module], group, source: int | None):
+        self.parts, self.group, self.source = parts, group, source
+        """This rank's stages holding a copy (the first stage's first, if here), the process group of the ranks
+        holding them (None: this rank holds them all), and the global rank holding the first stage's."""
+        self.synced = False
+
+    @property
+    def copies(self) -> list[nn.Parameter]:
+        """Read when used: torchtitan's ``to_empty`` gives the stages new parameters after they are built."""
+        return [part.get_input_embeddings().weight for part in self.parts]
+
+    @classmethod
+    def of(cls, choice: PPChoice, mesh, stages, parts: list[nn.Module], ends: tuple[str, str]) -> "TiedWeight":
+        """This rank's copies; every rank of the job calls it (the subgroups are made collectively).
+        ``ends``: the FQNs of the embedding and the head."""
+        import torch.distributed as dist
+
+        holding = [index for index, stage in enumerate(choice.stages) if any(name in stage for name in ends)]
+        holders = sorted({choice.rank_of(index) for index in holding})
+        mine = [part for stage, part in zip(stages, parts) if stage.stage_index in holding]
+        pp_ranks = mesh.mesh.tolist()
+        if len(holders) == 1:
+            return cls(mine, None, None)
+        if len(holders) == len(pp_ranks):
+            group = mesh.get_group()
+        else:  # a subgroup per pipeline: every rank takes part in making every one
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, tuple(pp_ranks[r] for r in holders))
+            group, _ = dist.new_subgroups_by_enumeration(sorted(set(every)))
+        return cls(mine, group, pp_ranks[holders[0]])
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Every copy takes the first stage's values (torchtitan seeds each pipeline rank differently)."""
+        import torch.distributed as dist
+
+        copies = self.copies
+        first = _local(copies[0])
+        if self.group is not None:
+            dist.broadcast(first, src=self.source, group=self.group)
+        for copy_ in copies[1:]:
+            _local(copy_).copy_(first)
+        for part, copy_ in zip(self.parts, copies):
+            if part.takes_hidden_states:  # not the first stage's
+                setattr(copy_, TIED_COPY, True)
+        self.synced = True
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        import torch.distributed as dist
+
+        for param in self.copies:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [_local(param.grad) for param in self.copies]
+        total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for grad in grads:
+            grad.copy_(total)
 
 
 class TokenMeanSchedule:
@@ -296,7 +397,8 @@ class TokenMeanSchedule:
     that matters is the whole optimizer step's, which no single schedule step sees: each one divides by
     the first batch's count instead, and after the last one every stage multiplies its gradients by
     (first count / step's count), agreed over the pipeline ranks (one scalar all-reduce per optimizer
-    step), before torchtitan clips them.
+    step), before torchtitan clips them. Then (or after each step without accumulation) the tied
+    weight's copies sum their gradients (``TiedWeight``): once per optimizer step, after its last backward.
 
     On gloo, torch 2.13's schedules feed the first microbatch of their first
     step from a receive buffer the data has not reached (uninitialized values,
@@ -306,8 +408,8 @@ class TokenMeanSchedule:
     """
 
     def __init__(self, loss_fn, batch_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
-                 pp_group=None):
-        self._loss_fn, self._batch_mesh, self._parts = loss_fn, batch_mesh, parts
+                 pp_group=None, tied: TiedWeight | None = None):
+        self._loss_fn, self._batch_mesh, self._parts, self._tied = loss_fn, batch_mesh, parts, tied
         self._schedule = None
         self._tokens: torch.Tensor | None = None
         """What this optimizer step's microbatch losses are divided by (the last stage's; None in validation)."""
@@ -336,6 +438,8 @@ class TokenMeanSchedule:
             if self._calls == 0:  # the first batch of an optimizer step sets the divisor
                 self._tokens, self._step_tokens = tokens, 0.0
             self._step_tokens += float(tokens)
+        if self._tied is not None and not self._tied.synced:  # after any checkpoint load, before training
+            self._tied.sync()
         if self._warm_up:  # once, on gloo: see the class docstring
             self._warm_up, self._warming_up = False, True
             self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
@@ -345,11 +449,13 @@ class TokenMeanSchedule:
         result = self._schedule.step(*args, target=target, losses=losses, **kwargs)
         if losses is not None:
             losses[:] = [loss * self._tokens for loss in losses]
-        if self._accumulation > 1:
-            self._calls += 1
-            if self._calls == self._accumulation:
+        self._calls += 1
+        if self._calls == self._accumulation:  # the optimizer step's last backward is done
+            if self._accumulation > 1:
                 self._rescale_gradients()
-                self._calls = 0
+            if self._tied is not None:  # once per optimizer step: summing after each batch would add twice
+                self._tied.sum_gradients()
+            self._calls = 0
         return result
 
     def _rescale_gradients(self) -> None:
@@ -372,6 +478,8 @@ class TokenMeanSchedule:
         does): it warms up again."""
         self._tokens = None
         self._warm_up = self._on_gloo
+        if self._tied is not None and not self._tied.synced:
+            self._tied.sync()
         return self._schedule.eval(*args, **kwargs)
 
     def __getattr__(self, name):

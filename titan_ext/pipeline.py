@@ -371,9 +371,15 @@ class TiedWeight:
     def sum_gradients(self) -> None:
         import torch.distributed as dist
 
+        from torch.distributed.tensor import DTensor
+
         for param in self.copies:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # TP: the rowwise embedding's gradient comes back replicated; lay it out as the weight (and
+                # the other copy) is, so the local shards line up
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
         grads = [_local(param.grad) for param in self.copies]
         total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
         if self.group is not None:

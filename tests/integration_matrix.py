@@ -291,21 +291,23 @@ ROWS = {
     "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, spec_rtol=TIED_DTENSOR_RTOL),
     "pp2_tp2": Row(4, parallel(tp=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, validation=True,  # SP and loss parallel on
                    spec_rtol=TIED_DTENSOR_RTOL),
-    # the remaining schedules torchtitan offers, on GLA
+    # the remaining schedules torchtitan offers, on GLA; a V (rank 0 runs the first and the last stage: the tied
+    # Llama's two copies of its weight on one rank) on Llama too
     **{f"pp2_{name.lower()}": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", name),
-                                  rtol=TP_RTOL, specs=("fla_gla",))
+                                  rtol=TP_RTOL, specs=("fla_gla", "hf_llama") if name == "ZBVZeroBubble" else ("fla_gla",))
        for name in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
     # DualPipeV needs a microbatch per stage (4): a batch of 4, so it trains on other data than the reference.
     "pp2_dualpipev": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "DualPipeV",
                              "--training.local_batch_size", "4",
-                             "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains", specs=("fla_gla",),
-                         ),
+                             "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains",
+                         specs=("fla_gla", "hf_llama")),
     # gradient accumulation: 2 batches per optimizer step, against one process accumulating the same 2
     "pp2_accum2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), accumulate=True),
-    "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
-    "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
-    "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
-    "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla",)),
+    # checkpoints under PP: the tied Llama's weight is one key, written by both stages, read by one process and back
+    "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla", "hf_llama")),
+    "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla", "hf_llama")),
+    "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla", "hf_llama")),
+    "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla", "hf_llama")),
     # fla's own Triton kernels (the GPU code path) under Triton's interpreter, TP2 with sequence and loss parallel,
     # against one process on titan_ext's portable kernels ("single").
     "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),

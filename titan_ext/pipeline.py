@@ -332,9 +332,9 @@ class TiedWeight:
         return [part.get_input_embeddings().weight for part in self.parts]
 
     @classmethod
-    def of(cls, choice: PPChoice, mesh, stages, parts: list[nn.Module], ends: tuple[str, str]) -> "TiedWeight":
-        """This rank's copies; every rank of the job calls it (the subgroups are made collectively).
-        ``ends``: the FQNs of the embedding and the head."""
+    def of(cls, choice: PPChoice, mesh, stages, parts: list[nn.Module], ends: tuple[str, str]) -> "TiedWeight | None":
+        """This rank's copies (None where it holds none); every rank of the job calls it (the subgroups are made
+        collectively). ``ends``: the FQNs of the embedding and the head."""
         import torch.distributed as dist
 
         holding = [index for index, stage in enumerate(choice.stages) if any(name in stage for name in ends)]
@@ -342,14 +342,14 @@ class TiedWeight:
         mine = [part for stage, part in zip(stages, parts) if stage.stage_index in holding]
         pp_ranks = mesh.mesh.tolist()
         if len(holders) == 1:
-            return cls(mine, None, None)
-        if len(holders) == len(pp_ranks):
+            group = None
+        elif len(holders) == len(pp_ranks):
             group = mesh.get_group()
         else:  # a subgroup per pipeline: every rank takes part in making every one
             every: list = [None] * dist.get_world_size()
             dist.all_gather_object(every, tuple(pp_ranks[r] for r in holders))
             group, _ = dist.new_subgroups_by_enumeration(sorted(set(every)))
-        return cls(mine, group, pp_ranks[holders[0]])
+        return cls(mine, group, pp_ranks[holders[0]]) if mine else None
 
     @torch.no_grad()
     def sync(self) -> None:

@@ -1,7 +1,9 @@
 """Pipeline stages of HF-layout models, in one process: names, balance, and the chained forward.
 
 Training under PP (1F1B, Interleaved1F1B, ZBVZeroBubble, with FSDP2, resume, HF export) runs in the
-integration matrix (``pp2*`` rows), against one process.
+integration matrix (``pp2*`` rows), against one process. A tied embedding and head (a copy on the first and
+the last stage) trains here on two forked ranks against one process: the copies' gradients, the clip norm,
+the weights, the checkpoint's keys.
 """
 
 import copy

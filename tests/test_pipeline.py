@@ -114,6 +114,8 @@ def test_a_tied_heads_stage_holds_the_embedding_as_the_weights_owner():
     torch.testing.assert_close(last(first(tokens)), whole(tokens), rtol=1e-12, atol=1e-12)
 
 
+BATCH = 4
+"""A microbatch of 1 per stage of the 4-stage pipelines."""
 MAX_NORM = 0.5
 """Below the gradients' norm (about 1.5): clipping scales every step, so a norm counted twice would show."""
 
@@ -135,10 +137,10 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
     torch.manual_seed(0)
     whole = build_model(tied_llama()).double()
     whole.init_weights()
-    v_shape = schedule_name == "ZBVZeroBubble"
+    v_shape, degree = schedule_name == "ZBVZeroBubble", mesh.size()
     names = ((("model.embed_tokens",), ("model.layers.0",), ("model.layers.1",), ("model.norm", "lm_head")) if v_shape
-             else (("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.norm", "lm_head")))
-    choice = PPChoice(2, schedule_name, 1, names, v_shape)
+             or degree == 4 else (("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.norm", "lm_head")))
+    choice = PPChoice(degree, schedule_name, 1, names, v_shape)
     parts = [stage_model(whole, names[i]) for i in choice.stage_indices(rank)]
     with torch.no_grad():  # torchtitan seeds each pipeline rank differently: the copies start apart
         for part in parts:
@@ -155,7 +157,7 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
 
     schedule = TokenMeanSchedule(loss_fn, None, parts, warm_up=True, pp_group=mesh.get_group(), tied=tied)
     schedule_class = get_schedule_class(schedule_name)
-    schedule.wrap(schedule_class(stages if v_shape else stages[0], n_microbatches=2, loss_fn=schedule.loss_fn,
+    schedule.wrap(schedule_class(stages if v_shape else stages[0], n_microbatches=BATCH, loss_fn=schedule.loss_fn,
                                  scale_grads=False))
     clip = host_patches._tied_weight_counted_once(dist_utils.clip_grad_norm_)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (*parts, whole)]
@@ -165,20 +167,20 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
         return ((a - b).norm() / b.norm()).item()
 
     def copies(tensors):  # the tied weight's copies (or their gradients) on both ranks
-        gathered = [None, None]
+        gathered = [None] * degree
         dist.all_gather_object(gathered, [t.detach().clone() for t in tensors])
         return [t for ts in gathered for t in ts]
 
     for step in range(2):
         g = torch.Generator().manual_seed(10 + step)
-        tokens, labels = torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g)
+        tokens, labels = (torch.randint(0, 2048, (BATCH, 16), generator=g) for _ in range(2))
         for optimizer in optimizers:
             optimizer.zero_grad()
         (loss_fn(whole(tokens), labels) / labels.numel()).backward()
         expected_norm = torch.nn.utils.get_total_norm([p.grad for p in whole.parameters()])
         torch.nn.utils.clip_grads_with_norm_(list(whole.parameters()), MAX_NORM, expected_norm)
         first = rank == 0
-        last = rank == 0 if v_shape else rank == 1
+        last = rank == 0 if v_shape else rank == degree - 1
         schedule.step(*([tokens] if first else []), target=labels if last else None, losses=[] if last else None)
         norm = clip([p for part in parts for p in part.parameters()], MAX_NORM, foreach=True, pp_mesh=mesh)
         grads = copies([p.grad for p in mine()])
@@ -200,17 +202,17 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
     return worst, tied_keys
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
-def test_tied_copies_on_two_pipeline_ranks_train_as_one_weight(schedule, tmp_path):
-    """1F1B: the copies on rank 0 (embedding) and rank 1 (head) sum their gradients over the two ranks; ZBV: rank 0
-    holds both (a V). The copies start from rank 0's values although each rank drew its own, their gradients are
+@pytest.mark.parametrize("schedule,degree", [("1F1B", 2), ("ZBVZeroBubble", 2), ("1F1B", 4)])
+def test_tied_copies_on_pipeline_ranks_train_as_one_weight(schedule, degree, tmp_path):
+    """1F1B: the copies on rank 0 (embedding) and the last rank (head) sum their gradients over those two (at PP=4
+    a subgroup of the pipeline); ZBV: rank 0 holds both (a V). The copies start from rank 0's values although each rank drew its own, their gradients are
     equal and equal to one process's tied gradient, the clip norm counts the weight once (one process's norm),
     the weights after 2 clipped AdamW steps equal one process's, and the checkpoint names the weight once."""
     import functools
 
     from helpers import on_forked_ranks
 
-    results = on_forked_ranks(2, functools.partial(_tied_pipeline_run, schedule_name=schedule, folder=str(tmp_path)))
+    results = on_forked_ranks(degree, functools.partial(_tied_pipeline_run, schedule_name=schedule, folder=str(tmp_path)))
     for rank, (worst, keys) in results.items():
         assert all(value <= 1e-10 for value in worst.values()), (rank, worst)
         assert keys["model"] == ["model.embed_tokens.weight"], keys  # the DCP checkpoint's metadata

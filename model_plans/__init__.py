@@ -12,20 +12,12 @@ from the user's own module::
 """
 
 from model_plans.apply import apply_tp, enable_async_tp, resolve
-from model_plans.base import (
-    IfPresent,
-    TPOptions,
-    TPPlan,
-    get_tp_plan,
-    plan_for_model,
-    plan_source,
-    register_tp_plan,
-    registered_model_types,
-)
+from model_plans.base import IfPresent, TPOptions, TPPlan
 from model_plans.gated_deltanet import GatedDeltaNetTPPlan
 from model_plans.gla import GLATPPlan
 from model_plans.hf_plan import HFTPPlan, hf_plan_class
 from model_plans.llama import LlamaTPPlan
+from model_plans.registry import get_tp_plan, plan_for_model, plan_source, register_tp_plan, registered_model_types
 from model_plans.transformer import TransformerTPPlan
 from model_plans.validate import validate_tp
 

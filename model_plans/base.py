@@ -1,4 +1,4 @@
-"""``TPPlan``: a model's tensor-parallel plan as data, and the registry of plans by model type."""
+"""``TPPlan``: a model's tensor-parallel plan as data (the registry by model type: ``model_plans.registry``)."""
 
 from __future__ import annotations
 
@@ -137,72 +137,3 @@ def short_conv_plan() -> Plan:
     """fla's ShortConvolutions on q/k/v (``use_short_conv``): depthwise, so each rank convolves the
     channels its colwise projection produced (weight ``[C, 1, W]`` and bias sharded on ``C``)."""
     return {f"attn.{name}": IfPresent(PlaceParameters(Shard(0))) for name in ("q_conv1d", "k_conv1d", "v_conv1d")}
-
-
-_PLANS: dict[str, type[TPPlan]] = {}
-
-
-def _shipped(cls: type) -> bool:
-    return cls.__module__.split(".")[0] == "model_plans"
-
-
-def register_tp_plan(model_type: str):
-    """Class decorator: ``@register_tp_plan("my_type")`` makes ``get_tp_plan`` find the class.
-
-    A user's plan replaces a shipped one for the same model type (``plan_source``
-    says so, and the job logs it); two user plans for one type are an error.
-    """
-
-    def register(cls: type[TPPlan]) -> type[TPPlan]:
-        if not (isinstance(cls, type) and issubclass(cls, TPPlan)):
-            raise TypeError(f"register_tp_plan({model_type!r}) needs a TPPlan subclass, got {cls!r}")
-        current = _PLANS.get(model_type)
-        if current is not None and current is not cls and not _shipped(current) and not _shipped(cls):
-            raise ValueError(
-                f"a TP plan for model_type {model_type!r} is already registered ({current.__module__}.{current.__qualname__}); "
-                "register one plan per model_type"
-            )
-        if current is None or not _shipped(cls):  # a shipped plan never replaces a user's
-            _PLANS[model_type] = cls
-        return cls
-
-    return register
-
-
-def registered_model_types() -> list[str]:
-    return sorted(_PLANS)
-
-
-def get_tp_plan(model_type: str) -> type[TPPlan]:
-    if model_type not in _PLANS:
-        raise ValueError(
-            f"no tensor-parallel plan for model_type {model_type!r}; registered: {registered_model_types()}. "
-            "Register one with @model_plans.register_tp_plan(model_type) in your custom_import module"
-        )
-    return _PLANS[model_type]
-
-
-def plan_source(plan_cls: type[TPPlan]) -> str:
-    """Where a plan comes from, for the job's log: shipped, the user's module, or the model's own HF plan."""
-    if getattr(plan_cls, "translated_from_hf", False):
-        return "translated from the model's own HF tensor-parallel plan"
-    return "shipped with titan_ext" if _shipped(plan_cls) else f"registered by {plan_cls.__module__}"
-
-
-def plan_for_model(model) -> type[TPPlan]:
-    """The TP plan of a model (on any device, the meta device included), in this order: the plan
-    registered for its ``config.model_type`` (a user's wins over a shipped one), else its HF
-    ``base_model_tp_plan`` translated (``model_plans.hf_plan``), else a one-line ``ValueError``."""
-    from model_plans.hf_plan import hf_plan_class
-
-    model_type = model.config.model_type
-    if model_type in _PLANS:
-        return _PLANS[model_type]
-    translated = hf_plan_class(model)
-    if translated is None:
-        raise ValueError(
-            f"no tensor-parallel plan for model_type {model_type!r}: none is registered (registered: "
-            f"{registered_model_types()}) and its HF config has no base_model_tp_plan; register one with "
-            "@model_plans.register_tp_plan(model_type) in your custom_import module"
-        )
-    return translated

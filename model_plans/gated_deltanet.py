@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from model_plans.base import IfPresent, Plan, TPPlan, register_tp_plan, short_conv_plan
+from model_plans.base import IfPresent, Plan, TPPlan, short_conv_plan
+from model_plans.registry import register_tp_plan
 from model_plans.styles import Composed, NormParallel, PlaceParameters
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from model_plans.base import Plan, TPPlan, register_tp_plan
+from model_plans.base import Plan, TPPlan
+from model_plans.registry import register_tp_plan
 
 
 @register_tp_plan("llama")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Shard
 
-from model_plans.base import IfPresent, Plan, TPPlan, register_tp_plan
+from model_plans.base import IfPresent, Plan, TPPlan
+from model_plans.registry import register_tp_plan
 from model_plans.styles import NormParallel
 
 

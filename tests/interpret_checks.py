@@ -166,7 +166,8 @@ def built(args, path: str, like=None):
 
 def _cp_rank(rank, mesh):
     """One of two gloo ranks: GLA (short convolutions) and Gated DeltaNet under CP=2 on fla's kernels."""
-    from titan_ext.context_parallel import CPChoice, apply_cp
+    from titan_ext.context_parallel import apply_cp
+    from titan_ext.job_plan import CPChoice
     from titan_ext.kernels.state_passing import piece_order
 
     host_patches.apply_interpreter()  # a forkserver child imports afresh

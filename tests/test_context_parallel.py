@@ -13,7 +13,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from helpers import on_forked_ranks
 
 from titan_ext import compat
-from titan_ext.context_parallel import CPChoice, apply_cp
+from titan_ext.context_parallel import apply_cp
+from titan_ext.job_plan import CPChoice
 from titan_ext.kernels.state_passing import piece_order
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import gla_flavors
@@ -290,14 +291,14 @@ def test_attention_takes_the_ring_unless_masked(tmp_path, monkeypatch, config, f
     from helpers import REPO, job_config
     from torchtitan.protocols.train_spec import get_train_spec
 
-    from titan_ext import job
 
     (tmp_path / "window.json").write_text('{"window_size": 64}')
     monkeypatch.setenv("WORLD_SIZE", "2")
     flags = [f.replace("{window}", str(tmp_path / "window.json")) for f in flags]
     config = job_config(*flags, "--parallelism.context_parallel_degree", "2",
                         "--parallelism.data_parallel_shard_degree", "1", config_file=REPO / "train_configs" / config)
-    copy.deepcopy(get_train_spec(config.model.name).model_args[config.model.flavor]).update_from_config(config)
-    choice = job.current().cp
+    args = get_train_spec(config.model.name).model_args[config.model.flavor]
+    args.update_from_config(config)
+    choice = args.plan.cp
     assert choice.masked_attention == masked
     assert choice.rotate_method == ("alltoall" if "alltoall" in flags else "allgather")

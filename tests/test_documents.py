@@ -15,6 +15,7 @@ from titan_ext.compile import apply_compile
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
+from titan_ext.models.packing import cu_seqlens
 from titan_ext.models.llama import llama_flavors
 from titan_ext.models.transformer import transformer_flavors
 from titan_ext.text_stream import StreamedTextDataset
@@ -48,8 +49,8 @@ def test_window_sample_marks_boundaries():
 
 def test_cu_seqlens_flattens_the_batch():
     positions = torch.tensor([[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]])
-    assert documents.cu_seqlens(positions).tolist() == [0, 3, 5, 6, 10]
-    assert documents.cu_seqlens(positions).dtype == torch.int32
+    assert cu_seqlens(positions).tolist() == [0, 3, 5, 6, 10]
+    assert cu_seqlens(positions).dtype == torch.int32
 
 
 def packed_batch(vocab: int, seed: int = 0):

@@ -266,11 +266,10 @@ def test_apply_fsdp_groups_policies_and_precision(gloo_group, monkeypatch, polic
     from titan_ext.job import _data_parallel
     from titan_ext.parallelize import apply_fsdp
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     dp = _data_parallel(job_config(
         "--parallelism.fsdp_reshard_after_forward", policy, "--training.enable_cpu_offload",
         "--training.mixed_precision_param", "bfloat16", "--training.mixed_precision_reduce", "float32",
-    ))
+    ), world_size=1)
     assert (dp.param_dtype, dp.reduce_dtype, dp.cpu_offload) == (torch.bfloat16, torch.float32, True)
     assert (dp.reshard_blocks, dp.reshard_head) == (blocks_reshard, head_reshard)
 
@@ -301,8 +300,7 @@ def test_apply_fsdp_groups_policies_and_precision(gloo_group, monkeypatch, polic
 def test_default_reshard_policy_keeps_blocks_gathered_with_pipeline_parallel(monkeypatch):
     from titan_ext.job import _data_parallel
 
-    monkeypatch.setenv("WORLD_SIZE", "2")  # a PP=2 job has (at least) 2 ranks
     config = job_config("--parallelism.fsdp_reshard_after_forward", "default")
     config.parallelism.pipeline_parallel_degree = 2
-    dp = _data_parallel(config)
+    dp = _data_parallel(config, world_size=2)  # a PP=2 job has (at least) 2 ranks
     assert (dp.reshard_blocks, dp.reshard_head) == (False, False)

@@ -7,13 +7,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torchtitan.components.optimizer import OptimizersContainer
+
 from titan_ext import nonfinite
 from titan_ext.errors import ConfigError
 from titan_ext.metrics import JsonlLogger
 
 
-class Optimizers:
-    def __init__(self):
+class Optimizers(OptimizersContainer):
+    def __init__(self):  # no torch optimizers: only the step the guard wraps
         self.steps, self.zeroed = 0, 0
 
     def step(self, *args, **kwargs):
@@ -25,8 +27,9 @@ class Optimizers:
 
 def guarded(policy: str):
     """An optimizers container and LR schedulers wired to a fresh guard, as a job builds them."""
-    nonfinite._guard.start_job(policy)
+    nonfinite._guard.start_job()
     optimizers = Optimizers()
+    optimizers.model_parts = [SimpleNamespace(model_args=SimpleNamespace(plan=SimpleNamespace(nonfinite=policy)))]
     schedulers = SimpleNamespace(schedulers=[SimpleNamespace(last_epoch=4)])
     nonfinite.guard_optimizer_step(lambda *args: schedulers)(optimizers, None, 10)
     return optimizers
@@ -58,8 +61,7 @@ def test_skip_drops_one_update_then_trains_on():
     assert optimizers.steps == 1
 
 
-def test_validation_losses_are_not_watched(monkeypatch):
-    monkeypatch.setattr("titan_ext.job.current", lambda: SimpleNamespace(nonfinite="stop"))
+def test_validation_losses_are_not_watched():
     loss_fn = nonfinite.watch_loss(lambda job_config, **kw: (lambda pred, labels: pred.sum()))(None)
     optimizers = guarded("stop")
     with torch.no_grad():  # torchtitan's validator runs without gradients

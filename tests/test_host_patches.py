@@ -84,6 +84,36 @@ def test_every_row_says_why_and_for_which_versions():
         assert patch.why and patch.checked, patch.target
     for path in kernels.PATHS:
         assert kernels.replacements(path)  # every MODEL_KERNELS row resolves
+    for row in host_patches.PER_JOB:
+        owner, name = host_patches.owner_and_name(row.target)
+        # a class row names an attribute the class defines or declares (torchtitan sets MetricsProcessor.logger
+        # in __init__), a flag row one its module or object holds
+        assert hasattr(owner, name) or name in getattr(owner, "__annotations__", {}), row.target
+        assert row.why and row.checked, row.target
+
+
+def test_a_setting_row_is_undone():
+    import torch._dynamo.config as dynamo_config
+
+    before = dynamo_config.optimize_ddp
+    host_patches.OPTIMIZE_DDP.set("ddp_optimizer")
+    assert dynamo_config.optimize_ddp == "ddp_optimizer"
+    host_patches.undo()
+    assert dynamo_config.optimize_ddp == before
+
+
+def test_an_instance_row_changes_one_object_of_its_class_only():
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    class Mine(OptimizersContainer):
+        def __init__(self):  # no torch optimizers needed
+            pass
+
+    one, other = Mine(), Mine()
+    host_patches.OPTIMIZER_STEP.apply(one, lambda step: "guarded")
+    assert one.step == "guarded" and other.step != "guarded"
+    with pytest.raises(TypeError, match="OptimizersContainer"):
+        host_patches.OPTIMIZER_STEP.apply(object(), lambda step: step)
 
 
 def test_undo_restores_every_original():
@@ -159,3 +189,17 @@ def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
     finally:
         host_patches.undo()
     assert emitted() == everything
+
+
+def test_a_new_context_parallel_binding_drops_the_last_ones_classes():
+    """Each CP binding's classes hold its job's group: the cache keeps none of a finished job's."""
+    import torch
+
+    from titan_ext import context_parallel
+    from titan_ext.kernels import binding
+
+    first = context_parallel._binding_key()
+    binding.bound_class(torch.nn.Linear, {torch.nn.Linear.forward: lambda self, x: x}, key=first)
+    assert (torch.nn.Linear, first) in binding._bound_classes
+    second = context_parallel._binding_key()
+    assert second != first and not any(key.startswith("context_parallel:") for _, key in binding._bound_classes)

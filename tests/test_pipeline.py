@@ -41,30 +41,28 @@ def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1):
 
 
 def test_stages_are_balanced_in_the_models_own_names(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # V schedules on any torch
     with torch.device("meta"):
         model = build_model(debug_args("fla_gla"))
-    choice = pp_choice(model, job())
+    choice = pp_choice(model, job(), world_size=2)
     assert choice.stages == (("model.embeddings", "model.layers.0", "model.layers.1"),
                              ("model.layers.2", "model.layers.3", "model.norm", "lm_head"))
-    looped = pp_choice(model, job(schedule="Interleaved1F1B"))
+    looped = pp_choice(model, job(schedule="Interleaved1F1B"), world_size=2)
     assert len(looped.stages) == 4 and looped.stage_indices(1) == (1, 3)
-    v_shape = pp_choice(model, job(schedule="ZBVZeroBubble"))
+    v_shape = pp_choice(model, job(schedule="ZBVZeroBubble"), world_size=2)
     assert v_shape.stage_indices(0) == (0, 3) and v_shape.stage_indices(1) == (1, 2)
 
 
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
 def test_a_v_schedule_on_gloo_before_torch_2_13_is_refused(monkeypatch, schedule):
-    monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     with torch.device("meta"):
         model = build_model(debug_args("fla_gla"))
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.11.0+cu130"))
     with pytest.raises(ConfigError, match=f"schedule='{schedule}' on CPU \\(gloo\\) needs torch 2.13 or later"):
-        pp_choice(model, job(schedule=schedule))
+        pp_choice(model, job(schedule=schedule), world_size=2)
     monkeypatch.setattr(torch, "__version__", TorchVersion("2.13.0+cpu"))
-    assert pp_choice(model, job(schedule=schedule)).v_shape
+    assert pp_choice(model, job(schedule=schedule), world_size=2).v_shape
 
 
 @pytest.mark.parametrize("spec", list(FLAVORS))
@@ -132,7 +130,8 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
     from torchtitan.distributed import utils as dist_utils
 
     from titan_ext import host_patches
-    from titan_ext.pipeline import PPChoice, TiedWeight, TokenMeanSchedule, model_parts_of
+    from titan_ext.job_plan import PPChoice
+    from titan_ext.pipeline import TiedWeight, TokenMeanSchedule, model_parts_of
 
     torch.manual_seed(0)
     whole = build_model(tied_llama()).double()

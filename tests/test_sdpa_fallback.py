@@ -13,7 +13,7 @@ from fla.layers.attn import Attention
 
 from titan_ext import kernels
 from titan_ext.host_patches import building
-from titan_ext.models import sdpa_attention
+from titan_ext.kernels import sdpa_attention
 
 FLASH_ATTN_AS_SHIPPED = fla.layers.attn.flash_attn_func
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import assert_rel_close, gla_inputs
 
 from titan_ext import documents
-from titan_ext.context_parallel import packed_cu_seqlens
+from titan_ext.models.packing import cu_seqlens, packed_cu_seqlens
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels import state_passing
 from titan_ext.kernels.conv import causal_conv1d
@@ -151,7 +151,7 @@ def test_packed_documents_restart_across_ranks(monkeypatch, recurrence, world, p
     xs, _ = make(B, T, False)
     doc_positions = document_positions(B, T)
     cotangent = torch.randn(*xs[2].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    ref = call(kernel, [x.reshape(1, B * T, *x.shape[2:]) for x in xs], None, documents.cu_seqlens(doc_positions))
+    ref = call(kernel, [x.reshape(1, B * T, *x.shape[2:]) for x in xs], None, cu_seqlens(doc_positions))
     ref = ref.view(xs[2].shape)
     ref_grads = torch.autograd.grad(ref, xs, cotangent)
 
@@ -185,7 +185,7 @@ def test_convolution_pieces_with_halos_equal_one_pass(monkeypatch, world, pieces
     doc_positions = document_positions(B, T) if with_documents else None
     if with_documents:
         ref, _ = causal_conv1d(x=x.reshape(1, B * T, D), weight=weight, bias=bias, residual=residual.reshape(1, B * T, D),
-                               activation="silu", cu_seqlens=documents.cu_seqlens(doc_positions))
+                               activation="silu", cu_seqlens=cu_seqlens(doc_positions))
         ref = ref.view(B, T, D)
     else:
         ref, _ = causal_conv1d(x=x, weight=weight, bias=bias, residual=residual, activation="silu")

@@ -32,7 +32,7 @@ from model_plans import (
 )
 from titan_ext import kernels
 from titan_ext.errors import ConfigError
-from titan_ext.job import TPChoice
+from titan_ext.job_plan import TPChoice
 from titan_ext.models.gla import gla
 from titan_ext.tensor_parallel import (
     apply_tp_from_plan,
@@ -63,9 +63,9 @@ def test_unknown_model_type_lists_registered_ones():
 
 
 def test_a_user_plan_replaces_the_shipped_one_and_a_second_user_plan_clashes(monkeypatch):
-    from model_plans import base, plan_source
+    from model_plans import plan_source, registry
 
-    monkeypatch.setattr(base, "_PLANS", dict(base._PLANS))  # the registry as shipped, restored after
+    monkeypatch.setattr(registry, "_PLANS", dict(registry._PLANS))  # the registry as shipped, restored after
     assert plan_source(get_tp_plan("gla")) == "shipped with titan_ext"
 
     @register_tp_plan("gla")

@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from titan_ext import compat
 from titan_ext.errors import ConfigError
+from titan_ext.job_plan import ACChoice
 
 logger = logging.getLogger()
 
@@ -74,15 +75,13 @@ def check_ac(ac_config, compile_enabled: bool) -> None:
         )
 
 
-def ac_choice(job_config):
-    from titan_ext.job import ACChoice
-
+def ac_choice(job_config) -> ACChoice:
     ac_config = job_config.activation_checkpoint
     every = layer_frequency(ac_config.selective_ac_option) if ac_config.mode == "selective" else None
     return ACChoice(mode=ac_config.mode, every=every, config=copy.deepcopy(ac_config))
 
 
-def wrap_block(block: nn.Module, index: int, choice, base_fqn: str) -> nn.Module:
+def wrap_block(block: nn.Module, index: int, choice: ACChoice, base_fqn: str) -> nn.Module:
     """The block, checkpointed as the choice says (index counts blocks from 0)."""
     ac = compat.torchtitan_ac()
     if choice.mode == "full":
@@ -92,7 +91,7 @@ def wrap_block(block: nn.Module, index: int, choice, base_fqn: str) -> nn.Module
     return ac.apply_full_ac(block, choice.config) if (index + 1) % choice.every == 0 else block
 
 
-def apply_ac(model: nn.Module, choice, dump_folder: str = "") -> None:
+def apply_ac(model: nn.Module, choice: ACChoice, dump_folder: str = "") -> None:
     """Checkpoint the blocks of ``model.get_decoder().layers`` as the job plan chose."""
     if choice.mode == "none":
         return

@@ -19,13 +19,13 @@ torchtitan's ``apply_cp_to_attention_module``, so torch's ring attention
 passes the keys and values between ranks (``--parallelism.context_parallel_rotate_method``;
 on a CPU through ``kernels.ring_attention``). Where a mask does more than
 causality (document masking, a sliding window), each rank attends over keys
-and values all-gathered from every rank instead (``gathered_sdpa``).
+and values all-gathered from every rank instead (``kernels.cp_attention``, what runs in every forward).
 
 With document masking the dataloader's ``document_positions`` cover the whole
 rows (torchtitan shards only the tokens, labels and its own ``positions``);
 read at each token's global position they restart the recurrent states, the
 convolutions' halos, the rotary positions and the attention at every document
-start, on whichever rank it falls (``step_inputs``, ``state_passing.PieceLayout``).
+start, on whichever rank it falls (``models.packing.step_inputs``, ``state_passing.PieceLayout``).
 
 An architecture opts in (``titan_ext.models.architecture``): ``cp_kernels`` (a recurrent mixer:
 the global names it calls and each one's kind of recurrence) or ``cp_attention``
@@ -37,14 +37,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError, HostChanged
+from titan_ext.job_plan import CPChoice
+from titan_ext.kernels import cp_attention
 from titan_ext.tensor_parallel import sequence_parallel_enabled
 
 logger = logging.getLogger()
@@ -52,17 +51,6 @@ logger = logging.getLogger()
 OPTION = "--parallelism.context_parallel_degree"
 PIECES_PER_RANK = {None: 1, "headtail": 2}
 """torchtitan's load balancer -> pieces of each sequence per CP rank (``state_passing.piece_order``)."""
-
-
-@dataclass(frozen=True)
-class CPChoice:
-    degree: int
-    pieces_per_rank: int
-    masked_attention: str | None = None
-    """What masks softmax attention beyond causality (document masking, a sliding window): it then attends
-    over all-gathered keys and values. None: torch's ring attention."""
-    rotate_method: str = "allgather"
-    """How torch's ring passes keys and values: ``allgather`` (all at once) or ``alltoall`` (rank to rank)."""
 
 
 def cp_choice(model_args, job_config) -> CPChoice | None:
@@ -129,35 +117,7 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
             _apply_fla_attention(model, layout, attend)
     else:
         _apply_state_passing(model, layout)
-    model.cp_layout = layout  # the model's forward records each step's positions in it (``step_inputs``)
-
-
-def step_inputs(model: nn.Module, first: dict, positions, document_positions) -> dict:
-    """The HF model's keyword arguments for one step under CP (``first``: its input ids or embeddings).
-
-    ``positions`` are torchtitan's: each local token's place in the whole row. ``document_positions``
-    (document masking) are the dataloader's for the whole rows, which torchtitan does not shard.
-    Both are recorded in the model's ``PieceLayout`` for the bound attention and kernels.
-    """
-    layout = model.cp_layout
-    layout.record(positions, document_positions)
-    local = layout.local_document_positions
-    if model.arch.cp_attention == "transformers":  # rotary at position_ids: global, or within each document
-        return {**first, "position_ids": positions if local is None else local}
-    if local is None or model.arch.cp_attention:  # fla's attention reads the layout
-        return first
-    # a recurrent mixer on packed documents: the piece rows as one row
-    flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
-    return {**flat, "cu_seqlens": packed_cu_seqlens(layout)}
-
-
-def packed_cu_seqlens(layout) -> torch.Tensor:
-    """fla's ``cu_seqlens`` of this step's piece rows flattened into one: every piece row and every
-    document start a sequence."""
-    local = layout.local_document_positions
-    piece_starts = torch.zeros_like(local, dtype=torch.bool)
-    piece_starts[:, :: local.shape[1] // layout.per_rank] = True
-    return documents.cu_seqlens(local.masked_fill(piece_starts, 0))
+    model.cp_layout = layout  # the model's forward records each step's positions in it (``models.packing.step_inputs``)
 
 
 def _apply_state_passing(model: nn.Module, layout) -> None:
@@ -193,14 +153,14 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
     if choice.masked_attention:
         logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and "
                     f"values ({choice.masked_attention}: masked beyond causality)")
-        return functools.partial(gathered_sdpa, layout=layout)
+        return functools.partial(cp_attention.gathered_sdpa, layout=layout)
     from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
 
-    from titan_ext import compat
+    from titan_ext import compat, host_patches
 
-    ring = RingSDPA(layout.per_rank)
+    ring = cp_attention.RingSDPA(layout.per_rank)
     apply_cp_to_attention_module([ring], cp_mesh, "sdpa")
-    compat.torch_cp_options().set_rotate_method(choice.rotate_method)
+    host_patches.CP_ROTATE_METHOD.set(choice.rotate_method, compat.torch_cp_options().set_rotate_method)
     logger.info(f"Applied context parallelism ({layout.world} ranks): torch's ring attention "
                 f"(rotate method {choice.rotate_method})")
 
@@ -213,29 +173,6 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
     return attend
 
 
-class RingSDPA(nn.Module):
-    """Causal SDPA as a module of its own, for torchtitan's ``apply_cp_to_attention_module``: its inputs
-    become sequence-sharded DTensors and torch's CP dispatcher runs the ring. One per model, outside its
-    module tree (no parameters; checkpoints, FSDP and AC never see it)."""
-
-    def __init__(self, pieces_per_rank: int):
-        super().__init__()
-        from titan_ext import compat
-
-        self.head_tail = pieces_per_rank > 1
-        self.options = compat.torch_cp_options()._cp_options
-
-    def forward(self, query, key, value, scale=None):
-        # torchtitan's input sharding tells torch's ring the piece layout; it must be this model's
-        if self.options.enable_load_balance != self.head_tail:
-            raise RuntimeError(
-                f"torch's ring attention expects {'head-tail' if self.options.enable_load_balance else 'contiguous'} "
-                f"pieces, this model was built for {'head-tail' if self.head_tail else 'contiguous'} ones: shard the "
-                "inputs with torchtitan's prepare_context_parallel_input and the job's load balancer"
-            )
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-
-
 def _apply_transformers_attention(model: nn.Module, attend) -> None:
     """A transformers model's attention modules read ``attend`` from their modeling file's attention registry."""
     from titan_ext.kernels import binding
@@ -243,7 +180,7 @@ def _apply_transformers_attention(model: nn.Module, attend) -> None:
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         return attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None
 
-    interface = _OneAttention(attention)
+    interface = cp_attention.OneAttention(attention)
     key = _binding_key()  # one for all blocks: they share one class, so compiled code is shared too
     for block in model.get_decoder().layers:
         cls = type(block.self_attn)
@@ -261,54 +198,15 @@ _bindings = itertools.count()
 
 def _binding_key() -> str:
     """A key of its own for each binding: the bound classes hold this job's group and layout (a
-    process may run several jobs, and group names repeat once a process group is destroyed)."""
-    return f"context_parallel:{next(_bindings)}"
+    process may run several jobs, and group names repeat once a process group is destroyed). The
+    earlier bindings' classes leave the cache, so no finished job's group stays reachable from it."""
+    from titan_ext.kernels import binding
+
+    binding.forget(_BINDING_PREFIX)
+    return f"{_BINDING_PREFIX}{next(_bindings)}"
 
 
-class _OneAttention:
-    """Stands in for transformers' attention registry inside the bound attention modules."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def get_interface(self, name, default):
-        return self.fn
-
-
-def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0):
-    """Masked causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
-
-    K and V are all-gathered differentiably and put in sequence order; the mask is built from the
-    tokens' global positions (``layout.positions``): causal, within a sliding ``window`` (fla's
-    ``window_size``), within each packed document. K and V of the whole sequence, and a ``B x T_local x T``
-    mask, are held for the duration of one layer's attention.
-    """
-    from titan_ext import compat
-    from titan_ext.kernels.state_passing import in_sequence_order
-
-    keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
-    values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
-    if layout.per_rank > 1:  # gathered in rank order: put the pieces in sequence order
-        slots = in_sequence_order(layout.world, layout.per_rank)
-        keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
-    mask = _global_mask(layout, keys.shape[2], window)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                          enable_gqa=query.shape[1] != keys.shape[1])
-
-
-def _global_mask(layout, length: int, window: int | None):
-    """``[B, 1, T_local, T]``: each local query's keys in the whole row, by global position: earlier
-    or itself, within ``window``, and in its own document."""
-    query = layout.positions
-    key = torch.arange(length, device=query.device)
-    distance = query[:, :, None] - key[None, None, :]
-    mask = distance >= 0
-    if window is not None:
-        mask = mask & (distance < window)
-    if layout.document_positions is not None:
-        document = (layout.document_positions == 0).cumsum(dim=1)  # each token's document, in the whole row
-        mask = mask & (document.gather(1, query)[:, :, None] == document[:, None, :])
-    return mask[:, None]
+_BINDING_PREFIX = "context_parallel:"
 
 
 def _apply_fla_attention(model: nn.Module, layout, attend) -> None:
@@ -316,33 +214,11 @@ def _apply_fla_attention(model: nn.Module, layout, attend) -> None:
     from titan_ext.kernels import binding
 
     def forward(self, *args, **kwargs):
-        return fla_attention_forward(self, *args, layout=layout, attend=attend, **kwargs)
+        return cp_attention.fla_attention_forward(self, *args, layout=layout, attend=attend, **kwargs)
 
     key = _binding_key()
     for block in model.get_decoder().layers:
         binding.bind(block.attn, {type(block.attn).forward: forward}, key=key)
-
-
-def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
-                          use_cache=False, layout=None, attend=None, **kwargs):
-    """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
-    (at the tokens' global positions, or within their documents) and causal (windowed) attention,
-    by ``attend`` (``attention_across_ranks``)."""
-    from titan_ext import compat
-    from titan_ext.kernels.rotary import rotate_at
-
-    if attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
-        raise ValueError("fla Attention under context parallelism takes no mask, cache or cu_seqlens")
-    B, T, _ = hidden_states.shape
-    q, k, v = (proj(hidden_states).unflatten(-1, (-1, self.head_dim)) for proj in (self.q_proj, self.k_proj, self.v_proj))
-    if self.qk_norm:
-        q, k = self.q_norm(q), self.k_norm(k)
-    positions = layout.positions if layout.local_document_positions is None else layout.local_document_positions
-    length = max(T * layout.world, self.max_position_embeddings or 0)  # positions of the whole sequence
-    cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
-    q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
-    o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=self.window_size)
-    return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values
 
 
 def short_convolutions(mixer: nn.Module) -> list[nn.Module]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from titan_ext import compat
 from titan_ext.errors import ConfigError
 
 OPTION = "--titan_ext.document_mask"
@@ -50,49 +49,6 @@ def window_sample(window: torch.Tensor, starts: list[int]) -> tuple[dict[str, to
     labels = window[1:].clone()
     labels[begins[1:]] = IGNORE_INDEX  # a document's last token does not predict the next one's first
     return {"input": window[:-1], "document_positions": positions[:-1]}, labels
-
-
-def cu_seqlens(positions: torch.Tensor) -> torch.Tensor:
-    """fla's ``cu_seqlens`` of a ``[B, T]`` batch flattened to one row: every position 0 starts a sequence.
-
-    Its length follows the number of documents; it is marked dynamic, so a
-    compiled block traces it once for any count.
-    """
-    flat = positions.reshape(-1)
-    starts = (flat == 0).nonzero().squeeze(1)
-    bounds = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    compat.maybe_mark_dynamic(bounds, 0)
-    return bounds
-
-
-def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, T, T]``, True where a token may attend: earlier or itself, in its own document.
-
-    transformers derives the same mask from ``position_ids``, but only when
-    some row holds two documents: a batch of one document per row would get
-    plain causal attention instead, and compiled blocks a second graph.
-    """
-    document = (positions == 0).cumsum(dim=1)
-    T = positions.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
-
-
-def check_dataset(job_config) -> None:
-    """The job's data (and validation data) can carry boundaries: only titan_ext's own datasets emit them."""
-    from titan_ext.data import TINY_DATASET, sections
-    from titan_ext.text_stream import STREAM_DATASET
-
-    if not enabled(job_config):
-        return
-    for section in sections(job_config):
-        dataset = getattr(job_config, section).dataset
-        if dataset not in (TINY_DATASET, STREAM_DATASET):
-            raise ConfigError(
-                f"{OPTION} needs document boundaries from the dataloader, which --{section}.dataset="
-                f"{dataset!r} does not emit; use dataset {STREAM_DATASET!r} (any text shards) "
-                f"or {TINY_DATASET!r}, or turn document_mask off"
-            )
 
 
 def check_model(model_args, job_config) -> None:

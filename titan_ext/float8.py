@@ -16,6 +16,7 @@ import logging
 import torch.nn as nn
 
 from titan_ext.errors import ConfigError
+from titan_ext.job_plan import Float8Choice
 
 logger = logging.getLogger()
 
@@ -44,10 +45,8 @@ def check_float8(job_config) -> None:
         )
 
 
-def float8_choice(job_config, defaults: tuple[str, ...]):
+def float8_choice(job_config, defaults: tuple[str, ...]) -> Float8Choice | None:
     """``defaults``: the architecture's high-precision linears, used when the job names no filters."""
-    from titan_ext.job import Float8Choice
-
     if CONVERTER not in job_config.model.converters:
         return None
     given = tuple(job_config.quantize.linear.float8.filter_fqns)

@@ -8,6 +8,9 @@
   These stay for the rest of that process, which is that job's; ``undo()``
   restores every original.
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
+* ``PER_JOB``: a flag or one object of the job, changed by the feature that
+  needs it (DDP with compile, CP's rotate method, the optimizer's step, the
+  metrics logger and close).
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
@@ -19,7 +22,8 @@
   an evaluation script's, runs fla's code.
 
 Each row: the target, why, the versions it was checked against, and how it is
-undone. ``tests/test_host_patches.py`` checks that import changes nothing and
+undone. Rows name titan_ext's replacements by ``module:name`` too, resolved when
+applied: the kernels read this table, and the table imports no kernel. ``tests/test_host_patches.py`` checks that import changes nothing and
 that ``undo()`` restores every original.
 """
 
@@ -92,9 +96,7 @@ def _always_sum_on_gloo(original):
 
 
 def _ring_attention_on_cpu(original):
-    from titan_ext.kernels.ring_attention import HANDLERS
-
-    return {**original, **HANDLERS}
+    return {**original, **resolve("titan_ext.kernels.ring_attention:HANDLERS")}
 
 
 def _no_peak_flops(_original):
@@ -179,14 +181,78 @@ class _OneLineModelArgs(logging.Filter):
 
 JOB: tuple[tuple[str, str], ...] = (
     ("root logger: filter _OneLineModelArgs", "the model-args dump, one line instead of ~26 per rank"),
-    # Flags torch reads, set by the apply_* that needs them (as torchtitan's own do):
-    ("torch._dynamo.config.optimize_ddp", "'ddp_optimizer' for DDP with compile (titan_ext.parallelize.apply_ddp)"),
-    ("torch._inductor.config._micro_pipeline_tp", "async TP (model_plans.enable_async_tp)"),
+    ("torch._inductor.config._micro_pipeline_tp", "async TP (model_plans.enable_async_tp: model_plans imports "
+     "no titan_ext, so it sets torch's flag itself, as torchtitan's own apply_tp does)"),
     ("torch CP: DTensor's SDPA handlers", "ring attention under CP (torchtitan's apply_cp_to_attention_module, as for "
      "its own models; titan_ext.context_parallel.apply_cp); torchtitan never turns it off"),
-    ("torch CP: set_rotate_method", "how the ring passes keys and values: --parallelism.context_parallel_rotate_method, "
-     "which torchtitan 0.2.2 applies only in its own validator (titan_ext.context_parallel.apply_cp)"),
 )
+"""Changes a job makes through torchtitan's or model_plans' own functions (listed, not applied here)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A flag of a host library that an ``apply_*`` sets for its job, as torchtitan's own ``apply_*`` do;
+    ``undo()`` restores it."""
+
+    target: str
+    why: str
+    checked: str
+
+    def set(self, value, setter: Callable[[object], None] | None = None) -> None:
+        """Set the flag (through the library's own ``setter`` where it has one)."""
+        owner, name = owner_and_name(self.target)
+        original = getattr(owner, name)
+        (setter or (lambda v: setattr(owner, name, v)))(value)
+        _undo_stack.append(lambda: setattr(owner, name, original))
+
+
+@dataclass(frozen=True)
+class InstancePatch:
+    """A method or attribute of one object torchtitan builds for a job: the change ends with the object."""
+
+    target: str
+    """``module:Class.attribute``: the class of the objects it applies to."""
+    why: str
+    checked: str
+
+    def apply(self, instance, new: Callable[[object], object]) -> None:
+        """``new(original) -> replacement`` on this one instance."""
+        owner, name = owner_and_name(self.target)
+        if not isinstance(instance, owner):
+            raise TypeError(f"{self.target}: {type(instance).__name__} is not a {owner.__name__}")
+        setattr(instance, name, new(getattr(instance, name)))
+
+
+OPTIMIZE_DDP = Setting(
+    "torch._dynamo.config:optimize_ddp",
+    "'ddp_optimizer' for DDP with compile: dynamo splits the graph at DDP's buckets (titan_ext.parallelize.apply_ddp)",
+    TORCH,
+)
+CP_ROTATE_METHOD = Setting(
+    "torch.distributed.tensor.experimental._attention:_cp_options.rotate_method",
+    "how the ring passes keys and values: --parallelism.context_parallel_rotate_method, which torchtitan 0.2.2 "
+    "applies only in its own validator (titan_ext.context_parallel)",
+    TORCH,
+)
+OPTIMIZER_STEP = InstancePatch(
+    "torchtitan.components.optimizer:OptimizersContainer.step",
+    "the non-finite-loss guard: every rank agrees on the step's flag, then steps, skips or stops before the update "
+    "(titan_ext.nonfinite)",
+    TORCHTITAN,
+)
+METRICS_LOGGER = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.logger",
+    "--titan_ext.metrics_jsonl: every logged step also at full precision, as JSON lines (titan_ext.metrics)",
+    TORCHTITAN,
+)
+METRICS_CLOSE = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.close",
+    "the one component torchtitan closes after the checkpointer: an HF export is completed there (config.json, "
+    "tokenizer; titan_ext.metrics)",
+    TORCHTITAN,
+)
+PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE)
+"""Applied by the feature that needs it, to its own job (each names it)."""
 
 
 def _configs_timed_equal(original):
@@ -200,9 +266,7 @@ def _configs_timed_equal(original):
 
 
 def _loop_variables_as_tensors(original):
-    from titan_ext.kernels.interpreter import LoopVariablesAsTensors
-
-    return LoopVariablesAsTensors()
+    return resolve("titan_ext.kernels.interpreter:LoopVariablesAsTensors")()
 
 
 INTERPRETER: tuple[Patch, ...] = (
@@ -222,15 +286,21 @@ INTERPRETER: tuple[Patch, ...] = (
 """Triton's interpreter (``TRITON_INTERPRET=1``) running fla's kernels on the CPU (``--titan_ext.kernels fla``)."""
 
 
+TIED_COPY = "_titan_ext_tied_copy"
+"""Marks a pipeline stage's copy of a tied weight that gradient clipping must not count again (every copy but
+the first stage's; set by ``titan_ext.pipeline.TiedWeight``)."""
+
+
 def _tied_weight_counted_once(original):
     """Under PP torchtitan sums each stage's gradient norm; a tied weight has a copy on the first and the last
     stage (``titan_ext.pipeline.TiedWeight``, equal gradients): the norm counts the first stage's only, and
     every copy is clipped by the same factor. Without marked copies, torchtitan's function as shipped."""
     import torch
 
-    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-        from titan_ext.pipeline import is_tied_copy
+    def is_tied_copy(param) -> bool:
+        return getattr(param, TIED_COPY, False)
 
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         copies = [p for p in parameters if is_tied_copy(p) and p.grad is not None]
         if not copies:
@@ -256,9 +326,7 @@ PIPELINE: tuple[Patch, ...] = (
 
 def _sdpa_for_flash_attn(name: str):
     def new(original):
-        from titan_ext.models import sdpa_attention
-
-        return getattr(sdpa_attention, name) if original is None else original
+        return resolve(f"titan_ext.kernels.sdpa_attention:{name}") if original is None else original
 
     return new
 

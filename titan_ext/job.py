@@ -15,30 +15,43 @@ Two moments of torchtitan's ``Trainer.__init__`` belong to titan_ext:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
-from titan_ext import compat, cpu_mode, host_patches, inputs, preflight
-from titan_ext.context_parallel import CPChoice
-from titan_ext.pipeline import PPChoice
-from titan_ext.errors import ConfigError, exit_with, rank
+from titan_ext import (
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, float8, host_patches, inputs, nonfinite, pipeline,
+    preflight, tensor_parallel,
+)
+from titan_ext.compile import model_compile_enabled
+from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
+from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
+from titan_ext.models.args import HFModelArgs
 
 logger = logging.getLogger()
 
 _cpu_mode = False
+_checked_job = None
+"""The config ``on_trainer_import`` checked, held (not its id, which a later object may reuse) until the
+job is planned."""
+
+
+def _world_size() -> int:
+    """torchrun's world size: the one place titan_ext reads it (the plan carries it on)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def on_trainer_import() -> None:
     """Set up the job of the torchtitan Trainer importing titan_ext; outside a Trainer, do nothing."""
-    global _cpu_mode
+    global _cpu_mode, _checked_job
     job_config = compat.importing_trainer_job_config()
     if job_config is None:
         return
     try:
-        preflight.check_job_config(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        preflight.check_job_config(job_config, _world_size())
+        _checked_job = job_config
         _cpu_mode = cpu_mode.wanted()
         path = kernel_path(job_config)
     except ConfigError as error:
@@ -94,93 +107,59 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
-@dataclass(frozen=True)
-class TPChoice:
-    degree: int
-    plan_cls: type
-    sequence_parallel: bool
-    loss_parallel: bool
-    float8: bool
-    async_tp: bool
+class JobModelArgs(HFModelArgs):
+    """The model args titan_ext's train specs hand torchtitan: reading the job config plans the job.
+
+    The plan is an attribute, not a dataclass field: torchtitan logs ``asdict(model_args)`` as JSON.
+    Every builder torchtitan calls afterwards is handed these args or the model built from them, and
+    reads the plan there (``job_plan.plan_of``).
+    """
+
+    plan: JobPlan | None = None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "plan":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    @classmethod
+    def of(cls, args: HFModelArgs) -> JobModelArgs:
+        return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(args)})
+
+    @config_boundary
+    def update_from_config(self, job_config, **kwargs) -> None:
+        """torchtitan calls this right before building the model: the last moment a bad config can fail
+        cheaply."""
+        self.read_job_config(job_config)
+        self.plan = plan_job(self, job_config)
 
 
-@dataclass(frozen=True)
-class ACChoice:
-    mode: str
-    """none, full, selective (every Nth block, or per op), memory_budget."""
-    every: int | None
-    """selective: checkpoint every Nth block; None means per-op SAC."""
-    config: object
-    """A copy of torchtitan's [activation_checkpoint] section, for its wrappers."""
-
-
-@dataclass(frozen=True)
-class CompileChoice:
-    model: bool
-    backend: str
-
-
-@dataclass(frozen=True)
-class Float8Choice:
-    filter_fqns: tuple[str, ...]
-    high_precision: tuple[str, ...]
-    """titan_ext's default filters: linears it keeps in high precision after torchtitan's converter ran."""
-
-
-@dataclass(frozen=True)
-class DataParallelChoice:
-    kind: str
-    """fsdp, hsdp, ddp or none."""
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    reshard_blocks: bool
-    reshard_head: bool
-    cpu_offload: bool
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    kernel_path: str
-    """fla (CUDA: fla's kernels) or portable (torch code); see titan_ext.kernels."""
-    tp: TPChoice | None
-    cp: CPChoice | None
-    pp: PPChoice | None
-    ac: ACChoice
-    compile: CompileChoice
-    float8: Float8Choice | None
-    data_parallel: DataParallelChoice
-    nonfinite: str
-    metrics_jsonl: str
-    hf_export: bool
-    """--checkpoint.last_save_in_hf: titan_ext completes the folder (config.json, tokenizer)."""
-    hf_assets_path: str
-
-
-def plan_job(model_args, job_config) -> JobPlan:
-    """Check the job against the model, then decide everything; the plan becomes ``current()``."""
-    global _current
-    preflight.check_job_config_once(job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+def plan_job(model_args: HFModelArgs, job_config) -> JobPlan:
+    """Check the job against the model, then decide everything, once."""
+    global _checked_job
+    world_size = _world_size()
+    if job_config is not _checked_job:  # built without the import hook (titan_ext was imported earlier)
+        preflight.check_job_config(job_config, world_size)
+    _checked_job = None
     model_args.kernel_path = kernel_path(job_config)  # the model built from these args binds these kernels
-    meta = preflight.check_model_job(model_args, job_config, model_args.kernel_path)
-    _current = _build(model_args, job_config, meta)
-    return _current
+    meta = preflight.check_model_job(model_args, job_config, model_args.kernel_path, world_size)
+    return _build(model_args, job_config, meta, world_size)
 
 
-def _build(model_args, job_config, meta) -> JobPlan:
+def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
     """``meta``: the model on the meta device (the TP plan is chosen from its modules)."""
-    from titan_ext import activation_checkpoint, context_parallel, data, float8, nonfinite, pipeline, tensor_parallel
-    from titan_ext.compile import model_compile_enabled
-
     section = getattr(job_config, "titan_ext", None)
     return JobPlan(
+        world_size=world_size,
         kernel_path=model_args.kernel_path,
         tp=tensor_parallel.tp_choice(meta, job_config),
         cp=context_parallel.cp_choice(model_args, job_config),
-        pp=pipeline.pp_choice(meta, job_config),
+        pp=pipeline.pp_choice(meta, job_config, world_size),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
         float8=float8.float8_choice(job_config, model_args.arch.float8_high_precision),
-        data_parallel=_data_parallel(job_config),
+        data_parallel=_data_parallel(job_config, world_size),
         nonfinite=nonfinite.policy(section),
         metrics_jsonl=getattr(section, "metrics_jsonl", ""),
         hf_export=job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf,
@@ -188,12 +167,12 @@ def _build(model_args, job_config, meta) -> JobPlan:
     )
 
 
-def _data_parallel(job_config) -> DataParallelChoice:
+def _data_parallel(job_config, world_size: int) -> DataParallelChoice:
     from torchtitan.config import TORCH_DTYPE_MAP
 
     p = job_config.parallelism
     # context-parallel ranks hold pieces of one batch: FSDP spans them too, summing their gradients
-    shard = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.context_parallel_degree
+    shard = inputs.shard_degree(p, world_size) * p.context_parallel_degree
     replicate = p.data_parallel_replicate_degree
     kind = "hsdp" if shard > 1 and replicate > 1 else "fsdp" if shard > 1 else "ddp" if replicate > 1 else "none"
     policy = p.fsdp_reshard_after_forward
@@ -206,13 +185,3 @@ def _data_parallel(job_config) -> DataParallelChoice:
         reshard_head=policy == "always",
         cpu_offload=job_config.training.enable_cpu_offload,
     )
-
-
-_current: JobPlan | None = None
-
-
-def current() -> JobPlan:
-    """The plan of the job being built in this process (torchtitan builds one job at a time)."""
-    if _current is None:
-        raise RuntimeError("no titan_ext job is being built (the model args' update_from_config has not run)")
-    return _current

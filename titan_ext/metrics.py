@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
 
-from titan_ext import compat
+from titan_ext import compat, host_patches
 from titan_ext.checkpoint import finish_hf_export
+from titan_ext.job_plan import plan_of
 
 
 class JsonlLogger(BaseLogger):
@@ -39,20 +40,20 @@ class JsonlLogger(BaseLogger):
         self.inner.close()
 
 
-def build_metrics_processor(job_config, parallel_dims, model_args=None, tag=None) -> MetricsProcessor:
-    from titan_ext import job
-
+def build_metrics_processor(job_config, parallel_dims, model_args, tag=None) -> MetricsProcessor:
     processor = titan_build_metrics_processor(job_config, parallel_dims, model_args, tag)
-    plan = job.current()
+    plan = plan_of(model_args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank0 = rank == 0
     # torchtitan logs from rank 0 for ZBVZeroBubble only; DualPipeV's last stage is on rank 0 too
     logs_loss = 0 if plan.pp is not None and plan.pp.v_shape else compat.metrics_rank(parallel_dims, job_config)
     if plan.metrics_jsonl and rank == logs_loss:
-        processor.logger = JsonlLogger(processor.logger, plan.metrics_jsonl)
-    if plan.hf_export and rank0 and model_args is not None:
+        host_patches.METRICS_LOGGER.apply(processor, lambda logger: JsonlLogger(logger, plan.metrics_jsonl))
+    if plan.hf_export and rank0:
         checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-        processor.close = _then(processor.close, lambda: finish_hf_export(model_args, checkpoint_dir, plan.hf_assets_path))
+        host_patches.METRICS_CLOSE.apply(
+            processor, lambda close: _then(close, lambda: finish_hf_export(model_args, checkpoint_dir, plan.hf_assets_path))
+        )
     return processor
 
 

@@ -16,7 +16,8 @@ and only losses computed with gradients are watched, so a non-finite
 validation loss is reported by the validator and never stops training.
 
 torchtitan builds the loss and the optimizers in separate calls, so a
-module-level guard links them for the job being built.
+module-level guard links them for the job being built; building the loss
+starts it afresh.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import logging
 import torch
 import torch.distributed as dist
 
+from titan_ext import host_patches
 from titan_ext.errors import ConfigError, exit_with, take_deferred
+from titan_ext.job_plan import plan_of
 
 logger = logging.getLogger()
 
@@ -48,9 +51,11 @@ class NonFiniteLossGuard:
         self.policy = "stop"
         self.flag: torch.Tensor | None = None
 
-    def start_job(self, policy: str) -> None:
-        self.policy = policy
+    def start_job(self) -> None:
+        """Forget the last job's flag and any deferred error (a process may run several jobs)."""
+        self.policy = "stop"
         self.flag = None
+        take_deferred()
 
     def record(self, loss: torch.Tensor) -> None:
         local = loss.detach()
@@ -86,20 +91,20 @@ _guard = NonFiniteLossGuard()
 
 
 def watch_loss(build_loss_fn):
-    """Wrap a train spec's ``build_loss_fn`` so the built loss reports training losses to the guard."""
+    """Wrap a train spec's ``build_loss_fn`` so the built loss reports training losses to the guard.
+
+    torchtitan builds the loss before the optimizers: the guard starts a new job here and learns the
+    job's policy when the optimizers are built (``guard_optimizer_step``), before the first step.
+    """
 
     @functools.wraps(build_loss_fn)
     def build(job_config, **kwargs):
-        from titan_ext import job
-
         loss_fn = build_loss_fn(job_config, **kwargs)
-        _guard.start_job(job.current().nonfinite)
-        if _guard.policy == "off":
-            return loss_fn
+        _guard.start_job()
 
         def loss_with_check(pred, labels):
             loss = loss_fn(pred, labels)
-            if torch.is_grad_enabled():  # training, not validation
+            if _guard.policy != "off" and torch.is_grad_enabled():  # training, not validation
                 _guard.record(loss)
             return loss
 
@@ -127,25 +132,27 @@ def guard_optimizer_step(build_lr_schedulers_fn):
     @functools.wraps(build_lr_schedulers_fn)
     def build(optimizers, lr_scheduler_config, training_steps):
         schedulers = build_lr_schedulers_fn(optimizers, lr_scheduler_config, training_steps)
-        policy = _guard.policy
+        policy = _guard.policy = plan_of(optimizers.model_parts[0]).nonfinite
         if policy == "off":
             return schedulers
-        step_optimizers = optimizers.step
 
-        def step(*args, **kwargs):
-            if _guard.step_is_nonfinite():
-                step_number = schedulers.schedulers[0].last_epoch + 1
-                if policy == "stop":
-                    raise FloatingPointError(
-                        f"non-finite loss (NaN or Inf) at step {step_number}: stopped before its update and "
-                        "checkpoint; lower the LR or fix the data, or set --titan_ext.nonfinite_loss skip"
-                    )
-                logger.warning(f"non-finite loss at step {step_number}: skipped its update (--titan_ext.nonfinite_loss skip)")
-                optimizers.zero_grad()
-                return None
-            return step_optimizers(*args, **kwargs)
+        def guarded(step_optimizers):
+            def step(*args, **kwargs):
+                if _guard.step_is_nonfinite():
+                    step_number = schedulers.schedulers[0].last_epoch + 1
+                    if policy == "stop":
+                        raise FloatingPointError(
+                            f"non-finite loss (NaN or Inf) at step {step_number}: stopped before its update and "
+                            "checkpoint; lower the LR or fix the data, or set --titan_ext.nonfinite_loss skip"
+                        )
+                    logger.warning(f"non-finite loss at step {step_number}: skipped its update (--titan_ext.nonfinite_loss skip)")
+                    optimizers.zero_grad()
+                    return None
+                return step_optimizers(*args, **kwargs)
 
-        optimizers.step = step
+            return step
+
+        host_patches.OPTIMIZER_STEP.apply(optimizers, guarded)
         return schedulers
 
     return build

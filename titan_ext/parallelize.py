@@ -3,7 +3,7 @@
 The order is torchtitan's. Each step is a small function over the HF layout
 (``model.model.layers``, ``model.model.norm``, ``model.lm_head``), because
 torchtitan's own ``apply_tp``/``apply_fsdp`` hard-code its Llama names. Every
-choice was made once, in the job plan (``titan_ext.job``).
+choice was made once, in the job plan the model's args carry (``titan_ext.job_plan``).
 """
 
 import logging
@@ -15,17 +15,18 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan_ext import job
+from titan_ext import host_patches
 from titan_ext.activation_checkpoint import apply_ac
 from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 from titan_ext.float8 import keep_high_precision
+from titan_ext.job_plan import plan_of
 
 logger = logging.getLogger()
 
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    plan = job.current()
+    plan = plan_of(model)  # the model's args carry the job plan
     if plan.float8 is not None and plan.float8.high_precision:
         keep_high_precision(model, plan.float8.high_precision)
     if plan.tp is not None:
@@ -99,7 +100,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, compile_enabled: bool) -> N
     the global token count) that would scale gradients by 1/world_size.
     """
     if compile_enabled:
-        torch._dynamo.config.optimize_ddp = "ddp_optimizer"
+        host_patches.OPTIMIZE_DDP.set("ddp_optimizer")
     replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
     model.register_comm_hook(dp_mesh.get_group(), _allreduce_sum_hook)
     logger.info("Applied DDP (gradient sum) to the model")

@@ -20,40 +20,18 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from titan_ext import host_patches
 from titan_ext.errors import ConfigError
+from titan_ext.job_plan import PPChoice, plan_of
 
 logger = logging.getLogger()
 
 DEGREE = "--parallelism.pipeline_parallel_degree"
 SCHEDULE = "--parallelism.pipeline_parallel_schedule"
-
-
-@dataclass(frozen=True)
-class PPChoice:
-    degree: int
-    schedule: str
-    accumulation: int
-    """Schedule steps per optimizer step (``--training.global_batch_size`` over local batch x data-parallel degree)."""
-    stages: tuple[tuple[str, ...], ...]
-    """Each virtual stage's module FQNs (HF names), in pipeline order."""
-    v_shape: bool
-    """Stages placed in a V (ZBVZeroBubble, DualPipeV: rank r runs r and its mirror), else looped
-    (rank r runs r, r + degree, ...)."""
-
-    def stage_indices(self, rank: int) -> tuple[int, ...]:
-        if self.v_shape:
-            return rank, len(self.stages) - 1 - rank
-        return tuple(range(rank, len(self.stages), self.degree))
-
-    def rank_of(self, stage: int) -> int:
-        """The pipeline rank running ``stage``."""
-        return next(rank for rank in range(self.degree) if stage in self.stage_indices(rank))
 
 
 class StageLayers(nn.Module):
@@ -157,7 +135,7 @@ def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
         raise ConfigError(f"{option} must name every part once: missing {missing}, repeated {twice}")
 
 
-def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
+def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
     """Check PP against the meta-device model and decide the stages (before the build)."""
     p = job_config.parallelism
     if p.pipeline_parallel_degree <= 1:
@@ -220,16 +198,16 @@ def pp_choice(model: nn.Module, job_config) -> PPChoice | None:
             f"{SCHEDULE}={schedule!r} on CPU (gloo) needs torch 2.13 or later: torch {torch.__version__}'s V-shaped "
             "schedules first send to their own rank, which gloo cannot (the job stalls until its timeout); pick another schedule"
         )
-    step_batch = training.local_batch_size * _dp_degree(job_config)
+    step_batch = training.local_batch_size * _dp_degree(job_config, world_size)
     accumulation = training.global_batch_size // step_batch if training.global_batch_size > 0 else 1
     return PPChoice(p.pipeline_parallel_degree, schedule, accumulation, tuple(tuple(s) for s in stages), v_shape)
 
 
-def _dp_degree(job_config) -> int:
+def _dp_degree(job_config, world_size: int) -> int:
     from titan_ext import inputs
 
     p = job_config.parallelism
-    return inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.data_parallel_replicate_degree
+    return inputs.shard_degree(p, world_size) * p.data_parallel_replicate_degree
 
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
@@ -266,9 +244,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     from torch.distributed.pipelining import PipelineStage
     from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
-    from titan_ext import job
-
-    choice = job.current().pp
+    choice = plan_of(model_args).pp
     mesh = parallel_dims.get_mesh("pp")
     stages, parts = [], []
     for index in choice.stage_indices(mesh.get_local_rank()):
@@ -283,8 +259,6 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     if model.config.tie_word_embeddings:
         embeddings, _, _, head = model_parts_of(model)
         tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
-        from titan_ext import host_patches
-
         host_patches.apply_pipeline()
     schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
                                  pp_group=mesh.get_group(), tied=tied)
@@ -292,13 +266,9 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
 
 
-TIED_COPY = "_titan_ext_tied_copy"
-"""Marks a stage's copy of the tied weight that gradient clipping must not count again
-(``host_patches.PIPELINE``): every copy but the first stage's."""
-
-
-def is_tied_copy(param: torch.Tensor) -> bool:
-    return getattr(param, TIED_COPY, False)
+def _rank_of(choice: PPChoice, stage: int) -> int:
+    """The pipeline rank running ``stage``."""
+    return next(rank for rank in range(choice.degree) if stage in choice.stage_indices(rank))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -316,7 +286,7 @@ class TiedWeight:
     copy's gradient becomes the sum of all copies' (one all-reduce over the pipeline ranks holding them, for
     each data/tensor-parallel coordinate; local where one rank holds both stages, as in V-shaped schedules).
     With equal values, equal gradients and the same optimizer the copies stay equal; clipping counts the
-    weight once (``TIED_COPY``), and checkpoints name it once (the embedding's name on every stage).
+    weight once (``host_patches.TIED_COPY``), and checkpoints name it once (the embedding's name on every stage).
     FSDP and TP shard each copy alike (on the vocabulary), so their local shards line up rank for rank.
     """
 
@@ -338,7 +308,7 @@ class TiedWeight:
         import torch.distributed as dist
 
         holding = [index for index, stage in enumerate(choice.stages) if any(name in stage for name in ends)]
-        holders = sorted({choice.rank_of(index) for index in holding})
+        holders = sorted({_rank_of(choice, index) for index in holding})
         mine = [part for stage, part in zip(stages, parts) if stage.stage_index in holding]
         pp_ranks = mesh.mesh.tolist()
         if len(holders) == 1:
@@ -363,8 +333,8 @@ class TiedWeight:
         for copy_ in copies[1:]:
             _local(copy_).copy_(first)
         for part, copy_ in zip(self.parts, copies):
-            if part.takes_hidden_states:  # not the first stage's
-                setattr(copy_, TIED_COPY, True)
+            if part.takes_hidden_states:  # not the first stage's: clipping must not count it again
+                setattr(copy_, host_patches.TIED_COPY, True)
         self.synced = True
 
     @torch.no_grad()

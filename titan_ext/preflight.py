@@ -16,9 +16,6 @@ from titan_ext import inputs
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError
 
-_checked: set[int] = set()
-
-
 def check_job_config(job_config, world_size: int) -> None:
     inputs.check_positive_numbers(job_config)
     inputs.check_parallel_degrees(job_config, world_size)
@@ -27,19 +24,16 @@ def check_job_config(job_config, world_size: int) -> None:
     _check_dataset(job_config)
     _check_document_mask(job_config)
     _check_titan_ext_parallelism(job_config)
-    _checked.add(id(job_config))
-
-
-def check_job_config_once(job_config, world_size: int) -> None:
-    """For jobs built without the import hook (titan_ext was imported earlier in the process)."""
-    if id(job_config) not in _checked:
-        check_job_config(job_config, world_size)
 
 
 def _titan_ext_spec(name: str) -> bool:
-    from titan_ext.train_specs import TRAIN_SPECS
+    """A registered spec whose models titan_ext builds (its own, and any a user registers over its adapter)."""
+    from torchtitan.protocols import train_spec as registry
 
-    return name in TRAIN_SPECS
+    from titan_ext.models.adapter import build_model
+
+    spec = registry._extra_train_specs.get(name)
+    return spec is not None and spec.model_cls is build_model
 
 
 def _check_model_name_and_flavor(job_config) -> None:
@@ -78,14 +72,27 @@ def _check_dataset(job_config) -> None:
 
 
 def _check_document_mask(job_config) -> None:
+    """Document masking needs a titan_ext model and boundaries from the dataloader: only titan_ext's own
+    datasets emit them."""
     from titan_ext import documents
+    from titan_ext.data import TINY_DATASET, sections
+    from titan_ext.text_stream import STREAM_DATASET
 
-    if documents.enabled(job_config) and not _titan_ext_spec(job_config.model.name):
+    if not documents.enabled(job_config):
+        return
+    if not _titan_ext_spec(job_config.model.name):
         raise ConfigError(
             f"{documents.OPTION} applies to titan_ext's models, not --model.name={job_config.model.name!r} "
             "(torchtitan's own models mask documents with their flex-attention flavors); turn it off"
         )
-    documents.check_dataset(job_config)
+    for section in sections(job_config):
+        dataset = getattr(job_config, section).dataset
+        if dataset not in (TINY_DATASET, STREAM_DATASET):
+            raise ConfigError(
+                f"{documents.OPTION} needs document boundaries from the dataloader, which --{section}.dataset="
+                f"{dataset!r} does not emit; use dataset {STREAM_DATASET!r} (any text shards) "
+                f"or {TINY_DATASET!r}, or turn document_mask off"
+            )
 
 
 def _check_titan_ext_parallelism(job_config) -> None:
@@ -119,7 +126,7 @@ def _check_titan_ext_parallelism(job_config) -> None:
         )
 
 
-def check_model_job(model_args, job_config, kernel_path: str):
+def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     """What needs the architecture; ``model_args`` already carries any ``[titan_ext] hf_config``.
 
     Returns the meta-device model the checks read (the job plan reads it too).
@@ -137,7 +144,7 @@ def check_model_job(model_args, job_config, kernel_path: str):
     tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)
-    _check_checkpoint_to_load(model_args, model, job_config)
+    _check_checkpoint_to_load(model_args, model, job_config, world_size)
     return model
 
 
@@ -155,7 +162,7 @@ def _check_portable(model_args, model) -> None:
         )
 
 
-def _check_checkpoint_to_load(model_args, model, job_config) -> None:
+def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) -> None:
     from titan_ext.checkpoint import check_hf_config
 
     found = inputs.checkpoint_to_load(job_config)
@@ -177,10 +184,10 @@ def _check_checkpoint_to_load(model_args, model, job_config) -> None:
     else:
         inputs.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
         if option == "--checkpoint.folder":  # a resume: the dataloader's position loads too
-            _check_data_parallel_degree(path, job_config)
+            _check_data_parallel_degree(path, job_config, world_size)
 
 
-def _check_data_parallel_degree(path: str, job_config) -> None:
+def _check_data_parallel_degree(path: str, job_config, world_size: int) -> None:
     """torchtitan's dataloaders keep one position per data-parallel rank and stop with an AssertionError
     traceback when the degree changed; titan_ext_stream over local shards re-splits them, nothing else can."""
     from titan_ext.text_stream import STREAM_DATASET, local_shards
@@ -192,7 +199,7 @@ def _check_data_parallel_degree(path: str, job_config) -> None:
         return  # StreamDataloader re-splits the saved positions
     saved = inputs.dcp_dataloader_ranks(path)
     p = job_config.parallelism
-    now = inputs.shard_degree(p, int(os.environ.get("WORLD_SIZE", "1"))) * p.data_parallel_replicate_degree
+    now = inputs.shard_degree(p, world_size) * p.data_parallel_replicate_degree
     if saved and saved != now:
         raise ConfigError(
             f"--checkpoint.folder ({path}) was saved by {saved} data-parallel ranks, this job has {now}: "

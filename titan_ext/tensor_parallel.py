@@ -12,6 +12,7 @@ import logging
 import torch.nn as nn
 
 from titan_ext.errors import ConfigError
+from titan_ext.job_plan import TPChoice
 
 logger = logging.getLogger()
 
@@ -49,10 +50,8 @@ def check_tp(model: nn.Module, job_config) -> None:
         raise ConfigError(str(error)) from None
 
 
-def tp_choice(model: nn.Module, job_config):
+def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
     """The job's TP: the plan found for ``model`` (the meta-device model ``check_tp`` checked) and its options."""
-    from titan_ext.job import TPChoice
-
     p = job_config.parallelism
     if p.tensor_parallel_degree <= 1:
         return None

@@ -6,6 +6,7 @@ import copy
 from collections.abc import Iterator, Mapping
 
 from titan_ext.errors import config_boundary
+from titan_ext.job import JobModelArgs
 from titan_ext.models.architecture import LIBRARIES
 from titan_ext.models.args import HFModelArgs
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
@@ -19,15 +20,16 @@ class Flavors(Mapping[str, HFModelArgs]):
 
     torchtitan mutates the args it looks up (``update_from_config``), so a
     shared instance would carry one job's overrides into the next job built
-    in the same process. An unknown flavor is reported by preflight, before
-    torchtitan looks it up.
+    in the same process. Each copy plans its job when torchtitan hands it the
+    config (``JobModelArgs``). An unknown flavor is reported by preflight,
+    before torchtitan looks it up.
     """
 
     def __init__(self, flavors: dict[str, HFModelArgs]):
         self._flavors = flavors
 
-    def __getitem__(self, flavor: str) -> HFModelArgs:
-        return copy.deepcopy(self._flavors[flavor])
+    def __getitem__(self, flavor: str) -> JobModelArgs:
+        return JobModelArgs.of(copy.deepcopy(self._flavors[flavor]))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._flavors)

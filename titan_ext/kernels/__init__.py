@@ -30,6 +30,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterator
 
+import torch
 import torch.nn as nn
 
 from titan_ext.host_patches import MODEL_KERNELS, resolve
@@ -37,7 +38,7 @@ from titan_ext.kernels.binding import bind as _bind
 
 PATHS = ("fla", "portable")
 
-__all__ = ["PATHS", "bind", "from_pretrained", "portable", "replacements", "unported"]
+__all__ = ["PATHS", "bind", "default_path", "from_pretrained", "portable", "replacements", "unported"]
 
 
 @functools.cache
@@ -55,12 +56,20 @@ def global_names(path: str) -> dict[str, dict[str, object]]:
     fla's ``Attention`` calls ``flash_attn_func``, None when flash-attn is not
     installed: titan_ext's models run PyTorch SDPA behind flash-attn's API.
     """
-    from titan_ext.models import sdpa_attention
+    from titan_ext.kernels import sdpa_attention
 
     if sdpa_attention.flash_attn_available():
         return {}
     return {"fla.layers.attn": {"flash_attn_func": sdpa_attention.sdpa_attn_func,
                                 "flash_attn_varlen_func": sdpa_attention.sdpa_attn_varlen_func}}
+
+
+def default_path() -> str:
+    """The path of a model built outside a planned job (a script's, a test's): fla's kernels on CUDA unless
+    CPU mode is forced, titan_ext's portable ones elsewhere."""
+    from titan_ext import cpu_mode
+
+    return "fla" if torch.cuda.is_available() and not cpu_mode.forced() else "portable"
 
 
 def bind(model: nn.Module, path: str) -> nn.Module:

@@ -135,6 +135,14 @@ _uses: dict[tuple[type, str], set] = {}
 """(class, key) -> the replacements (objects, or (module, name) pairs of ``names``) its bound class uses."""
 
 
+def forget(prefix: str) -> None:
+    """Drop the cached classes of every key starting with ``prefix``. The models bound with them keep their
+    classes; a binding that holds one job's state (a process group) is never looked up again."""
+    for cache in (_bound_classes, _uses):
+        for cache_key in [k for k in cache if k[1].startswith(prefix)]:
+            del cache[cache_key]
+
+
 def bind(model: nn.Module, replacements: Replacements, key: str, names: ModuleNames = {}) -> set:
     """Make every module of ``model`` call ``replacements`` (in place).
 

@@ -5,7 +5,7 @@ identity mapping) and adds what torchtitan's trainer calls: construction from
 a model-args dataclass on the meta device, ``init_weights`` after
 ``to_empty``, and ``forward(tokens, document_positions=None, positions=None) -> logits``
 (``document_positions`` come from the dataloader with document masking:
-``titan_ext.documents``; ``positions`` from torchtitan's context parallelism). Labels are never passed to
+``titan_ext.documents``; ``positions`` from torchtitan's context parallelism; both packed by ``models.packing``). Labels are never passed to
 the HF forward: torchtitan's labels are already shifted, and its loss is a
 sum over tokens that the trainer normalizes. fla models get their kernels
 bound at construction (``titan_ext.kernels``).
@@ -20,9 +20,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titan_ext import context_parallel, documents, kernels
+from titan_ext import kernels
 from titan_ext.errors import ConfigError
-from titan_ext.job import kernel_path
+from titan_ext.models import packing
 from titan_ext.models.args import HFModelArgs
 
 
@@ -35,7 +35,7 @@ class TitanCausalLM:
         self.model_args = model_args
         self.arch = model_args.arch
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
-            kernels.bind(self, model_args.kernel_path or kernel_path())
+            kernels.bind(self, model_args.kernel_path or kernels.default_path())
         if self.config.tie_word_embeddings:
             self.register_state_dict_post_hook(_without_tied_head)
 
@@ -68,14 +68,14 @@ class TitanCausalLM:
                 tokens = DTensor.from_local(tokens, *self.residual_layout, run_check=False)
             first = {"inputs_embeds": tokens}
         if self.cp_layout is not None:
-            inputs = context_parallel.step_inputs(self, first, positions, document_positions)
+            inputs = packing.step_inputs(self, first, positions, document_positions)
         elif document_positions is None:
             inputs = first
         elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             inputs = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
-            inputs["cu_seqlens"] = documents.cu_seqlens(document_positions)
+            inputs["cu_seqlens"] = packing.cu_seqlens(document_positions)
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
-            mask = documents.block_causal_mask(document_positions)
+            mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
         hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.lm_head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard

@@ -11,7 +11,7 @@ from typing import Any
 
 from torchtitan.protocols.model import BaseModelArgs
 
-from titan_ext import inputs, job
+from titan_ext import inputs
 from titan_ext.errors import ConfigError, config_boundary
 from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes
 
@@ -133,12 +133,12 @@ class HFModelArgs(BaseModelArgs):
 
     @config_boundary
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Apply ``[titan_ext] hf_config`` (or, for a blank flavor, the HF assets' config.json), then
-        plan the job (checks included).
+        """torchtitan's hook: ``read_job_config``, a bad config ending the job in one line. In a titan_ext
+        job the train specs' args also plan the job here (``titan_ext.job.JobModelArgs``)."""
+        self.read_job_config(job_config)
 
-        torchtitan calls this right before building the model: the last
-        moment a bad config can fail cheaply.
-        """
+    def read_job_config(self, job_config) -> None:
+        """Apply ``[titan_ext] hf_config`` (or, for a blank flavor, the HF assets' config.json)."""
         path = getattr(getattr(job_config, "titan_ext", None), "hf_config", "")
         if path:
             self.update_from_hf_config(load_hf_config_json(path), f"{HF_CONFIG_OPTION}={path!r}")
@@ -153,7 +153,6 @@ class HFModelArgs(BaseModelArgs):
             option = "--model.hf_assets_path"
             self.update_from_hf_config(load_hf_config_json(assets, option), f"{option}={assets!r}")
         self.classes()  # an unknown model type is one line here
-        job.plan_job(self, job_config)
 
     def document_mask_blocker(self) -> str | None:
         return self.arch.document_mask_blocker(self.to_hf_config())

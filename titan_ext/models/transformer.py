@@ -1,7 +1,7 @@
 """fla's softmax-attention transformer (``model_type "transformer"``): architecture and flavors.
 
 Without the flash-attn package, attention runs through PyTorch SDPA
-(``titan_ext.models.sdpa_attention``, bound into titan_ext's model only);
+(``titan_ext.kernels.sdpa_attention``, bound into titan_ext's model only);
 parameter names and math stay fla's.
 """
 

@@ -1,0 +1,117 @@
+"""The import graph of ``titan_ext`` and ``model_plans``, imports inside functions counted: one way, no cycle.
+
+registration (``titan_ext/__init__``, ``train_specs``) -> the coordinator (``job``) -> features -> models ->
+kernels; the plan's data (``job_plan``) is a leaf every layer may read.
+"""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("titan_ext", "model_plans")
+REGISTRATION = {"titan_ext", "titan_ext.train_specs"}
+COORDINATOR = "titan_ext.job"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, anywhere in its body (``from a import b`` counts ``a.b`` when
+    that is a module, else ``a``)."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parent, base] if base else parent)
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+        resolved = set()
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                resolved.add(target)
+        graph[name] = resolved
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_finder_sees_a_cycle_made_inside_functions():
+    graph = import_graph()
+    graph["titan_ext.job_plan"] = graph["titan_ext.job_plan"] | {"titan_ext.pipeline"}  # pipeline imports job_plan
+    assert ["titan_ext.job_plan", "titan_ext.pipeline"] in cycles(graph)
+    assert "titan_ext.job_plan" in import_graph()["titan_ext.pipeline"]  # an import the finder must see
+
+
+def test_only_registration_imports_the_coordinator():
+    importers = {name for name, targets in import_graph().items() if COORDINATOR in targets}
+    assert importers <= REGISTRATION, importers - REGISTRATION
+
+
+def test_the_plan_data_is_a_leaf():
+    assert import_graph()["titan_ext.job_plan"] == set()
+
+
+def test_layers_import_downward_only():
+    """kernels import no model, feature or coordinator; models no feature or coordinator; model_plans no titan_ext."""
+    graph = import_graph()
+    features = {name for name in graph if name.startswith("titan_ext.") and name.count(".") == 1} - {
+        "titan_ext.job_plan", "titan_ext.errors", "titan_ext.compat", "titan_ext.cpu_mode", "titan_ext.inputs",
+        "titan_ext.host_patches", "titan_ext.kernels", "titan_ext.models",
+    }
+    for name, targets in graph.items():
+        if name.startswith("model_plans"):
+            assert not any(t.startswith("titan_ext") for t in targets), name
+        if name.startswith("titan_ext.models"):
+            assert not targets & (features | {COORDINATOR}), (name, targets & features)
+        if name.startswith("titan_ext.kernels"):
+            below = {t for t in targets if t.startswith("titan_ext.models")} | (targets & features)
+            assert not below, (name, below)

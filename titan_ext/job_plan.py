@@ -1,0 +1,118 @@
+"""The job plan as data: ``JobPlan`` and one ``*Choice`` per feature, frozen.
+
+A leaf: it imports nothing of titan_ext, so every feature can read the plan
+(and build its own choice) without importing the coordinator that makes it
+(``titan_ext.job``). The plan reaches its readers on the model args torchtitan
+hands them (``plan_of``), never through a process-wide global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TPChoice:
+    degree: int
+    plan_cls: type
+    sequence_parallel: bool
+    loss_parallel: bool
+    float8: bool
+    async_tp: bool
+
+
+@dataclass(frozen=True)
+class CPChoice:
+    degree: int
+    pieces_per_rank: int
+    masked_attention: str | None = None
+    """What masks softmax attention beyond causality (document masking, a sliding window): it then attends
+    over all-gathered keys and values. None: torch's ring attention."""
+    rotate_method: str = "allgather"
+    """How torch's ring passes keys and values: ``allgather`` (all at once) or ``alltoall`` (rank to rank)."""
+
+
+@dataclass(frozen=True)
+class PPChoice:
+    degree: int
+    schedule: str
+    accumulation: int
+    """Schedule steps per optimizer step (``--training.global_batch_size`` over local batch x data-parallel degree)."""
+    stages: tuple[tuple[str, ...], ...]
+    """Each virtual stage's module FQNs (HF names), in pipeline order."""
+    v_shape: bool
+    """Stages placed in a V (ZBVZeroBubble, DualPipeV: rank r runs r and its mirror), else looped
+    (rank r runs r, r + degree, ...)."""
+
+    def stage_indices(self, rank: int) -> tuple[int, ...]:
+        if self.v_shape:
+            return rank, len(self.stages) - 1 - rank
+        return tuple(range(rank, len(self.stages), self.degree))
+
+
+@dataclass(frozen=True)
+class ACChoice:
+    mode: str
+    """none, full, selective (every Nth block, or per op), memory_budget."""
+    every: int | None
+    """selective: checkpoint every Nth block; None means per-op SAC."""
+    config: object
+    """A copy of torchtitan's [activation_checkpoint] section, for its wrappers."""
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    model: bool
+    backend: str
+
+
+@dataclass(frozen=True)
+class Float8Choice:
+    filter_fqns: tuple[str, ...]
+    high_precision: tuple[str, ...]
+    """titan_ext's default filters: linears it keeps in high precision after torchtitan's converter ran."""
+
+
+@dataclass(frozen=True)
+class DataParallelChoice:
+    kind: str
+    """fsdp, hsdp, ddp or none."""
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    reshard_blocks: bool
+    reshard_head: bool
+    cpu_offload: bool
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    world_size: int
+    kernel_path: str
+    """fla (CUDA: fla's kernels) or portable (torch code); see titan_ext.kernels."""
+    tp: TPChoice | None
+    cp: CPChoice | None
+    pp: PPChoice | None
+    ac: ACChoice
+    compile: CompileChoice
+    float8: Float8Choice | None
+    data_parallel: DataParallelChoice
+    nonfinite: str
+    metrics_jsonl: str
+    hf_export: bool
+    """--checkpoint.last_save_in_hf: titan_ext completes the folder (config.json, tokenizer)."""
+    hf_assets_path: str
+
+
+def plan_of(holder) -> JobPlan:
+    """The plan on model args, or on a model built from them (``model.model_args``): what torchtitan hands
+    every builder is one of the two."""
+    args = getattr(holder, "model_args", holder)
+    plan = getattr(args, "plan", None)
+    if plan is None:
+        raise RuntimeError(
+            f"{type(args).__name__} carries no job plan: torchtitan plans a titan_ext job when it calls "
+            "update_from_config on the args of a titan_ext train spec, before any builder runs"
+        )
+    return plan

@@ -1,0 +1,97 @@
+"""What runs in every forward under context parallelism, once ``titan_ext.context_parallel`` has bound it:
+torch's ring attention as a module of its own, attention over all-gathered keys and values where a mask
+does more than causality, and fla's ``Attention.forward`` at the tokens' global positions."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_ext import compat
+from titan_ext.kernels.state_passing import in_sequence_order
+
+
+class RingSDPA(nn.Module):
+    """Causal SDPA as a module of its own, for torchtitan's ``apply_cp_to_attention_module``: its inputs
+    become sequence-sharded DTensors and torch's CP dispatcher runs the ring. One per model, outside its
+    module tree (no parameters; checkpoints, FSDP and AC never see it)."""
+
+    def __init__(self, pieces_per_rank: int):
+        super().__init__()
+        self.head_tail = pieces_per_rank > 1
+        self.options = compat.torch_cp_options()._cp_options
+
+    def forward(self, query, key, value, scale=None):
+        # torchtitan's input sharding tells torch's ring the piece layout; it must be this model's
+        if self.options.enable_load_balance != self.head_tail:
+            raise RuntimeError(
+                f"torch's ring attention expects {'head-tail' if self.options.enable_load_balance else 'contiguous'} "
+                f"pieces, this model was built for {'head-tail' if self.head_tail else 'contiguous'} ones: shard the "
+                "inputs with torchtitan's prepare_context_parallel_input and the job's load balancer"
+            )
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
+
+
+class OneAttention:
+    """Stands in for transformers' attention registry inside the bound attention modules."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def get_interface(self, name, default):
+        return self.fn
+
+
+def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0):
+    """Masked causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
+
+    K and V are all-gathered differentiably and put in sequence order; the mask is built from the
+    tokens' global positions (``layout.positions``): causal, within a sliding ``window`` (fla's
+    ``window_size``), within each packed document. K and V of the whole sequence, and a ``B x T_local x T``
+    mask, are held for the duration of one layer's attention.
+    """
+    keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
+    values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
+    if layout.per_rank > 1:  # gathered in rank order: put the pieces in sequence order
+        slots = in_sequence_order(layout.world, layout.per_rank)
+        keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
+    mask = _global_mask(layout, keys.shape[2], window)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
+                                          enable_gqa=query.shape[1] != keys.shape[1])
+
+
+def _global_mask(layout, length: int, window: int | None):
+    """``[B, 1, T_local, T]``: each local query's keys in the whole row, by global position: earlier
+    or itself, within ``window``, and in its own document."""
+    query = layout.positions
+    key = torch.arange(length, device=query.device)
+    distance = query[:, :, None] - key[None, None, :]
+    mask = distance >= 0
+    if window is not None:
+        mask = mask & (distance < window)
+    if layout.document_positions is not None:
+        document = (layout.document_positions == 0).cumsum(dim=1)  # each token's document, in the whole row
+        mask = mask & (document.gather(1, query)[:, :, None] == document[:, None, :])
+    return mask[:, None]
+
+
+def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
+                          use_cache=False, layout=None, attend=None, **kwargs):
+    """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
+    (at the tokens' global positions, or within their documents) and causal (windowed) attention,
+    by ``attend`` (``attention_across_ranks``)."""
+    from titan_ext.kernels.rotary import rotate_at  # imports fla
+
+    if attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
+        raise ValueError("fla Attention under context parallelism takes no mask, cache or cu_seqlens")
+    B, T, _ = hidden_states.shape
+    q, k, v = (proj(hidden_states).unflatten(-1, (-1, self.head_dim)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    if self.qk_norm:
+        q, k = self.q_norm(q), self.k_norm(k)
+    positions = layout.positions if layout.local_document_positions is None else layout.local_document_positions
+    length = max(T * layout.world, self.max_position_embeddings or 0)  # positions of the whole sequence
+    cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
+    q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
+    o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=self.window_size)
+    return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values

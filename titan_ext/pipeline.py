@@ -12,7 +12,9 @@ states where the embedding is gone and returns them where the head is
 own (its ``generate_llm_fqn_per_model_part``, with the embedding and the head
 weighted as ``pipeline_parallel_first/last_stage_less_layers`` blocks), or follow
 ``--parallelism.module_fqns_per_model_part`` in HF names. torchtitan's
-``build_pipeline_schedule`` runs any of its schedules over them.
+``build_pipeline_schedule`` runs any of its schedules over them. A head tied to
+the embedding has a copy of the weight on the first and on the last stage, kept
+equal (``TiedWeight``).
 """
 
 from __future__ import annotations
@@ -290,7 +292,7 @@ class TiedWeight:
     FSDP and TP shard each copy alike (on the vocabulary), so their local shards line up rank for rank.
     """
 
-    def __init__(self, parts: list[nn.Module], group, source: int | None):
+    def __init__(self, parts: list[nn.Module], group, source: int):
         self.parts, self.group, self.source = parts, group, source
         """This rank's stages holding a copy (the first stage's first, if here), the process group of the ranks
         holding them (None: this rank holds them all), and the global rank holding the first stage's."""
@@ -339,8 +341,8 @@ class TiedWeight:
 
     @torch.no_grad()
     def sum_gradients(self) -> None:
+        """Every copy's gradient becomes the sum of all copies' (once per optimizer step)."""
         import torch.distributed as dist
-
         from torch.distributed.tensor import DTensor
 
         for param in self.copies:

@@ -38,8 +38,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step
-  (``titan_ext.pipeline.TiedWeight``; hf_llama with every kind of PP row but the schedules a V does not
-  change: a V puts both copies on rank 0), against the same tied single-process run.
+  (``titan_ext.pipeline.TiedWeight``), against the same tied single-process run: hf_llama in ``pp2``,
+  ``pp2_interleaved``, ``pp2_accum2``, ``pp2_fsdp2``, ``pp2_tp2``, the V schedules (both copies on rank 0)
+  and the PP checkpoint rows; hf_qwen3 in ``pp2``.
 - ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
   FSDP2 must match one process like titan_ext's specs do.
 - ``cp2*``: sequences split over 2 context-parallel ranks (head-tail and contiguous pieces, with

@@ -47,15 +47,20 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   FSDP2, TP2, full AC + compile, with short convolutions: the "conv" variant; ``cp2_docs``: with document
   masking, against one process that masks too; ``cp2_tp2_docs`` for GLA), compared with one process.
   (No FSDP row with document masking: titan_ext_stream hands each data-parallel rank its own
-  documents, so its batches are not the single process's.) Gated DeltaNet runs ``cp2``
-  and ``cp2_docs``.
+  documents, so its batches are not the single process's.) Gated DeltaNet runs ``cp2``,
+  ``cp2_docs`` and ``pp2_cp2_docs``.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
 - ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
-  under PP and at PP=1; HF export under PP), compared with one process.
+  under PP and at PP=1; HF export under PP), compared with one process. ``pp2_cp2``: PP x CP (GLA's
+  state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
+  ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
+  later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
+- Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
+  (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
   are compared with the single-process run's.
 - Rows whose code path does not depend on the model run for fewer specs: ``hsdp2x2`` (GLA),
@@ -75,7 +80,9 @@ first the seed checkpoints and every 1-process job (four lanes of one
 process), then 2-process jobs (two lanes), then 4-process jobs; ``Row.cost``
 (roughly seconds) balances the lanes. The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
-and 59 s).
+and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
+the 4-process phase) it took 221 s again inside a whole-suite run, while other
+jobs loaded the machine (phases of 5, 76, 105 and 60 s).
 """
 
 from __future__ import annotations
@@ -165,7 +172,7 @@ SPECS = {
     "hf_llama": Spec("debug_llama.toml"),
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
-                               rows=(*GENERIC_ROWS, "cp2", "cp2_docs")),
+                               rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
@@ -199,6 +206,10 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+
+    opt_in: bool = False
+    """Not part of the CI matrix (``ALL_ROWS``): run by name (``--rows``), e.g. rows of 8 ranks
+    (``bench/compose_8ranks.py``)."""
 
     validation: bool = False
     """The row validates (``VALIDATION``) and its validation losses must match the single-process run's.
@@ -306,6 +317,18 @@ ROWS = {
                          specs=("fla_gla", "hf_llama")),
     # gradient accumulation: 2 batches per optimizer step, against one process accumulating the same 2
     "pp2_accum2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), accumulate=True),
+    # ... with context parallelism (each stage's mixers pass states, or keys and values, across the CP ranks),
+    # and with document masking: each micro-batch's boundaries reach every stage (torchtitan's extra kwargs),
+    # also where full AC recomputes a block in its backward after later micro-batches' forwards (Interleaved1F1B)
+    "pp2_cp2": Row(4, parallel(cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), spec_rtol=CP_ATTENTION_RTOL),
+    "pp2_docs": Row(2, parallel(pp=2), rtol=TP_RTOL, documents=True, specs=("fla_gla", "hf_llama")),
+    "pp2_cp2_docs": Row(4, (*parallel(cp=2, pp=2), *AC, "full", "--parallelism.pipeline_parallel_schedule",
+                            "Interleaved1F1B"), rtol=TP_RTOL, documents=True, validation=True,
+                        specs=("fla_gla", "hf_llama", "fla_transformer"), spec_rtol=CP_DOCS_RTOL),
+    # Outside CI (8 ranks; bench/compose_8ranks.py): TP2 x PP2 x CP2 with document masking, and FSDP2 x PP2 x CP2.
+    "pp2_tp2_cp2_docs": Row(8, parallel(tp=2, cp=2, pp=2), rtol=TP_RTOL, documents=True, validation=True,
+                            specs=("fla_gla",), opt_in=True),
+    "pp2_fsdp2_cp2": Row(8, parallel(shard=2, cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla",), opt_in=True),
     # checkpoints under PP: the tied Llama's weight is one key, written by both stages, read by one process and back
     "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla", "hf_llama")),
     "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla", "hf_llama")),
@@ -500,7 +523,7 @@ class Matrix:
         units = self.units()
         phases = [lanes(nproc, 1, [(1, [self.seed(*variant)]) for variant in self.variants()])]
         for late in (False, True):
-            for world in (1, 2, 4):
+            for world in sorted({unit[0] for unit in units}):
                 work = [(cost, jobs) for w, cost, jobs, is_late in units if w == world and is_late == late]
                 if work:
                     phases.append(lanes(nproc, world, work))
@@ -740,7 +763,9 @@ def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1
     return results, seconds
 
 
-ALL_ROWS = [*ROWS, *(row for row in UNSUPPORTED if row not in ROWS)]
+ALL_ROWS = [*(row for row in ROWS if not ROWS[row].opt_in), *(row for row in UNSUPPORTED if row not in ROWS)]
+"""The CI matrix's rows (``tests/test_integration_matrix.py``)."""
+OPT_IN_ROWS = [row for row in ROWS if ROWS[row].opt_in]
 
 
 def table(results: list[Result]) -> str:
@@ -755,7 +780,7 @@ def table(results: list[Result]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", nargs="+", choices=list(SPECS), default=list(SPECS))
-    parser.add_argument("--rows", nargs="+", choices=ALL_ROWS, default=ALL_ROWS)
+    parser.add_argument("--rows", nargs="+", choices=[*ALL_ROWS, *OPT_IN_ROWS], default=ALL_ROWS)
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "integration_matrix")
     args = parser.parse_args()
     if args.root.exists():

@@ -147,8 +147,8 @@ CASES = {
     "pp stage names that are not the model's": (
         ["--job.config_file", "{tmp}/pp_names.toml", *PP2], 2, "names 'tok_embeddings', which is not a part of this model",
     ),
-    "pp with cp": ([*GLA, *PP2, "--parallelism.context_parallel_degree", "2"], 4, "does not combine with --parallelism.context_parallel_degree=2"),
-    "pp with documents": ([*GLA, *PP2, "--titan_ext.document_mask"], 2, "does not combine with --titan_ext.document_mask=True"),
+    "ddp with pp": ([*GLA, *PP2, "--parallelism.data_parallel_replicate_degree", "2"], 4,
+                    "DDP (--parallelism.data_parallel_replicate_degree=2) cannot combine with --parallelism.pipeline_parallel_degree=2"),
     "validation batch other than training's under pp": (
         [*GLA, *PP2, "--validation.enable", "--validation.dataset", "titan_ext_tiny", "--validation.local_batch_size", "3"],
         2, "--validation.local_batch_size=3 and --validation.seq_len=2048 must equal training's",

@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from titan_ext import inputs
 from titan_ext.errors import ConfigError
+from titan_ext.inputs import checkpoints, degrees, hf_config, jsonl, names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def write_jsonl(tmp_path: Path, content) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("check", [inputs.check_jsonl_dataset, inputs.load_jsonl_records])
+@pytest.mark.parametrize("check", [jsonl.check_jsonl_dataset, jsonl.load_jsonl_records])
 @pytest.mark.parametrize("case", list(BAD_JSONL))
 def test_bad_jsonl_dataset(tmp_path, check, case):
     content, phrase = BAD_JSONL[case]
@@ -95,21 +95,21 @@ def test_bad_jsonl_dataset(tmp_path, check, case):
 
 def test_jsonl_custom_field_and_option(tmp_path):
     path = write_jsonl(tmp_path, '{"text": "a"}\n')
-    fails(lambda: inputs.check_jsonl_dataset(path, "body", "--validation.dataset_path"),
+    fails(lambda: jsonl.check_jsonl_dataset(path, "body", "--validation.dataset_path"),
           "--validation.dataset_path=", "line 1 has no 'body' field")  # fmt: skip
 
 
 def test_jsonl_preflight_reads_max_lines_only(tmp_path):
     path = write_jsonl(tmp_path, '{"text": "a"}\n' * 3 + "{oops\n")
-    inputs.check_jsonl_dataset(path, max_lines=3)
-    fails(lambda: inputs.check_jsonl_dataset(path, max_lines=None), "line 4 is not JSON")
-    fails(lambda: inputs.load_jsonl_records(path), "line 4 is not JSON")
+    jsonl.check_jsonl_dataset(path, max_lines=3)
+    fails(lambda: jsonl.check_jsonl_dataset(path, max_lines=None), "line 4 is not JSON")
+    fails(lambda: jsonl.load_jsonl_records(path), "line 4 is not JSON")
 
 
 def test_good_jsonl_dataset(tmp_path):
     path = write_jsonl(tmp_path, GOOD_JSONL)
-    inputs.check_jsonl_dataset(path)
-    assert inputs.load_jsonl_records(path) == [{"text": "a"}, {"text": "b", "id": 2}]
+    jsonl.check_jsonl_dataset(path)
+    assert jsonl.load_jsonl_records(path) == [{"text": "a"}, {"text": "b", "id": 2}]
 
 
 # ---------------------------------------------------------------- HF config.json overrides
@@ -152,7 +152,7 @@ BAD_GLA = {
 @pytest.mark.parametrize("case", list(BAD_GLA))
 def test_bad_hf_config_gla(gla_config, case):
     config, *phrases = BAD_GLA[case]
-    fails(lambda: inputs.check_hf_config_fields(config, gla_config, SOURCE), SOURCE, *phrases)
+    fails(lambda: hf_config.check_hf_config_fields(config, gla_config, SOURCE), SOURCE, *phrases)
 
 
 BAD_LLAMA = {
@@ -167,23 +167,23 @@ BAD_LLAMA = {
 @pytest.mark.parametrize("case", list(BAD_LLAMA))
 def test_bad_hf_config_llama(llama_config, case):
     config, *phrases = BAD_LLAMA[case]
-    fails(lambda: inputs.check_hf_config_fields(config, llama_config, SOURCE), SOURCE, *phrases)
+    fails(lambda: hf_config.check_hf_config_fields(config, llama_config, SOURCE), SOURCE, *phrases)
 
 
 def test_good_hf_configs(gla_config, llama_config):
     gla = {"model_type": "gla", "architectures": ["GLAForCausalLM"], "torch_dtype": "bfloat16",
            "transformers_version": "4.45.0", "hidden_size": 64, "num_heads": 4, "num_kv_heads": None,
            "expand_k": 1, "norm_eps": 1e-6, "feature_map": None, "auto_map": {"AutoConfig": "x.Y"}}  # fmt: skip
-    inputs.check_hf_config_fields(gla, gla_config, SOURCE)
+    hf_config.check_hf_config_fields(gla, gla_config, SOURCE)
     # Llama-3.2-1B's config.json: older spellings rope_theta/rope_scaling (mapped to rope_parameters), head_dim set.
     llama = {"model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
              "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "pretraining_tp": 1,
              "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
              "max_position_embeddings": 131072, "torch_dtype": "bfloat16", "attn_implementation": "sdpa"}  # fmt: skip
-    inputs.check_hf_config_fields(llama, llama_config, SOURCE)
+    hf_config.check_hf_config_fields(llama, llama_config, SOURCE)
     # head_dim waives heads | hidden_size (Llama-3.2-3B: 3072 / 24 heads of 128).
-    inputs.check_hf_config_fields({"hidden_size": 100, "num_attention_heads": 8, "head_dim": 16},
+    hf_config.check_hf_config_fields({"hidden_size": 100, "num_attention_heads": 8, "head_dim": 16},
                                   llama_config, SOURCE)  # fmt: skip
 
 
@@ -226,7 +226,7 @@ def test_bad_hf_checkpoint_dir(tmp_path, case):
     damage, phrase = BAD_HF_DIRS[case]
     path = hf_dir(tmp_path)
     damage(path)
-    fails(lambda: inputs.check_hf_checkpoint_dir(str(path)), f"--checkpoint.initial_load_path={str(path)!r}", phrase)
+    fails(lambda: checkpoints.check_hf_checkpoint_dir(str(path)), f"--checkpoint.initial_load_path={str(path)!r}", phrase)
 
 
 def test_truncation_caught_by_header_only(tmp_path):
@@ -234,7 +234,7 @@ def test_truncation_caught_by_header_only(tmp_path):
     path = hf_dir(tmp_path)
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[:-1])
-    fails(lambda: inputs.check_hf_checkpoint_dir(str(path), "--model.hf_assets_path"), "--model.hf_assets_path=",
+    fails(lambda: checkpoints.check_hf_checkpoint_dir(str(path), "--model.hf_assets_path"), "--model.hf_assets_path=",
           f"({len(data) - 1} of {len(data)} bytes)")  # fmt: skip
 
 
@@ -244,7 +244,7 @@ def test_good_hf_checkpoint_dir(tmp_path):
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "model.safetensors", "c": "model-2.safetensors"}})
     )
-    inputs.check_hf_checkpoint_dir(str(path))
+    checkpoints.check_hf_checkpoint_dir(str(path))
 
 
 # ---------------------------------------------------------------- torch DCP checkpoints
@@ -291,15 +291,15 @@ def test_bad_dcp_checkpoint(tmp_path, case):
     if case != "missing folder":
         save_dcp(path, EXPECTED)
     damage(path)
-    message = fails(lambda: inputs.check_dcp_checkpoint(str(path), expected, OPTION), f"{OPTION}={str(path)!r}", phrase)
+    message = fails(lambda: checkpoints.check_dcp_checkpoint(str(path), expected, OPTION), f"{OPTION}={str(path)!r}", phrase)
     if expected is not EXPECTED and case != "missing folder":
         assert "--model.name/--model.flavor" in message
 
 
 def test_good_dcp_checkpoint(tmp_path):
     path = save_dcp(tmp_path / "step-10", {**EXPECTED, "extra.weight": (2,)})
-    inputs.check_dcp_checkpoint(path, EXPECTED, OPTION)
-    inputs.check_dcp_checkpoint(path, {"lm_head.weight": (32, 8)}, OPTION)
+    checkpoints.check_dcp_checkpoint(path, EXPECTED, OPTION)
+    checkpoints.check_dcp_checkpoint(path, {"lm_head.weight": (32, 8)}, OPTION)
 
 
 # ---------------------------------------------------------------- which checkpoint torchtitan loads
@@ -321,19 +321,19 @@ def test_checkpoint_to_load(tmp_path):
     initial = save_dcp(tmp_path / "seed" / "step-0", {"w": (2,)})
     hf = str(hf_dir(tmp_path))
     on = {"checkpoint.enable": True}
-    assert inputs.checkpoint_to_load(job(dump=dump)) is None  # checkpointing off
-    assert inputs.checkpoint_to_load(job(on, dump)) is None  # nothing yet
-    assert inputs.checkpoint_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) == (initial, "dcp")
+    assert checkpoints.checkpoint_to_load(job(dump=dump)) is None  # checkpointing off
+    assert checkpoints.checkpoint_to_load(job(on, dump)) is None  # nothing yet
+    assert checkpoints.checkpoint_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) == (initial, "dcp")
     hf_fields = {**on, "checkpoint.initial_load_in_hf": True, "checkpoint.initial_load_path": hf}
-    assert inputs.checkpoint_to_load(job(hf_fields, dump)) == (hf, "hf")
-    assert inputs.checkpoint_to_load(job({**on, "checkpoint.initial_load_in_hf": True}, dump)) == (
+    assert checkpoints.checkpoint_to_load(job(hf_fields, dump)) == (hf, "hf")
+    assert checkpoints.checkpoint_to_load(job({**on, "checkpoint.initial_load_in_hf": True}, dump)) == (
         "titan_ext/assets/tiny", "hf")  # fmt: skip
     seed = {**on, "checkpoint.create_seed_checkpoint": True, "checkpoint.initial_load_path": str(tmp_path / "no")}
-    assert inputs.checkpoint_to_load(job(seed, dump)) is None  # a seed run saves, loads nothing
+    assert checkpoints.checkpoint_to_load(job(seed, dump)) is None  # a seed run saves, loads nothing
     folder = make_steps(dump, complete=(5, 10), partial=(15,))
     latest = job({**on, "checkpoint.initial_load_path": initial}, dump)
-    assert inputs.checkpoint_to_load(latest) == (str(folder / "step-10"), "dcp")  # step-15 is unfinished
-    assert inputs.checkpoint_to_load(job({**on, "checkpoint.load_step": 5}, dump)) == (str(folder / "step-5"), "dcp")
+    assert checkpoints.checkpoint_to_load(latest) == (str(folder / "step-10"), "dcp")  # step-15 is unfinished
+    assert checkpoints.checkpoint_to_load(job({**on, "checkpoint.load_step": 5}, dump)) == (str(folder / "step-5"), "dcp")
 
 
 def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
@@ -342,7 +342,7 @@ def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
     make_steps(dump, partial=(5,))
     initial = save_dcp(tmp_path / "seed" / "step-0", {"w": (2,)})
     config = job({"checkpoint.enable": True, "checkpoint.initial_load_path": initial}, dump)
-    assert inputs.checkpoint_to_load(config) is None
+    assert checkpoints.checkpoint_to_load(config) is None
 
 
 BAD_LOADS = {
@@ -366,7 +366,7 @@ def test_bad_checkpoint_to_load(tmp_path, case):
         make_steps(dump, **steps)
     fields = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in fields.items()}
     config = job({"checkpoint.enable": True, **fields}, dump)
-    fails(lambda: inputs.checkpoint_to_load(config), *phrases)
+    fails(lambda: checkpoints.checkpoint_to_load(config), *phrases)
 
 
 # ---------------------------------------------------------------- numbers and parallel degrees
@@ -385,37 +385,37 @@ BAD_NUMBERS = {
 def test_bad_positive_numbers(case):
     fields, phrase = BAD_NUMBERS[case]
     config = job(fields)
-    fails(lambda: inputs.check_positive_numbers(config), phrase)
+    fails(lambda: degrees.check_positive_numbers(config), phrase)
 
 
 def test_good_positive_numbers():
-    inputs.check_positive_numbers(job())
-    inputs.check_positive_numbers(job({"training.global_batch_size": 16}))
+    degrees.check_positive_numbers(job())
+    degrees.check_positive_numbers(job({"training.global_batch_size": 16}))
 
 
-def degrees(**values) -> dict:
+def degree_values(**values) -> dict:
     return {f"parallelism.{name}_degree": value for name, value in values.items()}
 
 
 BAD_DEGREES = {
-    "tp 0": (2, degrees(tensor_parallel=0), "--parallelism.tensor_parallel_degree=0 must be >= 1"),
-    "pp -1": (2, degrees(pipeline_parallel=-1), "--parallelism.pipeline_parallel_degree=-1 must be >= 1"),
-    "cp 0": (2, degrees(context_parallel=0), "context_parallel_degree=0 must be >= 1"),
-    "ep 0": (2, degrees(expert_parallel=0), "expert_parallel_degree=0 must be >= 1"),
-    "etp 0": (2, degrees(expert_tensor_parallel=0), "expert_tensor_parallel_degree=0 must be >= 1"),
-    "replicate 0": (2, degrees(data_parallel_replicate=0), "data_parallel_replicate_degree=0 must be >= 1"),
-    "shard -2": (2, degrees(data_parallel_shard=-2), "data_parallel_shard_degree=-2 must be -1 (the remaining ranks) or >= 1"),
-    "product too big": (2, degrees(data_parallel_shard=2, tensor_parallel=2),
+    "tp 0": (2, degree_values(tensor_parallel=0), "--parallelism.tensor_parallel_degree=0 must be >= 1"),
+    "pp -1": (2, degree_values(pipeline_parallel=-1), "--parallelism.pipeline_parallel_degree=-1 must be >= 1"),
+    "cp 0": (2, degree_values(context_parallel=0), "context_parallel_degree=0 must be >= 1"),
+    "ep 0": (2, degree_values(expert_parallel=0), "expert_parallel_degree=0 must be >= 1"),
+    "etp 0": (2, degree_values(expert_tensor_parallel=0), "expert_tensor_parallel_degree=0 must be >= 1"),
+    "replicate 0": (2, degree_values(data_parallel_replicate=0), "data_parallel_replicate_degree=0 must be >= 1"),
+    "shard -2": (2, degree_values(data_parallel_shard=-2), "data_parallel_shard_degree=-2 must be -1 (the remaining ranks) or >= 1"),
+    "product too big": (2, degree_values(data_parallel_shard=2, tensor_parallel=2),
                         "--parallelism.data_parallel_shard_degree=2 x --parallelism.tensor_parallel_degree=2 = 4 ranks, "
                         "but torchrun started 2 (WORLD_SIZE)"),
-    "product too small": (4, degrees(data_parallel_shard=1),
+    "product too small": (4, degree_values(data_parallel_shard=1),
                           "--parallelism.data_parallel_shard_degree=1 = 1 ranks, but torchrun started 4"),
-    "rest does not divide": (6, degrees(tensor_parallel=4),
+    "rest does not divide": (6, degree_values(tensor_parallel=4),
                              "--parallelism.tensor_parallel_degree=4 = 4 ranks does not divide the 6 ranks"),
-    "others exceed world": (2, degrees(tensor_parallel=4), "does not divide the 2 ranks"),
-    "etp neither 1 nor tp": (8, degrees(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=4),
+    "others exceed world": (2, degree_values(tensor_parallel=4), "does not divide the 2 ranks"),
+    "etp neither 1 nor tp": (8, degree_values(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=4),
                              "--parallelism.expert_tensor_parallel_degree=4 must be 1 or --parallelism.tensor_parallel_degree=2"),
-    "ep does not split": (2, degrees(expert_parallel=4),
+    "ep does not split": (2, degree_values(expert_parallel=4),
                           "--parallelism.expert_parallel_degree=4 x --parallelism.expert_tensor_parallel_degree=1 does not divide"),
     "global batch": (2, {"training.global_batch_size": 12},
                      "--training.global_batch_size=12 is not a multiple of --training.local_batch_size=4 x 2 data-parallel ranks = 8"),
@@ -426,14 +426,14 @@ BAD_DEGREES = {
 def test_bad_parallel_degrees(case):
     world_size, fields, phrase = BAD_DEGREES[case]
     config = job(fields)
-    fails(lambda: inputs.check_parallel_degrees(config, world_size), phrase)
+    fails(lambda: degrees.check_parallel_degrees(config, world_size), phrase)
 
 
 def test_good_parallel_degrees():
-    inputs.check_parallel_degrees(job(), 2)  # shard -1 takes both ranks
-    inputs.check_parallel_degrees(job(degrees(tensor_parallel=2, data_parallel_shard=1)), 2)
-    inputs.check_parallel_degrees(job({**degrees(tensor_parallel=2), "training.global_batch_size": 24}), 6)
-    inputs.check_parallel_degrees(job(degrees(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2)), 8)
+    degrees.check_parallel_degrees(job(), 2)  # shard -1 takes both ranks
+    degrees.check_parallel_degrees(job(degree_values(tensor_parallel=2, data_parallel_shard=1)), 2)
+    degrees.check_parallel_degrees(job({**degree_values(tensor_parallel=2), "training.global_batch_size": 24}), 6)
+    degrees.check_parallel_degrees(job(degree_values(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2)), 8)
 
 
 # ---------------------------------------------------------------- registry names
@@ -460,11 +460,11 @@ BAD_NAMES = {
 def test_bad_names(case):
     fields, *phrases = BAD_NAMES[case]
     config = job({"training.dataset": "c4_test", **fields})
-    fails(lambda: inputs.check_names(config), *phrases)
+    fails(lambda: names.check_names(config), *phrases)
 
 
 def test_good_names():
     config = job({"training.dataset": "c4_test", "model.converters": ["quantize.linear.float8"],
                   "compile.backend": "aot_eager", "activation_checkpoint.mode": "selective",
                   "validation.enable": True, "validation.dataset": "c4_validation"})  # fmt: skip
-    inputs.check_names(config)
+    names.check_names(config)

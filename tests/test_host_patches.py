@@ -203,3 +203,28 @@ def test_a_new_context_parallel_binding_drops_the_last_ones_classes():
     assert (torch.nn.Linear, first) in binding._bound_classes
     second = context_parallel._binding_key()
     assert second != first and not any(key.startswith("context_parallel:") for _, key in binding._bound_classes)
+
+
+def test_document_positions_reach_every_pipeline_stage():
+    """``TRAINER_BATCH``: torchtitan forwards its extra kwargs (not its extra inputs) to every PP stage; with
+    document masking the boundaries join them, on the one Trainer of the job."""
+    import types
+
+    import torch
+    from torchtitan.train import Trainer
+
+    from titan_ext import documents
+
+    trainer = object.__new__(Trainer)
+    trainer.model_args, trainer.parallel_dims = None, types.SimpleNamespace(cp_enabled=False)
+    batch = {"input": torch.zeros(2, 4, dtype=torch.long), "document_positions": torch.arange(4).expand(2, 4)}
+    labels = torch.zeros(2, 4, dtype=torch.long)
+    _, _, extra_inputs, extra_kwargs = trainer.post_dataloading_process(dict(batch), labels)
+    assert "document_positions" in extra_inputs and "document_positions" not in extra_kwargs  # torchtitan's split
+    host_patches.TRAINER_BATCH.apply(trainer, documents.to_every_stage)
+    _, _, extra_inputs, extra_kwargs = trainer.post_dataloading_process(dict(batch), labels)
+    assert extra_inputs == {} and extra_kwargs["document_positions"] is batch["document_positions"]
+    assert "post_dataloading_process" not in vars(Trainer) or vars(Trainer)["post_dataloading_process"] is \
+        Trainer.post_dataloading_process  # the class is untouched
+    with pytest.raises(TypeError):
+        host_patches.TRAINER_BATCH.apply(types.SimpleNamespace(), documents.to_every_stage)

@@ -109,6 +109,12 @@ def importing_trainer_job_config():
     return None if frame is None else frame.f_locals["job_config"]
 
 
+def importing_trainer():
+    """The torchtitan ``Trainer`` whose ``__init__`` is importing titan_ext (see ``importing_trainer_job_config``)."""
+    frame = _frame_on_stack("torchtitan.train", "__init__", lambda f: "job_config" in f.f_locals)
+    return None if frame is None else frame.f_locals.get("self")
+
+
 def _frame_on_stack(module: str, function: str, accept=lambda frame: True):
     """The innermost caller frame running ``function`` of ``module``'s file (matched by file, not by
     module object: ``-m torchtitan.train`` runs that file as ``__main__``)."""
@@ -183,14 +189,19 @@ def torch_cp_options() -> types.SimpleNamespace:
 
 
 def waited(tensor):
-    """``tensor`` itself, or, for a functional collective's result still in flight (``AsyncCollectiveTensor``,
-    what ``DTensor.to_local`` gives after a redistribution), the finished tensor: a Triton kernel reads
-    memory directly, so it must not receive the wrapper. Differentiable, without a copy."""
+    """``tensor`` with a functional collective's result still in flight (``AsyncCollectiveTensor``, what
+    ``DTensor.to_local`` gives after a redistribution) finished, in forward, and its gradient likewise in
+    backward (a redistribution's backward can hand one over): a Triton kernel reads memory directly, so it
+    must receive neither wrapper. Differentiable, without a copy."""
+    if not tensor.requires_grad:
+        return _finished(tensor)
+    return _wait_function().apply(tensor)
+
+
+def _finished(tensor):
     from torch.distributed import _functional_collectives as funcol
 
-    if not isinstance(tensor, funcol.AsyncCollectiveTensor):
-        return tensor
-    return _wait_function().apply(tensor) if tensor.requires_grad else tensor.wait()
+    return tensor.wait() if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
 
 
 @functools.cache
@@ -200,11 +211,11 @@ def _wait_function():
     class Wait(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            return x.wait()
+            return _finished(x).view_as(x)
 
         @staticmethod
         def backward(ctx, grad):
-            return grad
+            return _finished(grad)
 
     return Wait
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_ext import inputs
+from titan_ext.inputs import jsonl
 from titan_ext.errors import ConfigError
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -37,7 +37,7 @@ def dataset_file(dataset_path: str | None) -> str:
 def load_jsonl_text(path: str):
     from datasets import Dataset
 
-    return Dataset.from_list(inputs.load_jsonl_records(resolve_asset_path(path)))
+    return Dataset.from_list(jsonl.load_jsonl_records(resolve_asset_path(path)))
 
 
 def register_datasets() -> None:

@@ -51,6 +51,25 @@ def window_sample(window: torch.Tensor, starts: list[int]) -> tuple[dict[str, to
     return {"input": window[:-1], "document_positions": positions[:-1]}, labels
 
 
+def to_every_stage(post_dataloading_process):
+    """torchtitan's ``Trainer.post_dataloading_process`` with ``document_positions`` among the keyword
+    arguments it hands every pipeline stage, not the extra inputs it hands the first stage only.
+
+    Why there: torch's schedule splits those kwargs into micro-batches along the batch, as it splits the
+    inputs, so each stage's forward of micro-batch ``i`` reads micro-batch ``i``'s boundaries with no
+    communication and no record of which micro-batch a stage runs (torchtitan sends its own models'
+    attention masks the same way). Without PP the model receives both dicts alike: nothing changes.
+    """
+
+    def process(input_dict, labels):
+        inputs, labels, extra_inputs, extra_kwargs = post_dataloading_process(input_dict, labels)
+        if "document_positions" in extra_inputs:
+            extra_kwargs = {**extra_kwargs, "document_positions": extra_inputs.pop("document_positions")}
+        return inputs, labels, extra_inputs, extra_kwargs
+
+    return process
+
+
 def check_model(model_args, job_config) -> None:
     """The model can honour boundaries (``model_args.document_mask_blocker()`` says why not)."""
     if not enabled(job_config):

@@ -10,7 +10,7 @@
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
 * ``PER_JOB``: a flag or one object of the job, changed by the feature that
   needs it (DDP with compile, CP's rotate method, the optimizer's step, the
-  metrics logger and close).
+  metrics logger and close, the trainer's split of a batch).
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -217,10 +219,19 @@ class InstancePatch:
 
     def apply(self, instance, new: Callable[[object], object]) -> None:
         """``new(original) -> replacement`` on this one instance."""
-        owner, name = owner_and_name(self.target)
-        if not isinstance(instance, owner):
-            raise TypeError(f"{self.target}: {type(instance).__name__} is not a {owner.__name__}")
+        module, _, path = self.target.partition(":")
+        class_name, _, name = path.rpartition(".")
+        if not _instance_of(instance, module, class_name):
+            raise TypeError(f"{self.target}: {type(instance).__name__} is not a {class_name}")
         setattr(instance, name, new(getattr(instance, name)))
+
+
+def _instance_of(instance, module: str, class_name: str) -> bool:
+    """Whether ``instance`` is a ``module:class_name``, the class found by its file (``torchrun -m
+    torchtitan.train`` runs train.py as ``__main__``: its Trainer is not ``torchtitan.train``'s)."""
+    origin = importlib.util.find_spec(module).origin
+    return any(klass.__name__ == class_name and getattr(sys.modules.get(klass.__module__), "__file__", None) == origin
+               for klass in type(instance).__mro__)
 
 
 OPTIMIZE_DDP = Setting(
@@ -251,7 +262,16 @@ METRICS_CLOSE = InstancePatch(
     "tokenizer; titan_ext.metrics)",
     TORCHTITAN,
 )
-PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE)
+TRAINER_BATCH = InstancePatch(
+    "torchtitan.train:Trainer.post_dataloading_process",
+    "torchtitan hands the dataloader's extra inputs to the first pipeline stage only, and its extra kwargs (its "
+    "own models' attention masks, CP's positions) to every stage, which torch's schedule splits into micro-batches "
+    "as it splits the inputs: document masking's document_positions join the kwargs, so every stage reads each "
+    "micro-batch's boundaries (without PP the model receives both alike; titan_ext.documents)",
+    TORCHTITAN,
+)
+PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE,
+                                               TRAINER_BATCH)
 """Applied by the feature that needs it, to its own job (each names it)."""
 
 

@@ -22,11 +22,12 @@ import os
 import torch
 
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, float8, host_patches, inputs, nonfinite, pipeline,
-    preflight, tensor_parallel,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, nonfinite,
+    pipeline, preflight, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
+from titan_ext.inputs import degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.models.args import HFModelArgs
 
@@ -57,6 +58,8 @@ def on_trainer_import() -> None:
     except ConfigError as error:
         exit_with(error)
     host_patches.apply_job()
+    if documents.enabled(job_config):  # every pipeline stage reads the boundaries
+        host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():
         host_patches.apply_interpreter()
     if _cpu_mode:
@@ -172,7 +175,7 @@ def _data_parallel(job_config, world_size: int) -> DataParallelChoice:
 
     p = job_config.parallelism
     # context-parallel ranks hold pieces of one batch: FSDP spans them too, summing their gradients
-    shard = inputs.shard_degree(p, world_size) * p.context_parallel_degree
+    shard = degrees.shard_degree(p, world_size) * p.context_parallel_degree
     replicate = p.data_parallel_replicate_degree
     kind = "hsdp" if shard > 1 and replicate > 1 else "fsdp" if shard > 1 else "ddp" if replicate > 1 else "none"
     policy = p.fsdp_reshard_after_forward

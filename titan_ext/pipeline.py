@@ -25,6 +25,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
 
 from titan_ext import host_patches
 from titan_ext.errors import ConfigError
@@ -206,10 +207,10 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
 
 
 def _dp_degree(job_config, world_size: int) -> int:
-    from titan_ext import inputs
+    from titan_ext.inputs import degrees
 
     p = job_config.parallelism
-    return inputs.shard_degree(p, world_size) * p.data_parallel_replicate_degree
+    return degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
 
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
@@ -243,7 +244,6 @@ def _replace(model: nn.Module, fqn: str, module: nn.Module | None) -> None:
 
 def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
     """torchtitan's ``pipelining_fn``: this rank's stages, each parallelized, and the schedule."""
-    from torch.distributed.pipelining import PipelineStage
     from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
     choice = plan_of(model_args).pp
@@ -251,18 +251,19 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     stages, parts = [], []
     for index in choice.stage_indices(mesh.get_local_rank()):
         part = parallelize_fn(stage_model(model, choice.stages[index]), parallel_dims, job_config)
-        stages.append(PipelineStage(part, index, len(choice.stages), device, group=mesh.get_group()))
+        stages.append(MicroBatchStage(part, index, len(choice.stages), device, group=mesh.get_group()))
         parts.append(part)
         logger.info(f"PP: stage {index} of {len(choice.stages)} holds {list(choice.stages[index])}")
     from titan_ext.cpu_mode import on_gloo
 
-    batch_mesh = parallel_dims.get_mesh("batch") if parallel_dims.dp_enabled else None
+    # the last stage's labels are this rank's piece of its batch: count them over data and context parallel ranks
+    loss_mesh = parallel_dims.get_mesh("loss") if parallel_dims.dp_cp_enabled else None
     tied = None
     if model.config.tie_word_embeddings:
         embeddings, _, _, head = model_parts_of(model)
         tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
         host_patches.apply_pipeline()
-    schedule = TokenMeanSchedule(loss_fn, batch_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
+    schedule = TokenMeanSchedule(loss_fn, loss_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
                                  pp_group=mesh.get_group(), tied=tied)
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
@@ -368,7 +369,8 @@ class TokenMeanSchedule:
     only the logged loss, so gradients (and what gradient clipping sees) grow
     with the token count. Here the last stage divides each microbatch's loss by
     the step's global valid-token count (its labels, summed over the
-    data-parallel ranks), and multiplies the losses it hands back so torchtitan's
+    data-parallel ranks and, under CP, the context-parallel ones: each holds a
+    piece of every row), and multiplies the losses it hands back so torchtitan's
     own division logs the same number.
 
     With gradient accumulation torchtitan runs the schedule once per accumulated batch, and the count
@@ -385,9 +387,9 @@ class TokenMeanSchedule:
     real first step starts from initialized buffers.
     """
 
-    def __init__(self, loss_fn, batch_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
+    def __init__(self, loss_fn, loss_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
                  pp_group=None, tied: TiedWeight | None = None):
-        self._loss_fn, self._batch_mesh, self._parts, self._tied = loss_fn, batch_mesh, parts, tied
+        self._loss_fn, self._loss_mesh, self._parts, self._tied = loss_fn, loss_mesh, parts, tied
         self._schedule = None
         self._tokens: torch.Tensor | None = None
         """What this optimizer step's microbatch losses are divided by (the last stage's; None in validation)."""
@@ -412,7 +414,7 @@ class TokenMeanSchedule:
             from torchtitan.distributed import utils as dist_utils
 
             tokens = (target != IGNORE_INDEX).sum()
-            tokens = dist_utils.dist_sum(tokens, self._batch_mesh) if self._batch_mesh is not None else tokens.float()
+            tokens = dist_utils.dist_sum(tokens, self._loss_mesh) if self._loss_mesh is not None else tokens.float()
             if self._calls == 0:  # the first batch of an optimizer step sets the divisor
                 self._tokens, self._step_tokens = tokens, 0.0
             self._step_tokens += float(tokens)
@@ -462,3 +464,32 @@ class TokenMeanSchedule:
 
     def __getattr__(self, name):
         return getattr(self._schedule, name)
+
+
+class MicroBatchStage(PipelineStage):
+    """A ``PipelineStage`` that tells its model's context-parallel layout which micro-batch it runs.
+
+    Under CP the bound mixers read each forward's positions and document boundaries from the model's
+    ``PieceLayout``, recorded when the stage's forward starts (the schedule hands every stage its
+    micro-batch's slice of torchtitan's kwargs). A stage runs several forwards before their backwards,
+    and activation checkpointing recomputes blocks inside a backward: the layout keeps one record per
+    micro-batch, and the stage selects it before each forward and backward (``PieceLayout.micro_batch``).
+    Without CP it is torch's stage.
+    """
+
+    def _select(self, index: int) -> None:
+        layout = getattr(self.submod, "cp_layout", None)
+        if layout is not None:
+            layout.micro_batch(index)
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        self._select(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        self._select(bwd_chunk_id)
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        self._select(bwd_chunk_id)
+        return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import os
 
-from titan_ext import inputs
+from titan_ext.inputs import checkpoints, degrees, jsonl, names
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError
 
 def check_job_config(job_config, world_size: int) -> None:
-    inputs.check_positive_numbers(job_config)
-    inputs.check_parallel_degrees(job_config, world_size)
-    inputs.check_names(job_config)
+    degrees.check_positive_numbers(job_config)
+    degrees.check_parallel_degrees(job_config, world_size)
+    names.check_names(job_config)
     _check_model_name_and_flavor(job_config)
     _check_dataset(job_config)
     _check_document_mask(job_config)
-    _check_titan_ext_parallelism(job_config)
+    _check_titan_ext_parallelism(job_config, world_size)
 
 
 def _titan_ext_spec(name: str) -> bool:
@@ -66,7 +66,7 @@ def _check_dataset(job_config) -> None:
     for section in sections(job_config):
         options, option = getattr(job_config, section), f"--{section}.dataset_path"
         if options.dataset == TINY_DATASET:
-            inputs.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
+            jsonl.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
         if options.dataset == STREAM_DATASET:
             check_stream(options.dataset_path, text_field, option, bad_records)
 
@@ -95,29 +95,26 @@ def _check_document_mask(job_config) -> None:
             )
 
 
-def _check_titan_ext_parallelism(job_config) -> None:
+def _check_titan_ext_parallelism(job_config, world_size: int) -> None:
     """What titan_ext's specs do not support yet, or what torchtitan would get wrong."""
     p = job_config.parallelism
     if not _titan_ext_spec(job_config.model.name):
         return
-    if p.pipeline_parallel_degree > 1:
-        from titan_ext import documents
-
-        # (option, value, whether it is on): `True in (1, False)` holds in Python, so no value test
-        others = [("--parallelism.context_parallel_degree", p.context_parallel_degree, p.context_parallel_degree > 1)]
-        others += [(documents.OPTION, True, documents.enabled(job_config))]
-        for option, value, on in others:
-            if on:
-                raise ConfigError(
-                    f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} does not combine with "
-                    f"{option}={value} in titan_ext yet; use PP with FSDP/HSDP/DDP, or drop PP"
-                )
-    shard = p.data_parallel_shard_degree
+    shard = degrees.shard_degree(p, world_size)
     if p.data_parallel_replicate_degree > 1 and shard == 1 and p.tensor_parallel_degree > 1:
         raise ConfigError(
             "DDP (--parallelism.data_parallel_replicate_degree) cannot combine with "
             f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}; use HSDP (also set "
             "--parallelism.data_parallel_shard_degree > 1) or FSDP instead"
+        )
+    if p.data_parallel_replicate_degree > 1 and shard == 1 and p.context_parallel_degree == 1 \
+            and p.pipeline_parallel_degree > 1:
+        raise ConfigError(  # torchtitan's own models refuse it too ("DDP has not supported > 1D parallelism")
+            f"DDP (--parallelism.data_parallel_replicate_degree={p.data_parallel_replicate_degree}) cannot combine with "
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: torch's pipeline stages defer the "
+            "gradient reduction to a step's last micro-batch for FSDP modules, not for DDP's replicate, which would "
+            "sum earlier micro-batches' gradients again; use HSDP (also set --parallelism.data_parallel_shard_degree > 1) "
+            "or FSDP instead"
         )
     if p.enable_async_tensor_parallel and not model_compile_enabled(job_config):
         raise ConfigError(
@@ -165,7 +162,7 @@ def _check_portable(model_args, model) -> None:
 def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) -> None:
     from titan_ext.checkpoint import check_hf_config
 
-    found = inputs.checkpoint_to_load(job_config)
+    found = checkpoints.checkpoint_to_load(job_config)
     if found is None:
         return
     path, kind = found
@@ -179,10 +176,10 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if kind == "hf":
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
-        inputs.check_hf_checkpoint_dir(path, option)
-        inputs.check_hf_checkpoint_shapes(path, shapes, option)
+        checkpoints.check_hf_checkpoint_dir(path, option)
+        checkpoints.check_hf_checkpoint_shapes(path, shapes, option)
     else:
-        inputs.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
+        checkpoints.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
         if option == "--checkpoint.folder":  # a resume: the dataloader's position loads too
             _check_data_parallel_degree(path, job_config, world_size)
 
@@ -197,9 +194,9 @@ def _check_data_parallel_degree(path: str, job_config, world_size: int) -> None:
         return
     if training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
         return  # StreamDataloader re-splits the saved positions
-    saved = inputs.dcp_dataloader_ranks(path)
+    saved = checkpoints.dcp_dataloader_ranks(path)
     p = job_config.parallelism
-    now = inputs.shard_degree(p, world_size) * p.data_parallel_replicate_degree
+    now = degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
     if saved and saved != now:
         raise ConfigError(
             f"--checkpoint.folder ({path}) was saved by {saved} data-parallel ranks, this job has {now}: "

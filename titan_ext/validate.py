@@ -78,7 +78,7 @@ class Validator(BaseValidator):
             if dims.pp_enabled:
                 losses = [] if self.last_stage else None
                 first = (inputs,) if self.first_stage else ()
-                self.pp_schedule.eval(*first, **(batch if self.first_stage else {}), **kwargs,
+                self.pp_schedule.eval(*first, **batch, **kwargs,  # document boundaries: every stage's
                                       target=labels if self.last_stage else None, losses=losses)
                 loss_sum = torch.stack(losses).sum() if self.last_stage else torch.zeros((), device=inputs.device)
             else:

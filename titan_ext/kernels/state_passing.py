@@ -78,6 +78,7 @@ class PieceLayout:
         self.group, self.per_rank = group, per_rank
         self.rank = torch.distributed.get_rank(group)
         self.world = torch.distributed.get_world_size(group)
+        self._micro_batch, self._recorded = None, {}
         self.record(None, None)
 
     def record(self, positions: Tensor | None, document_positions: Tensor | None) -> None:
@@ -87,6 +88,18 @@ class PieceLayout:
         self.local_document_positions = None  # each local token's position in its document
         if document_positions is not None:
             self.local_document_positions = document_positions.gather(1, self.positions)
+        self._recorded[self._micro_batch] = self.positions, self.document_positions, self.local_document_positions
+
+    def micro_batch(self, index: int | None) -> None:
+        """Select micro-batch ``index``'s record (a pipeline stage's, before its forward or backward).
+
+        A pipeline stage runs several micro-batches' forwards before their backwards, and activation
+        checkpointing recomputes a block's forward inside its backward: that recompute must read its
+        own micro-batch's positions and documents, not the last forward's. Each record is kept under
+        the micro-batch it was made for."""
+        self._micro_batch = index
+        if index in self._recorded:
+            self.positions, self.document_positions, self.local_document_positions = self._recorded[index]
 
     def continues(self) -> Tensor | None:
         """``[B * per_rank]``: whether each local piece's first token continues a document (None:

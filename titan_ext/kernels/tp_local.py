@@ -40,26 +40,13 @@ def local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-class _WaitForGradient(torch.autograd.Function):
-    """Identity whose backward finishes a gradient still in flight: the backward of a redistribution can
-    hand an fla kernel's backward an ``AsyncCollectiveTensor``, and Triton reads memory directly."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return compat.waited(grad)
-
-
 def waiting_for_gradients(out):
-    """``out`` (a tensor, or a tuple of tensors and None) with ``_WaitForGradient`` on every tensor that
-    takes a gradient."""
+    """``out`` (a tensor, or a tuple of tensors and None), each tensor that takes a gradient through
+    ``compat.waited``: its gradient reaches the fla kernel's backward finished."""
     if isinstance(out, tuple):
         return tuple(waiting_for_gradients(y) for y in out)
     if isinstance(out, torch.Tensor) and out.requires_grad:
-        return _WaitForGradient.apply(out)
+        return compat.waited(out)
     return out
 
 

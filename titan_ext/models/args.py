@@ -11,7 +11,7 @@ from typing import Any
 
 from torchtitan.protocols.model import BaseModelArgs
 
-from titan_ext import inputs
+from titan_ext.inputs import hf_config
 from titan_ext.errors import ConfigError, config_boundary
 from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes
 
@@ -127,7 +127,7 @@ class HFModelArgs(BaseModelArgs):
         if not self.model_type and not model_type:
             raise ConfigError(f"{source} has no model_type; an HF config.json names its architecture there")
         config_class, _ = causal_lm_classes(self.model_type or model_type, self.library, source)
-        inputs.check_hf_config_fields(given, config_class, source)
+        hf_config.check_hf_config_fields(given, config_class, source)
         fields = architecture_fields(config_class, {k: v for k, v in given.items() if k != "model_type"})
         self.config = {**self.config, "model_type": self.model_type or model_type, **fields}
 

@@ -23,7 +23,8 @@
 
 Each row: the target, why, the versions it was checked against, and how it is
 undone. Rows name titan_ext's replacements by ``module:name`` too, resolved when
-applied: the kernels read this table, and the table imports no kernel. ``tests/test_host_patches.py`` checks that import changes nothing and
+applied: the kernels read this table, and the table imports no kernel.
+``tests/test_host_patches.py`` checks that import changes nothing and
 that ``undo()`` restores every original.
 """
 

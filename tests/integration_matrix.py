@@ -36,8 +36,11 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   the weights are the seed's), then train from that HF checkpoint
   (``initial_load_in_hf``): it must match "single" like any other row.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
-  do): their TP rows train that one vocabulary-sharded weight; their PP rows untie it (PP does not
-  split a tied weight yet) and so compare with an untied single-process run.
+  do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
+  train a copy on the first and one on the last stage whose gradients are summed every optimizer step
+  (``titan_ext.pipeline.TiedWeight``), against the same tied single-process run: hf_llama in ``pp2``,
+  ``pp2_interleaved``, ``pp2_accum2``, ``pp2_fsdp2``, ``pp2_tp2``, the V schedules (both copies on rank 0)
+  and the PP checkpoint rows; hf_qwen3 in ``pp2``.
 - ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
   FSDP2 must match one process like titan_ext's specs do.
 - ``cp2*``: sequences split over 2 context-parallel ranks (head-tail and contiguous pieces, with
@@ -142,9 +145,6 @@ def parallel(shard: int = 1, replicate: int = 1, tp: int = 1, cp: int = 1, pp: i
 @dataclass(frozen=True)
 class Spec:
     config: str
-    pp_hf_config: dict | None = None
-    """HF config overrides for PP rows (hf_llama's debug flavor ties its head to the embedding, which PP
-    cannot split yet); TP rows run the shipped, tied config."""
     flags: tuple[str, ...] = ()
     recompiles: str = ""
     """Why this spec's compiled blocks recompile (then allowed), or '' (a recompile is an error)."""
@@ -169,11 +169,11 @@ SPECS = {
         recompiles="fla's RotaryEmbedding fills its cos/sin cache lazily in step 1 (_seq_len_cached is a "
         "guarded int): each block's code recompiles once, at step 2 (tests/test_ac_compile.py)",
     ),
-    "hf_llama": Spec("debug_llama.toml", {"model_type": "llama", "tie_word_embeddings": False}),
+    "hf_llama": Spec("debug_llama.toml"),
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
-    "hf_qwen3": Spec("debug_llama.toml", {**TINY_QWEN3, "tie_word_embeddings": False}, flags=("--model.name", "hf"),
+    "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
@@ -219,13 +219,6 @@ class Row:
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
 
-    def _degree(self, flag: str) -> int:
-        return int(self.flags[self.flags.index(flag) + 1]) if flag in self.flags else 1
-
-    @property
-    def pipelined(self) -> bool:
-        """PP: a tied embedding and head cannot be split over stages yet."""
-        return self._degree("--parallelism.pipeline_parallel_degree") > 1
 
 
 AC = ("--activation_checkpoint.mode",)
@@ -241,11 +234,12 @@ CP_ATTENTION_RTOL = (("hf_llama", 2e-5),)
 # reorder them so that five AdamW steps move the loss by up to 4.8e-5. In fp64 the exchange is exact to
 # 1e-14 (tests/test_context_parallel.py).
 CP_DOCS_RTOL = (*CP_ATTENTION_RTOL, ("fla_gated_deltanet", 1e-4))
-# Tied specs under TP: the one vocab-sharded weight carries the embedding's and the head's gradients, the
-# largest of the model, and torch's total norm over its DTensor shards rounds differently from the plain norm
-# of the same gradient (as FSDP's does: hf_llama's fsdp2 row differs from one process by the same 1.0e-5).
+# Tied specs under TP (and under PP with FSDP or TP): the one vocab-sharded weight carries the embedding's and
+# the head's gradients, the largest of the model, and torch's total norm over its DTensor shards rounds
+# differently from the plain norm of the same gradient (as FSDP's does: hf_llama's fsdp2 row differs from one
+# process by the same 1.0e-5; its pp2_fsdp2 and pp2_tp2 grad norms by 1.05e-5, their losses by 1.3e-7).
 # The gradients themselves agree to 1e-5 (tests/test_hf_tp_plan.py, tied cases).
-TIED_TP_RTOL = (("hf_llama", 2e-5), ("hf_qwen3", 2e-5))
+TIED_DTENSOR_RTOL = (("hf_llama", 2e-5), ("hf_qwen3", 2e-5))
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
 PP_SPECS = ("fla_gla", "hf_llama", "fla_transformer")
 README_COMMAND = "{readme}"
@@ -255,7 +249,7 @@ ROWS = {
     "fsdp2": Row(2, parallel(shard=2), validation=True),
     "ddp2": Row(2, parallel(replicate=2)),
     "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, validation=True, cost=4,  # sequence parallel and loss parallel on (the defaults)
-               spec_rtol=TIED_TP_RTOL),
+               spec_rtol=TIED_DTENSOR_RTOL),
     "hsdp2x2": Row(4, parallel(shard=2, replicate=2), specs=("fla_gla",)),  # apply_fsdp's 2D mesh: any model
     "fsdp2_tp2": Row(
         4,
@@ -308,17 +302,19 @@ ROWS = {
     "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS),
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
-    "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS),
-    "pp2_tp2": Row(4, parallel(tp=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, validation=True),  # SP and loss parallel on
-    # the remaining schedules torchtitan offers, on GLA
+    "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, spec_rtol=TIED_DTENSOR_RTOL),
+    "pp2_tp2": Row(4, parallel(tp=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, validation=True,  # SP and loss parallel on
+                   spec_rtol=TIED_DTENSOR_RTOL),
+    # the remaining schedules torchtitan offers, on GLA; a V (rank 0 runs the first and the last stage: the tied
+    # Llama's two copies of its weight on one rank) on Llama too
     **{f"pp2_{name.lower()}": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", name),
-                                  rtol=TP_RTOL, specs=("fla_gla",))
+                                  rtol=TP_RTOL, specs=("fla_gla", "hf_llama") if name == "ZBVZeroBubble" else ("fla_gla",))
        for name in ("GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")},
     # DualPipeV needs a microbatch per stage (4): a batch of 4, so it trains on other data than the reference.
     "pp2_dualpipev": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "DualPipeV",
                              "--training.local_batch_size", "4",
-                             "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains", specs=("fla_gla",),
-                         ),
+                             "--parallelism.no-pipeline_parallel_expert_parallel_overlap"), kind="trains",
+                         specs=("fla_gla", "hf_llama")),
     # gradient accumulation: 2 batches per optimizer step, against one process accumulating the same 2
     "pp2_accum2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=("fla_gla", "hf_llama"), accumulate=True),
     # ... with context parallelism (each stage's mixers pass states, or keys and values, across the CP ranks),
@@ -333,10 +329,11 @@ ROWS = {
     "pp2_tp2_cp2_docs": Row(8, parallel(tp=2, cp=2, pp=2), rtol=TP_RTOL, documents=True, validation=True,
                             specs=("fla_gla",), opt_in=True),
     "pp2_fsdp2_cp2": Row(8, parallel(shard=2, cp=2, pp=2), rtol=TP_RTOL, specs=("fla_gla",), opt_in=True),
-    "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla",)),
-    "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla",)),
-    "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla",)),
-    "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla",)),
+    # checkpoints under PP: the tied Llama's weight is one key, written by both stages, read by one process and back
+    "pp2_resume": Row(2, parallel(pp=2), kind="resume", cost=2, specs=("fla_gla", "hf_llama")),
+    "pp2_hf": Row(2, parallel(pp=2), kind="hf", cost=2, specs=("fla_gla", "hf_llama")),
+    "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla", "hf_llama")),
+    "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla", "hf_llama")),
     # fla's own Triton kernels (the GPU code path) under Triton's interpreter, TP2 with sequence and loss parallel,
     # against one process on titan_ext's portable kernels ("single").
     "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),
@@ -395,9 +392,9 @@ class Matrix:
         return applies(spec, row)
 
     def variant(self, spec: str, row: str) -> str:
-        """What the row and its single-process reference share: "base", "untied", "docs" or "untied+docs"."""
+        """What the row and its single-process reference share: "base", or its tags ("docs", "conv", "accum")."""
         r = ROWS[row]
-        tags = ["untied"] * bool(r.pipelined and SPECS[spec].pp_hf_config) + ["docs"] * r.documents + ["conv"] * r.short_conv
+        tags = ["docs"] * r.documents + ["conv"] * r.short_conv
         tags += ["accum"] * r.accumulate
         return "+".join(tags) or "base"
 
@@ -408,8 +405,6 @@ class Matrix:
         if spec_def.hf_config:
             flags += ("--titan_ext.hf_config", str(self.root / spec / "config.json"))
         tags = variant.split("+")
-        if "untied" in tags:
-            flags += ("--titan_ext.hf_config", str(self.root / spec / "untied.json"))
         if "docs" in tags:
             flags += ("--titan_ext.document_mask",)
         if "conv" in tags:
@@ -556,9 +551,6 @@ class Matrix:
             if SPECS[spec].hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
-            if SPECS[spec].pp_hf_config:
-                (self.root / spec).mkdir(exist_ok=True)
-                (self.root / spec / "untied.json").write_text(json.dumps(SPECS[spec].pp_hf_config))
 
 
 def lanes(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> list[dict]:

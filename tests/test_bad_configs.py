@@ -29,7 +29,6 @@ GLA = ["--job.config_file", str(CONFIGS / "debug_gla.toml")]
 CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-LLAMA = ["--job.config_file", str(CONFIGS / "debug_llama.toml")]
 
 
 def generic(spec: str, config: str) -> list[str]:
@@ -144,9 +143,6 @@ CASES = {
     ),
     "pp dualpipev overlap without an accelerator": (
         [*GLA, *PP2, "--parallelism.pipeline_parallel_schedule", "DualPipeV"], 2, "needs an accelerator's streams",
-    ),
-    "pp with tied embeddings": (
-        [*LLAMA, *PP2], 2, "tie_word_embeddings=true",
     ),
     "pp stage names that are not the model's": (
         ["--job.config_file", "{tmp}/pp_names.toml", *PP2], 2, "names 'tok_embeddings', which is not a part of this model",

@@ -1,8 +1,9 @@
 """HF checkpoints in and out of torchtitan: ``--checkpoint.initial_load_in_hf`` / ``last_save_in_hf``.
 
 titan_ext models keep HF's parameter names, so the state-dict mapping is the
-identity except for tied embeddings: HF's safetensors hold the shared tensor
-once, under the input embedding's name.
+identity: a tied head's weight is in neither side's state dict (HF's safetensors
+and titan_ext's models both hold the shared tensor once, under the input
+embedding's name; ``titan_ext.models.adapter``).
 
 Before the model is built, ``titan_ext.preflight`` checks a checkpoint to be
 loaded against the model (``check_hf_config``; DCP shapes against a meta model). After
@@ -35,7 +36,7 @@ def checkpoint_config(model_args):
 
 
 class HFStateDictAdapter(StateDictAdapter):
-    """Identity mapping between a titan_ext model and its HF checkpoint, minus tied duplicates."""
+    """Identity mapping between a titan_ext model and its HF checkpoint."""
 
     def __init__(self, model_args, hf_assets_path: str | None):
         from titan_ext.data import resolve_asset_path
@@ -46,16 +47,11 @@ class HFStateDictAdapter(StateDictAdapter):
         super().__init__(model_args, path if has_index else None)
         self.model_args = model_args
 
-    def _tied_key(self) -> str | None:
-        # Every HF causal LM names its output head ``lm_head``.
-        return "lm_head.weight" if self.model_args.checkpoint_config().tie_word_embeddings else None
-
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        tied = self._tied_key()
-        return {k: v for k, v in state_dict.items() if k != tied}
+        return dict(state_dict)
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        # The head shares the embedding's tensor, so loading the embedding loads both.
+        # A tied head shares the embedding's tensor, so loading the embedding loads both.
         return dict(hf_state_dict)
 
     def hf_config(self):

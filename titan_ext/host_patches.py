@@ -11,6 +11,7 @@
 * ``PER_JOB``: a flag or one object of the job, changed by the feature that
   needs it (DDP with compile, CP's rotate method, the optimizer's step, the
   metrics logger and close, the trainer's split of a batch).
+* ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
 * ``BUILD``: only while titan_ext builds one of its own models (``building()``).
@@ -22,7 +23,8 @@
 
 Each row: the target, why, the versions it was checked against, and how it is
 undone. Rows name titan_ext's replacements by ``module:name`` too, resolved when
-applied: the kernels read this table, and the table imports no kernel. ``tests/test_host_patches.py`` checks that import changes nothing and
+applied: the kernels read this table, and the table imports no kernel.
+``tests/test_host_patches.py`` checks that import changes nothing and
 that ``undo()`` restores every original.
 """
 
@@ -305,6 +307,44 @@ INTERPRETER: tuple[Patch, ...] = (
 """Triton's interpreter (``TRITON_INTERPRET=1``) running fla's kernels on the CPU (``--titan_ext.kernels fla``)."""
 
 
+TIED_COPY = "_titan_ext_tied_copy"
+"""Marks a pipeline stage's copy of a tied weight that gradient clipping must not count again (every copy but
+the first stage's; set by ``titan_ext.pipeline.TiedWeight``)."""
+
+
+def _tied_weight_counted_once(original):
+    """Under PP torchtitan sums each stage's gradient norm; a tied weight has a copy on the first and the last
+    stage (``titan_ext.pipeline.TiedWeight``, equal gradients): the norm counts the first stage's only, and
+    every copy is clipped by the same factor. Without marked copies, torchtitan's function as shipped."""
+    import torch
+
+    def is_tied_copy(param) -> bool:
+        return getattr(param, TIED_COPY, False)
+
+    def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        copies = [p for p in parameters if is_tied_copy(p) and p.grad is not None]
+        if not copies:
+            return original(parameters, max_norm, *args, **kwargs)
+        total = original([p for p in parameters if not is_tied_copy(p)], max_norm, *args, **kwargs)
+        torch.nn.utils.clip_grads_with_norm_(copies, max_norm, total, kwargs.get("foreach"))
+        return total
+
+    return clip_grad_norm_
+
+
+PIPELINE: tuple[Patch, ...] = (
+    Patch(
+        "torchtitan.distributed.utils:clip_grad_norm_",
+        "under PP it adds up every stage's gradient norm, so a tied embedding/head weight (a copy on the first "
+        "and the last stage) would count twice: its copies after the first stage's are left out of the norm "
+        "and clipped by the same factor",
+        TORCHTITAN, _tied_weight_counted_once,
+    ),
+)
+"""A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.pipeline``)."""
+
+
 def _sdpa_for_flash_attn(name: str):
     def new(original):
         return resolve(f"titan_ext.kernels.sdpa_attention:{name}") if original is None else original
@@ -469,6 +509,14 @@ def apply_interpreter() -> None:
         return
     _applied.add("interpreter")
     apply(INTERPRETER)
+
+
+def apply_pipeline() -> None:
+    """``PIPELINE``, once per process."""
+    if "pipeline" in _applied:
+        return
+    _applied.add("pipeline")
+    apply(PIPELINE)
 
 
 def apply_job() -> None:

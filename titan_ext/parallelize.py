@@ -66,7 +66,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp) -> None:
     }
     decoder = model.get_decoder()
     tied = model.config.tie_word_embeddings
-    # A pipeline stage holds the embedding, the final norm or the head only where it runs them.
+    # A pipeline stage holds the embedding, the final norm or the head only where it runs them (and a tied
+    # head's stage the embedding too, as the owner of the head's weight: the root group owns both).
     embeddings = model.get_input_embeddings()
     if not tied and embeddings is not None:
         fully_shard(embeddings, **config, reshard_after_forward=dp.reshard_blocks)

@@ -12,7 +12,9 @@ states where the embedding is gone and returns them where the head is
 own (its ``generate_llm_fqn_per_model_part``, with the embedding and the head
 weighted as ``pipeline_parallel_first/last_stage_less_layers`` blocks), or follow
 ``--parallelism.module_fqns_per_model_part`` in HF names. torchtitan's
-``build_pipeline_schedule`` runs any of its schedules over them.
+``build_pipeline_schedule`` runs any of its schedules over them. A head tied to
+the embedding has a copy of the weight on the first and on the last stage, kept
+equal (``TiedWeight``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
+from titan_ext import host_patches
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import PPChoice, plan_of
 
@@ -146,12 +149,6 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
         ScheduleZBVZeroBubble,
     )
 
-    if model.config.tie_word_embeddings:
-        raise ConfigError(
-            f"{DEGREE}={p.pipeline_parallel_degree} with tie_word_embeddings=true: the embedding (first stage) and "
-            "the head (last stage) share one weight; untie them ([titan_ext] hf_config with "
-            '"tie_word_embeddings": false)'
-        )
     schedule = p.pipeline_parallel_schedule
     schedule_class = _schedule_class(schedule)
     training = job_config.training
@@ -218,14 +215,20 @@ def _dp_degree(job_config, world_size: int) -> int:
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     """A copy of ``whole`` (meta device) holding only ``modules``: the others are gone (None, or an
-    Identity for the final norm, which HF decoders always call)."""
-    model = copy.deepcopy(whole)
+    Identity for the final norm, which HF decoders always call).
+
+    A tied head's stage also keeps the embedding module, unused, as the owner of the weight the head
+    shares: the stage's parameters, state dict and optimizer state then name that weight as one process
+    names it (``model.embed_tokens.weight``), so checkpoints hold it once at every PP degree, and TP
+    shards it as in one process (``model_plans.apply.retie_embeddings``)."""
+    model = copy.deepcopy(whole)  # a tied head keeps sharing the embedding's weight
     embeddings, layers, norm, head = model_parts_of(model)
     keep = set(modules)
     blocks = model.get_submodule(layers)
     kept = {name: block for name, block in blocks.named_children() if f"{layers}.{name}" in keep}
     _replace(model, layers, StageLayers(kept))
-    if embeddings not in keep:
+    model.takes_hidden_states = embeddings not in keep
+    if embeddings not in keep and not (model.config.tie_word_embeddings and head in keep):
         _replace(model, embeddings, None)
     if norm not in keep:
         _replace(model, norm, nn.Identity())
@@ -255,10 +258,107 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
 
     # the last stage's labels are this rank's piece of its batch: count them over data and context parallel ranks
     loss_mesh = parallel_dims.get_mesh("loss") if parallel_dims.dp_cp_enabled else None
+    tied = None
+    if model.config.tie_word_embeddings:
+        embeddings, _, _, head = model_parts_of(model)
+        tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
+        host_patches.apply_pipeline()
     schedule = TokenMeanSchedule(loss_fn, loss_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
-                                 pp_group=mesh.get_group())
+                                 pp_group=mesh.get_group(), tied=tied)
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
     return schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+
+def _rank_of(choice: PPChoice, stage: int) -> int:
+    """The pipeline rank running ``stage``."""
+    return next(rank for rank in range(choice.degree) if stage in choice.stage_indices(rank))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP/TP-sharded) tensor, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class TiedWeight:
+    """A tied embedding and head under PP, as Megatron-LM's embedding group: one copy of the weight on each
+    stage that uses it (the first stage's embedding, the last stage's head), kept equal.
+
+    The copies start from the first stage's values, and after each optimizer step's last backward every
+    copy's gradient becomes the sum of all copies' (one all-reduce over the pipeline ranks holding them, for
+    each data/tensor-parallel coordinate; local where one rank holds both stages, as in V-shaped schedules).
+    With equal values, equal gradients and the same optimizer the copies stay equal; clipping counts the
+    weight once (``host_patches.TIED_COPY``), and checkpoints name it once (the embedding's name on every stage).
+    FSDP and TP shard each copy alike (on the vocabulary), so their local shards line up rank for rank.
+    """
+
+    def __init__(self, parts: list[nn.Module], group, source: int):
+        self.parts, self.group, self.source = parts, group, source
+        """This rank's stages holding a copy (the first stage's first, if here), the process group of the ranks
+        holding them (None: this rank holds them all), and the global rank holding the first stage's."""
+        self.synced = False
+
+    @property
+    def copies(self) -> list[nn.Parameter]:
+        """Read when used: torchtitan's ``to_empty`` gives the stages new parameters after they are built."""
+        return [part.get_input_embeddings().weight for part in self.parts]
+
+    @classmethod
+    def of(cls, choice: PPChoice, mesh, stages, parts: list[nn.Module], ends: tuple[str, str]) -> "TiedWeight | None":
+        """This rank's copies (None where it holds none); every rank of the job calls it (the subgroups are made
+        collectively). ``ends``: the FQNs of the embedding and the head."""
+        import torch.distributed as dist
+
+        holding = [index for index, stage in enumerate(choice.stages) if any(name in stage for name in ends)]
+        holders = sorted({_rank_of(choice, index) for index in holding})
+        mine = [part for stage, part in zip(stages, parts) if stage.stage_index in holding]
+        pp_ranks = mesh.mesh.tolist()
+        if len(holders) == 1:
+            group = None
+        elif len(holders) == len(pp_ranks):
+            group = mesh.get_group()
+        else:  # a subgroup per pipeline: every rank takes part in making every one
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, tuple(pp_ranks[r] for r in holders))
+            group, _ = dist.new_subgroups_by_enumeration(sorted(set(every)))
+        return cls(mine, group, pp_ranks[holders[0]]) if mine else None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Every copy takes the first stage's values (torchtitan seeds each pipeline rank differently)."""
+        import torch.distributed as dist
+
+        copies = self.copies
+        first = _local(copies[0])
+        if self.group is not None:
+            dist.broadcast(first, src=self.source, group=self.group)
+        for copy_ in copies[1:]:
+            _local(copy_).copy_(first)
+        for part, copy_ in zip(self.parts, copies):
+            if part.takes_hidden_states:  # not the first stage's: clipping must not count it again
+                setattr(copy_, host_patches.TIED_COPY, True)
+        self.synced = True
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        """Every copy's gradient becomes the sum of all copies' (once per optimizer step)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        for param in self.copies:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            elif isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+                # TP: the rowwise embedding's gradient comes back replicated; lay it out as the weight (and
+                # the other copy) is, so the local shards line up
+                param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+        grads = [_local(param.grad) for param in self.copies]
+        total = torch.stack(grads).sum(0) if len(grads) > 1 else grads[0].clone()
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for grad in grads:
+            grad.copy_(total)
 
 
 class TokenMeanSchedule:
@@ -277,7 +377,8 @@ class TokenMeanSchedule:
     that matters is the whole optimizer step's, which no single schedule step sees: each one divides by
     the first batch's count instead, and after the last one every stage multiplies its gradients by
     (first count / step's count), agreed over the pipeline ranks (one scalar all-reduce per optimizer
-    step), before torchtitan clips them.
+    step), before torchtitan clips them. Then (or after each step without accumulation) the tied
+    weight's copies sum their gradients (``TiedWeight``): once per optimizer step, after its last backward.
 
     On gloo, torch 2.13's schedules feed the first microbatch of their first
     step from a receive buffer the data has not reached (uninitialized values,
@@ -287,8 +388,8 @@ class TokenMeanSchedule:
     """
 
     def __init__(self, loss_fn, loss_mesh, parts: list[nn.Module], warm_up: bool, accumulation: int = 1,
-                 pp_group=None):
-        self._loss_fn, self._loss_mesh, self._parts = loss_fn, loss_mesh, parts
+                 pp_group=None, tied: TiedWeight | None = None):
+        self._loss_fn, self._loss_mesh, self._parts, self._tied = loss_fn, loss_mesh, parts, tied
         self._schedule = None
         self._tokens: torch.Tensor | None = None
         """What this optimizer step's microbatch losses are divided by (the last stage's; None in validation)."""
@@ -317,6 +418,8 @@ class TokenMeanSchedule:
             if self._calls == 0:  # the first batch of an optimizer step sets the divisor
                 self._tokens, self._step_tokens = tokens, 0.0
             self._step_tokens += float(tokens)
+        if self._tied is not None and not self._tied.synced:  # after any checkpoint load, before training
+            self._tied.sync()
         if self._warm_up:  # once, on gloo: see the class docstring
             self._warm_up, self._warming_up = False, True
             self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
@@ -326,11 +429,13 @@ class TokenMeanSchedule:
         result = self._schedule.step(*args, target=target, losses=losses, **kwargs)
         if losses is not None:
             losses[:] = [loss * self._tokens for loss in losses]
-        if self._accumulation > 1:
-            self._calls += 1
-            if self._calls == self._accumulation:
+        self._calls += 1
+        if self._calls == self._accumulation:  # the optimizer step's last backward is done
+            if self._accumulation > 1:
                 self._rescale_gradients()
-                self._calls = 0
+            if self._tied is not None:  # once per optimizer step: summing after each batch would add twice
+                self._tied.sum_gradients()
+            self._calls = 0
         return result
 
     def _rescale_gradients(self) -> None:
@@ -353,6 +458,8 @@ class TokenMeanSchedule:
         does): it warms up again."""
         self._tokens = None
         self._warm_up = self._on_gloo
+        if self._tied is not None and not self._tied.synced:
+            self._tied.sync()
         return self._schedule.eval(*args, **kwargs)
 
     def __getattr__(self, name):

@@ -36,11 +36,17 @@ class TitanCausalLM:
         self.arch = model_args.arch
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
             kernels.bind(self, model_args.kernel_path or kernels.default_path())
+        if self.config.tie_word_embeddings:
+            self.register_state_dict_post_hook(_without_tied_head)
 
     residual_layout = None
     """Set by TP with sequence parallel: (mesh, placements) of the residual stream. A pipeline stage
     sends and receives its local shard and rewraps it here, since HF decoders read the global
     sequence length (positions, masks) from their input's shape."""
+
+    takes_hidden_states = False
+    """Set on a pipeline stage after the first (``titan_ext.pipeline``): its forward takes the previous
+    stage's hidden states, though a tied head's stage holds the embedding (whose weight the head is)."""
 
     cp_layout = None
     """Set by context parallelism (``titan_ext.context_parallel``): this rank's place in the split
@@ -55,7 +61,7 @@ class TitanCausalLM:
         row. A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of
         tokens, and one without the head returns hidden states (``titan_ext.pipeline``).
         """
-        if self.get_input_embeddings() is not None:
+        if not self.takes_hidden_states:
             first = {"input_ids": tokens}
         else:  # a later pipeline stage: hidden states in
             if self.residual_layout is not None:
@@ -85,10 +91,20 @@ class TitanCausalLM:
         """
         for module in self.modules():
             self._init_weights(module)
-        if self.config.tie_word_embeddings:
-            self.tie_weights()
+        if self.config.tie_word_embeddings and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
+            self.tie_weights()  # a pipeline stage may hold the embedding alone
         if buffer_device is not None:
             move_buffers(self, buffer_device)
+
+
+def _without_tied_head(model: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """A tied head's weight is the embedding's: state dicts (and so DCP checkpoints) hold it once, under the
+    embedding's name, as HF checkpoints do; loading the embedding loads the head. A pipeline stage holding
+    the head holds the embedding too (``titan_ext.pipeline``), so every stage and one process agree."""
+    head = model.get_output_embeddings()
+    if head is not None and model.get_input_embeddings() is not None:
+        name = next(name for name, module in model.named_modules() if module is head)
+        state_dict.pop(f"{prefix}{name}.weight", None)
 
 
 def build_context(model_args: HFModelArgs):

@@ -230,3 +230,46 @@ def triton_version() -> tuple[int, ...]:
 
     found = re.match(r"(\d+)\.(\d+)", _version("triton"))
     return (int(found[1]), int(found[2])) if found else (0,)
+
+
+def torch_dispatch_mode():
+    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``): the planner's collective recorder."""
+    return _lookup("torch", "torch.utils._python_dispatch", "TorchDispatchMode").TorchDispatchMode
+
+
+def resolve_process_group(name: str):
+    """The process group a functional collective names (``torch._C._distributed_c10d``)."""
+    return _lookup("torch", "torch._C._distributed_c10d", "_resolve_process_group")._resolve_process_group(name)
+
+
+def fake_process_group() -> types.SimpleNamespace:
+    """torch's fake backend (``init_process_group("fake", store=FakeStore())``: any world size in one process,
+    collectives return without moving data; what torchtitan's ``--comm.mode fake_backend`` uses) and
+    ``FakeTensorMode`` (tensors with shapes and dtypes, no storage)."""
+    store = _lookup("torch", "torch.testing._internal.distributed.fake_pg", "FakeStore")
+    mode = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
+    return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode)
+
+
+def clear_dtensor_sharding_cache() -> None:
+    """Forget DTensor's cached sharding decisions (``DTensor._op_dispatcher.sharding_propagator``'s Python
+    caches and the C++ fast path's copy).
+
+    They are keyed by meshes that compare equal across process groups, and hold the first mesh seen: a
+    job planned after another in the same process would issue its collectives on the previous job's
+    (destroyed) groups."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    caches = [getattr(propagator, name, None) for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")]
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is None or not all(hasattr(cache, "cache_clear") for cache in caches):
+        raise CompatError(
+            "titan_ext needs DTensor's sharding_propagator caches and torch._C._clear_DTensor_sharding_propagator_cache; "
+            f"installed torch {torch.__version__}, supported {SUPPORTED['torch']}"
+        )
+    for cache in caches:
+        cache.cache_clear()
+    native()
+

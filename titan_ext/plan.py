@@ -1,0 +1,115 @@
+"""``python -m titan_ext.plan --job.config_file X.toml [torchtitan/titan_ext flags] --world N``
+
+Plans a job without its ranks (``titan_ext.planner``): per rank, the parameters, gradients and optimizer
+state it holds, its activations, the collectives one step issues, the pipeline bubble and the time the
+collectives alone take at ``--link-gbps``. ``--sweep`` tries every layout of N ranks and lists those that fit
+``--memory-gib``, fastest first by that bound. Not imported by ``import titan_ext``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m titan_ext.plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--world", type=int, required=True, help="ranks in the job")
+    parser.add_argument("--link-gbps", type=float, default=50.0,
+                        help="GB/s each rank sends at, for the collectives' time (default 50: a 400 Gb/s NIC)")
+    parser.add_argument("--sweep", action="store_true", help="every layout of --world ranks that fits --memory-gib")
+    parser.add_argument("--memory-gib", type=float, default=80.0, help="memory per rank, for --sweep (default 80)")
+    return parser.parse_known_args(argv)
+
+
+def layout_name(dims) -> str:
+    names = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("fsdp", dims.dp_shard), ("cp", dims.cp), ("tp", dims.tp)]
+    return " x ".join(f"{name} {degree}" for name, degree in names if degree > 1) or "1 rank"
+
+
+def describe(planned, job_config, link_gbps: float) -> str:
+    """The report for one layout: ``planned`` holds one RankPlan per role (each pipeline stage's first rank)."""
+    from titan_ext.planner import estimates
+    from titan_ext.planner.collectives import summary
+    from titan_ext.planner.memory import GIB, MIB
+
+    first = planned[0]
+    training, ac = job_config.training, job_config.activation_checkpoint
+    passes = estimates.accumulation_steps(job_config, first.parallel_dims)
+    lines = [
+        f"{job_config.model.name} {job_config.model.flavor} on {first.parallel_dims.world_size} ranks: "
+        f"{layout_name(first.parallel_dims)} ({first.plan.data_parallel.kind}); local batch {training.local_batch_size} "
+        f"x seq {training.seq_len}, {passes} pass(es) per step, AC {ac.mode}, params {training.mixed_precision_param} "
+        f"in FSDP's forward",
+        "",
+        "per rank, GiB        params     grads  optimizer  activations     total",
+    ]
+    for rank in planned:
+        who = f"rank {rank.rank}" + (f" (stages {','.join(map(str, rank.stages))})" if rank.stages else "")
+        held = (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes)
+        saved = "not run" if rank.saved_bytes is None else f"{rank.saved_bytes / GIB:.3f}"
+        total = sum(held) + (rank.saved_bytes or 0)
+        lines.append(f"{who:<18}" + "".join(f"{b / GIB:>10.3f}" for b in held[:2]) + f"{held[2] / GIB:>11.3f}"
+                     + f"{saved:>13}" + f"{total / GIB:>10.3f}")
+    lines += [
+        "  params, grads, optimizer: exact, the local shards of the sharded tensors (optimizer: after one step).",
+        "  activations: what autograd saved in one forward pass of the local batch (parameters and FSDP's",
+        "  gathered weights excepted; under AC what checkpointed blocks keep), recorded under FakeTensorMode;",
+        "  not counted: the recomputed block's transient peak (AC), backward's temporaries, fragmentation.",
+        "",
+    ]
+    bubble = (f"pipeline bubble: {estimates.bubble(first.plan, job_config):.1%}"
+              + (f" ({first.plan.pp.schedule}, {len(first.plan.pp.stages)} stages, "
+                 f"{training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size} microbatches; "
+                 "(p - 1) / (stages per rank x microbatches + p - 1))" if first.plan.pp else " (no pipeline)"))
+    if first.collectives is None:
+        from titan_ext.planner.rank import PIPELINE_UNRECORDED
+
+        return "\n".join(lines + [f"collectives and activations: {PIPELINE_UNRECORDED}", "", bubble])
+    lines += [
+        f"collectives of one forward-backward pass, rank {first.rank} (recorded on a fake process group):",
+        "  kind            group                     ranks   count        MiB   sent MiB",
+    ]
+    for kind, group, ranks, count, total in summary(list(first.collectives)):
+        sent = sum(c.wire_bytes() for c in first.collectives if (c.kind, c.group, c.ranks) == (kind, group, ranks))
+        lines.append(f"  {kind:<15} {group:<25} {ranks:>5} {count:>7} {total / MIB:>10.1f} {sent / MIB:>10.1f}")
+    seconds = estimates.collective_seconds(list(first.collectives), link_gbps, passes)
+    lines += [
+        "  (sent: what each rank sends in ring algorithms; the step's scalar all-reduces outside forward and",
+        "  backward, token count and gradient norm, are not included)",
+        "",
+        bubble,
+        f"collectives alone: {seconds * 1e3:.1f} ms per step at {link_gbps:g} GB/s per rank ({passes} pass(es); no "
+        "overlap, no latency: a lower bound on the step time)",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options, rest = parse(sys.argv[1:] if argv is None else argv)
+    from titan_ext.planner import job_config_of, prepare
+
+    prepare()
+    from titan_ext.errors import ConfigError
+    from titan_ext.planner.rank import plan_layout
+
+    begin = time.monotonic()
+    if options.sweep:
+        from titan_ext.planner import layouts
+
+        print(layouts.sweep(rest, options.world, options.memory_gib, options.link_gbps))
+    else:
+        try:
+            planned = plan_layout(job_config_of(rest), options.world)
+        except ConfigError as error:
+            print(f"titan_ext: {error}", file=sys.stderr)
+            return 2
+        print(describe(planned, job_config_of(rest), options.link_gbps))
+    print(f"\nplanned in {time.monotonic() - begin:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""``--sweep``: every layout of N ranks in the searched space, planned, checked by titan_ext, ranked."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+NODE = 8
+"""Ranks per node: TP and CP stay inside one (tp x cp <= 8), as their collectives are on every block's path."""
+PIPELINE_DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    replicate: int
+    shard: int
+    cp: int
+    tp: int
+
+    def flags(self) -> list[str]:
+        return [
+            "--parallelism.pipeline_parallel_degree", str(self.pp),
+            "--parallelism.data_parallel_replicate_degree", str(self.replicate),
+            "--parallelism.data_parallel_shard_degree", str(self.shard),
+            "--parallelism.context_parallel_degree", str(self.cp),
+            "--parallelism.tensor_parallel_degree", str(self.tp),
+        ]
+
+    def name(self) -> str:
+        parts = [("pp", self.pp), ("dp_replicate", self.replicate), ("fsdp", self.shard), ("cp", self.cp), ("tp", self.tp)]
+        return " x ".join(f"{n} {d}" for n, d in parts if d > 1) or "1 rank"
+
+
+def candidates(world: int) -> list[Layout]:
+    """TP and CP inside a node (tp x cp <= NODE), PP in PIPELINE_DEGREES, and the data-parallel ranks either
+    all FSDP or HSDP sharded within a node (shard = NODE / (tp x cp)) and replicated across nodes."""
+    found = []
+    for tp in (1, 2, 4, 8):
+        for cp in (1, 2, 4, 8):
+            for pp in PIPELINE_DEGREES:
+                if tp * cp > NODE or world % (tp * cp * pp):
+                    continue
+                data = world // (tp * cp * pp)
+                splits = {(1, data)}
+                in_node = NODE // (tp * cp)
+                if data % in_node == 0 and data > in_node:
+                    splits.add((data // in_node, in_node))
+                found += [Layout(pp, replicate, shard, cp, tp) for replicate, shard in sorted(splits)]
+    return found
+
+
+def _ms(seconds: float) -> str:
+    return "-" if seconds == float("inf") else f"{seconds * 1e3:.3f}"
+
+
+def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> str:
+    from titan_ext.errors import ConfigError
+    from titan_ext.planner import estimates, job_config_of
+    from titan_ext.planner.memory import GIB
+    from titan_ext.planner.rank import plan_layout
+
+    fits, too_big, invalid = [], [], []
+    for layout in candidates(world):
+        job_config = job_config_of([*argv, *layout.flags()])
+        begin = time.monotonic()
+        try:
+            planned = plan_layout(job_config, world)
+        except ConfigError as error:
+            invalid.append((layout, str(error)))
+            continue
+        except Exception as error:  # noqa: BLE001  (the planner's own limits, reported per layout)
+            invalid.append((layout, f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"))
+            continue
+        peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + (r.saved_bytes or 0) for r in planned)
+        bubble = estimates.bubble(planned[0].plan, job_config)
+        if planned[0].collectives is None:
+            row = (float("inf"), layout, peak, bubble, time.monotonic() - begin)
+        else:
+            passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
+            row = (estimates.collective_seconds(list(planned[0].collectives), link_gbps, passes), layout, peak, bubble,
+                   time.monotonic() - begin)
+        (fits if peak <= memory_gib * GIB else too_big).append(row)
+    lines = [f"layouts of {world} ranks that fit {memory_gib:g} GiB per rank, fastest first by the collectives' time "
+             f"at {link_gbps:g} GB/s (a lower bound on the step time):",
+             "  collectives ms   peak GiB   bubble   layout"]
+    lines += [f"  {_ms(s):>14} {peak / GIB:>10.3f} {bubble:>8.1%}   {layout.name()}"
+              for s, layout, peak, bubble, _ in sorted(fits, key=lambda r: r[:1] + (r[2],))]
+    if any(row[0] == float("inf") for row in fits):
+        from titan_ext.planner.rank import PIPELINE_UNRECORDED
+
+        lines.append(f"  (-: parameters, gradients and optimizer state only; collectives and activations {PIPELINE_UNRECORDED})")
+    lines += ["", f"do not fit {memory_gib:g} GiB:"]
+    lines += [f"  {layout.name()}: {peak / GIB:.3f} GiB" for _, layout, peak, _, _ in sorted(too_big, key=lambda r: r[2])]
+    lines += ["", "skipped (titan_ext's checks, or the planner's limits):"]
+    lines += [f"  {layout.name()}: {reason}" for layout, reason in invalid]
+    return "\n".join(lines)

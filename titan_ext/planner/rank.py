@@ -1,0 +1,188 @@
+"""One rank of an N-rank job, built and stepped in this process on a fake process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from titan_ext import compat
+from titan_ext.job_plan import plan_of
+from titan_ext.planner import collectives, memory
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    stages: tuple[int, ...]
+    """The pipeline stages this rank runs (empty without PP)."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    saved_bytes: int | None
+    """Activations: bytes autograd saved for backward in one forward (parameters excepted; under AC, what the
+    checkpointed blocks keep)."""
+    collectives: tuple[collectives.Collective, ...] | None
+    """None under PP (``PIPELINE_UNRECORDED``)."""
+    plan: object
+    """titan_ext's ``JobPlan`` for the job."""
+    parallel_dims: object
+
+
+def parallel_dims_of(job_config, world: int):
+    from torchtitan.distributed import ParallelDims
+
+    p = job_config.parallelism
+    return ParallelDims(
+        dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world,
+    )
+
+
+@contextlib.contextmanager
+def fake_group(world: int, rank: int):
+    """A fake process group standing in for ``rank`` of ``world``; torchrun's variables to match."""
+    import torch.distributed as dist
+
+    fake = compat.fake_process_group()
+    env = {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    with mock.patch.dict(os.environ, env):
+        compat.clear_dtensor_sharding_cache()  # another job's meshes, planned earlier in this process
+        dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
+    """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
+    pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
+
+    A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.protocols import train_spec as registry
+    from torchtitan.protocols.model_converter import build_model_converters
+    from torchtitan.tools import utils
+
+    with fake_group(world, rank):
+        dims = parallel_dims_of(job_config, world)
+        dims.build_mesh()
+        spec = registry.get_train_spec(job_config.model.name)
+        model_args = spec.model_args[job_config.model.flavor]
+        # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
+        _raising(type(model_args).update_from_config)(model_args, job_config)
+        plan = plan_of(model_args)
+        with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
+            model = spec.model_cls(model_args)
+        build_model_converters(job_config, dims).convert(model)
+        loss_fn = _raising(spec.build_loss_fn)(job_config, parallel_dims=dims)
+        device = torch.device("cpu")
+        parallelize = _raising(spec.parallelize_fn)
+        if dims.pp_enabled:
+            schedule, parts, first, last = _raising(spec.pipelining_fn)(
+                model, dims, job_config, device, model_args, parallelize, loss_fn
+            )
+        else:
+            schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
+        param_bytes = memory.param_bytes(parts)
+        with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
+            for part in parts:
+                part.to_empty(device=device)
+                part.train()
+            optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
+            recorded, saved_bytes = None, None
+            if dims.pp_enabled:
+                _fake_gradients(parts)  # see PIPELINE_UNRECORDED
+            else:
+                step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
+                recorder = collectives.Recorder(collectives.group_labels(dims))
+                saved = _SavedBytes()
+                with recorder, saved:
+                    step()
+                recorded, saved_bytes = tuple(recorder.log), saved.bytes
+            grad_bytes = memory.grad_bytes(parts)
+            optimizers.step()
+            optimizer_bytes = memory.optimizer_bytes(optimizers)
+        stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
+        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+
+
+PIPELINE_UNRECORDED = (
+    "not recorded under pipeline parallelism: torch's schedules read values received from other stages "
+    "(their warm-up's handshake), which fake tensors do not hold"
+)
+"""Under PP the step does not run: gradients are one per parameter, of its local shape and dtype (what FSDP's
+reduce-scatter and a plain backward leave), and the optimizer steps on those."""
+
+
+def _fake_gradients(parts) -> None:
+    for part in parts:
+        for param in part.parameters():
+            param.grad = torch.zeros_like(param)
+
+
+def _raising(hook):
+    """A train spec's hook without its ``config_boundary`` (which ends the process on a ``ConfigError``):
+    the planner reports the error, and a sweep goes on to the next layout."""
+    return getattr(hook, "__wrapped__", hook)
+
+
+def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device):
+    """torchtitan's own ``Trainer.forward_backward_step`` over these parts, on one fake batch of token 0."""
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.train import Trainer
+
+    class Step(Trainer):
+        def __init__(self, **attrs):  # only what forward_backward_step reads
+            self.__dict__.update(attrs)
+
+    trainer = Step(
+        job_config=job_config, parallel_dims=dims, model_parts=parts, pp_schedule=schedule,
+        pp_has_first_stage=first, pp_has_last_stage=last, loss_fn=loss_fn, model_args=model_args,
+        tokenizer=None, device=device,
+        train_context=dist_utils.get_train_context(dims.tp_enabled and not job_config.parallelism.disable_loss_parallel),
+        maybe_enable_amp=dist_utils.maybe_enable_amp(dims, job_config.training.mixed_precision_param, device.type),
+    )
+    batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+
+    def step():
+        trainer.forward_backward_step(input_dict={"input": tokens}, labels=tokens.clone(),
+                                      global_valid_tokens=torch.tensor(float(tokens.numel())))
+
+    return step
+
+
+class _SavedBytes:
+    """Bytes of the tensors autograd saves for backward, each once, parameters (and views of them: FSDP's
+    gathered weights) excepted. Under AC this is what the checkpointed blocks keep: torch's checkpoint
+    saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
+
+    def __init__(self):
+        self.bytes, self._seen = 0, set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor):
+        base = tensor._base if tensor._is_view() else tensor
+        if id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
+            self._seen.add(id(tensor))
+            self.bytes += memory.local_bytes(tensor)
+        return tensor
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def plan_layout(job_config, world: int):
+    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage."""
+    pp = job_config.parallelism.pipeline_parallel_degree
+    return [plan_rank(job_config, world, stage * (world // pp)) for stage in range(pp)]

@@ -28,7 +28,7 @@ def debug_args(spec: str, layers: int = 4):
     return args
 
 
-def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1):
+def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1, batch=4):
     p = SimpleNamespace(
         pipeline_parallel_degree=degree, pipeline_parallel_schedule=schedule, pipeline_parallel_microbatch_size=1,
         pipeline_parallel_layers_per_stage=per_stage, pipeline_parallel_first_stage_less_layers=first,
@@ -36,7 +36,7 @@ def job(degree=2, schedule="1F1B", per_stage=None, first=1, last=1):
         data_parallel_shard_degree=1, data_parallel_replicate_degree=1, tensor_parallel_degree=1,
         context_parallel_degree=1, expert_parallel_degree=1, pipeline_parallel_expert_parallel_overlap=False,
     )
-    return SimpleNamespace(parallelism=p, training=SimpleNamespace(local_batch_size=4, global_batch_size=-1, seq_len=128),
+    return SimpleNamespace(parallelism=p, training=SimpleNamespace(local_batch_size=batch, global_batch_size=-1, seq_len=128),
                            validation=SimpleNamespace(enable=False))
 
 
@@ -51,6 +51,24 @@ def test_stages_are_balanced_in_the_models_own_names(monkeypatch):
     assert len(looped.stages) == 4 and looped.stage_indices(1) == (1, 3)
     v_shape = pp_choice(model, job(schedule="ZBVZeroBubble"), world_size=2)
     assert v_shape.stage_indices(0) == (0, 3) and v_shape.stage_indices(1) == (1, 2)
+
+
+@pytest.mark.parametrize("schedule,batch,refused", [
+    ("1F1B", 1, "needs at least one microbatch per stage: 1 microbatch\\(es\\) for"),
+    ("1F1B", 2, None),
+    ("Interleaved1F1B", 5, "5 microbatches are not a multiple of its 2 rounds"),
+    ("Interleaved1F1B", 4, None),
+    ("InterleavedZeroBubble", 7, "7 microbatches are not a multiple of its 3 rounds"),
+])
+def test_microbatch_counts_torch_refuses_after_the_build_stop_before_it(schedule, batch, refused):
+    """torch's schedules assert these when torchtitan builds them, after the model (a planner's sweep met it)."""
+    with torch.device("meta"):
+        model = build_model(debug_args("fla_gla"))
+    if refused is None:
+        assert pp_choice(model, job(schedule=schedule, batch=batch), world_size=2)
+        return
+    with pytest.raises(ConfigError, match=refused):
+        pp_choice(model, job(schedule=schedule, batch=batch), world_size=2)
 
 
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])

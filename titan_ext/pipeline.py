@@ -191,6 +191,7 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
             "default) needs an accelerator's streams; set --parallelism.no-pipeline_parallel_expert_parallel_overlap "
             "(it overlaps expert-parallel communication, which titan_ext's models do not have)"
         )
+    _check_microbatches(schedule, schedule_class, batch // micro, p.pipeline_parallel_degree)
     if schedule_class is ScheduleDualPipeV and batch // micro < len(stages):
         raise ConfigError(
             f"{SCHEDULE}='DualPipeV' needs a microbatch per stage: {batch // micro} microbatches for {len(stages)} stages; "
@@ -204,6 +205,30 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
     step_batch = training.local_batch_size * _dp_degree(job_config, world_size)
     accumulation = training.global_batch_size // step_batch if training.global_batch_size > 0 else 1
     return PPChoice(p.pipeline_parallel_degree, schedule, accumulation, tuple(tuple(s) for s in stages), v_shape)
+
+
+def _check_microbatches(schedule: str, schedule_class: type, microbatches: int, degree: int) -> None:
+    """What torch's schedules assert when the schedule is built, after the model: 1F1B needs a microbatch per
+    stage; the interleaved ones a whole number of rounds (``max(1, microbatches // degree)``)."""
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    fix = ("raise --training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size "
+           "(microbatches = local batch / microbatch size)")
+    if issubclass(schedule_class, Schedule1F1B) and microbatches < degree:
+        raise ConfigError(
+            f"{SCHEDULE}={schedule!r} needs at least one microbatch per stage: {microbatches} microbatch(es) for "
+            f"{DEGREE}={degree}; {fix}"
+        )
+    rounds = max(1, microbatches // degree)
+    if issubclass(schedule_class, (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)) and microbatches % rounds:
+        raise ConfigError(
+            f"{SCHEDULE}={schedule!r} runs the microbatches in rounds of {DEGREE}={degree}: {microbatches} "
+            f"microbatches are not a multiple of its {rounds} rounds; {fix}"
+        )
 
 
 def _dp_degree(job_config, world_size: int) -> int:

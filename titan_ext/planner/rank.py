@@ -98,7 +98,7 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
             optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
             step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
             if dims.pp_enabled:  # the first step sets the stages up (their handshake): the second is recorded
-                _stages_told_by_the_planner(schedule, neighbours, step.tokens)
+                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
                 step()
             recorder = collectives.Recorder(collectives.group_labels(dims))
             saved = _SavedBytes()
@@ -128,7 +128,7 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     shapes and dtypes sent on as pickled objects, and its input gradients' sent back. On the fake group
     nothing arrives, so the planner answers for the other ranks: the vote as real runs decide it (no stage
     given shapes: inferred), a stage's input as the previous stages compute it from the microbatch
-    (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them), and its output gradients as the outputs' shapes and dtypes. Only
+    (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only
     the first step needs this; the recorded one sends and receives the activations and their gradients."""
     meta = compat.pipeline_metadata()
     inner = schedule._schedule

@@ -19,6 +19,7 @@ LAYOUTS = [
     ("tp2", 2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
     ("pp2", 2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     ("fsdp2_tp2", 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    ("pp2_fsdp2", 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
 ]
 
 
@@ -39,7 +40,7 @@ def argv(flags: list[str], dump: Path | None = None) -> list[str]:
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory) -> Path:
     """Every layout's real run in one 4-process launch (``tests/matrix_driver.py``): the 2-rank layouts side by
-    side, then the 4-rank one. Each rank records its step 2 (``tests/record_step.py``)."""
+    side, then the 4-rank ones. Each rank records its step 2 (``tests/record_step.py``)."""
     root = tmp_path_factory.mktemp("plan_real")
     for sub in ("logs", "results"):
         (root / sub).mkdir()
@@ -76,11 +77,11 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
         planned = plan_rank(job_config_of(argv(flags)), world, rank)
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == (
             real["param_bytes"], real["grad_bytes"], real["optimizer_bytes"]), f"rank {rank}"
-        assert planned.stages == ((rank,) if name == "pp2" else ())
+        assert planned.stages == ((rank * 2 // world,) if name.startswith("pp2") else ())
         assert [list(row) for row in summary(list(planned.collectives))] == real["collectives"], f"rank {rank}"
         assert real["collectives"], "a sharded layout issues collectives"
-        if name == "pp2":  # the pipeline's own traffic: each microbatch's activations one way, their gradients back
-            kinds = {row[0] for row in real["collectives"] if row[1] == "pp+world"}
+        if name.startswith("pp2"):  # the pipeline's own traffic: each microbatch's activations one way, their gradients back
+            kinds = {row[0] for row in real["collectives"] if row[1] in ("pp", "pp+world")}
             assert kinds == {"send", "recv"}, real["collectives"]
 
 

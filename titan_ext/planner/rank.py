@@ -128,8 +128,9 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     shapes and dtypes sent on as pickled objects, and its input gradients' sent back. On the fake group
     nothing arrives, so the planner answers for the other ranks: the vote as real runs decide it (no stage
     given shapes: inferred), a stage's input as the previous stages compute it from the microbatch
-    (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only
-    the first step needs this; the recorded one sends and receives the activations and their gradients."""
+    (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its
+    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only the
+    first step needs this; the recorded one sends and receives the activations and their gradients."""
     meta = compat.pipeline_metadata()
     inner = schedule._schedule
     stages = list(getattr(inner, "_stages", None) or [inner._stage])
@@ -139,7 +140,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     def step_microbatches(*args, _original=inner._step_microbatches, **kwargs):
         arg_mbs, kwarg_mbs = (list(args) + [kwargs.get("arg_mbs"), kwargs.get("kwarg_mbs")])[:2]
         # the first stage's microbatch: given to this rank's schedule only where it runs that stage
-        microbatch.update(args=arg_mbs[0] if arg_mbs and arg_mbs[0] else first_input[: len(first_input) // inner._n_microbatches],
+        own = arg_mbs[0] if arg_mbs and arg_mbs[0] else None
+        microbatch.update(args=own or first_input[: len(first_input) // inner._n_microbatches],
                           kwargs=(kwarg_mbs or [{}])[0] or {})
         return _original(*args, **kwargs)
 
@@ -155,7 +157,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
             for index in range(source + 1):
                 hidden = modules[index](*(hidden if isinstance(hidden, tuple) else (hidden,)), **microbatch["kwargs"])
         hidden = hidden if isinstance(hidden, tuple) else (hidden,)
-        return meta._StageForwardMeta(forward_metas=meta.extract_tensor_metas(tuple(h.requires_grad_() for h in hidden)))
+        outputs = tuple(h.requires_grad_() for h in hidden)  # as the stage's forward leaves them
+        return meta._StageForwardMeta(forward_metas=meta.extract_tensor_metas(outputs))
 
     inner._step_microbatches = step_microbatches
     inner._warmup_p2p = vote

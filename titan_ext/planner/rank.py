@@ -217,13 +217,15 @@ class _SavedBytes:
     saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
 
     def __init__(self):
-        self.bytes, self._seen = 0, set()
+        self.bytes, self._seen = 0, {}
+        """id -> the tensor, held so that no later tensor takes a freed one's id (under PP each microbatch's
+        are freed at its backward while later ones are saved)."""
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor):
         base = tensor._base if tensor._is_view() else tensor
         if id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
-            self._seen.add(id(tensor))
+            self._seen[id(tensor)] = tensor
             self.bytes += memory.local_bytes(tensor)
         return tensor
 

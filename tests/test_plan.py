@@ -94,6 +94,8 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     fake = compat.fake_process_group()
     assert callable(fake.FakeStore) and callable(fake.FakeTensorMode)
     assert issubclass(compat.torch_dispatch_mode(), object)
+    metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
+    assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
     dist.init_process_group("fake", store=fake.FakeStore(), rank=0, world_size=3)
     try:
         assert compat.resolve_process_group(dist.group.WORLD.group_name).size() == 3

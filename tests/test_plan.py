@@ -19,6 +19,7 @@ LAYOUTS = [
     ("tp2", 2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
     ("pp2", 2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     ("fsdp2_tp2", 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    ("pp2_fsdp2", 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
 ]
 
 
@@ -39,7 +40,7 @@ def argv(flags: list[str], dump: Path | None = None) -> list[str]:
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory) -> Path:
     """Every layout's real run in one 4-process launch (``tests/matrix_driver.py``): the 2-rank layouts side by
-    side, then the 4-rank one. Each rank records its step 2 (``tests/record_step.py``)."""
+    side, then the 4-rank ones. Each rank records its step 2 (``tests/record_step.py``)."""
     root = tmp_path_factory.mktemp("plan_real")
     for sub in ("logs", "results"):
         (root / sub).mkdir()
@@ -76,11 +77,12 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
         planned = plan_rank(job_config_of(argv(flags)), world, rank)
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == (
             real["param_bytes"], real["grad_bytes"], real["optimizer_bytes"]), f"rank {rank}"
-        if name == "pp2":  # the step is not run under PP (rank.PIPELINE_UNRECORDED)
-            assert planned.collectives is None and planned.stages == (rank,)
-            continue
+        assert planned.stages == ((rank * 2 // world,) if name.startswith("pp2") else ())
         assert [list(row) for row in summary(list(planned.collectives))] == real["collectives"], f"rank {rank}"
         assert real["collectives"], "a sharded layout issues collectives"
+        if name.startswith("pp2"):  # the pipeline's own traffic: each microbatch's activations one way, their gradients back
+            kinds = {row[0] for row in real["collectives"] if row[1] in ("pp", "pp+world")}
+            assert kinds == {"send", "recv"}, real["collectives"]
 
 
 def test_the_private_torch_apis_the_planner_uses_are_there():
@@ -92,6 +94,8 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     fake = compat.fake_process_group()
     assert callable(fake.FakeStore) and callable(fake.FakeTensorMode)
     assert issubclass(compat.torch_dispatch_mode(), object)
+    metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
+    assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
     dist.init_process_group("fake", store=fake.FakeStore(), rank=0, world_size=3)
     try:
         assert compat.resolve_process_group(dist.group.WORLD.group_name).size() == 3
@@ -190,8 +194,10 @@ def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_r
                  "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]) == 0  # 2 stages per rank
     out = capsys.readouterr().out
     fits = out.split("do not fit")[0].splitlines()[2:]
-    times = [float(line.split()[0]) for line in fits if line.strip() and line.split()[0] not in ("-", "(-:")]
+    times = [float(line.split()[0]) for line in fits if line.strip()]
     assert times == sorted(times) and len(times) >= 3
+    pipelined = [line for line in fits if "pp 2 x " in line]  # ranked by their recorded send/recv too
+    assert len(pipelined) >= 2 and all(float(line.split()[0]) > 0 for line in pipelined)
     assert "pp 4: --parallelism.pipeline_parallel_degree=4 cannot split 2 blocks into 8 stages" in out
     assert "fsdp 4: " in out.split("do not fit")[1].split("skipped")[0]  # 0.0085 GiB: FSDP alone keeps too much
     assert "\n  tp 4: " not in out  # it fits, it is not skipped

@@ -273,3 +273,10 @@ def clear_dtensor_sharding_cache() -> None:
         cache.cache_clear()
     native()
 
+
+
+def pipeline_metadata() -> types.SimpleNamespace:
+    """torch's pipeline-stage metadata (``torch.distributed.pipelining._utils``): what a stage receives from its
+    neighbours on another rank before its first step; the planner hands it over itself."""
+    return _lookup("torch", "torch.distributed.pipelining._utils", "InferenceMode", "_StageForwardMeta",
+                   "_StageBackwardMeta", "_derive_grad_metas", "extract_tensor_metas")

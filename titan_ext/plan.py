@@ -49,8 +49,8 @@ def describe(planned, job_config, link_gbps: float) -> str:
     for rank in planned:
         who = f"rank {rank.rank}" + (f" (stages {','.join(map(str, rank.stages))})" if rank.stages else "")
         held = (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes)
-        saved = "not run" if rank.saved_bytes is None else f"{rank.saved_bytes / GIB:.3f}"
-        total = sum(held) + (rank.saved_bytes or 0)
+        saved = f"{rank.saved_bytes / GIB:.3f}"
+        total = sum(held) + rank.saved_bytes
         lines.append(f"{who:<18}" + "".join(f"{b / GIB:>10.3f}" for b in held[:2]) + f"{held[2] / GIB:>11.3f}"
                      + f"{saved:>13}" + f"{total / GIB:>10.3f}")
     lines += [
@@ -58,31 +58,31 @@ def describe(planned, job_config, link_gbps: float) -> str:
         "  activations: what autograd saved in one forward pass of the local batch (parameters and FSDP's",
         "  gathered weights excepted; under AC what checkpointed blocks keep), recorded under FakeTensorMode;",
         "  not counted: the recomputed block's transient peak (AC), backward's temporaries, fragmentation.",
+        *(["  under PP: summed over all the step's microbatches, as if all were in flight (a bound: the schedule",
+           "  frees each one's at its backward, and 1F1B keeps at most as many as there are stages)"]
+          if first.plan.pp else []),
         "",
     ]
     bubble = (f"pipeline bubble: {estimates.bubble(first.plan, job_config):.1%}"
               + (f" ({first.plan.pp.schedule}, {len(first.plan.pp.stages)} stages, "
                  f"{training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size} microbatches; "
                  "(p - 1) / (stages per rank x microbatches + p - 1))" if first.plan.pp else " (no pipeline)"))
-    if first.collectives is None:
-        from titan_ext.planner.rank import PIPELINE_UNRECORDED
-
-        return "\n".join(lines + [f"collectives and activations: {PIPELINE_UNRECORDED}", "", bubble])
+    for rank in planned:  # under PP each stage's ranks issue their own: one table per stage
+        lines += [
+            f"collectives of one forward-backward pass, rank {rank.rank} (recorded on a fake process group):",
+            "  kind            group                     ranks   count        MiB   sent MiB",
+        ]
+        for kind, group, ranks, count, total in summary(list(rank.collectives)):
+            sent = sum(c.wire_bytes() for c in rank.collectives if (c.kind, c.group, c.ranks) == (kind, group, ranks))
+            lines.append(f"  {kind:<15} {group:<25} {ranks:>5} {count:>7} {total / MIB:>10.1f} {sent / MIB:>10.1f}")
+    seconds = estimates.step_seconds(planned, link_gbps, passes)
     lines += [
-        f"collectives of one forward-backward pass, rank {first.rank} (recorded on a fake process group):",
-        "  kind            group                     ranks   count        MiB   sent MiB",
-    ]
-    for kind, group, ranks, count, total in summary(list(first.collectives)):
-        sent = sum(c.wire_bytes() for c in first.collectives if (c.kind, c.group, c.ranks) == (kind, group, ranks))
-        lines.append(f"  {kind:<15} {group:<25} {ranks:>5} {count:>7} {total / MIB:>10.1f} {sent / MIB:>10.1f}")
-    seconds = estimates.collective_seconds(list(first.collectives), link_gbps, passes)
-    lines += [
-        "  (sent: what each rank sends in ring algorithms; the step's scalar all-reduces outside forward and",
-        "  backward, token count and gradient norm, are not included)",
+        "  (sent: what each rank sends in ring algorithms, and a pipeline's sends; the step's scalar all-reduces",
+        "  outside forward and backward, token count and gradient norm, are not included)",
         "",
         bubble,
         f"collectives alone: {seconds * 1e3:.1f} ms per step at {link_gbps:g} GB/s per rank ({passes} pass(es); no "
-        "overlap, no latency: a lower bound on the step time)",
+        "overlap, no latency" + (", the busiest stage's ranks" if len(planned) > 1 else "") + ": a lower bound on the step time)",
     ]
     return "\n".join(lines)
 

@@ -32,3 +32,8 @@ def collective_seconds(collectives: list[Collective], link_gbps: float, passes: 
     in a bandwidth-optimal ring (no overlap with compute or each other, no latency): a lower bound on the
     step time for one optimizer step of ``passes`` forward-backward passes."""
     return passes * sum(c.wire_bytes() for c in collectives) / (link_gbps * 1e9)
+
+
+def step_seconds(planned, link_gbps: float, passes: int = 1) -> float:
+    """``collective_seconds`` of the rank that sends the most (under PP the stages' ranks differ)."""
+    return max(collective_seconds(list(rank.collectives), link_gbps, passes) for rank in planned)

@@ -51,7 +51,7 @@ def candidates(world: int) -> list[Layout]:
 
 
 def _ms(seconds: float) -> str:
-    return "-" if seconds == float("inf") else f"{seconds * 1e3:.3f}"
+    return f"{seconds * 1e3:.3f}"
 
 
 def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> str:
@@ -72,24 +72,16 @@ def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> s
         except Exception as error:  # noqa: BLE001  (the planner's own limits, reported per layout)
             invalid.append((layout, f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"))
             continue
-        peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + (r.saved_bytes or 0) for r in planned)
+        peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.saved_bytes for r in planned)
         bubble = estimates.bubble(planned[0].plan, job_config)
-        if planned[0].collectives is None:
-            row = (float("inf"), layout, peak, bubble, time.monotonic() - begin)
-        else:
-            passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
-            row = (estimates.collective_seconds(list(planned[0].collectives), link_gbps, passes), layout, peak, bubble,
-                   time.monotonic() - begin)
+        passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
+        row = (estimates.step_seconds(planned, link_gbps, passes), layout, peak, bubble, time.monotonic() - begin)
         (fits if peak <= memory_gib * GIB else too_big).append(row)
     lines = [f"layouts of {world} ranks that fit {memory_gib:g} GiB per rank, fastest first by the collectives' time "
              f"at {link_gbps:g} GB/s (a lower bound on the step time):",
              "  collectives ms   peak GiB   bubble   layout"]
     lines += [f"  {_ms(s):>14} {peak / GIB:>10.3f} {bubble:>8.1%}   {layout.name()}"
               for s, layout, peak, bubble, _ in sorted(fits, key=lambda r: r[:1] + (r[2],))]
-    if any(row[0] == float("inf") for row in fits):
-        from titan_ext.planner.rank import PIPELINE_UNRECORDED
-
-        lines.append(f"  (-: parameters, gradients and optimizer state only; collectives and activations {PIPELINE_UNRECORDED})")
     lines += ["", f"do not fit {memory_gib:g} GiB:"]
     lines += [f"  {layout.name()}: {peak / GIB:.3f} GiB" for _, layout, peak, _, _ in sorted(too_big, key=lambda r: r[2])]
     lines += ["", "skipped (titan_ext's checks, or the planner's limits):"]

@@ -22,11 +22,10 @@ class RankPlan:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    saved_bytes: int | None
+    saved_bytes: int
     """Activations: bytes autograd saved for backward in one forward (parameters excepted; under AC, what the
     checkpointed blocks keep)."""
-    collectives: tuple[collectives.Collective, ...] | None
-    """None under PP (``PIPELINE_UNRECORDED``)."""
+    collectives: tuple[collectives.Collective, ...]
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
     parallel_dims: object
@@ -90,21 +89,22 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         else:
             schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
         param_bytes = memory.param_bytes(parts)
-        with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
-            for part in parts:
+        neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize) if dims.pp_enabled else {}
+        with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True), \
+                (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
+            for part in [*parts, *neighbours.values()]:
                 part.to_empty(device=device)
                 part.train()
             optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
-            recorded, saved_bytes = None, None
-            if dims.pp_enabled:
-                _fake_gradients(parts)  # see PIPELINE_UNRECORDED
-            else:
-                step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
-                recorder = collectives.Recorder(collectives.group_labels(dims))
-                saved = _SavedBytes()
-                with recorder, saved:
-                    step()
-                recorded, saved_bytes = tuple(recorder.log), saved.bytes
+            step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
+            if dims.pp_enabled:  # the first step sets the stages up (their handshake): the second is recorded
+                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
+                step()
+            recorder = collectives.Recorder(collectives.group_labels(dims))
+            saved = _SavedBytes()
+            with recorder, saved:
+                step()
+            recorded, saved_bytes = tuple(recorder.log), saved.bytes
             grad_bytes = memory.grad_bytes(parts)
             optimizers.step()
             optimizer_bytes = memory.optimizer_bytes(optimizers)
@@ -112,18 +112,70 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
 
 
-PIPELINE_UNRECORDED = (
-    "not recorded under pipeline parallelism: torch's schedules read values received from other stages "
-    "(their warm-up's handshake), which fake tensors do not hold"
-)
-"""Under PP the step does not run: gradients are one per parameter, of its local shape and dtype (what FSDP's
-reduce-scatter and a plain backward leave), and the optimizer steps on those."""
+def _other_stages(model, choice, dims, job_config, parallelize) -> dict:
+    """The stages before this rank's last one that other ranks run, built as they build them: a stage
+    on another rank tells this one its output's shape and dtype in the first step (torch's handshake)."""
+    from titan_ext.pipeline import stage_model
+
+    local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
+    return {index: parallelize(stage_model(model, choice.stages[index]), dims, job_config)
+            for index in range(max(local)) if index not in local}
 
 
-def _fake_gradients(parts) -> None:
-    for part in parts:
-        for param in part.parameters():
-            param.grad = torch.zeros_like(param)
+def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor) -> None:
+    """torch's schedule sets its stages up in its first step by messages between the ranks: a vote (whose
+    result it reads with ``.item()``) on whether every stage was given its shapes, then each stage's output
+    shapes and dtypes sent on as pickled objects, and its input gradients' sent back. On the fake group
+    nothing arrives, so the planner answers for the other ranks: the vote as real runs decide it (no stage
+    given shapes: inferred), a stage's input as the previous stages compute it from the microbatch
+    (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its
+    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only the
+    first step needs this; the recorded one sends and receives the activations and their gradients."""
+    meta = compat.pipeline_metadata()
+    inner = schedule._schedule
+    stages = list(getattr(inner, "_stages", None) or [inner._stage])
+    modules = {**neighbours, **{stage.stage_index: stage.submod for stage in stages}}
+    microbatch: dict = {}
+
+    def step_microbatches(*args, _original=inner._step_microbatches, **kwargs):
+        arg_mbs, kwarg_mbs = (list(args) + [kwargs.get("arg_mbs"), kwargs.get("kwarg_mbs")])[:2]
+        # the first stage's microbatch: given to this rank's schedule only where it runs that stage
+        own = arg_mbs[0] if arg_mbs and arg_mbs[0] else None
+        microbatch.update(args=own or first_input[: len(first_input) // inner._n_microbatches],
+                          kwargs=(kwarg_mbs or [{}])[0] or {})
+        return _original(*args, **kwargs)
+
+    def vote(stages, has_backward, p2p_done):
+        for stage in stages:
+            stage._inference_mode = meta.InferenceMode.DYNAMIC
+
+    def received(stage, source: int):
+        if source > stage.stage_index:  # the next stage's input gradients: as this stage's outputs
+            return meta._StageBackwardMeta(backward_metas=meta._derive_grad_metas(stage._stage_meta.outputs))
+        hidden = microbatch["args"]
+        with torch.no_grad():
+            for index in range(source + 1):
+                hidden = modules[index](*(hidden if isinstance(hidden, tuple) else (hidden,)), **microbatch["kwargs"])
+        hidden = hidden if isinstance(hidden, tuple) else (hidden,)
+        outputs = tuple(h.requires_grad_() for h in hidden)  # as the stage's forward leaves them
+        return meta._StageForwardMeta(forward_metas=meta.extract_tensor_metas(outputs))
+
+    inner._step_microbatches = step_microbatches
+    inner._warmup_p2p = vote
+    schedule._warm_up = False  # titan_ext's gloo warm-up step (TokenMeanSchedule): values do not matter here
+    for stage in stages:
+        stage._send_meta = lambda meta_, destination: None
+        stage._recv_meta = lambda source, stage=stage: received(stage, source)
+
+
+class _ScalarsReadOne(compat.torch_dispatch_mode()):
+    """``.item()`` of a fake tensor reads 1: under PP, titan_ext's schedule reads the step's token count
+    (it divides the loss, and scales no shape or collective)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
+            return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
 
 
 def _raising(hook):
@@ -155,6 +207,7 @@ def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_
         trainer.forward_backward_step(input_dict={"input": tokens}, labels=tokens.clone(),
                                       global_valid_tokens=torch.tensor(float(tokens.numel())))
 
+    step.tokens = tokens
     return step
 
 
@@ -164,13 +217,15 @@ class _SavedBytes:
     saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
 
     def __init__(self):
-        self.bytes, self._seen = 0, set()
+        self.bytes, self._seen = 0, {}
+        """id -> the tensor, held so that no later tensor takes a freed one's id (under PP each microbatch's
+        are freed at its backward while later ones are saved)."""
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor):
         base = tensor._base if tensor._is_view() else tensor
         if id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
-            self._seen.add(id(tensor))
+            self._seen[id(tensor)] = tensor
             self.bytes += memory.local_bytes(tensor)
         return tensor
 

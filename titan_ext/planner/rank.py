@@ -68,7 +68,7 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.tools import utils
 
-    with fake_group(world, rank):
+    with fake_group(world, rank), _schedules_as_on_a_real_group():
         dims = parallel_dims_of(job_config, world)
         dims.build_mesh()
         spec = registry.get_train_spec(job_config.model.name)
@@ -120,6 +120,28 @@ def _other_stages(model, choice, dims, job_config, parallelize) -> dict:
     local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
     return {index: parallelize(stage_model(model, choice.stages[index]), dims, job_config)
             for index in range(max(local)) if index not in local}
+
+
+@contextlib.contextmanager
+def _schedules_as_on_a_real_group():
+    """torch >= 2.15 refuses to build or first step a schedule whose stages infer their shapes on a fake group:
+    its own dry runs cannot answer the shape messages. The planner answers them (``_stages_told_by_the_planner``),
+    so torch's schedules module sees the fake group's backend as gloo's while a rank is planned."""
+    import torch.distributed as dist
+
+    module = compat.pipeline_schedules_module()
+
+    class RealLooking:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def get_backend(group=None):
+            backend = dist.get_backend(group)
+            return "gloo" if backend == "fake" else backend
+
+    with mock.patch.object(module, "dist", RealLooking()):
+        yield
 
 
 def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from unittest import mock
 import torch
 
 from titan_ext import compat
+from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
 from titan_ext.planner import collectives, memory
 
@@ -76,6 +77,12 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
         _raising(type(model_args).update_from_config)(model_args, job_config)
         plan = plan_of(model_args)
+        if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
+            raise ConfigError(
+                f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "
+                f"{torch.__version__}'s pipeline stages lack the shape metadata the planner hands them); plan the "
+                "layout on a newer torch, or without PP"
+            )
         with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
             model = spec.model_cls(model_args)
         build_model_converters(job_config, dims).convert(model)
@@ -110,6 +117,10 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
             optimizer_bytes = memory.optimizer_bytes(optimizers)
         stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
         return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+
+
+PIPELINE_TORCH = "2.13"
+"""The first torch whose pipeline stages take the metadata the planner hands them (``compat.pipeline_metadata``)."""
 
 
 def _other_stages(model, choice, dims, job_config, parallelize) -> dict:

@@ -225,6 +225,8 @@ def test_tied_copies_on_pipeline_ranks_train_as_one_weight(schedule, degree, tmp
     a subgroup of the pipeline); ZBV: rank 0 holds both (a V). The copies start from rank 0's values although each rank drew its own, their gradients are
     equal and equal to one process's tied gradient, the clip norm counts the weight once (one process's norm),
     the weights after 2 clipped AdamW steps equal one process's, and the checkpoint names the weight once."""
+    if schedule == "ZBVZeroBubble" and torch.__version__ < "2.13":
+        pytest.skip("torch < 2.13's V-shaped schedules stall on gloo (titan_ext refuses them there in one line)")
     import functools
 
     from helpers import on_forked_ranks

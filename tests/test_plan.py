@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "train_configs" / "debug_gla.toml")
@@ -71,6 +72,8 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     from titan_ext.planner.rank import plan_rank
     from titan_ext.planner import job_config_of, prepare
 
+    if name.startswith("pp2") and torch.__version__ < "2.13":
+        pytest.skip("planning PP needs torch >= 2.13 (the planner says so in one line)")
     prepare()
     for rank in range(world):
         real = json.loads((real_runs / name / f"rank{rank}.json").read_text())
@@ -94,8 +97,9 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     fake = compat.fake_process_group()
     assert callable(fake.FakeStore) and callable(fake.FakeTensorMode)
     assert issubclass(compat.torch_dispatch_mode(), object)
-    metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
-    assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
+    if torch.__version__ >= "2.13":  # planning PP needs it (earlier torch: one line, test_sweep_...)
+        metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
+        assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
     dist.init_process_group("fake", store=fake.FakeStore(), rank=0, world_size=3)
     try:
         assert compat.resolve_process_group(dist.group.WORLD.group_name).size() == 3
@@ -197,7 +201,10 @@ def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_r
     times = [float(line.split()[0]) for line in fits if line.strip()]
     assert times == sorted(times) and len(times) >= 3
     pipelined = [line for line in fits if "pp 2 x " in line]  # ranked by their recorded send/recv too
-    assert len(pipelined) >= 2 and all(float(line.split()[0]) > 0 for line in pipelined)
+    if torch.__version__ >= "2.13":
+        assert len(pipelined) >= 2 and all(float(line.split()[0]) > 0 for line in pipelined)
+    else:
+        assert not pipelined and "pp 2 x fsdp 2: planning --parallelism.pipeline_parallel_degree=2 needs torch >= 2.13" in out
     assert "pp 4: --parallelism.pipeline_parallel_degree=4 cannot split 2 blocks into 8 stages" in out
     assert "fsdp 4: " in out.split("do not fit")[1].split("skipped")[0]  # 0.0085 GiB: FSDP alone keeps too much
     assert "\n  tp 4: " not in out  # it fits, it is not skipped

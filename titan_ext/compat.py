@@ -275,6 +275,13 @@ def clear_dtensor_sharding_cache() -> None:
 
 
 
+def pipeline_schedules_module() -> types.ModuleType:
+    """torch's pipeline schedules module, whose view of the process group's backend the planner adjusts."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    return schedules
+
+
 def pipeline_metadata() -> types.SimpleNamespace:
     """torch's pipeline-stage metadata (``torch.distributed.pipelining._utils``): what a stage receives from its
     neighbours on another rank before its first step; the planner hands it over itself."""

@@ -10,6 +10,7 @@ from unittest import mock
 import torch
 
 from titan_ext import compat
+from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
 from titan_ext.planner import collectives, memory
 
@@ -68,7 +69,7 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.tools import utils
 
-    with fake_group(world, rank):
+    with fake_group(world, rank), _schedules_as_on_a_real_group():
         dims = parallel_dims_of(job_config, world)
         dims.build_mesh()
         spec = registry.get_train_spec(job_config.model.name)
@@ -76,6 +77,12 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
         _raising(type(model_args).update_from_config)(model_args, job_config)
         plan = plan_of(model_args)
+        if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
+            raise ConfigError(
+                f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "
+                f"{torch.__version__}'s pipeline stages lack the shape metadata the planner hands them); plan the "
+                "layout on a newer torch, or without PP"
+            )
         with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
             model = spec.model_cls(model_args)
         build_model_converters(job_config, dims).convert(model)
@@ -112,6 +119,10 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
         return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
 
 
+PIPELINE_TORCH = "2.13"
+"""The first torch whose pipeline stages take the metadata the planner hands them (``compat.pipeline_metadata``)."""
+
+
 def _other_stages(model, choice, dims, job_config, parallelize) -> dict:
     """The stages before this rank's last one that other ranks run, built as they build them: a stage
     on another rank tells this one its output's shape and dtype in the first step (torch's handshake)."""
@@ -120,6 +131,28 @@ def _other_stages(model, choice, dims, job_config, parallelize) -> dict:
     local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
     return {index: parallelize(stage_model(model, choice.stages[index]), dims, job_config)
             for index in range(max(local)) if index not in local}
+
+
+@contextlib.contextmanager
+def _schedules_as_on_a_real_group():
+    """torch >= 2.15 refuses to build or first step a schedule whose stages infer their shapes on a fake group:
+    its own dry runs cannot answer the shape messages. The planner answers them (``_stages_told_by_the_planner``),
+    so torch's schedules module sees the fake group's backend as gloo's while a rank is planned."""
+    import torch.distributed as dist
+
+    module = compat.pipeline_schedules_module()
+
+    class RealLooking:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def get_backend(group=None):
+            backend = dist.get_backend(group)
+            return "gloo" if backend == "fake" else backend
+
+    with mock.patch.object(module, "dist", RealLooking()):
+        yield
 
 
 def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor) -> None:

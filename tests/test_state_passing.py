@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_rel_close, gla_inputs
 
-from titan_ext import documents
 from titan_ext.models.packing import cu_seqlens, packed_cu_seqlens
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels import state_passing

@@ -274,7 +274,6 @@ def clear_dtensor_sharding_cache() -> None:
     native()
 
 
-
 def pipeline_schedules_module() -> types.ModuleType:
     """torch's pipeline schedules module, whose view of the process group's backend the planner adjusts."""
     import torch.distributed.pipelining.schedules as schedules

@@ -1,6 +1,6 @@
-"""The README's extension example, read out of README.md so the tests run what the README shows.
+"""The documented extension example, read out of docs/extending.md so the tests run what the docs show.
 
-The section "Any model, and your own" holds fenced blocks whose info string
+Its section "Your own model and TP plan" holds fenced blocks whose info string
 names a file (```` ```python my_gla.py ````) and one ```` ```bash ```` block
 with the command that trains it.
 """
@@ -11,8 +11,8 @@ import re
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-SECTION = "## Any model, and your own"
+README = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
+SECTION = "## Your own model and TP plan"
 FENCE = re.compile(r"^```(\w+)[ \t]*(\S*)\n(.*?)^```", re.S | re.M)
 
 

@@ -1,0 +1,396 @@
+"""README.md and docs/*.md: every relative link resolves, and every documented command is run or checked.
+
+Commands are the lines of the pages' fenced ``bash`` blocks (backslash continuations joined). Each one must
+be in ``RUN_BY``, which names what runs it:
+
+- ``matrix:SPEC/ROW``: a row of the integration matrix trains that job (on the matrix's corpus, with its
+  short-run flags; ``readme_ext`` runs the extension example exactly as written);
+- ``test:PATH::NAME``: a test of the suite runs it;
+- ``ci``: ``.ci/run`` runs it;
+- ``gpu``: a GPU, many nodes or minutes are needed; nothing here runs it.
+
+Independently of that, every ``torchrun ... -m torchtitan.train`` and ``python -m titan_ext.plan`` command
+is checked as a launch would check it, without launching: torchrun's own argument parser reads its world size
+(``--nnodes`` x ``--nproc_per_node``), torchtitan's ``ConfigManager`` parses the job's TOML and flags, and
+titan_ext's preflight and job plan run for that world size (``check_job_config``, then the model args'
+``update_from_config``). A wrong flag, TOML path, flavor or layout in the docs fails here. The checks run in a
+folder holding what the documented commands before them leave behind (``provide_outputs``): checkpoints
+written by a debug run, a seed checkpoint, an HF export, and a folder of text shards for the pages' data path.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.S | re.M)
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
+
+RUN_BY = {
+    # README.md
+    'pip install torch==2.13.0 && pip install -e ".[test]"': "ci",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml":
+        "matrix:fla_gla/fsdp2",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/gla_340M.toml": "gpu",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/gla_340M.toml "
+    "--training.dataset titan_ext_stream --training.dataset_path /data/fineweb-edu/sample/": "gpu",
+    "torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 -m torchtitan.train "
+    "--job.config_file train_configs/gla_340M.toml --parallelism.data_parallel_shard_degree 32": "gpu",
+    "torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 -m torchtitan.train "
+    "--job.config_file train_configs/gla_340M.toml --parallelism.data_parallel_replicate_degree 4 "
+    "--parallelism.data_parallel_shard_degree 8": "gpu",
+    "torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 -m torchtitan.train "
+    "--job.config_file train_configs/gla_340M.toml --parallelism.data_parallel_replicate_degree 32 "
+    "--parallelism.data_parallel_shard_degree 1": "gpu",
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --world 32 "
+    "--parallelism.data_parallel_replicate_degree 4 --parallelism.data_parallel_shard_degree 8":
+        "test:tests/test_plan.py::test_the_cli_reports_memory_collectives_bubble_and_time",
+    "python -m pytest -q tests": "ci",
+    # docs/data.md
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--training.dataset titan_ext_stream --training.dataset_path /data/fineweb-edu/sample/": "matrix:fla_gla/stream_resume",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--titan_ext.document_mask --parallelism.tensor_parallel_degree 2": "matrix:fla_gla/docs_tp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--validation.enable --validation.dataset titan_ext_tiny --validation.freq 5 --validation.steps 2":
+        "matrix:fla_gla/fsdp2",
+    "python bench/bench_data.py":
+        "test:tests/test_bench.py::test_bench_data_quick_check_prints_three_rows_of_tokens_per_second",
+    # docs/parallelism.md
+    "torchrun --nproc_per_node=4 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2":
+        "matrix:fla_gla/hsdp2x2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--parallelism.tensor_parallel_degree 2": "matrix:fla_gla/tp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_llama.toml "
+    "--parallelism.context_parallel_degree 2": "matrix:hf_llama/cp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule Interleaved1F1B":
+        "matrix:fla_gla/pp2_interleaved",
+    "python bench/compose_8ranks.py": "gpu",  # 8 gloo ranks, minutes: the opt-in matrix rows
+    # docs/checkpoints-and-hf.md
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--checkpoint.enable": "matrix:fla_gla/resume",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--checkpoint.enable --training.steps 20": "test:tests/test_docs.py::test_torchtitan_resumes_from_the_latest_step",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--checkpoint.enable --checkpoint.load_step 5": "matrix:fla_gla/resume",
+    "torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--job.dump_folder outputs/seed --checkpoint.enable --checkpoint.create_seed_checkpoint": "matrix:fla_gla/single",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--checkpoint.enable --checkpoint.initial_load_path outputs/seed/checkpoint/step-0": "matrix:fla_gla/fsdp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--job.dump_folder outputs/gla_hf --checkpoint.enable --checkpoint.last_save_in_hf --checkpoint.last_save_model_only":
+        "matrix:fla_gla/hf",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--job.dump_folder outputs/from_hf --checkpoint.enable --checkpoint.initial_load_in_hf "
+    "--checkpoint.initial_load_path outputs/gla_hf/checkpoint/step-10": "matrix:fla_gla/hf",
+    # docs/planning.md
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024":
+        "test:tests/test_plan.py::test_the_cli_reports_memory_collectives_bubble_and_time",
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024 "
+    "--parallelism.data_parallel_replicate_degree 128 --parallelism.data_parallel_shard_degree 4 "
+    "--parallelism.tensor_parallel_degree 2": "test:tests/test_plan.py::test_planned_ranks_equal_the_real_ranks",
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 2 --activation_checkpoint.mode full --world 1024 "
+    "--parallelism.pipeline_parallel_degree 2": "test:tests/test_plan.py::test_planned_ranks_equal_the_real_ranks",
+    "python -m titan_ext.plan --job.config_file train_configs/debug_gla.toml --world 8 --sweep --memory-gib 0.008":
+        "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
+    # docs/extending.md: the example's files and command, read from the page (tests/readme_example.py)
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--experimental.custom_import my_gla --model.name fla --titan_ext.hf_config my_gla.json "
+    "--parallelism.tensor_parallel_degree 2": "matrix:fla_gla/readme_ext",
+    # docs/troubleshooting.md
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--model.name fla_glaa": "test:tests/test_bad_configs.py::test_the_user_sees_one_line_and_no_traceback",
+    # docs/gpu.md
+    "TRITON_INTERPRET=1 torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file "
+    "train_configs/debug_gla.toml --titan_ext.kernels fla --parallelism.tensor_parallel_degree 2 "
+    "--parallelism.data_parallel_shard_degree 1 --training.steps 3": "matrix:fla_gla/interpret_tp2",
+    "python -m pytest -q tests/test_interpret.py": "ci",
+    "python -m pytest -q -rs tests/test_gla_op.py tests/test_sdpa_fallback.py": "ci",  # they skip without CUDA
+    "python bench/bench_train.py": "gpu",
+    "python bench/bench_train.py --cpu-tiny": "test:tests/test_bench.py::test_bench_cpu_tiny_prints_six_finite_rows",
+    "python bench/gpu_proof.py --out proof tests train:gla_340M bench": "gpu",
+    # docs/tested-versions.md
+    "python scripts/test_versions.py latest": "gpu",  # builds a venv from the registry: minutes
+    "python scripts/test_versions.py newest": "gpu",
+    "python scripts/test_versions.py latest -- -x tests/test_context_parallel.py": "gpu",
+    "python tests/integration_matrix.py --spec fla_gla --rows tp2 resume": "test:tests/test_integration_matrix.py::matrix",
+}
+"""Every command of the pages -> what runs it (see the module's docstring)."""
+
+AS_WRITTEN = {"matrix:fla_gla/readme_ext"}
+"""Run by the matrix exactly as the page shows it (its module is the page's own file): nothing to check here."""
+
+STAND_INS = {"/data/fineweb-edu/sample/": "shards"}
+"""A user's own path in a command -> the folder (under the check's working folder) that stands in for it."""
+
+
+# ---------------------------------------------------------------- reading the pages
+
+def fenced(text: str) -> list[tuple[str, str]]:
+    """(info string, body) of each fenced block."""
+    return [(info.strip(), body) for info, body in FENCE.findall(text)]
+
+
+def prose(text: str) -> str:
+    """The page without its fenced blocks (links and headings in code are not links and headings)."""
+    return FENCE.sub("", text)
+
+
+def commands(text: str) -> list[str]:
+    """The commands of a page's ``bash`` blocks, one per line after joining continuations."""
+    found = []
+    for info, body in fenced(text):
+        if info.split()[:1] != ["bash"]:
+            continue
+        for line in body.replace("\\\n", " ").splitlines():
+            line = line.split(" # ")[0].strip()
+            if line and not line.startswith("#"):
+                found.append(" ".join(line.split()))
+    return found
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {slug(title) for _, title in HEADING.findall(prose(path.read_text()))}
+
+
+def documented() -> dict[str, list[str]]:
+    """Each command -> the pages showing it."""
+    where: dict[str, list[str]] = {}
+    for page in PAGES:
+        for command in commands(page.read_text()):
+            where.setdefault(command, []).append(str(page.relative_to(REPO)))
+    return where
+
+
+# ---------------------------------------------------------------- the pages themselves
+
+def test_pages_exist_and_the_readme_stays_short():
+    names = {page.name for page in PAGES}
+    assert {"data.md", "parallelism.md", "checkpoints-and-hf.md", "planning.md", "extending.md",
+            "troubleshooting.md", "architecture.md", "tested-versions.md", "gpu.md"} <= names
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in LINK.findall(prose(page.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no {resolved}")
+        elif anchor and (resolved.suffix != ".md" or anchor not in anchors(resolved)):
+            broken.append(f"{target}: no heading '#{anchor}' in {resolved.name}")
+    assert not broken, broken
+
+
+def test_slugs_follow_github():
+    assert slug("Resuming on another number of data-parallel ranks") == "resuming-on-another-number-of-data-parallel-ranks"
+    assert slug("Data parallelism: FSDP, HSDP, DDP") == "data-parallelism-fsdp-hsdp-ddp"
+    assert slug("Every layout: `--sweep`") == "every-layout---sweep"
+
+
+def test_every_command_is_run_by_something_named():
+    where = documented()
+    assert where, "no bash blocks found"
+    unmapped = {command: pages for command, pages in where.items() if command not in RUN_BY}
+    assert not unmapped, f"documented commands nothing runs (add them to RUN_BY): {unmapped}"
+    stale = [command for command in RUN_BY if command not in where]
+    assert not stale, f"RUN_BY names commands no page shows any more: {stale}"
+
+
+@pytest.mark.parametrize("reference", sorted(set(RUN_BY.values())))
+def test_what_runs_each_command_exists(reference):
+    kind, _, what = reference.partition(":")
+    if kind == "matrix":
+        sys.path.insert(0, str(REPO / "tests"))
+        import integration_matrix
+
+        spec, row = what.split("/")
+        assert row in integration_matrix.ROWS and integration_matrix.applies(spec, row), reference
+        assert not integration_matrix.ROWS[row].opt_in, f"{reference}: not part of CI's matrix"
+    elif kind == "test":
+        path, name = what.split("::")
+        assert re.search(rf"^def {re.escape(name)}\b", (REPO / path).read_text(), re.M), reference
+    elif kind == "ci":
+        assert reference == "ci"
+    else:
+        assert kind == "gpu", reference
+
+
+def test_ci_runs_the_readmes_test_command_and_every_command_mapped_to_ci():
+    """``ci``: a line of ``.ci/run`` (pip's ``-q`` aside), or pytest on files of the suite CI runs."""
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "\npython -m pytest -q tests\n" in ci
+    assert "python -m pytest -q tests" in commands((REPO / "README.md").read_text())
+    lines = {" ".join(line.replace("python -m pip", "pip").replace(" -q ", " ").split()) for line in ci.splitlines()}
+    for command in (c for c, run_by in RUN_BY.items() if run_by == "ci"):
+        words = command.split()
+        if words[:3] == ["python", "-m", "pytest"]:
+            paths = [w for w in words[3:] if not w.startswith("-")]
+            assert paths and all(p == "tests" or (REPO / p).is_file() and p.startswith("tests/") for p in paths), command
+        else:
+            assert all(part.strip() in lines for part in command.split("&&")), command
+
+
+def test_the_extension_example_is_read_from_its_page():
+    sys.path.insert(0, str(REPO / "tests"))
+    import readme_example
+
+    files, argv = readme_example.example()
+    assert set(files) == {"my_gla.py", "my_gla.json"}
+    command = next(c for c, run_by in RUN_BY.items() if run_by == "matrix:fla_gla/readme_ext")
+    assert shlex.split(command)[shlex.split(command).index("torchtitan.train") + 1:] == argv
+
+
+# ---------------------------------------------------------------- launches, checked without launching
+
+def launch_of(command: str) -> tuple[dict[str, str], int, list[str]] | None:
+    """(environment, world size, the job's arguments) of a torchrun or planner command, else None."""
+    words = shlex.split(command)
+    env = {}
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    if words[0] == "torchrun":
+        from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+        args = get_args_parser().parse_args(words[1:])
+        assert args.module and args.training_script == "torchtitan.train", command
+        world = parse_min_max_nnodes(args.nnodes)[1] * int(args.nproc_per_node)
+        return env, world, list(args.training_script_args)
+    if words[:3] == ["python", "-m", "titan_ext.plan"]:
+        from titan_ext.plan import parse
+
+        options, rest = parse(words[3:])
+        return env, options.world, rest
+    return None
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """A working folder holding what the documented commands leave behind, for the checks to find."""
+    folder = tmp_path_factory.mktemp("docs_world")
+    provide_outputs(folder)
+    return folder
+
+
+def provide_outputs(folder: Path) -> None:
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import save as dcp_save
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import titan_ext  # noqa: F401  (train specs)
+    from titan_ext.checkpoint import checkpoint_config
+    from titan_ext.models.adapter import meta_model
+
+    (folder / "train_configs").symlink_to(REPO / "train_configs")
+    args = get_train_spec("fla_gla").model_args["debugmodel"]
+    weights = {name: torch.zeros(p.shape) for name, p in meta_model(args).named_parameters()}
+    positions = {"dp_rank_0": b"x", "dp_rank_1": b"y", "world_size": 2}  # 2 data-parallel ranks, as torchtitan keys them
+    for step in (5, 10):  # the debug run with --checkpoint.enable: a save every 5 steps
+        dcp_save({**weights, "dataloader": positions}, checkpoint_id=str(folder / f"outputs/debug_gla/checkpoint/step-{step}"))
+    dcp_save(dict(weights), checkpoint_id=str(folder / "outputs/seed/checkpoint/step-0"))
+    hf = folder / "outputs/gla_hf/checkpoint/step-10"
+    checkpoint_config(args).save_pretrained(hf)
+    save_file(weights, hf / "model.safetensors")
+    shards = folder / STAND_INS["/data/fineweb-edu/sample/"]
+    shards.mkdir()
+    for n in range(2):
+        records = [{"text": f"shard {n} document {i} " + "word " * 40} for i in range(8)]
+        pq.write_table(pa.Table.from_pylist(records), shards / f"part-{n}.parquet")
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "gla"
+
+
+def first_error(job_argv: list[str], world: int) -> str:
+    """What a launch of these arguments on ``world`` ranks stops with before its build, or ''."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import titan_ext  # noqa: F401  (train specs)
+    from titan_ext import preflight
+    from titan_ext.errors import ConfigError
+
+    job_config = ConfigManager().parse_args(job_argv)
+    try:
+        preflight.check_job_config(job_config, world_size=world)
+        model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+        type(model_args).update_from_config.__wrapped__(model_args, job_config)  # without the SystemExit boundary
+    except ConfigError as error:
+        return str(error)
+    return ""
+
+
+def is_launch(command: str) -> bool:
+    words = [w for w in command.split() if not re.match(r"^[A-Z_]+=", w)]
+    return words[:1] == ["torchrun"] or words[:3] == ["python", "-m", "titan_ext.plan"]
+
+
+LAUNCHES = [command for command, run_by in RUN_BY.items() if run_by not in AS_WRITTEN and is_launch(command)]
+REFUSED = {"--model.name fla_glaa": "is not a registered train spec"}
+"""Commands the pages show failing on purpose -> the line they must stop with."""
+
+
+@pytest.mark.parametrize("command", LAUNCHES)
+def test_each_documented_launch_passes_the_checks_for_its_world_size(outputs, command, monkeypatch):
+    env, world, job_argv = launch_of(command)
+    job_argv = [str(outputs / STAND_INS[arg]) if arg in STAND_INS else arg for arg in job_argv]
+    monkeypatch.chdir(outputs)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    error = first_error(job_argv, world)
+    expected = next((line for flags, line in REFUSED.items() if flags in command), "")
+    if expected:
+        assert expected in error, f"{command}: {error!r}"
+    else:
+        assert error == "", f"{command} (world {world}): {error}"
+
+
+def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
+    """The check above can fail: a misspelled TOML, flag or layout in a page would."""
+    monkeypatch.chdir(outputs)
+    good = "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml"
+    _, world, argv = launch_of(good + " --parallelism.tensor_parallel_degree 3")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert "tensor_parallel_degree" in first_error(argv, world)
+    with pytest.raises(BaseException):  # torchtitan's parser: an unknown flag
+        first_error(launch_of(good + " --parallelism.tensor_paralel_degree 2")[2], world)
+    with pytest.raises(BaseException):  # a TOML that does not exist
+        first_error(launch_of(good.replace("debug_gla", "debug_glaa"))[2], world)
+
+
+def test_torchtitan_resumes_from_the_latest_step(outputs):
+    """What 'run the same command again' relies on: torchtitan 0.2.2 picks the highest finished step-N."""
+    from types import SimpleNamespace
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    manager = SimpleNamespace(folder=str(outputs / "outputs/debug_gla/checkpoint"))
+    assert CheckpointManager._find_load_step(manager) == 10

@@ -5,7 +5,7 @@
     python scripts/test_versions.py latest   # the newest releases, upper bounds ignored (a host released)
 
 ``latest`` is for the day a dependency releases: if the suite passes, raise that upper bound in
-pyproject.toml (and the README's "Tested versions") to what it printed. Extra arguments after ``--`` go to
+pyproject.toml (and docs/tested-versions.md) to what it printed. Extra arguments after ``--`` go to
 pytest (``-- -x tests/test_context_parallel.py``). The venv is ``.venv-<mode>`` unless ``--venv`` names one.
 """
 

@@ -104,6 +104,9 @@ RUN_BY = {
     "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
     "--training.seq_len 32768 --training.local_batch_size 2 --activation_checkpoint.mode full --world 1024 "
     "--parallelism.pipeline_parallel_degree 2": "test:tests/test_plan.py::test_planned_ranks_equal_the_real_ranks",
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024 --sweep":
+        "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
     "python -m titan_ext.plan --job.config_file train_configs/debug_gla.toml --world 8 --sweep --memory-gib 0.008":
         "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
     # docs/extending.md: the example's files and command, read from the page (tests/readme_example.py)
@@ -357,7 +360,7 @@ REFUSED = {"--model.name fla_glaa": "is not a registered train spec"}
 """Commands the pages show failing on purpose -> the line they must stop with."""
 
 
-@pytest.mark.parametrize("command", LAUNCHES)
+@pytest.mark.parametrize("command", LAUNCHES, ids=lambda c: c.replace("-m torchtitan.train --job.config_file train_configs/", "")[:90])
 def test_each_documented_launch_passes_the_checks_for_its_world_size(outputs, command, monkeypatch):
     env, world, job_argv = launch_of(command)
     job_argv = [str(outputs / STAND_INS[arg]) if arg in STAND_INS else arg for arg in job_argv]

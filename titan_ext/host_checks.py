@@ -30,7 +30,7 @@ from titan_ext.errors import HostChanged
 class HostCheck:
     package: str
     relies_on: str
-    """What titan_ext relies on, in a sentence (the README's table)."""
+    """What titan_ext relies on, in a sentence (the table in docs/architecture.md)."""
     applies: Callable[[object], bool]
     """model args -> whether the job uses this behaviour."""
     check: Callable[[object], None]

@@ -1,4 +1,5 @@
-"""README.md and docs/*.md: every relative link resolves, and every documented command is run or checked.
+"""README.md and docs/*.md: every relative link resolves, every documented command is run or checked, and every
+python, json and toml block parses.
 
 Commands are the lines of the pages' fenced ``bash`` blocks (backslash continuations joined). Each one must
 be in ``RUN_BY``, which names what runs it:
@@ -212,6 +213,22 @@ def test_slugs_follow_github():
     assert slug("Resuming on another number of data-parallel ranks") == "resuming-on-another-number-of-data-parallel-ranks"
     assert slug("Data parallelism: FSDP, HSDP, DDP") == "data-parallelism-fsdp-hsdp-ddp"
     assert slug("Every layout: `--sweep`") == "every-layout---sweep"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_python_json_and_toml_block_parses(page):
+    import json
+
+    import tomli
+
+    for info, body in fenced(page.read_text()):
+        language = info.split()[:1]
+        if language == ["python"]:
+            compile(body, f"{page.name}: {info}", "exec")
+        elif language == ["json"]:
+            json.loads(body)
+        elif language == ["toml"]:
+            tomli.loads(body)
 
 
 def test_every_command_is_run_by_something_named():

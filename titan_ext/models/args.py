@@ -111,8 +111,9 @@ class HFModelArgs(BaseModelArgs):
         return self.hf_config_class(**self.architecture())
 
     def to_hf_config(self):
-        """The config the model is built from: the architecture and what training forces."""
-        return self.hf_config_class(**self.architecture(), **self.arch.config_overrides())
+        """The config the model is built from: the architecture and what training forces (over what a
+        checkpoint's config.json says, e.g. GLA-340M's ``fuse_cross_entropy``)."""
+        return self.hf_config_class(**{**self.architecture(), **self.arch.config_overrides()})
 
     def update_from_hf_config(self, given: dict[str, Any], source: str) -> None:
         """Take the architecture of a config.json: it sets the model type of a blank flavor, and overrides

@@ -60,6 +60,7 @@ def write_inputs(tmp):
         "hf_other_model/config.json": json.dumps({"model_type": "llama"}),
         "no_step/readme.txt": "nothing here",
         "no_model_type.json": json.dumps({"hidden_size": 64}),
+        "qwen3_moe.json": (CONFIGS / "debug_qwen3_moe.json").read_text(),
         "unknown_type.json": json.dumps({"model_type": "gla_typo"}),
         "delta_net.json": json.dumps({"model_type": "delta_net", "hidden_size": 64, "num_heads": 4, "num_hidden_layers": 1}),
         "mamba2_unbuildable.json": json.dumps({"model_type": "mamba2", "hidden_size": 64, "num_heads": 4, "head_dim": 8}),
@@ -205,6 +206,17 @@ CASES = {
     "fla model its library cannot build": (
         generic("fla", "mamba2_unbuildable.json"), 1, "Mamba2ForCausalLM cannot be built from this config"
     ),
+    # mixture of experts: expert parallelism is refused until titan_ext has it, never ignored
+    "ep on a dense model": ([*GLA, "--parallelism.expert_parallel_degree", "2"], 2, "this model has no experts"),
+    "ep on a moe model": (
+        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2"], 2,
+        "--parallelism.expert_parallel_degree=2: titan_ext does not shard experts across ranks yet",
+    ),
+    "etp without ep": (
+        [*GLA, *TP2, "--parallelism.expert_tensor_parallel_degree", "2"], 2,
+        "--parallelism.expert_tensor_parallel_degree=2 needs --parallelism.expert_parallel_degree > 1",
+    ),
+    "pp with a moe model": ([*generic("hf", "qwen3_moe.json"), *PP2], 2, "the router's balancing loss needs every MoE layer"),
     "tp for a model with no plan": (
         [*generic("hf", "opt.json"), *TP2], 2, "no tensor-parallel plan for model_type 'opt'"
     ),

@@ -87,6 +87,14 @@ class DataParallelChoice:
 
 
 @dataclass(frozen=True)
+class MoEChoice:
+    aux_loss_coef: float
+    """``router_aux_loss_coef`` of the model's config: the weight of the routers' balancing loss."""
+    num_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
 class JobPlan:
     world_size: int
     kernel_path: str
@@ -98,6 +106,8 @@ class JobPlan:
     compile: CompileChoice
     float8: Float8Choice | None
     data_parallel: DataParallelChoice
+    moe: MoEChoice | None
+    """A mixture-of-experts model's routing (titan_ext.moe); None for a dense model."""
     nonfinite: str
     metrics_jsonl: str
     hf_export: bool

@@ -21,12 +21,14 @@ from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 from titan_ext.float8 import keep_high_precision
 from titan_ext.job_plan import plan_of
+from titan_ext.moe import apply_router_records
 
 logger = logging.getLogger()
 
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     plan = plan_of(model)  # the model's args carry the job plan
+    apply_router_records(model, plan.moe)  # for the routers' balancing loss
     if plan.float8 is not None and plan.float8.high_precision:
         keep_high_precision(model, plan.float8.high_precision)
     if plan.tp is not None:

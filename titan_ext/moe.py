@@ -1,0 +1,184 @@
+"""Mixture-of-experts models: the router's load-balancing loss as the model was trained, its metrics, and
+what titan_ext cannot do for experts yet (expert parallelism) refused in one line.
+
+transformers' MoE blocks hold a router (``gate``: ``router_logits, scores, indices = gate(x)``) and one
+``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch
+Transformer balancing loss only when asked for router logits and given labels, which torchtitan never
+does (it computes the loss from the logits). Here a forward hook on each router keeps its logits, and the
+loss adds the balancing term (``with_balance_loss``).
+
+The term is counted per token, as torchtitan's cross entropy is (a sum the trainer divides by the global
+count of valid tokens): over one sequence the model's own formula (``load_balancing_loss_func`` with the
+valid labels as its mask: expert shares and mean router probabilities over all MoE layers), weighted by the
+sequence's valid tokens. A sequence's term needs nothing from other ranks or micro-batches, so the loss is
+the same under FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is the model's
+own loss exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_ext.errors import ConfigError
+from titan_ext.job_plan import MoEChoice
+
+IGNORE_INDEX = -100
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """transformers' sparse MoE blocks: a router ``gate`` with ``top_k`` beside an ``experts`` module."""
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")]
+
+
+def moe_choice(model: nn.Module) -> MoEChoice | None:
+    """From the meta model: None for a dense model."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    gate = blocks[0].gate
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k)
+
+
+def check_moe(model: nn.Module, job_config) -> None:
+    """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow."""
+    p = job_config.parallelism
+    blocks = moe_blocks(model)
+    if p.expert_parallel_degree > 1 and not blocks:
+        raise ConfigError(
+            f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: this model has no experts (a dense "
+            "model); set it to 1"
+        )
+    if p.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: titan_ext does not shard experts "
+            "across ranks yet (FSDP shards their stacked weights like any other); set it to 1"
+        )
+    if not blocks:
+        return
+    if p.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the router's balancing loss "
+            "needs every MoE layer's router on the stage that computes the loss, which titan_ext does not carry "
+            "across stages yet; train MoE models without PP"
+        )
+    if p.context_parallel_degree > 1:
+        raise ConfigError(
+            f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss counts "
+            "expert shares per whole sequence, which titan_ext does not gather across CP ranks yet; set it to 1"
+        )
+
+
+# ---------------------------------------------------------------- the routers' logits, forward to loss
+
+
+class RouterRecords:
+    """The router logits of the forward in flight, taken by the loss that follows it; this step's statistics
+    for the metrics. One per process: torchtitan builds the loss without the model."""
+
+    def __init__(self) -> None:
+        self.choice: MoEChoice | None = None
+        self.logits: list[torch.Tensor] = []
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        self.aux_sum = torch.zeros((), dtype=torch.float64)
+        self.tokens = torch.zeros((), dtype=torch.float64)
+        self.counts: torch.Tensor | None = None
+
+    def record(self, module, inputs, output) -> None:
+        # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
+        if torch._C._current_graph_task_id() == -1:
+            self.logits.append(output[0])
+
+    def take(self) -> list[torch.Tensor]:
+        taken, self.logits = self.logits, []
+        return taken
+
+
+RECORDS = RouterRecords()
+
+
+def apply_router_records(model: nn.Module, choice: MoEChoice | None) -> None:
+    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model)."""
+    RECORDS.__init__()
+    RECORDS.choice = choice
+    if choice is None:
+        return
+    for block in moe_blocks(model):
+        block.gate.register_forward_hook(RECORDS.record)
+
+
+def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int):
+    """(sum over sequences of valid tokens x the model's balancing loss of that sequence, per-(layer, expert)
+    routed-token counts).
+
+    ``router_logits``: per MoE layer ``[batch * seq, experts]``; ``labels``: ``[batch, seq]``. Per sequence,
+    ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert e and ``P_e`` the mean
+    router probability, both over the sequence's valid tokens and all MoE layers.
+    """
+    batch, seq = labels.shape
+    valid = (labels != IGNORE_INDEX).to(torch.float32)  # [B, S]
+    probs = torch.stack([F.softmax(x.float(), dim=-1) for x in router_logits]).view(-1, batch, seq, num_experts)
+    layers = probs.shape[0]
+    with torch.no_grad():
+        chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(-2).to(torch.float32)  # [L, B, S, E]
+        counts = chosen.sum((1, 2))  # [L, E]: every routed token
+        tokens = valid.sum(-1).clamp_min(1)  # [B]
+        share = (chosen * valid[None, :, :, None]).sum((0, 2)) / (layers * tokens[:, None])  # [B, E]
+    mean_probs = probs.mean(0)  # [B, S, E]
+    loss = num_experts * (valid[..., None] * share[:, None, :] * mean_probs).sum()
+    return loss, counts
+
+
+def with_balance_loss(build_loss_fn):
+    """Wrap a train spec's ``build_loss_fn``: the built loss adds ``router_aux_loss_coef`` x the balancing
+    term (a per-token sum, as the cross entropy is) of the routers that ran since the last loss."""
+
+    @functools.wraps(build_loss_fn)
+    def build(job_config, **kwargs):
+        loss_fn = build_loss_fn(job_config, **kwargs)
+
+        def loss_with_balance(pred, labels):
+            loss = loss_fn(pred, labels)
+            logits, choice = RECORDS.take(), RECORDS.choice
+            if not logits or choice is None:
+                return loss
+            balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
+            if torch.is_grad_enabled():  # training, not validation: this step's metrics
+                RECORDS.aux_sum += balance.detach().double().cpu()
+                RECORDS.tokens += (labels != IGNORE_INDEX).sum().double().cpu()
+                RECORDS.counts = counts.cpu() if RECORDS.counts is None else RECORDS.counts + counts.cpu()
+            return loss + choice.aux_loss_coef * balance.to(loss.dtype) if choice.aux_loss_coef else loss
+
+        return loss_with_balance
+
+    return build
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def step_metrics(group: dist.ProcessGroup | None) -> dict[str, float]:
+    """This step's balancing loss (per valid token, over the global batch) and tokens per expert (max and
+    mean over MoE layers and experts), summed over the ranks of ``group`` (the batch's); then reset."""
+    if RECORDS.choice is None or RECORDS.counts is None:
+        return {}
+    stats = torch.cat([RECORDS.aux_sum.view(1), RECORDS.tokens.view(1), RECORDS.counts.double().flatten()])
+    if group is not None and dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        stats = stats.to(device)
+        dist.all_reduce(stats, group=group)
+        stats = stats.cpu()
+    RECORDS.reset_step()
+    counts = stats[2:]
+    return {
+        "moe/aux_loss": (stats[0] / stats[1].clamp_min(1)).item(),
+        "moe/tokens_per_expert_max": counts.max().item(),
+        "moe/tokens_per_expert_mean": counts.mean().item(),
+    }

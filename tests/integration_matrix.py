@@ -160,6 +160,10 @@ TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
               "max_position_embeddings": 512, "tie_word_embeddings": True}
 GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile", "pp2")
+# A mixture of experts through the generic hf spec (the shipped debug config.json: 8 experts, 2 per token, the
+# routers' balancing loss at router_aux_loss_coef 0.01): FSDP2, and full AC (a block's recompute in backward
+# routes again, which must not count twice).
+TINY_QWEN3_MOE = json.loads((CONFIGS / "debug_qwen3_moe.json").read_text())
 
 
 SPECS = {
@@ -175,6 +179,8 @@ SPECS = {
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
+    "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
+                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -258,6 +264,8 @@ ROWS = {
         specs=("fla_gla", "hf_llama"),  # the fla transformer's TP plan: its tp2 and cp2_tp2 rows
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
+    # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
+    "ep2_fsdp2": Row(2, (*parallel(shard=2), "--parallelism.expert_parallel_degree", "2"), specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
@@ -571,7 +579,8 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    python_path = os.pathsep.join([str(REPO / "tests"), str(matrix.readme_folder)])  # + the README's module
+    # this checkout first (a worktree beside an editable install of another), then the README's module
+    python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,

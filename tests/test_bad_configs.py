@@ -208,9 +208,13 @@ CASES = {
     ),
     # mixture of experts: expert parallelism is refused until titan_ext has it, never ignored
     "ep on a dense model": ([*GLA, "--parallelism.expert_parallel_degree", "2"], 2, "this model has no experts"),
-    "ep on a moe model": (
-        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2"], 2,
-        "--parallelism.expert_parallel_degree=2: titan_ext does not shard experts across ranks yet",
+    "ep with tp": (
+        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2", *TP2], 2,
+        "--parallelism.expert_parallel_degree=2 with --parallelism.tensor_parallel_degree=2: titan_ext does not combine",
+    ),
+    "ep that does not divide the experts": (
+        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "3",
+         "--parallelism.data_parallel_shard_degree", "3"], 3, "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts",
     ),
     "etp without ep": (
         [*GLA, *TP2, "--parallelism.expert_tensor_parallel_degree", "2"], 2,

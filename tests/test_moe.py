@@ -131,12 +131,13 @@ def test_flops_count_active_experts():
 
 def parallelism(**degrees):
     base = dict(expert_parallel_degree=1, expert_tensor_parallel_degree=1, pipeline_parallel_degree=1,
-                context_parallel_degree=1)
+                context_parallel_degree=1, tensor_parallel_degree=1)
     return SimpleNamespace(parallelism=SimpleNamespace(**{**base, **degrees}))
 
 
 @pytest.mark.parametrize("degrees, phrase", [
-    (dict(expert_parallel_degree=2), "titan_ext does not shard experts across ranks yet"),
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2), "titan_ext does not combine expert parallelism with TP"),
+    (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
     (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
     (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
 ])  # fmt: skip

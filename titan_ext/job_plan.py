@@ -92,6 +92,8 @@ class MoEChoice:
     """``router_aux_loss_coef`` of the model's config: the weight of the routers' balancing loss."""
     num_experts: int
     top_k: int
+    ep: int = 1
+    """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
 
 
 @dataclass(frozen=True)

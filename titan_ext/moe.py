@@ -18,6 +18,7 @@ own loss exactly.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ import torch.nn.functional as F
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import MoEChoice
 
+logger = logging.getLogger()
+
 IGNORE_INDEX = -100
 
 
@@ -35,14 +38,15 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")]
 
 
-def moe_choice(model: nn.Module) -> MoEChoice | None:
+def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
     """From the meta model: None for a dense model."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
     gate = blocks[0].gate
     coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
-    return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k)
+    ep = job_config.parallelism.expert_parallel_degree if job_config is not None else 1
+    return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k, ep=ep)
 
 
 def check_moe(model: nn.Module, job_config) -> None:
@@ -54,13 +58,10 @@ def check_moe(model: nn.Module, job_config) -> None:
             f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: this model has no experts (a dense "
             "model); set it to 1"
         )
-    if p.expert_parallel_degree > 1:
-        raise ConfigError(
-            f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: titan_ext does not shard experts "
-            "across ranks yet (FSDP shards their stacked weights like any other); set it to 1"
-        )
     if not blocks:
         return
+    if p.expert_parallel_degree > 1:
+        _check_ep(blocks, p)
     if p.pipeline_parallel_degree > 1:
         raise ConfigError(
             f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the router's balancing loss "
@@ -72,6 +73,87 @@ def check_moe(model: nn.Module, job_config) -> None:
             f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss counts "
             "expert shares per whole sequence, which titan_ext does not gather across CP ranks yet; set it to 1"
         )
+
+
+def _check_ep(blocks: list[nn.Module], p) -> None:
+    ep = p.expert_parallel_degree
+    option = f"--parallelism.expert_parallel_degree={ep}"
+    if p.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"{option} with --parallelism.tensor_parallel_degree={p.tensor_parallel_degree}: titan_ext does not "
+            "combine expert parallelism with TP yet; use one of them"
+        )
+    for block in blocks:
+        experts = block.experts
+        names = sorted(name for name, _ in experts.named_parameters())
+        if names != ["down_proj", "gate_up_proj"]:
+            raise ConfigError(
+                f"{option}: titan_ext splits experts of stacked gate_up_proj/down_proj weights; "
+                f"{type(experts).__name__} holds {names}; set it to 1"
+            )
+        if experts.num_experts % ep:
+            raise ConfigError(f"{option} does not divide the model's {experts.num_experts} experts; pick a divisor")
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Each rank of ``ep_mesh`` holds ``num_experts / ep`` experts (their stacked weights sharded on dim 0) and
+    computes them for every rank's tokens: tokens go to their experts' ranks in one all-to-all and come back in
+    another. The parameters keep their names (``mlp.experts.gate_up_proj``), so checkpoints are unchanged."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for block in moe_blocks(model):
+        experts = block.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        experts.__class__ = _expert_parallel_class(type(experts))
+        experts.ep_group = ep_mesh.get_group()
+    logger.info(f"Applied expert parallelism (EP={ep_mesh.size()}) to {len(moe_blocks(model))} MoE blocks")
+
+
+@functools.cache
+def _expert_parallel_class(cls: type) -> type:
+    """The model's experts class with an expert-parallel forward (isinstance checks, e.g. its weight init, hold)."""
+    return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
+
+
+def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, as the model's own
+    forward computes it, with this rank's experts only."""
+    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+    group, ep = self.ep_group, dist.get_world_size(self.ep_group)
+    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()  # [E/ep, 2I, H], [E/ep, H, I]
+    local = gate_up.shape[0]
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+    with torch.no_grad():
+        sent_counts = torch.bincount(flat, minlength=local * ep)
+        received_counts = all_to_all_single(sent_counts, None, None, group)
+        received_counts = torch.ops._c10d_functional.wait_tensor(received_counts).view(ep, local)
+        send = sent_counts.view(ep, local).sum(1).tolist()
+        receive = received_counts.sum(1).tolist()
+        # received rows come per source rank, each grouped by local expert: regroup them by local expert
+        local_ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received_counts.flatten())
+        regroup = local_ids.argsort(stable=True)
+    routed = all_to_all_single_autograd(hidden_states[order // k], receive, send, group)[regroup]
+    outputs = []
+    for expert, rows in enumerate(routed.split(received_counts.sum(0).tolist())):
+        gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+    computed = torch.cat(outputs)[_inverse(regroup)]
+    returned = all_to_all_single_autograd(computed, send, receive, group)[_inverse(order)]
+    weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(-2).to(hidden_states.dtype)
 
 
 # ---------------------------------------------------------------- the routers' logits, forward to loss

@@ -180,7 +180,7 @@ SPECS = {
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
-                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2")),
+                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -228,6 +228,7 @@ class Row:
 
 
 AC = ("--activation_checkpoint.mode",)
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 # Llama's CP=2 grad norms equal those of FSDP2 without CP to every logged digit (1.45391357 at step 1).
 # Their gap to one process (1.0e-5 on 2 ranks, 1.5e-5 on 4) is FSDP's, not CP's: torch's total norm over
 # FSDP's DTensor shards (torch.nn.utils.get_total_norm) differs from the same gradients' plain norm by
@@ -265,7 +266,8 @@ ROWS = {
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
     # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
-    "ep2_fsdp2": Row(2, (*parallel(shard=2), "--parallelism.expert_parallel_degree", "2"), specs=("hf_qwen3_moe",)),
+    "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), specs=("hf_qwen3_moe",)),
+    "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).

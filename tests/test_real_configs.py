@@ -142,3 +142,12 @@ def test_modeling_reads_finds_getattr_keys():
 
     assert "head_dim" in hf_config.modeling_reads(Qwen3MoeConfig)
     assert {"head_dim", "sliding_window"} <= hf_config.modeling_reads(OlmoeConfig)
+
+
+def test_shipped_qwen3_30b_a3b_config_is_the_checkpoints():
+    """train_configs/qwen3_30b_a3b.json (the GPU TOML's architecture) is Qwen3-30B-A3B's config.json."""
+    import json
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parents[1] / "train_configs" / "qwen3_30b_a3b.json"
+    assert json.loads(shipped.read_text()) == QWEN3_30B_A3B

@@ -180,7 +180,10 @@ SPECS = {
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
-                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume")),
+                         recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
+                         "every routing: dynamo recompiles those pieces once with a dynamic size",
+                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume", "ep2_hsdp2x2", "ep2_hf",
+                               "compile_aot_eager")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -266,7 +269,9 @@ ROWS = {
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
     # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
-    "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), specs=("hf_qwen3_moe",)),
+    "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
+    "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), specs=("hf_qwen3_moe",)),
+    "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),

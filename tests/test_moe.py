@@ -20,16 +20,19 @@ from titan_ext.models.args import HFModelArgs, idle_expert_params
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = json.loads((REPO / "train_configs" / "debug_qwen3_moe.json").read_text())
+TINY_OLMOE = {"model_type": "olmoe", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+              "vocab_size": 2048, "router_aux_loss_coef": 0.01, "max_position_embeddings": 512}
 
 
-def args(**overrides) -> HFModelArgs:
+def args(base=TINY, **overrides) -> HFModelArgs:
     a = HFModelArgs(library="transformers")
-    a.update_from_hf_config({**copy.deepcopy(TINY), **overrides}, "test")
+    a.update_from_hf_config({**copy.deepcopy(base), **overrides}, "test")
     return a
 
 
-def real_model(seed: int = 0, **overrides):
-    a = args(**overrides)
+def real_model(seed: int = 0, base=TINY, **overrides):
+    a = args(base, **overrides)
     torch.manual_seed(seed)
     model = a.hf_model_class(a.to_hf_config())
     return model.float().eval()
@@ -46,16 +49,15 @@ def titan_loss(model, tokens, labels):
     return loss_fn(model(tokens).logits, labels)
 
 
-def test_balance_loss_is_the_models_own_for_one_sequence():
+@pytest.mark.parametrize("base", [TINY, TINY_OLMOE], ids=["qwen3_moe", "olmoe"])
+def test_balance_loss_is_the_models_own_for_one_sequence(base):
     """One sequence: titan_ext's loss / tokens == transformers' CE + router_aux_loss_coef x its aux_loss."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
-
-    model = real_model()
+    model = real_model(base=base)
     tokens = torch.randint(0, 2048, (1, 24))
     labels = torch.randint(0, 2048, (1, 24))
     ours = titan_loss(model, tokens, labels) / labels.numel()
     out = model(tokens, output_router_logits=True)
-    aux = load_balancing_loss_func(out.router_logits, 8, 2)
+    aux = out.aux_loss  # the model's own (transformers adds router_aux_loss_coef x this to its loss)
     theirs = cross_entropy_sum(out.logits, labels) / labels.numel() + 0.01 * aux
     assert aux > 1.5  # a real term: top_k = 2 when perfectly balanced
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)

@@ -154,3 +154,40 @@ def test_expert_parallel_on_a_dense_model_is_refused():
     with pytest.raises(ConfigError, match="this model has no experts"):
         moe.check_moe(dense, parallelism(expert_parallel_degree=2))
     moe.check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
+
+
+def _expert_parallel_rank(rank, mesh):
+    """Rank ``rank`` of 2: its own 12 tokens through EP2 experts vs transformers' experts over both ranks' tokens."""
+    torch.manual_seed(0)
+    block = real_model().model.layers[0].mlp
+    reference = copy.deepcopy(block.experts)
+    torch.manual_seed(1)
+    x = torch.randn(2 * 12, 64)
+    _, weights, index = block.gate(x)
+    cotangent = torch.randn(2 * 12, 64)
+    moe.apply_ep(block, mesh)
+    mine = slice(12 * rank, 12 * (rank + 1))
+    x_local = x[mine].clone().requires_grad_()
+    out = block.experts(x_local, index[mine], weights[mine].detach())
+    (out * cotangent[mine]).sum().backward()
+    x_all = x.clone().requires_grad_()
+    expected = reference(x_all, index, weights.detach())
+    (expected * cotangent).sum().backward()
+    local = slice(4 * rank, 4 * (rank + 1))  # this rank's 4 of 8 experts
+    return {
+        "local experts": block.experts.gate_up_proj.to_local().shape[0],
+        "output": (out - expected[mine]).abs().max().item(),
+        "input grad": (x_local.grad - x_all.grad[mine]).abs().max().item(),
+        "gate_up grad": (block.experts.gate_up_proj.grad.to_local() - reference.gate_up_proj.grad[local]).abs().max().item(),
+        "down grad": (block.experts.down_proj.grad.to_local() - reference.down_proj.grad[local]).abs().max().item(),
+    }
+
+
+def test_expert_parallel_experts_equal_the_models_own():
+    """EP2: each rank holds 4 experts, computes them for both ranks' tokens (all-to-all there and back): outputs,
+    input gradients and its experts' gradients equal transformers' experts over all tokens on one process."""
+    from helpers import on_forked_ranks
+
+    for rank, diffs in on_forked_ranks(2, _expert_parallel_rank).items():
+        assert diffs.pop("local experts") == 4
+        assert max(diffs.values()) < 1e-5, (rank, diffs)

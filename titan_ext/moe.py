@@ -1,5 +1,5 @@
-"""Mixture-of-experts models: the router's load-balancing loss as the model was trained, its metrics, and
-what titan_ext cannot do for experts yet (expert parallelism) refused in one line.
+"""Mixture-of-experts models: the routers' load-balancing loss as the model was trained, its metrics, expert
+parallelism, and the parallelisms titan_ext cannot combine with them yet, refused in one line.
 
 transformers' MoE blocks hold a router (``gate``: ``router_logits, scores, indices = gate(x)``) and one
 ``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import MoEChoice
 
@@ -128,8 +129,6 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, as the model's own
     forward computes it, with this rank's experts only."""
-    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
-
     group, ep = self.ep_group, dist.get_world_size(self.ep_group)
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()  # [E/ep, 2I, H], [E/ep, H, I]
     local = gate_up.shape[0]
@@ -138,20 +137,19 @@ def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
     with torch.no_grad():
         sent_counts = torch.bincount(flat, minlength=local * ep)
-        received_counts = all_to_all_single(sent_counts, None, None, group)
-        received_counts = torch.ops._c10d_functional.wait_tensor(received_counts).view(ep, local)
+        received_counts = compat.all_to_all_counts(sent_counts, group).view(ep, local)
         send = sent_counts.view(ep, local).sum(1).tolist()
         receive = received_counts.sum(1).tolist()
         # received rows come per source rank, each grouped by local expert: regroup them by local expert
         local_ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received_counts.flatten())
         regroup = local_ids.argsort(stable=True)
-    routed = all_to_all_single_autograd(hidden_states[order // k], receive, send, group)[regroup]
+    routed = compat.all_to_all_autograd(hidden_states[order // k], receive, send, group)[regroup]
     outputs = []
     for expert, rows in enumerate(routed.split(received_counts.sum(0).tolist())):
         gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
         outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
     computed = torch.cat(outputs)[_inverse(regroup)]
-    returned = all_to_all_single_autograd(computed, send, receive, group)[_inverse(order)]
+    returned = compat.all_to_all_autograd(computed, send, receive, group)[_inverse(order)]
     weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
     return weighted.sum(-2).to(hidden_states.dtype)
 
@@ -169,13 +167,16 @@ class RouterRecords:
         self.reset_step()
 
     def reset_step(self) -> None:
-        self.aux_sum = torch.zeros((), dtype=torch.float64)
-        self.tokens = torch.zeros((), dtype=torch.float64)
-        self.counts: torch.Tensor | None = None
+        self.stats: torch.Tensor | None = None
+        """On the loss's device: [balancing loss sum, valid tokens, routed tokens per (MoE layer, expert)...]."""
+
+    def add_step(self, balance: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        stats = torch.cat([balance.detach().double().view(1), tokens.double().view(1), counts.double().flatten()])
+        self.stats = stats if self.stats is None else self.stats + stats
 
     def record(self, module, inputs, output) -> None:
         # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
-        if torch._C._current_graph_task_id() == -1:
+        if not compat.in_backward():
             self.logits.append(output[0])
 
     def take(self) -> list[torch.Tensor]:
@@ -206,16 +207,19 @@ def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, nu
     """
     batch, seq = labels.shape
     valid = (labels != IGNORE_INDEX).to(torch.float32)  # [B, S]
-    probs = torch.stack([F.softmax(x.float(), dim=-1) for x in router_logits]).view(-1, batch, seq, num_experts)
-    layers = probs.shape[0]
-    with torch.no_grad():
-        chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(-2).to(torch.float32)  # [L, B, S, E]
-        counts = chosen.sum((1, 2))  # [L, E]: every routed token
-        tokens = valid.sum(-1).clamp_min(1)  # [B]
-        share = (chosen * valid[None, :, :, None]).sum((0, 2)) / (layers * tokens[:, None])  # [B, E]
-    mean_probs = probs.mean(0)  # [B, S, E]
-    loss = num_experts * (valid[..., None] * share[:, None, :] * mean_probs).sum()
-    return loss, counts
+    layers = len(router_logits)
+    probs_sum, counts = 0, []  # one layer at a time: no [layers, B, S, E] tensor
+    assigned = torch.zeros(batch, num_experts, device=labels.device)  # valid top-k assignments per sequence
+    for logits in router_logits:
+        probs = F.softmax(logits.float(), dim=-1).view(batch, seq, num_experts)
+        probs_sum = probs_sum + probs
+        with torch.no_grad():
+            chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, dim=-1).indices, 1.0)  # [B, S, E]
+            counts.append(chosen.sum((0, 1)))  # every routed token
+            assigned += (chosen * valid[..., None]).sum(1)
+    share = assigned / (layers * valid.sum(-1).clamp_min(1)[:, None])  # [B, E]
+    loss = num_experts * (valid[..., None] * share[:, None, :] * probs_sum / layers).sum()
+    return loss, torch.stack(counts)
 
 
 def with_balance_loss(build_loss_fn):
@@ -233,9 +237,7 @@ def with_balance_loss(build_loss_fn):
                 return loss
             balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
             if torch.is_grad_enabled():  # training, not validation: this step's metrics
-                RECORDS.aux_sum += balance.detach().double().cpu()
-                RECORDS.tokens += (labels != IGNORE_INDEX).sum().double().cpu()
-                RECORDS.counts = counts.cpu() if RECORDS.counts is None else RECORDS.counts + counts.cpu()
+                RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts)
             return loss + choice.aux_loss_coef * balance.to(loss.dtype) if choice.aux_loss_coef else loss
 
         return loss_with_balance
@@ -247,17 +249,15 @@ def with_balance_loss(build_loss_fn):
 
 
 def step_metrics(group: dist.ProcessGroup | None) -> dict[str, float]:
-    """This step's balancing loss (per valid token, over the global batch) and tokens per expert (max and
-    mean over MoE layers and experts), summed over the ranks of ``group`` (the batch's); then reset."""
-    if RECORDS.choice is None or RECORDS.counts is None:
+    """The balancing loss (per valid token, over the global batch) and tokens per expert (max and mean over MoE
+    layers and experts) of the steps since the last log, summed over the ranks of ``group`` (the batch's)."""
+    stats = RECORDS.stats
+    if RECORDS.choice is None or stats is None:
         return {}
-    stats = torch.cat([RECORDS.aux_sum.view(1), RECORDS.tokens.view(1), RECORDS.counts.double().flatten()])
     if group is not None and dist.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        stats = stats.to(device)
         dist.all_reduce(stats, group=group)
-        stats = stats.cpu()
     RECORDS.reset_step()
+    stats = stats.cpu()
     counts = stats[2:]
     return {
         "moe/aux_loss": (stats[0] / stats[1].clamp_min(1)).item(),

@@ -59,6 +59,11 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
   ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
   later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
+- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
+  routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
+  expert-parallel rows ``ep2_fsdp2`` (with validation), ``ep2_hsdp2x2``, ``ep2_resume`` and ``ep2_hf``
+  (EP2: each rank holds 4 of the 8 experts). No EP row with document masking: EP takes data-parallel ranks,
+  whose document-masked batches are not the single process's.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
   (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses

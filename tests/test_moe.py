@@ -105,7 +105,17 @@ def test_recompute_in_backward_records_nothing():
     block = model.model.layers[0].mlp
     x = torch.randn(1, 4, 64, requires_grad=True)
     checkpoint(block, x, use_reentrant=False).sum().backward()
-    assert len(moe.RECORDS.take()) == 1
+    assert len(moe.RECORDS.logits) == 1
+
+
+def test_a_forward_without_its_loss_is_an_error():
+    model = real_model()
+    moe.apply_router_records(model, moe.moe_choice(model))
+    tokens = torch.randint(0, 2048, (1, 8))
+    model(tokens)
+    model(tokens)
+    with pytest.raises(RuntimeError, match="4 router outputs reached the loss, the model has 2 MoE blocks"):
+        moe.RECORDS.take()
 
 
 def test_step_metrics():

@@ -163,6 +163,7 @@ class RouterRecords:
 
     def __init__(self) -> None:
         self.choice: MoEChoice | None = None
+        self.hooks: list = []
         self.logits: list[torch.Tensor] = []
         self.reset_step()
 
@@ -181,6 +182,11 @@ class RouterRecords:
 
     def take(self) -> list[torch.Tensor]:
         taken, self.logits = self.logits, []
+        if taken and len(taken) != len(self.hooks):  # a forward without its loss: its logits would join another batch's
+            raise RuntimeError(
+                f"titan_ext: {len(taken)} router outputs reached the loss, the model has {len(self.hooks)} MoE blocks; "
+                "every forward of a MoE model must be followed by its loss"
+            )
         return taken
 
 
@@ -188,13 +194,14 @@ RECORDS = RouterRecords()
 
 
 def apply_router_records(model: nn.Module, choice: MoEChoice | None) -> None:
-    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model)."""
+    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model). The routers
+    of an earlier model (an earlier job in this process) record no more."""
+    for hook in RECORDS.hooks:
+        hook.remove()
     RECORDS.__init__()
     RECORDS.choice = choice
-    if choice is None:
-        return
-    for block in moe_blocks(model):
-        block.gate.register_forward_hook(RECORDS.record)
+    if choice is not None:
+        RECORDS.hooks = [block.gate.register_forward_hook(RECORDS.record) for block in moe_blocks(model)]
 
 
 def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int):

@@ -62,7 +62,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_fsdp2`` (with validation), ``ep2_hsdp2x2``, ``ep2_resume`` and ``ep2_hf``
-  (EP2: each rank holds 4 of the 8 experts). No EP row with document masking: EP takes data-parallel ranks,
+  (EP2: each rank holds 4 of the 8 experts); ``hf_moe_noaux`` (the same without the balancing loss, which
+  titan_ext does not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2). No EP row with document masking: EP takes data-parallel ranks,
   whose document-masked batches are not the single process's.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
   (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
@@ -189,6 +190,9 @@ SPECS = {
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
                          rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume", "ep2_hsdp2x2", "ep2_hf",
                                "compile_aot_eager")),
+    # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
+    "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
+                               hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -277,6 +281,7 @@ ROWS = {
     "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
     "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), specs=("hf_qwen3_moe",)),
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
+    "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),

@@ -158,6 +158,16 @@ def test_moe_refusals(degrees, phrase):
         moe.check_moe(meta_model(args()), parallelism(**degrees))
 
 
+def test_pipeline_parallel_without_the_balancing_loss():
+    """PP runs a MoE model whose config turns the balancing loss off, and records no routers (a stage without
+    the loss would keep them forever)."""
+    model = meta_model(args(router_aux_loss_coef=0.0))
+    pp = parallelism(pipeline_parallel_degree=2, expert_parallel_degree=2)
+    moe.check_moe(model, pp)
+    assert not moe.moe_choice(model, pp).record_routers
+    assert moe.moe_choice(model, parallelism(expert_parallel_degree=2)).record_routers
+
+
 def test_expert_parallel_on_a_dense_model_is_refused():
     dense = meta_model(args(mlp_only_layers=[0, 1]))
     assert moe.moe_choice(dense) is None

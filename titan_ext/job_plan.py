@@ -94,6 +94,9 @@ class MoEChoice:
     top_k: int
     ep: int = 1
     """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
+    record_routers: bool = True
+    """Router logits kept for the balancing loss and the routing metrics (not under PP, which runs without
+    the balancing loss)."""
 
 
 @dataclass(frozen=True)

@@ -40,14 +40,16 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
-    """From the meta model: None for a dense model."""
+    """From the meta model: None for a dense model. Under PP (without the balancing loss, ``check_moe``) the
+    routers are not recorded: a stage without the loss would keep them forever."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
     gate = blocks[0].gate
     coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
-    ep = job_config.parallelism.expert_parallel_degree if job_config is not None else 1
-    return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k, ep=ep)
+    p = job_config.parallelism if job_config is not None else None
+    return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k,
+                     ep=p.expert_parallel_degree if p else 1, record_routers=not (p and p.pipeline_parallel_degree > 1))
 
 
 def check_moe(model: nn.Module, job_config) -> None:
@@ -63,11 +65,12 @@ def check_moe(model: nn.Module, job_config) -> None:
         return
     if p.expert_parallel_degree > 1:
         _check_ep(blocks, p)
-    if p.pipeline_parallel_degree > 1:
+    if p.pipeline_parallel_degree > 1 and getattr(model.config, "router_aux_loss_coef", 0):
         raise ConfigError(
             f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the router's balancing loss "
-            "needs every MoE layer's router on the stage that computes the loss, which titan_ext does not carry "
-            "across stages yet; train MoE models without PP"
+            f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) needs every MoE layer's router logits on the "
+            "stage that computes the loss, which titan_ext does not carry across stages yet; train without PP, or "
+            "set router_aux_loss_coef to 0 in the config.json to train without the balancing loss"
         )
     if p.context_parallel_degree > 1:
         raise ConfigError(
@@ -200,7 +203,7 @@ def apply_router_records(model: nn.Module, choice: MoEChoice | None) -> None:
         hook.remove()
     RECORDS.__init__()
     RECORDS.choice = choice
-    if choice is not None:
+    if choice is not None and choice.record_routers:
         RECORDS.hooks = [block.gate.register_forward_hook(RECORDS.record) for block in moe_blocks(model)]
 
 

@@ -59,6 +59,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
   ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
   later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
+- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
+  routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
+  expert-parallel rows ``ep2_fsdp2`` (with validation), ``ep2_hsdp2x2``, ``ep2_resume`` and ``ep2_hf``
+  (EP2: each rank holds 4 of the 8 experts); ``hf_moe_noaux`` (the same without the balancing loss, which
+  titan_ext does not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2). No EP row with document masking: EP takes data-parallel ranks,
+  whose document-masked batches are not the single process's.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
   (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
@@ -160,6 +166,10 @@ TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
               "max_position_embeddings": 512, "tie_word_embeddings": True}
 GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile", "pp2")
+# A mixture of experts through the generic hf spec (the shipped debug config.json: 8 experts, 2 per token, the
+# routers' balancing loss at router_aux_loss_coef 0.01): FSDP2, and full AC (a block's recompute in backward
+# routes again, which must not count twice).
+TINY_QWEN3_MOE = json.loads((CONFIGS / "debug_qwen3_moe.json").read_text())
 
 
 SPECS = {
@@ -175,6 +185,14 @@ SPECS = {
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
+    "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
+                         recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
+                         "every routing: dynamo recompiles those pieces once with a dynamic size",
+                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume", "ep2_hsdp2x2", "ep2_hf",
+                               "compile_aot_eager")),
+    # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
+    "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
+                               hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -222,6 +240,7 @@ class Row:
 
 
 AC = ("--activation_checkpoint.mode",)
+EP2 = ("--parallelism.expert_parallel_degree", "2")
 # Llama's CP=2 grad norms equal those of FSDP2 without CP to every logged digit (1.45391357 at step 1).
 # Their gap to one process (1.0e-5 on 2 ranks, 1.5e-5 on 4) is FSDP's, not CP's: torch's total norm over
 # FSDP's DTensor shards (torch.nn.utils.get_total_norm) differs from the same gradients' plain norm by
@@ -258,6 +277,12 @@ ROWS = {
         specs=("fla_gla", "hf_llama"),  # the fla transformer's TP plan: its tp2 and cp2_tp2 rows
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
+    # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
+    "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
+    "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), specs=("hf_qwen3_moe",)),
+    "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
+    "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
+    "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
@@ -571,7 +596,8 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    python_path = os.pathsep.join([str(REPO / "tests"), str(matrix.readme_folder)])  # + the README's module
+    # this checkout first (a worktree beside an editable install of another), then the README's module
+    python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,

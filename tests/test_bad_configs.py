@@ -60,6 +60,7 @@ def write_inputs(tmp):
         "hf_other_model/config.json": json.dumps({"model_type": "llama"}),
         "no_step/readme.txt": "nothing here",
         "no_model_type.json": json.dumps({"hidden_size": 64}),
+        "qwen3_moe.json": (CONFIGS / "debug_qwen3_moe.json").read_text(),
         "unknown_type.json": json.dumps({"model_type": "gla_typo"}),
         "delta_net.json": json.dumps({"model_type": "delta_net", "hidden_size": 64, "num_heads": 4, "num_hidden_layers": 1}),
         "mamba2_unbuildable.json": json.dumps({"model_type": "mamba2", "hidden_size": 64, "num_heads": 4, "head_dim": 8}),
@@ -205,6 +206,21 @@ CASES = {
     "fla model its library cannot build": (
         generic("fla", "mamba2_unbuildable.json"), 1, "Mamba2ForCausalLM cannot be built from this config"
     ),
+    # mixture of experts: expert parallelism is refused until titan_ext has it, never ignored
+    "ep on a dense model": ([*GLA, "--parallelism.expert_parallel_degree", "2"], 2, "this model has no experts"),
+    "ep with tp": (
+        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2", *TP2], 2,
+        "--parallelism.expert_parallel_degree=2 with --parallelism.tensor_parallel_degree=2: titan_ext does not combine",
+    ),
+    "ep that does not divide the experts": (
+        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "3",
+         "--parallelism.data_parallel_shard_degree", "3"], 3, "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts",
+    ),
+    "etp without ep": (
+        [*GLA, *TP2, "--parallelism.expert_tensor_parallel_degree", "2"], 2,
+        "--parallelism.expert_tensor_parallel_degree=2 needs --parallelism.expert_parallel_degree > 1",
+    ),
+    "pp with a moe model": ([*generic("hf", "qwen3_moe.json"), *PP2], 2, "the router's balancing loss (router_aux_loss_coef=0.01) needs every MoE layer's router logits"),
     "tp for a model with no plan": (
         [*generic("hf", "opt.json"), *TP2], 2, "no tensor-parallel plan for model_type 'opt'"
     ),
@@ -293,6 +309,14 @@ def test_bad_input_is_one_line_naming_it(tmp, name, monkeypatch):
 def test_a_good_config_passes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert first_error(GLA, 1) == ""
+
+
+@pytest.mark.parametrize("config, world", [("debug_qwen3_moe.toml", 2), ("qwen3_moe_30B_A3B.toml", 16)])
+def test_shipped_moe_configs_pass(monkeypatch, config, world):
+    """The MoE TOMLs (the GPU one at its 16 ranks, with EP8): every check a job runs, the model on the meta device."""
+    monkeypatch.chdir(REPO)  # their hf_config paths are the repository's
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert first_error(["--job.config_file", str(CONFIGS / config)], world) == ""
 
 
 # ---- what the user sees: two real launches -------------------------------------------------------

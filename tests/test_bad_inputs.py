@@ -132,8 +132,7 @@ def llama_config():
 SOURCE = "--titan_ext.hf_config='/p/config.json'"
 BAD_GLA = {
     "typo": ({"num_hiden_layers": 3}, "unknown key 'num_hiden_layers'", "rename it to 'num_hidden_layers'"),
-    "unknown, no close name": ({"zzz_frobnicate": 1}, "unknown key 'zzz_frobnicate'", "remove it"),
-    "rope key on gla": ({"rope_theta": 10000.0}, "unknown key 'rope_theta'", "GLAConfig"),
+    "typo of a boolean key": ({"fuse_norms": True}, "unknown key 'fuse_norms'", "rename it to 'fuse_norm'"),
     "bool for int": ({"num_heads": True}, "num_heads=True has type bool", "needs int"),
     "float for int": ({"hidden_size": 64.0}, "hidden_size=64.0 has type float", "needs int"),
     "string for int": ({"vocab_size": "2048"}, "vocab_size='2048' has type str", "needs int"),

@@ -19,8 +19,15 @@ QWEN3 = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
 
 
+QWEN3_MOE = dict(QWEN3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+OLMOE = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)
+
+
 @pytest.mark.parametrize("args", [llama_flavors["debugmodel"], llama_flavors["8B"], gla_flavors["debugmodel"],
-                                  transformers_model("qwen3", **QWEN3)], ids=["llama", "llama8B", "gla", "qwen3"])
+                                  transformers_model("qwen3", **QWEN3), transformers_model("qwen3_moe", **QWEN3_MOE),
+                                  transformers_model("olmoe", **OLMOE)],
+                         ids=["llama", "llama8B", "gla", "qwen3", "qwen3_moe", "olmoe"])
 def test_every_check_passes_on_the_installed_hosts(args):
     args = copy.deepcopy(args)
     host_checks.check_host(args)
@@ -67,6 +74,33 @@ def test_position_ids_ignored_stop_the_job(monkeypatch):
 
     monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", from_zero)
     expect_host_changed("transformers", "position_ids")
+
+
+def test_experts_that_split_gate_and_up_otherwise_stop_the_job(monkeypatch):
+    """E.g. a release storing [up; gate] instead of [gate; up]: expert parallelism would compute other experts."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    original = modeling_qwen3_moe.Qwen3MoeExperts.forward
+
+    def swapped(self, hidden_states, top_k_index, top_k_weights):
+        gate_up = self.gate_up_proj
+        try:
+            self.gate_up_proj = torch.nn.Parameter(torch.cat(gate_up.chunk(2, dim=1)[::-1], dim=1))
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        finally:
+            self.gate_up_proj = gate_up
+
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeExperts, "forward", swapped)
+    expect_host_changed("transformers", "Qwen3MoeExperts no longer computes", transformers_model("qwen3_moe", **QWEN3_MOE))
+
+
+def test_a_router_returning_scores_first_stops_the_job(monkeypatch):
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    original = modeling_qwen3_moe.Qwen3MoeTopKRouter.forward
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward",
+                        lambda self, x: (lambda lg, s, i: (-lg, s, i))(*original(self, x)))
+    expect_host_changed("transformers", "no longer returns its logits first", transformers_model("qwen3_moe", **QWEN3_MOE))
 
 
 def test_a_4d_mask_not_used_as_given_stops_the_job(monkeypatch):

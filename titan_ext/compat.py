@@ -159,6 +159,36 @@ def all_gather_autograd(tensor, group, dim: int = 0):
     return gather(tensor, gather_dim=dim, group=group)
 
 
+def all_to_all_counts(counts, group):
+    """Each rank's ``counts`` split evenly over the ranks, exchanged (rank r receives every rank's r-th piece),
+    finished: the sizes of an uneven all-to-all (``torch.distributed._functional_collectives``)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return _finished(funcol.all_to_all_single(counts, None, None, group))
+
+
+def all_to_all_autograd(tensor, output_sizes: list[int], input_sizes: list[int], group):
+    """An uneven all-to-all of rows whose backward sends the gradients back the same way
+    (``torch.distributed._functional_collectives``: runs on gloo and NCCL)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return _finished(funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group))
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread (where activation checkpointing
+    recomputes a forward): ``torch._C._current_graph_task_id``."""
+    import torch
+
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:
+        raise CompatError(
+            f"titan_ext needs torch._C._current_graph_task_id; installed torch {torch.__version__}, "
+            f"supported {SUPPORTED['torch']}"
+        )
+    return task() != -1
+
+
 def fla_rotary_tables(rotary, length: int, like):
     """fla ``RotaryEmbedding``'s cos/sin tables for ``length`` positions, in ``like``'s device and dtype
     (its private ``_update_cos_sin_cache`` and ``_cos_cached``/``_sin_cached``)."""

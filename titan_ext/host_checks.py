@@ -185,16 +185,45 @@ def check_transformers_attention(model_args) -> None:
 _probes = itertools.count()  # a binding key per probe: a bound class holds its probe's recorder
 
 
+def check_transformers_experts(model_args) -> None:
+    """A MoE block's router returns its logits first and picks the top-k of their softmax (the balancing loss
+    recomputes the choice from them), and its experts module computes, per token, the sum over its top-k of
+    weight x ``down(act(gate) * up)`` with ``gate`` the first half of ``gate_up_proj``'s rows (expert
+    parallelism computes exactly that, rank by rank)."""
+    from titan_ext.moe import moe_blocks
+
+    model = _tiny(model_args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    blocks = moe_blocks(model) if model is not None else []
+    if not blocks:
+        return
+    block = blocks[0]
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        logits, weights, index = block.gate(x)
+        if not torch.equal(logits.float().softmax(-1).topk(block.gate.top_k, -1).indices.sort(-1).values,
+                           index.sort(-1).values):
+            raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer returns its logits first or no "
+                                              "longer picks the top-k of their softmax, which the balancing loss reads")
+        experts = block.experts
+        gate, up = torch.einsum("th,eih->tei", x, experts.gate_up_proj).chunk(2, dim=-1)
+        each = torch.einsum("tei,ehi->teh", experts.act_fn(gate) * up, experts.down_proj)  # [T, E, H]
+        expected = (each.gather(1, index[..., None].expand(-1, -1, each.shape[-1])) * weights[..., None]).sum(1)
+        if not torch.allclose(experts(x, index, weights), expected, atol=1e-5):
+            raise HostChanged("transformers", f"{type(experts).__qualname__} no longer computes the weighted sum of "
+                                              "its top-k experts' down(act(gate) * up) from stacked gate_up_proj and "
+                                              "down_proj, which expert parallelism computes")
+
+
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, attention_dropout=0.0, tie_word_embeddings=False)
 """A one-layer, 32-wide copy of the job's architecture: the same modeling code in a few milliseconds."""
 
 
-def _tiny(model_args):
-    """The job's transformers model at ``TINY`` sizes, in fp32 with eager-built weights; None when its
-    config does not take them (an architecture these sizes do not fit is not probed)."""
+def _tiny(model_args, **sizes):
+    """The job's transformers model at ``TINY`` sizes (and ``sizes``), in fp32 with eager-built weights; None
+    when its config does not take them (an architecture these sizes do not fit is not probed)."""
     config = model_args.to_hf_config()
-    fields = {name: value for name, value in TINY.items() if hasattr(config, name)}
+    fields = {name: value for name, value in {**TINY, **sizes}.items() if hasattr(config, name)}
     if isinstance(getattr(config, "layer_types", None), list):
         fields["layer_types"] = config.layer_types[:1]
     try:
@@ -224,6 +253,9 @@ HOST_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("transformers", "attention modules call the attention their modeling file looks up in "
               "ALL_ATTENTION_FUNCTIONS, rotate queries and keys at the position_ids given, and use a boolean 4D "
               "attention_mask as given", _transformers_model, check_transformers_attention),
+    HostCheck("transformers", "a MoE block's router returns its logits first and picks the top-k of their "
+              "softmax; its experts compute the weighted sum of their top-k down(act(gate) * up) from stacked "
+              "gate_up_proj and down_proj", _transformers_model, check_transformers_experts),
 )
 
 

@@ -263,6 +263,12 @@ METRICS_CLOSE = InstancePatch(
     "tokenizer; titan_ext.metrics)",
     TORCHTITAN,
 )
+METRICS_LOG = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.log",
+    "a mixture-of-experts model's per-step metrics (the routers' balancing loss, tokens per expert) join the "
+    "logged ones (titan_ext.moe, titan_ext.metrics)",
+    TORCHTITAN,
+)
 TRAINER_BATCH = InstancePatch(
     "torchtitan.train:Trainer.post_dataloading_process",
     "torchtitan hands the dataloader's extra inputs to the first pipeline stage only, and its extra kwargs (its "
@@ -272,7 +278,7 @@ TRAINER_BATCH = InstancePatch(
     TORCHTITAN,
 )
 PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE,
-                                               TRAINER_BATCH)
+                                               METRICS_LOG, TRAINER_BATCH)
 """Applied by the feature that needs it, to its own job (each names it)."""
 
 

@@ -23,7 +23,7 @@ import torch
 
 from titan_ext import (
     activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, nonfinite,
-    pipeline, preflight, tensor_parallel,
+    moe, pipeline, preflight, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
@@ -163,6 +163,7 @@ def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
         float8=float8.float8_choice(job_config, model_args.arch.float8_high_precision),
         data_parallel=_data_parallel(job_config, world_size),
+        moe=moe.moe_choice(meta, job_config),
         nonfinite=nonfinite.policy(section),
         metrics_jsonl=getattr(section, "metrics_jsonl", ""),
         hf_export=job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf,

@@ -87,6 +87,19 @@ class DataParallelChoice:
 
 
 @dataclass(frozen=True)
+class MoEChoice:
+    aux_loss_coef: float
+    """``router_aux_loss_coef`` of the model's config: the weight of the routers' balancing loss."""
+    num_experts: int
+    top_k: int
+    ep: int = 1
+    """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
+    record_routers: bool = True
+    """Router logits kept for the balancing loss and the routing metrics (not under PP, which runs without
+    the balancing loss)."""
+
+
+@dataclass(frozen=True)
 class JobPlan:
     world_size: int
     kernel_path: str
@@ -98,6 +111,8 @@ class JobPlan:
     compile: CompileChoice
     float8: Float8Choice | None
     data_parallel: DataParallelChoice
+    moe: MoEChoice | None
+    """A mixture-of-experts model's routing (titan_ext.moe); None for a dense model."""
     nonfinite: str
     metrics_jsonl: str
     hf_export: bool

@@ -13,6 +13,7 @@ an HF export (``titan_ext.checkpoint.finish_hf_export``) on rank 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -20,9 +21,11 @@ import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
 
-from titan_ext import compat, host_patches
+from titan_ext import compat, host_patches, moe
 from titan_ext.checkpoint import finish_hf_export
 from titan_ext.job_plan import plan_of
+
+logger = logging.getLogger()
 
 
 class JsonlLogger(BaseLogger):
@@ -49,12 +52,27 @@ def build_metrics_processor(job_config, parallel_dims, model_args, tag=None) -> 
     logs_loss = 0 if plan.pp is not None and plan.pp.v_shape else compat.metrics_rank(parallel_dims, job_config)
     if plan.metrics_jsonl and rank == logs_loss:
         host_patches.METRICS_LOGGER.apply(processor, lambda logger: JsonlLogger(logger, plan.metrics_jsonl))
+    if plan.moe is not None:
+        host_patches.METRICS_LOG.apply(processor, lambda log: _with_moe_metrics(log, parallel_dims, rank0))
     if plan.hf_export and rank0:
         checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
         host_patches.METRICS_CLOSE.apply(
             processor, lambda close: _then(close, lambda: finish_hf_export(model_args, checkpoint_dir, plan.hf_assets_path))
         )
     return processor
+
+
+def _with_moe_metrics(log, parallel_dims, rank0: bool):
+    """Every rank logs (rank 0 prints): the routers' statistics are summed over the batch's ranks first."""
+
+    def log_step(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        batch_mesh = parallel_dims.get_optional_mesh("loss")
+        routing = moe.step_metrics(batch_mesh.get_group() if batch_mesh is not None else None)
+        log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **routing})
+        if routing and rank0:
+            logger.info("  ".join(f"{name}: {value:.6g}" for name, value in routing.items()))
+
+    return log_step
 
 
 def _then(first, second):

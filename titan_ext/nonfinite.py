@@ -32,6 +32,7 @@ import torch.distributed as dist
 from titan_ext import host_patches
 from titan_ext.errors import ConfigError, exit_with, take_deferred
 from titan_ext.job_plan import plan_of
+from titan_ext.moe import with_balance_loss
 
 logger = logging.getLogger()
 
@@ -119,7 +120,7 @@ def _cross_entropy(job_config, **kwargs):
     return build_cross_entropy_loss(job_config, **kwargs)
 
 
-build_watched_loss = watch_loss(_cross_entropy)
+build_watched_loss = watch_loss(with_balance_loss(_cross_entropy))  # + MoE routers' balancing loss (titan_ext.moe)
 
 
 def guard_optimizer_step(build_lr_schedulers_fn):

@@ -21,14 +21,18 @@ from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 from titan_ext.float8 import keep_high_precision
 from titan_ext.job_plan import plan_of
+from titan_ext.moe import apply_ep, apply_router_records, moe_blocks
 
 logger = logging.getLogger()
 
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     plan = plan_of(model)  # the model's args carry the job plan
+    apply_router_records(model, plan.moe)  # for the routers' balancing loss
     if plan.float8 is not None and plan.float8.high_precision:
         keep_high_precision(model, plan.float8.high_precision)
+    if plan.moe is not None and plan.moe.ep > 1:
+        apply_ep(model, parallel_dims.get_mesh("ep"))
     if plan.tp is not None:
         from titan_ext.tensor_parallel import apply_tp_from_plan
 
@@ -44,15 +48,19 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
     dp = plan.data_parallel
     if dp.kind in ("fsdp", "hsdp"):
         dims = ["dp_replicate", "fsdp"] if dp.kind == "hsdp" else ["fsdp"]
-        apply_fsdp(model, parallel_dims.get_mesh(dims), dp)
+        expert_dims = ["dp_replicate", "efsdp"] if dp.kind == "hsdp" else ["efsdp"]
+        expert_mesh = parallel_dims.get_optional_mesh(expert_dims) if parallel_dims.ep_enabled else None
+        apply_fsdp(model, parallel_dims.get_mesh(dims), dp, expert_mesh)
         logger.info(f"Applied {dp.kind.upper()} to the model")
     elif dp.kind == "ddp":
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), plan.compile.model)
     return model
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp) -> None:
-    """FSDP2 (HSDP on a 2D mesh) over embeddings, each block, and norm + head together.
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp, expert_mesh: DeviceMesh | None = None) -> None:
+    """FSDP2 (HSDP on a 2D mesh) over embeddings, each block, and norm + head together; under expert
+    parallelism a block's experts are sharded on their own (``expert_mesh``: the data-parallel ranks of one
+    expert-parallel rank, torchtitan's ``efsdp``).
 
     The loss is already divided by the global token count, so gradients are
     summed, not averaged. gloo has no ``PREMUL_SUM``: there the reduction is
@@ -72,6 +80,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp) -> None:
     if not tied and embeddings is not None:
         fully_shard(embeddings, **config, reshard_after_forward=dp.reshard_blocks)
     for block in decoder.layers:
+        if expert_mesh is not None:
+            for moe_block in moe_blocks(block):
+                fully_shard(moe_block.experts, **{**config, "mesh": expert_mesh}, reshard_after_forward=dp.reshard_blocks)
         fully_shard(block, **config, reshard_after_forward=dp.reshard_blocks)
     head = [m for m in (decoder.norm, model.get_output_embeddings()) if m is not None and any(True for _ in m.parameters())]
     if not tied and head:

@@ -116,6 +116,11 @@ def _check_titan_ext_parallelism(job_config, world_size: int) -> None:
             "sum earlier micro-batches' gradients again; use HSDP (also set --parallelism.data_parallel_shard_degree > 1) "
             "or FSDP instead"
         )
+    if p.expert_tensor_parallel_degree > 1 and p.expert_parallel_degree == 1:
+        raise ConfigError(
+            f"--parallelism.expert_tensor_parallel_degree={p.expert_tensor_parallel_degree} needs "
+            "--parallelism.expert_parallel_degree > 1 (it splits the experts EP places); set it to 1"
+        )
     if p.enable_async_tensor_parallel and not model_compile_enabled(job_config):
         raise ConfigError(
             "--parallelism.enable_async_tensor_parallel needs the model compiled (its collective-matmul fusion "
@@ -128,7 +133,7 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 
     Returns the meta-device model the checks read (the job plan reads it too).
     """
-    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, moe, tensor_parallel
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
@@ -137,6 +142,7 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
         _check_portable(model_args, model)
     _check_vocabulary(model_args, model, job_config)
     documents.check_model(model_args, job_config)
+    moe.check_moe(model, job_config)
     context_parallel.check_cp(model_args, job_config)
     tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
+import importlib
 import inspect
+import logging
+import re
 import sys
 import types
 import typing
 
 from titan_ext.errors import ConfigError
+
+logger = logging.getLogger()
 
 
 # Integer sizes and float ratios/epsilons that only make sense when positive.
@@ -30,6 +36,30 @@ _DIVIDES = (
 # Hub metadata that transformers keeps verbatim but that describes no architecture.
 _HF_METADATA = {"auto_map"}
 
+# Keys earlier transformers releases wrote into the config.json of the model types titan_ext trains, which
+# today's classes neither declare nor read (Qwen3-Next's and Qwen3's sliding-window fields, Llama's
+# pretraining_tp): a real checkpoint carries them, and transformers ignores them.
+WRITTEN_BY_TRANSFORMERS = {"use_sliding_window", "sliding_window", "max_window_layers", "pretraining_tp"}
+
+# ``config.name`` and ``getattr(config, "name"`` / ``hasattr(self.config, "name"`` in a modeling file.
+_READ = re.compile(r"""\bconfig\.([A-Za-z]\w*)|(?:get|has)attr\(\s*(?:self\.)?config\s*,\s*["']([A-Za-z]\w*)["']""")
+
+
+@functools.cache
+def modeling_reads(config_class) -> frozenset[str]:
+    """The config keys the class's modeling file reads: some only through ``getattr`` with a default
+    (Qwen3-MoE's ``head_dim``), so the class never declares them."""
+    module = sys.modules[config_class.__module__]
+    name = module.__name__.rpartition(".")[2]
+    if not name.startswith("configuration_"):
+        return frozenset()
+    try:
+        modeling = importlib.import_module(module.__name__.rpartition(".")[0] + ".modeling_" + name[len("configuration_"):])
+        source = inspect.getsource(modeling)
+    except (ImportError, OSError, TypeError):  # no modeling file beside the config (a user's class): none known
+        return frozenset()
+    return frozenset(a or b for a, b in _READ.findall(source))
+
 
 def _consumes(config_class, key: str, value) -> bool:
     """Whether the class reads ``key``: an older spelling (Llama's ``rope_theta``, ``torch_dtype``)
@@ -41,14 +71,21 @@ def _consumes(config_class, key: str, value) -> bool:
 
 
 def _check_keys(config: dict, config_class, source: str) -> None:
-    """A misspelled key would be ignored silently (HF configs keep unknown keys as attributes)."""
-    known = {*config_class().to_dict(), *config_class.attribute_map, *_HF_METADATA}
+    """A misspelled key would be ignored silently (HF configs keep unknown keys as attributes): a key
+    close to a known one stops the job; any other key nothing reads is one warning line."""
+    declared = {*config_class().to_dict(), *config_class.attribute_map, *_HF_METADATA}
+    known = declared | modeling_reads(config_class) | WRITTEN_BY_TRANSFORMERS
     for key, value in config.items():
         if key in known or _consumes(config_class, key, value):
             continue
         close = difflib.get_close_matches(key, sorted(known), n=1)
-        fix = f"rename it to {close[0]!r}" if close else "remove it"
-        raise ConfigError(f"{source} has unknown key {key!r} ({config_class.__name__} does not read it); {fix}")
+        if close:
+            raise ConfigError(
+                f"{source} has unknown key {key!r} ({config_class.__name__} does not read it); "
+                f"rename it to {close[0]!r}"
+            )
+        logger.warning(f"titan_ext: {source}: key {key!r} is read neither by {config_class.__name__} nor by its "
+                       "modeling code; ignored")
 
 
 def _options(annotation) -> tuple:

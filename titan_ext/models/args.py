@@ -111,8 +111,9 @@ class HFModelArgs(BaseModelArgs):
         return self.hf_config_class(**self.architecture())
 
     def to_hf_config(self):
-        """The config the model is built from: the architecture and what training forces."""
-        return self.hf_config_class(**self.architecture(), **self.arch.config_overrides())
+        """The config the model is built from: the architecture and what training forces (over what a
+        checkpoint's config.json says, e.g. GLA-340M's ``fuse_cross_entropy``)."""
+        return self.hf_config_class(**{**self.architecture(), **self.arch.config_overrides()})
 
     def update_from_hf_config(self, given: dict[str, Any], source: str) -> None:
         """Take the architecture of a config.json: it sets the model type of a blank flavor, and overrides
@@ -171,10 +172,12 @@ class HFModelArgs(BaseModelArgs):
 
         Embedding lookups are not matmuls, so the input embedding is left out
         of the 6N term (unless it is tied to the output head, which is one).
+        A token runs ``top_k`` of a MoE layer's experts: the others' weights are left out too.
         """
         nparams = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
         matmul_params = nparams if model.config.tie_word_embeddings else nparams - embedding
+        matmul_params -= idle_expert_params(model)
         mixer = self.arch.mixer_flops_per_token(model.config, seq_len)
         if mixer is None:
             logger.warning(
@@ -183,6 +186,18 @@ class HFModelArgs(BaseModelArgs):
             )
             mixer = 0
         return nparams, 6 * matmul_params + mixer
+
+
+def idle_expert_params(model) -> int:
+    """Expert weights a token does not use: of a MoE block's ``experts`` (stacked ``[E, ...]`` weights, beside
+    a router ``gate`` that picks ``top_k``), all but ``top_k / E`` of them."""
+    idle = 0
+    for block in model.modules():
+        gate = getattr(block, "gate", None)
+        if hasattr(block, "experts") and hasattr(gate, "top_k"):
+            weights = sum(p.numel() for p in block.experts.parameters())
+            idle += weights - weights * gate.top_k // gate.num_experts
+    return idle
 
 
 def fla_model(model_type: str, **fields) -> HFModelArgs:

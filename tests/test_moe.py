@@ -1,0 +1,213 @@
+"""Mixture-of-experts models (titan_ext.moe): the routers' balancing loss as the model computes it, counted
+per token so that splitting a batch (over ranks or micro-batches) changes nothing; MFU counting active experts;
+expert parallelism refused in one line until it exists."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_ext import moe
+from titan_ext.errors import ConfigError
+from titan_ext.models.adapter import meta_model
+from titan_ext.models.args import HFModelArgs, idle_expert_params
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = json.loads((REPO / "train_configs" / "debug_qwen3_moe.json").read_text())
+TINY_OLMOE = {"model_type": "olmoe", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+              "vocab_size": 2048, "router_aux_loss_coef": 0.01, "max_position_embeddings": 512}
+
+
+def args(base=TINY, **overrides) -> HFModelArgs:
+    a = HFModelArgs(library="transformers")
+    a.update_from_hf_config({**copy.deepcopy(base), **overrides}, "test")
+    return a
+
+
+def real_model(seed: int = 0, base=TINY, **overrides):
+    a = args(base, **overrides)
+    torch.manual_seed(seed)
+    model = a.hf_model_class(a.to_hf_config())
+    return model.float().eval()
+
+
+def cross_entropy_sum(pred, labels):
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+
+
+def titan_loss(model, tokens, labels):
+    """What torchtitan's step computes: the built loss (a sum) on the model's logits."""
+    moe.apply_router_records(model, moe.moe_choice(model))
+    loss_fn = moe.with_balance_loss(lambda job_config: cross_entropy_sum)(None)
+    return loss_fn(model(tokens).logits, labels)
+
+
+@pytest.mark.parametrize("base", [TINY, TINY_OLMOE], ids=["qwen3_moe", "olmoe"])
+def test_balance_loss_is_the_models_own_for_one_sequence(base):
+    """One sequence: titan_ext's loss / tokens == transformers' CE + router_aux_loss_coef x its aux_loss."""
+    model = real_model(base=base)
+    tokens = torch.randint(0, 2048, (1, 24))
+    labels = torch.randint(0, 2048, (1, 24))
+    ours = titan_loss(model, tokens, labels) / labels.numel()
+    out = model(tokens, output_router_logits=True)
+    aux = out.aux_loss  # the model's own (transformers adds router_aux_loss_coef x this to its loss)
+    theirs = cross_entropy_sum(out.logits, labels) / labels.numel() + 0.01 * aux
+    assert aux > 1.5  # a real term: top_k = 2 when perfectly balanced
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+
+
+def test_balance_loss_per_sequence_with_ignored_labels():
+    """Each sequence: its valid tokens x the model's loss with those tokens as its mask."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    torch.manual_seed(1)
+    logits = [torch.randn(3 * 10, 8) for _ in range(2)]
+    labels = torch.randint(0, 5, (3, 10))
+    labels[1, :4] = -100
+    ours, counts = moe.balance_loss_sum(logits, labels, 8, 2)
+    expected = 0.0
+    for b in range(3):
+        mask = (labels[b : b + 1] != -100).long()
+        rows = tuple(x.view(3, 10, 8)[b] for x in logits)
+        expected += mask.sum() * load_balancing_loss_func(rows, 8, 2, attention_mask=mask)
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    assert counts.shape == (2, 8) and counts.sum() == 2 * 30 * 2
+
+
+def test_gradients_equal_for_one_batch_and_its_micro_batches():
+    """Two sequences at once, or one per micro-batch (accumulated, or on two data-parallel ranks): the same
+    gradients, because a sequence's term needs nothing from the others."""
+    tokens = torch.randint(0, 2048, (2, 16))
+    labels = torch.randint(0, 2048, (2, 16))
+    whole, split = real_model(), real_model()
+    (titan_loss(whole, tokens, labels) / labels.numel()).backward()
+    for b in range(2):
+        (titan_loss(split, tokens[b : b + 1], labels[b : b + 1]) / labels.numel()).backward()
+    for (name, a), b in zip(whole.named_parameters(), split.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    gate = whole.model.layers[0].mlp.gate.weight.grad
+    assert gate is not None and gate.abs().sum() > 0
+
+
+def test_recompute_in_backward_records_nothing():
+    """Activation checkpointing routes a block again during backward: that must not reach the next loss."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = real_model()
+    moe.apply_router_records(model, moe.moe_choice(model))
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 4, 64, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert len(moe.RECORDS.logits) == 1
+
+
+def test_a_forward_without_its_loss_is_an_error():
+    model = real_model()
+    moe.apply_router_records(model, moe.moe_choice(model))
+    tokens = torch.randint(0, 2048, (1, 8))
+    model(tokens)
+    model(tokens)
+    with pytest.raises(RuntimeError, match="4 router outputs reached the loss, the model has 2 MoE blocks"):
+        moe.RECORDS.take()
+
+
+def test_step_metrics():
+    model = real_model()
+    tokens = torch.randint(0, 2048, (2, 16))
+    titan_loss(model, tokens, tokens).backward()
+    metrics = moe.step_metrics(None)
+    assert set(metrics) == {"moe/aux_loss", "moe/tokens_per_expert_max", "moe/tokens_per_expert_mean"}
+    assert metrics["moe/tokens_per_expert_mean"] == 2 * 16 * 2 / 8  # tokens x top_k over 8 experts
+    assert metrics["moe/tokens_per_expert_max"] >= metrics["moe/tokens_per_expert_mean"]
+    assert metrics["moe/aux_loss"] > 1.5  # E * sum f P: top_k = 2 at perfect balance
+    assert moe.step_metrics(None) == {}  # reset once logged
+
+
+def test_flops_count_active_experts():
+    """6 FLOPs per active weight: a token runs top_k = 2 of 8 experts."""
+    a = args()
+    model = meta_model(a)
+    experts = sum(p.numel() for m in moe.moe_blocks(model) for p in m.experts.parameters())
+    assert idle_expert_params(model) == experts * 6 // 8
+    _, dense_flops = args(num_experts_per_tok=8).get_nparams_and_flops(meta_model(args(num_experts_per_tok=8)), 80)
+    _, sparse_flops = a.get_nparams_and_flops(model, 80)
+    assert dense_flops - sparse_flops == 6 * experts * 6 // 8
+
+
+def parallelism(**degrees):
+    base = dict(expert_parallel_degree=1, expert_tensor_parallel_degree=1, pipeline_parallel_degree=1,
+                context_parallel_degree=1, tensor_parallel_degree=1)
+    return SimpleNamespace(parallelism=SimpleNamespace(**{**base, **degrees}))
+
+
+@pytest.mark.parametrize("degrees, phrase", [
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2), "titan_ext does not combine expert parallelism with TP"),
+    (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
+    (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
+    (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
+])  # fmt: skip
+def test_moe_refusals(degrees, phrase):
+    with pytest.raises(ConfigError, match=phrase):
+        moe.check_moe(meta_model(args()), parallelism(**degrees))
+
+
+def test_pipeline_parallel_without_the_balancing_loss():
+    """PP runs a MoE model whose config turns the balancing loss off, and records no routers (a stage without
+    the loss would keep them forever)."""
+    model = meta_model(args(router_aux_loss_coef=0.0))
+    pp = parallelism(pipeline_parallel_degree=2, expert_parallel_degree=2)
+    moe.check_moe(model, pp)
+    assert not moe.moe_choice(model, pp).record_routers
+    assert moe.moe_choice(model, parallelism(expert_parallel_degree=2)).record_routers
+
+
+def test_expert_parallel_on_a_dense_model_is_refused():
+    dense = meta_model(args(mlp_only_layers=[0, 1]))
+    assert moe.moe_choice(dense) is None
+    with pytest.raises(ConfigError, match="this model has no experts"):
+        moe.check_moe(dense, parallelism(expert_parallel_degree=2))
+    moe.check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
+
+
+def _expert_parallel_rank(rank, mesh):
+    """Rank ``rank`` of 2: its own 12 tokens through EP2 experts vs transformers' experts over both ranks' tokens."""
+    torch.manual_seed(0)
+    block = real_model().model.layers[0].mlp
+    reference = copy.deepcopy(block.experts)
+    torch.manual_seed(1)
+    x = torch.randn(2 * 12, 64)
+    _, weights, index = block.gate(x)
+    cotangent = torch.randn(2 * 12, 64)
+    moe.apply_ep(block, mesh)
+    mine = slice(12 * rank, 12 * (rank + 1))
+    x_local = x[mine].clone().requires_grad_()
+    out = block.experts(x_local, index[mine], weights[mine].detach())
+    (out * cotangent[mine]).sum().backward()
+    x_all = x.clone().requires_grad_()
+    expected = reference(x_all, index, weights.detach())
+    (expected * cotangent).sum().backward()
+    local = slice(4 * rank, 4 * (rank + 1))  # this rank's 4 of 8 experts
+    return {
+        "local experts": block.experts.gate_up_proj.to_local().shape[0],
+        "output": (out - expected[mine]).abs().max().item(),
+        "input grad": (x_local.grad - x_all.grad[mine]).abs().max().item(),
+        "gate_up grad": (block.experts.gate_up_proj.grad.to_local() - reference.gate_up_proj.grad[local]).abs().max().item(),
+        "down grad": (block.experts.down_proj.grad.to_local() - reference.down_proj.grad[local]).abs().max().item(),
+    }
+
+
+def test_expert_parallel_experts_equal_the_models_own():
+    """EP2: each rank holds 4 experts, computes them for both ranks' tokens (all-to-all there and back): outputs,
+    input gradients and its experts' gradients equal transformers' experts over all tokens on one process."""
+    from helpers import on_forked_ranks
+
+    for rank, diffs in on_forked_ranks(2, _expert_parallel_rank).items():
+        assert diffs.pop("local experts") == 4
+        assert max(diffs.values()) < 1e-5, (rank, diffs)

@@ -1,0 +1,276 @@
+"""Mixture-of-experts models: the routers' load-balancing loss as the model was trained, its metrics, expert
+parallelism, and the parallelisms titan_ext cannot combine with them yet, refused in one line.
+
+transformers' MoE blocks hold a router (``gate``: ``router_logits, scores, indices = gate(x)``) and one
+``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch
+Transformer balancing loss only when asked for router logits and given labels, which torchtitan never
+does (it computes the loss from the logits). Here a forward hook on each router keeps its logits, and the
+loss adds the balancing term (``with_balance_loss``).
+
+The term is counted per token, as torchtitan's cross entropy is (a sum the trainer divides by the global
+count of valid tokens): over one sequence the model's own formula (``load_balancing_loss_func`` with the
+valid labels as its mask: expert shares and mean router probabilities over all MoE layers), weighted by the
+sequence's valid tokens. A sequence's term needs nothing from other ranks or micro-batches, so the loss is
+the same under FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is the model's
+own loss exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_ext import compat
+from titan_ext.errors import ConfigError
+from titan_ext.job_plan import MoEChoice
+
+logger = logging.getLogger()
+
+IGNORE_INDEX = -100
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """transformers' sparse MoE blocks: a router ``gate`` with ``top_k`` beside an ``experts`` module."""
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")]
+
+
+def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
+    """From the meta model: None for a dense model. Under PP (without the balancing loss, ``check_moe``) the
+    routers are not recorded: a stage without the loss would keep them forever."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    gate = blocks[0].gate
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    p = job_config.parallelism if job_config is not None else None
+    return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k,
+                     ep=p.expert_parallel_degree if p else 1, record_routers=not (p and p.pipeline_parallel_degree > 1))
+
+
+def check_moe(model: nn.Module, job_config) -> None:
+    """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow."""
+    p = job_config.parallelism
+    blocks = moe_blocks(model)
+    if p.expert_parallel_degree > 1 and not blocks:
+        raise ConfigError(
+            f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: this model has no experts (a dense "
+            "model); set it to 1"
+        )
+    if not blocks:
+        return
+    if p.expert_parallel_degree > 1:
+        _check_ep(blocks, p)
+    if p.pipeline_parallel_degree > 1 and getattr(model.config, "router_aux_loss_coef", 0):
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the router's balancing loss "
+            f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) needs every MoE layer's router logits on the "
+            "stage that computes the loss, which titan_ext does not carry across stages yet; train without PP, or "
+            "set router_aux_loss_coef to 0 in the config.json to train without the balancing loss"
+        )
+    if p.context_parallel_degree > 1:
+        raise ConfigError(
+            f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss counts "
+            "expert shares per whole sequence, which titan_ext does not gather across CP ranks yet; set it to 1"
+        )
+
+
+def _check_ep(blocks: list[nn.Module], p) -> None:
+    ep = p.expert_parallel_degree
+    option = f"--parallelism.expert_parallel_degree={ep}"
+    if p.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"{option} with --parallelism.tensor_parallel_degree={p.tensor_parallel_degree}: titan_ext does not "
+            "combine expert parallelism with TP yet; use one of them"
+        )
+    for block in blocks:
+        experts = block.experts
+        names = sorted(name for name, _ in experts.named_parameters())
+        if names != ["down_proj", "gate_up_proj"]:
+            raise ConfigError(
+                f"{option}: titan_ext splits experts of stacked gate_up_proj/down_proj weights; "
+                f"{type(experts).__name__} holds {names}; set it to 1"
+            )
+        if experts.num_experts % ep:
+            raise ConfigError(f"{option} does not divide the model's {experts.num_experts} experts; pick a divisor")
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> None:
+    """Each rank of ``ep_mesh`` holds ``num_experts / ep`` experts (their stacked weights sharded on dim 0) and
+    computes them for every rank's tokens: tokens go to their experts' ranks in one all-to-all and come back in
+    another. The parameters keep their names (``mlp.experts.gate_up_proj``), so checkpoints are unchanged."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for block in moe_blocks(model):
+        experts = block.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
+        experts.__class__ = _expert_parallel_class(type(experts))
+        experts.ep_group = ep_mesh.get_group()
+    logger.info(f"Applied expert parallelism (EP={ep_mesh.size()}) to {len(moe_blocks(model))} MoE blocks")
+
+
+@functools.cache
+def _expert_parallel_class(cls: type) -> type:
+    """The model's experts class with an expert-parallel forward (isinstance checks, e.g. its weight init, hold)."""
+    return type(f"ExpertParallel{cls.__name__}", (cls,), {"forward": _expert_parallel_forward})
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(permutation)
+    inverse[permutation] = torch.arange(permutation.numel(), device=permutation.device)
+    return inverse
+
+
+def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, as the model's own
+    forward computes it, with this rank's experts only."""
+    group, ep = self.ep_group, dist.get_world_size(self.ep_group)
+    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()  # [E/ep, 2I, H], [E/ep, H, I]
+    local = gate_up.shape[0]
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+    with torch.no_grad():
+        sent_counts = torch.bincount(flat, minlength=local * ep)
+        received_counts = compat.all_to_all_counts(sent_counts, group).view(ep, local)
+        send = sent_counts.view(ep, local).sum(1).tolist()
+        receive = received_counts.sum(1).tolist()
+        # received rows come per source rank, each grouped by local expert: regroup them by local expert
+        local_ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received_counts.flatten())
+        regroup = local_ids.argsort(stable=True)
+    routed = compat.all_to_all_autograd(hidden_states[order // k], receive, send, group)[regroup]
+    outputs = []
+    for expert, rows in enumerate(routed.split(received_counts.sum(0).tolist())):
+        gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
+    computed = torch.cat(outputs)[_inverse(regroup)]
+    returned = compat.all_to_all_autograd(computed, send, receive, group)[_inverse(order)]
+    weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(-2).to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------- the routers' logits, forward to loss
+
+
+class RouterRecords:
+    """The router logits of the forward in flight, taken by the loss that follows it; this step's statistics
+    for the metrics. One per process: torchtitan builds the loss without the model."""
+
+    def __init__(self) -> None:
+        self.choice: MoEChoice | None = None
+        self.hooks: list = []
+        self.logits: list[torch.Tensor] = []
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        self.stats: torch.Tensor | None = None
+        """On the loss's device: [balancing loss sum, valid tokens, routed tokens per (MoE layer, expert)...]."""
+
+    def add_step(self, balance: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        stats = torch.cat([balance.detach().double().view(1), tokens.double().view(1), counts.double().flatten()])
+        self.stats = stats if self.stats is None else self.stats + stats
+
+    def record(self, module, inputs, output) -> None:
+        # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
+        if not compat.in_backward():
+            self.logits.append(output[0])
+
+    def take(self) -> list[torch.Tensor]:
+        taken, self.logits = self.logits, []
+        if taken and len(taken) != len(self.hooks):  # a forward without its loss: its logits would join another batch's
+            raise RuntimeError(
+                f"titan_ext: {len(taken)} router outputs reached the loss, the model has {len(self.hooks)} MoE blocks; "
+                "every forward of a MoE model must be followed by its loss"
+            )
+        return taken
+
+
+RECORDS = RouterRecords()
+
+
+def apply_router_records(model: nn.Module, choice: MoEChoice | None) -> None:
+    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model). The routers
+    of an earlier model (an earlier job in this process) record no more."""
+    for hook in RECORDS.hooks:
+        hook.remove()
+    RECORDS.__init__()
+    RECORDS.choice = choice
+    if choice is not None and choice.record_routers:
+        RECORDS.hooks = [block.gate.register_forward_hook(RECORDS.record) for block in moe_blocks(model)]
+
+
+def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int):
+    """(sum over sequences of valid tokens x the model's balancing loss of that sequence, per-(layer, expert)
+    routed-token counts).
+
+    ``router_logits``: per MoE layer ``[batch * seq, experts]``; ``labels``: ``[batch, seq]``. Per sequence,
+    ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert e and ``P_e`` the mean
+    router probability, both over the sequence's valid tokens and all MoE layers.
+    """
+    batch, seq = labels.shape
+    valid = (labels != IGNORE_INDEX).to(torch.float32)  # [B, S]
+    layers = len(router_logits)
+    probs_sum, counts = 0, []  # one layer at a time: no [layers, B, S, E] tensor
+    assigned = torch.zeros(batch, num_experts, device=labels.device)  # valid top-k assignments per sequence
+    for logits in router_logits:
+        probs = F.softmax(logits.float(), dim=-1).view(batch, seq, num_experts)
+        probs_sum = probs_sum + probs
+        with torch.no_grad():
+            chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, dim=-1).indices, 1.0)  # [B, S, E]
+            counts.append(chosen.sum((0, 1)))  # every routed token
+            assigned += (chosen * valid[..., None]).sum(1)
+    share = assigned / (layers * valid.sum(-1).clamp_min(1)[:, None])  # [B, E]
+    loss = num_experts * (valid[..., None] * share[:, None, :] * probs_sum / layers).sum()
+    return loss, torch.stack(counts)
+
+
+def with_balance_loss(build_loss_fn):
+    """Wrap a train spec's ``build_loss_fn``: the built loss adds ``router_aux_loss_coef`` x the balancing
+    term (a per-token sum, as the cross entropy is) of the routers that ran since the last loss."""
+
+    @functools.wraps(build_loss_fn)
+    def build(job_config, **kwargs):
+        loss_fn = build_loss_fn(job_config, **kwargs)
+
+        def loss_with_balance(pred, labels):
+            loss = loss_fn(pred, labels)
+            logits, choice = RECORDS.take(), RECORDS.choice
+            if not logits or choice is None:
+                return loss
+            balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
+            if torch.is_grad_enabled():  # training, not validation: this step's metrics
+                RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts)
+            return loss + choice.aux_loss_coef * balance.to(loss.dtype) if choice.aux_loss_coef else loss
+
+        return loss_with_balance
+
+    return build
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def step_metrics(group: dist.ProcessGroup | None) -> dict[str, float]:
+    """The balancing loss (per valid token, over the global batch) and tokens per expert (max and mean over MoE
+    layers and experts) of the steps since the last log, summed over the ranks of ``group`` (the batch's)."""
+    stats = RECORDS.stats
+    if RECORDS.choice is None or stats is None:
+        return {}
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(stats, group=group)
+    RECORDS.reset_step()
+    stats = stats.cpu()
+    counts = stats[2:]
+    return {
+        "moe/aux_loss": (stats[0] / stats[1].clamp_min(1)).item(),
+        "moe/tokens_per_expert_max": counts.max().item(),
+        "moe/tokens_per_expert_mean": counts.mean().item(),
+    }

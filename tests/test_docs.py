@@ -76,7 +76,14 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule Interleaved1F1B":
         "matrix:fla_gla/pp2_interleaved",
-    "python bench/compose_8ranks.py": "gpu",  # 8 gloo ranks, minutes: the opt-in matrix rows
+    "python bench/compose_8ranks.py": "gpu",
+    # docs/moe.md
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml":
+        "matrix:hf_qwen3_moe/fsdp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
+    "--parallelism.expert_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_fsdp2",
+    "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
+    "-m torchtitan.train --job.config_file train_configs/qwen3_moe_30B_A3B.toml": "gpu",  # 8 gloo ranks, minutes: the opt-in matrix rows
     # docs/checkpoints-and-hf.md
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--checkpoint.enable": "matrix:fla_gla/resume",

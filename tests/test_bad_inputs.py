@@ -345,6 +345,23 @@ def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
     assert checkpoints.checkpoint_to_load(config) is None
 
 
+def test_dataloader_to_load_follows_torchtitans_rule(tmp_path):
+    """torchtitan restores the dataloader only from a full load: never from step-0 (a seed checkpoint, loaded
+    model-only), an initial checkpoint with initial_load_model_only, or with the dataloader excluded."""
+    dump = tmp_path / "run"
+    initial = save_dcp(tmp_path / "elsewhere" / "step-3", {"w": (2,)})
+    on = {"checkpoint.enable": True}
+    assert checkpoints.dataloader_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) is None
+    full_initial = {**on, "checkpoint.initial_load_path": initial, "checkpoint.initial_load_model_only": False}
+    assert checkpoints.dataloader_to_load(job(full_initial, dump)) == initial
+    folder = make_steps(dump, complete=(0,))
+    assert checkpoints.dataloader_to_load(job(on, dump)) is None  # the seed: torchtitan's model_only = step == 0
+    make_steps(dump, complete=(4,))
+    assert checkpoints.dataloader_to_load(job(on, dump)) == str(folder / "step-4")
+    assert checkpoints.dataloader_to_load(job({**on, "checkpoint.load_step": 0}, dump)) is None
+    assert checkpoints.dataloader_to_load(job({**on, "checkpoint.exclude_from_loading": ["dataloader"]}, dump)) is None
+
+
 BAD_LOADS = {
     "load_step not saved": (dict(complete=(5,), partial=(10,)), {"checkpoint.load_step": 10},
                             "--checkpoint.load_step=10: no readable step-10 in", "(complete steps: [5])"),

@@ -485,3 +485,15 @@ def test_good_names():
                   "compile.backend": "aot_eager", "activation_checkpoint.mode": "selective",
                   "validation.enable": True, "validation.dataset": "c4_validation"})  # fmt: skip
     names.check_names(config)
+
+
+def test_did_you_mean_puts_case_and_titan_ext_first():
+    own, theirs = {"fla", "fla_gla", "hf_llama"}, {"llama3", "llama4", "qwen3"}
+    assert names.did_you_mean("fla_glx", own, theirs)[:1] == ["fla_gla"]
+    assert names.did_you_mean("llama", own, theirs)[0] == "hf_llama"  # titan_ext's before torchtitan's
+    assert names.did_you_mean("DebugModel", {"debugmodel", "340M"}) == ["debugmodel"]
+    message = fails(lambda: (_ for _ in ()).throw(names.unknown_name(
+        "--model.name='fla_glx'", "fla_glx", "a registered train spec", {"titan_ext": own, "torchtitan": theirs},
+        {"vlm"}, "torchtitan experiments")), "did you mean 'fla_gla'", "(titan_ext: fla, fla_gla, hf_llama; "
+        "torchtitan: llama3, llama4, qwen3; and 1 torchtitan experiments)")
+    assert message.startswith("--model.name='fla_glx' is not a registered train spec; did you mean 'fla_gla'")

@@ -497,3 +497,43 @@ def test_did_you_mean_puts_case_and_titan_ext_first():
         {"vlm"}, "torchtitan experiments")), "did you mean 'fla_gla'", "(titan_ext: fla, fla_gla, hf_llama; "
         "torchtitan: llama3, llama4, qwen3; and 1 torchtitan experiments)")
     assert message.startswith("--model.name='fla_glx' is not a registered train spec; did you mean 'fla_gla'")
+
+
+# ---------------------------------------------------------------- tokenizer assets
+
+BAD_TOKENIZER_DIRS = {
+    "empty folder": ({}, "holds no tokenizer.json (nor vocab.json/vocab.txt; it holds nothing)"),
+    "config only": ({"tokenizer_config.json": "{}"}, "holds no tokenizer.json (nor vocab.json/vocab.txt; it holds "
+                                                     "tokenizer_config.json); copy the model's tokenizer.json"),
+    "broken tokenizer.json": ({"tokenizer.json": '{"version": "1.0", '}, "tokenizer.json cannot be loaded (",
+                              "download it again"),
+    "zero-byte tokenizer.json": ({"tokenizer.json": ""}, "tokenizer.json cannot be loaded (EOF while parsing"),
+    "not a tokenizer": ({"tokenizer.json": '{"a": 1}'}, "tokenizer.json cannot be loaded ("),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_TOKENIZER_DIRS))
+def test_bad_tokenizer_dir(tmp_path, case):
+    from titan_ext.inputs import tokenizer
+
+    files, *phrases = BAD_TOKENIZER_DIRS[case]
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    fails(lambda: tokenizer.check_tokenizer_dir(str(tmp_path), str(tmp_path)), "--model.hf_assets_path=", *phrases)
+
+
+def test_tokenizer_dir_checked_before_any_model(tmp_path):
+    """Through the job's first checks (and the tokenizer builder): a file, and a folder without a tokenizer."""
+    from titan_ext import data, preflight
+
+    tokenizer_json = str(REPO / "titan_ext" / "assets" / "tiny" / "tokenizer.json")
+    fails(lambda: preflight.check_job_config(job({"model.hf_assets_path": tokenizer_json}), 1),
+          "is a file; point it at the directory holding tokenizer.json")
+    fails(lambda: data.build_tokenizer(job({"model.hf_assets_path": str(tmp_path)})), "holds no tokenizer.json")
+    preflight.check_job_config(job(), 1)  # the shipped tokenizer
+
+
+def test_hf_config_directory_without_config_json(tmp_path):
+    from titan_ext.models.args import load_hf_config_json
+
+    fails(lambda: load_hf_config_json(str(tmp_path)), "is a directory without config.json; point it at")

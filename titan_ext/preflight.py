@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from titan_ext.inputs import checkpoints, degrees, jsonl, names
+from titan_ext.inputs import checkpoints, degrees, jsonl, names, tokenizer
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError
 
@@ -22,6 +22,7 @@ def check_job_config(job_config, world_size: int) -> None:
     names.check_names(job_config)
     _check_model_name_and_flavor(job_config)
     _check_dataset(job_config)
+    _check_tokenizer(job_config)
     _check_document_mask(job_config)
     _check_titan_ext_parallelism(job_config, world_size)
 
@@ -72,6 +73,26 @@ def _check_dataset(job_config) -> None:
             jsonl.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
         if options.dataset == STREAM_DATASET:
             check_stream(options.dataset_path, text_field, option, bad_records)
+
+
+def _check_tokenizer(job_config) -> None:
+    """The spec's tokenizer loads from ``--model.hf_assets_path`` (before any model or process group), else a
+    missing or broken tokenizer.json ends in a FileNotFoundError or a Rust parse error on every rank."""
+    from torchtitan.protocols import train_spec as registry
+
+    from titan_ext.data import resolve_asset_path
+
+    name = job_config.model.name
+    known = name in registry._extra_train_specs or name in _torchtitan_model_names()
+    if known and registry.get_train_spec(name).build_tokenizer_fn is not None:
+        given = job_config.model.hf_assets_path
+        tokenizer.check_tokenizer_dir(resolve_asset_path(given), given)
+
+
+def _torchtitan_model_names() -> set[str]:
+    from torchtitan.models import _supported_models
+
+    return set(_supported_models)
 
 
 def _check_document_mask(job_config) -> None:
@@ -218,10 +239,8 @@ def _check_vocabulary(model_args, model, job_config) -> None:
     path = os.path.join(assets, "tokenizer.json") if assets else ""
     if not os.path.isfile(path):
         return  # no HF tokenizer to compare with (the tokenizer's own build reports a missing one)
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(path)
-    needed = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    vocab = tokenizer.load_tokenizer_json(path, f"--model.hf_assets_path={job_config.model.hf_assets_path!r}")
+    needed = max(vocab.get_vocab(with_added_tokens=True).values()) + 1
     rows = model.get_input_embeddings().weight.shape[0]
     if rows < needed:
         hf_config = getattr(getattr(job_config, "titan_ext", None), "hf_config", "")

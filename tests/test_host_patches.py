@@ -200,7 +200,7 @@ def test_an_entry_point_is_quiet_for_its_call_alone(caplog):
         with warnings.catch_warnings(record=True) as caught:
             warnings.filterwarnings("always", append=True)
             for message, _, _ in host_patches.ENTRY_WARNINGS:
-                warnings.warn(f"x {message} y", FutureWarning)
+                warnings.warn(f"{message} y", FutureWarning)
         with caplog.at_level(logging.WARNING):
             for name, part, _ in host_patches.JOB_LOGS:
                 logging.getLogger(name).warning(f"x {part} y")

@@ -111,17 +111,16 @@ def from_pretrained(path, **kwargs):
 
 
 def _quiet_generate(model: nn.Module) -> None:
-    """This model's ``generate`` under ``host_patches.quiet_entry`` (fla's generation code warns at every call)."""
+    """This model's ``generate`` under ``host_patches.quiet_entry`` (fla's generation code warns at every call);
+    a bound method, so that a copy of the model (``copy.deepcopy``) generates with itself."""
+    model.generate = types.MethodType(_generate_quietly, model)
+
+
+def _generate_quietly(self, *args, **kwargs):
     from titan_ext.host_patches import quiet_entry
 
-    generate = model.generate
-
-    @functools.wraps(generate)
-    def quiet_generate(*args, **kwargs):
-        with quiet_entry():
-            return generate(*args, **kwargs)
-
-    model.generate = quiet_generate
+    with quiet_entry():
+        return type(self).generate(self, *args, **kwargs)
 
 
 def unported(model: nn.Module) -> dict[str, str]:

@@ -71,6 +71,10 @@ BAD_JSONL = {
     "no text field": ('{"text": "a"}\n{"txt": "b"}\n', "line 2 has no 'text' field"),
     "text not a string": ('{"text": 5}\n', "line 1 has a 'text' field of type int, not a string"),
     "not utf-8": (b'{"text": "a"}\n\xff\xfe\x00garbage\n', "line 2 is not JSON"),
+    "parquet": (b"PAR1\x15\x04", "is a parquet file; it is read by --training.dataset titan_ext_stream"),
+    "gzip": (b"\x1f\x8b\x08\x00", "is gzip-compressed; decompress it"),
+    "pretty-printed json": ('{\n  "text": "a"\n}\n', "holds one JSON document over many lines, not JSON lines"),
+    "json array": ('[\n  {"text": "a"}\n]\n', "holds one JSON document over many lines, not JSON lines"),
 }
 
 

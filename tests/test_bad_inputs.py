@@ -366,6 +366,20 @@ def test_dataloader_to_load_follows_torchtitans_rule(tmp_path):
     assert checkpoints.dataloader_to_load(job({**on, "checkpoint.exclude_from_loading": ["dataloader"]}, dump)) is None
 
 
+def test_a_seed_saved_by_one_rank_is_no_data_position_to_re_split(tmp_path):
+    """What StreamDataloader re-splits and the degree check compares: nothing for step-0, the ranks' for later."""
+    folder = tmp_path / "run" / "checkpoint"
+    for step, ranks in ((0, 1), (4, 2)):
+        dataloader = {**{f"dp_rank_{r}": b"x" for r in range(ranks)}, "world_size": ranks}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.zeros(2), "dataloader": dataloader}, checkpoint_id=str(folder / f"step-{step}"))
+    on = {"checkpoint.enable": True}
+    assert checkpoints.dataloader_resume_degree(job({**on, "checkpoint.load_step": 0}, tmp_path / "run")) is None
+    assert checkpoints.dcp_dataloader_ranks(str(folder / "step-0")) == 1  # saved, but torchtitan never loads it
+    assert checkpoints.dataloader_resume_degree(job(on, tmp_path / "run")) == 2
+
+
 BAD_LOADS = {
     "load_step not saved": (dict(complete=(5,), partial=(10,)), {"checkpoint.load_step": 10},
                             "--checkpoint.load_step=10: no readable step-10 in", "(complete steps: [5])"),

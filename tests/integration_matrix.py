@@ -32,6 +32,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``resume``: FSDP2 with a checkpoint every 2 steps, then the same job again
   with ``--checkpoint.load_step 2``: steps 3-5 must equal the uninterrupted
   run's exactly (==), losses and gradient norms.
+- ``fsdp2`` and ``hsdp2x2`` (GLA) start as torchtitan documents a multi-rank run: one process creates the
+  seed checkpoint in the job's own dump folder (``--checkpoint.create_seed_checkpoint``), then the job, on
+  2 or 4 ranks, loads it as its ``step-0`` (model only: the dataloader position one rank saved is not
+  restored, so no data-parallel degree is refused).
 - ``hf``: export the seed to HF safetensors (one step at learning rate 0, so
   the weights are the seed's), then train from that HF checkpoint
   (``initial_load_in_hf``): it must match "single" like any other row.
@@ -224,6 +228,10 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+    seed_in_folder: tuple[str, ...] = ()
+    """Specs whose job starts as torchtitan documents it: a seed checkpoint created by one process in the job's
+    own dump folder (``--checkpoint.create_seed_checkpoint``), then loaded by the job as its ``step-0``
+    (model only), rather than through ``--checkpoint.initial_load_path``."""
 
     opt_in: bool = False
     """Not part of the CI matrix (``ALL_ROWS``): run by name (``--rows``), e.g. rows of 8 ranks
@@ -265,11 +273,12 @@ README_COMMAND = "{readme}"
 """Stands for the README example's command-line arguments."""
 ROWS = {
     "single": Row(1, parallel(), validation=True),
-    "fsdp2": Row(2, parallel(shard=2), validation=True),
+    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",)),
     "ddp2": Row(2, parallel(replicate=2)),
     "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, validation=True, cost=4,  # sequence parallel and loss parallel on (the defaults)
                spec_rtol=TIED_DTENSOR_RTOL),
-    "hsdp2x2": Row(4, parallel(shard=2, replicate=2), specs=("fla_gla",)),  # apply_fsdp's 2D mesh: any model
+    "hsdp2x2": Row(4, parallel(shard=2, replicate=2), specs=("fla_gla",),  # apply_fsdp's 2D mesh: any model
+                   seed_in_folder=("fla_gla",)),
     "fsdp2_tp2": Row(
         4,
         (*parallel(shard=2, tp=2), "--parallelism.disable_loss_parallel", "--titan_ext.disable_sequence_parallel"),
@@ -463,9 +472,18 @@ class Matrix:
     def metrics_path(self, job_id: str) -> Path:
         return self.root / "metrics" / f"{job_id}.jsonl"
 
-    def seed(self, spec: str, variant: str) -> Job:
-        return self.job(spec, variant, "seed", 1, *parallel(), "--training.steps", "1", "--debug.seed", "0",
-                        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
+    def seed(self, spec: str, variant: str, row: str = "") -> Job:
+        """The variant's seed checkpoint, or (``row``) the same one in that row's own dump folder."""
+        return self.job(spec, variant, f"{row}@seed" if row else "seed", 1, *parallel(), "--training.steps", "1",
+                        "--debug.seed", "0", "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                        folder=row)
+
+    def seeds(self) -> list[Job]:
+        """Every seed checkpoint: one per variant, and one per row that starts from its own dump folder."""
+        rows = [(spec, row) for spec in self.specs for row in self.rows
+                if self.applies(spec, row) and spec in ROWS[row].seed_in_folder]
+        return [*(self.seed(*variant) for variant in self.variants()),
+                *(self.seed(spec, self.variant(spec, row), row) for spec, row in rows)]
 
     def seed_path(self, spec: str, variant: str) -> Path:
         return self.root / spec / variant / "seed" / "checkpoint" / "step-0"
@@ -485,6 +503,8 @@ class Matrix:
         if r.validation and spec != "llama3":  # torchtitan's own model keeps torchtitan's validator
             flags = (*flags, *VALIDATION, "--validation.dataset_path", str(self.corpus))
         train = (*self.from_seed(spec, variant), *flags)
+        if spec in r.seed_in_folder:  # the seed is this job's own step-0: no initial_load_path
+            train = ("--checkpoint.enable", "--checkpoint.interval", "1000", *flags)
         if r.kind in ("resume_pp1", "resume_from_pp1"):  # a checkpoint resumed at another PP degree
             every2 = (*train, "--checkpoint.interval", "2")
             one = (*self.from_seed(spec, variant), *parallel(), "--checkpoint.interval", "2")
@@ -546,7 +566,7 @@ class Matrix:
 
     def plan(self, nproc: int) -> dict:
         units = self.units()
-        phases = [lanes(nproc, 1, [(1, [self.seed(*variant)]) for variant in self.variants()])]
+        phases = [lanes(nproc, 1, [(1, [seed]) for seed in self.seeds()])]
         for late in (False, True):
             for world in sorted({unit[0] for unit in units}):
                 work = [(cost, jobs) for w, cost, jobs, is_late in units if w == world and is_late == late]
@@ -596,7 +616,7 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    # this checkout first (a worktree beside an editable install of another), then the README's module
+    # this checkout's titan_ext (not an installed copy of another), the drivers, and the README example's module
     python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
@@ -700,7 +720,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     jobs = matrix.row_jobs(spec, row)
     variant = matrix.variant(spec, row)
     ref_jobs = [matrix.seed(spec, variant), *matrix.row_jobs(spec, "single", variant)]
-    for job in [*ref_jobs, *jobs]:
+    own_seed = [matrix.seed(spec, variant, row)] if spec in ROWS[row].seed_in_folder else []
+    for job in [*ref_jobs, *own_seed, *jobs]:
         if error := job_error(matrix, job):
             return Result(spec, row, "ERROR", None, error)
     ref = read_metrics(matrix, ref_jobs[-1])

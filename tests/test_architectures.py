@@ -117,6 +117,10 @@ def generic_args(spec: str, config: dict, tmp_path, flag: str = "--titan_ext.hf_
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
+    if flag == "--model.hf_assets_path":  # a model's folder, as downloaded: the job loads its tokenizer too
+        import shutil
+
+        shutil.copy(REPO / "titan_ext" / "assets" / "tiny" / "tokenizer.json", folder)
     args = TRAIN_SPECS[spec]().model_args["from_config"]
     where = str(folder / "config.json") if flag == "--titan_ext.hf_config" else str(folder)
     args.update_from_config(job_config("--model.name", spec, flag, where))

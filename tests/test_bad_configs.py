@@ -4,8 +4,9 @@ Every class of bad input is checked in-process, through the same functions a
 job runs (``preflight.check_job_config`` at the Trainer's import of
 titan_ext, then the model args' ``update_from_config``). Two real 2-rank
 launches, started together, check what the user sees: the line once (rank
-0), exit code 2 on every rank, no Python traceback from any rank, and nothing
-printed by the ranks after it.
+0), exit code 2 on every rank, no Python traceback from any rank, nothing
+printed by the ranks after it, and the line again as the root cause at the end
+of torchrun's failure summary (the worker's error file).
 """
 
 import json
@@ -104,8 +105,10 @@ def write_inputs(tmp):
 # name -> (CLI arguments, world size, expected message)
 CASES = {
     # names
-    "unknown model name": ([*GLA, "--model.name", "fla_glx"], 1, "--model.name='fla_glx' is not a registered train spec"),
+    "unknown model name": ([*GLA, "--model.name", "fla_glx"], 1,
+                           "--model.name='fla_glx' is not a registered train spec; did you mean 'fla_gla'"),
     "unknown flavor": ([*GLA, "--model.flavor", "huge"], 1, "--model.flavor='huge' is not a flavor of fla_gla"),
+    "wrong-case flavor": ([*GLA, "--model.flavor", "DebugModel"], 1, "; did you mean 'debugmodel'?"),
     "unknown dataset": ([*GLA, "--training.dataset", "c5"], 1, "--training.dataset"),
     # (the CLI flag is checked by tyro; a TOML value is not)
     "unknown ac mode": (["--job.config_file", "{tmp}/ac_fullish.toml"], 1, "--activation_checkpoint.mode"),
@@ -355,6 +358,7 @@ def test_the_user_sees_one_line_and_no_traceback(launches, name):
     expected = LAUNCHES[name][1].replace("{tmp}", str(launches["tmp"]))
     lines = output.splitlines()
     hits = [i for i, line in enumerate(lines) if expected in line]
+    hits = [i for i in hits if " - ERROR - " in lines[i]]  # the log's line (torchrun's summary repeats it)
     assert code != 0 and len(hits) == 1, f"{name}: exit {code}, line found {len(hits)}x\n{output[-4000:]}"
     assert "exitcode  : 2" in output, output[-3000:]
     # Nothing after it but the other rank's earlier progress (ranks are not in step before the
@@ -365,7 +369,9 @@ def test_the_user_sees_one_line_and_no_traceback(launches, name):
     # The only traceback is torchrun's own (its ChildFailedError summary), not a rank's.
     tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback")]
     assert all("torch/distributed/run.py" in "\n".join(lines[i:i + 12]) for i in tracebacks), output[-4000:]
-    assert "error_file: <N/A>" in output
+    # ... whose root cause, the last thing printed, is the line (the worker's error file), not a link.
+    root = lines[lines.index("Root Cause (first observed failure):"):]
+    assert root[-2].startswith(f"  traceback : {expected}") and set(root[-1]) == {"="}, "\n".join(root)
 
 
 @pytest.mark.parametrize("rank,prefix", [("0", "titan_ext: "), ("1", "titan_ext (rank 1 only): ")])
@@ -382,6 +388,22 @@ def test_exit_with_logs_once_on_rank_0_and_other_ranks_wait_for_it(monkeypatch, 
     assert exit_info.value.code == errors.EXIT_CODE
     assert [r.getMessage() for r in caplog.records] == [f"{prefix}--x=1 is bad; use 2"]
     assert slept == ([] if rank == "0" else [errors.OTHER_RANKS_WAIT_S])
+
+
+def test_exit_with_hands_torchrun_the_line_as_the_root_cause(monkeypatch, tmp_path):
+    """torchrun's failure summary shows what the worker's error file holds, read by torch's own code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_ext import errors
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    with pytest.raises(SystemExit):
+        errors.exit_with(ConfigError("--x=1 is bad; use 2"))
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=errors.EXIT_CODE, error_file=str(path))
+    summary = ChildFailedError("torchtitan.train", {0: failure}).format_msg().splitlines()
+    assert summary[-2] == "  traceback : titan_ext: --x=1 is bad; use 2", "\n".join(summary)
 
 
 def test_the_way_out_of_a_changed_data_parallel_degree_passes(tmp, monkeypatch):

@@ -71,6 +71,10 @@ BAD_JSONL = {
     "no text field": ('{"text": "a"}\n{"txt": "b"}\n', "line 2 has no 'text' field"),
     "text not a string": ('{"text": 5}\n', "line 1 has a 'text' field of type int, not a string"),
     "not utf-8": (b'{"text": "a"}\n\xff\xfe\x00garbage\n', "line 2 is not JSON"),
+    "parquet": (b"PAR1\x15\x04", "is a parquet file; it is read by --training.dataset titan_ext_stream"),
+    "gzip": (b"\x1f\x8b\x08\x00", "is gzip-compressed; decompress it"),
+    "pretty-printed json": ('{\n  "text": "a"\n}\n', "holds one JSON document over many lines, not JSON lines"),
+    "json array": ('[\n  {"text": "a"}\n]\n', "holds one JSON document over many lines, not JSON lines"),
 }
 
 
@@ -344,6 +348,37 @@ def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
     assert checkpoints.checkpoint_to_load(config) is None
 
 
+def test_dataloader_to_load_follows_torchtitans_rule(tmp_path):
+    """torchtitan restores the dataloader only from a full load: never from step-0 (a seed checkpoint, loaded
+    model-only), an initial checkpoint with initial_load_model_only, or with the dataloader excluded."""
+    dump = tmp_path / "run"
+    initial = save_dcp(tmp_path / "elsewhere" / "step-3", {"w": (2,)})
+    on = {"checkpoint.enable": True}
+    assert checkpoints.dataloader_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) is None
+    full_initial = {**on, "checkpoint.initial_load_path": initial, "checkpoint.initial_load_model_only": False}
+    assert checkpoints.dataloader_to_load(job(full_initial, dump)) == initial
+    folder = make_steps(dump, complete=(0,))
+    assert checkpoints.dataloader_to_load(job(on, dump)) is None  # the seed: torchtitan's model_only = step == 0
+    make_steps(dump, complete=(4,))
+    assert checkpoints.dataloader_to_load(job(on, dump)) == str(folder / "step-4")
+    assert checkpoints.dataloader_to_load(job({**on, "checkpoint.load_step": 0}, dump)) is None
+    assert checkpoints.dataloader_to_load(job({**on, "checkpoint.exclude_from_loading": ["dataloader"]}, dump)) is None
+
+
+def test_a_seed_saved_by_one_rank_is_no_data_position_to_re_split(tmp_path):
+    """What StreamDataloader re-splits and the degree check compares: nothing for step-0, the ranks' for later."""
+    folder = tmp_path / "run" / "checkpoint"
+    for step, ranks in ((0, 1), (4, 2)):
+        dataloader = {**{f"dp_rank_{r}": b"x" for r in range(ranks)}, "world_size": ranks}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.zeros(2), "dataloader": dataloader}, checkpoint_id=str(folder / f"step-{step}"))
+    on = {"checkpoint.enable": True}
+    assert checkpoints.dataloader_resume_degree(job({**on, "checkpoint.load_step": 0}, tmp_path / "run")) is None
+    assert checkpoints.dcp_dataloader_ranks(str(folder / "step-0")) == 1  # saved, but torchtitan never loads it
+    assert checkpoints.dataloader_resume_degree(job(on, tmp_path / "run")) == 2
+
+
 BAD_LOADS = {
     "load_step not saved": (dict(complete=(5,), partial=(10,)), {"checkpoint.load_step": 10},
                             "--checkpoint.load_step=10: no readable step-10 in", "(complete steps: [5])"),
@@ -467,3 +502,55 @@ def test_good_names():
                   "compile.backend": "aot_eager", "activation_checkpoint.mode": "selective",
                   "validation.enable": True, "validation.dataset": "c4_validation"})  # fmt: skip
     names.check_names(config)
+
+
+def test_did_you_mean_puts_case_and_titan_ext_first():
+    own, theirs = {"fla", "fla_gla", "hf_llama"}, {"llama3", "llama4", "qwen3"}
+    assert names.did_you_mean("fla_glx", own, theirs)[:1] == ["fla_gla"]
+    assert names.did_you_mean("llama", own, theirs)[0] == "hf_llama"  # titan_ext's before torchtitan's
+    assert names.did_you_mean("DebugModel", {"debugmodel", "340M"}) == ["debugmodel"]
+    message = fails(lambda: (_ for _ in ()).throw(names.unknown_name(
+        "--model.name='fla_glx'", "fla_glx", "a registered train spec", {"titan_ext": own, "torchtitan": theirs},
+        {"vlm"}, "torchtitan experiments")), "did you mean 'fla_gla'", "(titan_ext: fla, fla_gla, hf_llama; "
+        "torchtitan: llama3, llama4, qwen3; and 1 torchtitan experiments)")
+    assert message.startswith("--model.name='fla_glx' is not a registered train spec; did you mean 'fla_gla'")
+
+
+# ---------------------------------------------------------------- tokenizer assets
+
+BAD_TOKENIZER_DIRS = {
+    "empty folder": ({}, "holds no tokenizer.json (nor vocab.json/vocab.txt; it holds nothing)"),
+    "config only": ({"tokenizer_config.json": "{}"}, "holds no tokenizer.json (nor vocab.json/vocab.txt; it holds "
+                                                     "tokenizer_config.json); copy the model's tokenizer.json"),
+    "broken tokenizer.json": ({"tokenizer.json": '{"version": "1.0", '}, "tokenizer.json cannot be loaded (",
+                              "download it again"),
+    "zero-byte tokenizer.json": ({"tokenizer.json": ""}, "tokenizer.json cannot be loaded (EOF while parsing"),
+    "not a tokenizer": ({"tokenizer.json": '{"a": 1}'}, "tokenizer.json cannot be loaded ("),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_TOKENIZER_DIRS))
+def test_bad_tokenizer_dir(tmp_path, case):
+    from titan_ext.inputs import tokenizer
+
+    files, *phrases = BAD_TOKENIZER_DIRS[case]
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    fails(lambda: tokenizer.check_tokenizer_dir(str(tmp_path), str(tmp_path)), "--model.hf_assets_path=", *phrases)
+
+
+def test_tokenizer_dir_checked_before_any_model(tmp_path):
+    """Through the job's first checks (and the tokenizer builder): a file, and a folder without a tokenizer."""
+    from titan_ext import data, preflight
+
+    tokenizer_json = str(REPO / "titan_ext" / "assets" / "tiny" / "tokenizer.json")
+    fails(lambda: preflight.check_job_config(job({"model.hf_assets_path": tokenizer_json}), 1),
+          "is a file; point it at the directory holding tokenizer.json")
+    fails(lambda: data.build_tokenizer(job({"model.hf_assets_path": str(tmp_path)})), "holds no tokenizer.json")
+    preflight.check_job_config(job(), 1)  # the shipped tokenizer
+
+
+def test_hf_config_directory_without_config_json(tmp_path):
+    from titan_ext.models.args import load_hf_config_json
+
+    fails(lambda: load_hf_config_json(str(tmp_path)), "is a directory without config.json; point it at")

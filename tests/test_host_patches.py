@@ -191,6 +191,28 @@ def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
     assert emitted() == everything
 
 
+def test_an_entry_point_is_quiet_for_its_call_alone(caplog):
+    """``quiet_entry`` drops the job's and ENTRY_WARNINGS' notices inside its scope, none outside."""
+    import logging
+
+    def emitted() -> int:
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", append=True)
+            for message, _, _ in host_patches.ENTRY_WARNINGS:
+                warnings.warn(f"{message} y", FutureWarning)
+        with caplog.at_level(logging.WARNING):
+            for name, part, _ in host_patches.JOB_LOGS:
+                logging.getLogger(name).warning(f"x {part} y")
+        return len(caught) + len(caplog.records)
+
+    everything = len(host_patches.ENTRY_WARNINGS) + len(host_patches.JOB_LOGS)
+    assert emitted() == everything
+    with host_patches.quiet_entry():
+        assert emitted() == 0
+    assert emitted() == everything
+
+
 def test_a_new_context_parallel_binding_drops_the_last_ones_classes():
     """Each CP binding's classes hold its job's group: the cache keeps none of a finished job's."""
     import torch

@@ -152,6 +152,25 @@ def test_the_cli_reports_memory_collectives_bubble_and_time(capsys):
     assert "pipeline bubble: 0.0% (no pipeline)" in out and "at 25 GB/s per rank" in out
 
 
+def test_the_cli_is_quiet_and_names_the_kernels_it_plans():
+    """A fresh process (the libraries' notices come once, at import): stdout the plan, stderr empty."""
+    cmd = [sys.executable, "-m", "titan_ext.plan", "--job.config_file", CONFIG, "--world", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "planned in CPU mode, on titan_ext's portable torch kernels" in proc.stdout
+
+
+def test_fla_kernels_are_refused_with_a_hint_that_works(capsys):
+    from titan_ext.plan import main
+
+    argv = ["--job.config_file", CONFIG, "--world", "2", "--titan_ext.kernels", "fla"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("titan_ext: --titan_ext.kernels='fla': the planner cannot run fla's Triton kernels") and \
+        err.count("\n") == 1 and "TRITON_INTERPRET" not in err, err
+    assert main([*argv[:-1], "auto"]) == 0  # what the hint says to do
+
+
 def test_activation_checkpointing_shrinks_the_recorded_activations():
     """Full AC keeps each block's input instead of everything the block saved: fewer bytes than no AC, and at
     least the blocks' inputs (blocks x batch x seq x hidden, fp32)."""

@@ -527,3 +527,34 @@ def test_gla_model_incremental_decoding_matches_full_forward():
             steps.append(out.logits)
             cache = out.past_key_values
     assert_rel_close(torch.cat(steps, dim=1), full, what="incremental logits")
+
+
+GENERATE = """
+import torch
+from titan_ext import kernels
+model = kernels.from_pretrained({path!r})
+out = model.generate(input_ids=torch.tensor([[1, 5, 9]]), max_new_tokens=3, do_sample=False)
+print(out.shape[1])
+"""
+
+
+def test_from_pretrained_and_generate_keep_the_console_quiet(tmp_path):
+    """A fresh process (the libraries' notices come once, at import): nothing on stderr but transformers' own
+    progress bar; warnings still reach the user's own code after the call."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers import REPO
+
+    config = GLAConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=64, fuse_norm=False)
+    kernels.portable(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path)
+    code = GENERATE.format(path=str(tmp_path)) + "import warnings; warnings.warn('the user\\'s own warning')\n"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.split() == ["6"], proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    noise = [line for line in lines if not line.startswith("Loading weights") and "the user's own warning" not in line
+             and line.strip() != "warnings.warn('the user\\'s own warning')"]
+    assert noise == [], "\n".join(noise)
+    assert any("the user's own warning" in line for line in lines)  # the quiet ends with the call

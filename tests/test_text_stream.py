@@ -91,21 +91,74 @@ def test_the_shuffle_buffer_alone_is_a_seeded_permutation():
         ("empty dir", "{tmp}/empty", "holds no .arrow/.json/.jsonl/.parquet file"),
         ("glob", "{tmp}/nothing/*.parquet", "matches no file"),
         ("no text field", "{tmp}/body", "records have no string 'text' field (fields: ['body', 'id'])"),
-        ("empty shards", "{tmp}/blank", "holds no record"),
+        ("empty shards", "{tmp}/blank", "its 2 json file(s) hold no record"),
+        ("parquet shards of 0 rows", "{tmp}/no_rows", "its 2 parquet file(s) hold no record"),
         ("mixed", "{tmp}/mixed", "mixes ['json', 'parquet'] shards"),
         ("missing", "", "is empty"),
+        ("parquet without the text column", "{tmp}/body_parquet", "records have no string 'text' field (fields: ['body', 'id'])"),
+        ("zero-byte parquet", "{tmp}/zero_byte", "zero_byte/part-1.parquet is not a readable parquet file (ArrowInvalid"),
+        ("corrupt parquet past the first", "{tmp}/corrupt", "corrupt/part-3.parquet is not a readable parquet file"),
+        ("a DatasetDict folder", "{tmp}/dataset_dict", "is a DatasetDict saved by datasets (splits: train, test); "
+                                                       "point it at one split's folder, e.g. '{tmp}/dataset_dict/train'"),
     ],
 )
 def test_bad_stream_inputs_are_one_line(tmp_path, setup, path, phrase):
     (tmp_path / "empty").mkdir()
     write_shards(tmp_path / "body", "jsonl", field="body")
+    write_shards(tmp_path / "body_parquet", "parquet", field="body")
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "a.jsonl").write_text("")
+    (tmp_path / "blank" / "b.jsonl").write_text("\n  \n")
+    write_shards(tmp_path / "no_rows", "parquet", docs=[], shards=2)
     write_shards(tmp_path / "mixed", "jsonl", shards=1)
     write_shards(tmp_path / "mixed", "parquet", shards=1)
+    write_shards(tmp_path / "zero_byte", "parquet")
+    (tmp_path / "zero_byte" / "part-1.parquet").write_bytes(b"")
+    write_shards(tmp_path / "corrupt", "parquet")
+    data = (tmp_path / "corrupt" / "part-3.parquet").read_bytes()
+    (tmp_path / "corrupt" / "part-3.parquet").write_bytes(data[: len(data) // 2])  # an interrupted copy
+    (tmp_path / "dataset_dict" / "train").mkdir(parents=True)
+    (tmp_path / "dataset_dict" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
     with pytest.raises(ConfigError) as e:
         check_stream(path.replace("{tmp}", str(tmp_path)), "text")
+    phrase = phrase.replace("{tmp}", str(tmp_path))
     assert phrase in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_empty_shards_among_good_ones_leave_no_rank_without_documents(tmp_path):
+    """Shards of 0 rows, 0 bytes or blank lines hold nothing to split: the ranks share the others (dealt
+    file by file, rank 1 of 2 would get parts 1 and 3, both empty)."""
+    for fmt in ("jsonl", "parquet"):
+        folder = write_shards(tmp_path / fmt, fmt, shards=4)
+        for empty in (1, 3):
+            (folder / f"part-{empty}.{fmt}").unlink()
+        if fmt == "jsonl":
+            (folder / "part-1.jsonl").write_text("")
+            (folder / "part-3.jsonl").write_text("\n\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            for empty in (1, 3):  # the text column, no row
+                pq.write_table(pa.table({"text": pa.array([], pa.string())}), folder / f"part-{empty}.parquet")
+        seen = []
+        for rank in (0, 1):
+            tokenizer = RecordingTokenizer()
+            list(StreamedTextDataset(str(folder), tokenizer, 8, rank, 2, infinite=False))
+            assert tokenizer.seen, f"{fmt}: rank {rank} got no document"
+            seen += tokenizer.seen
+        assert sorted(seen) == sorted(d for i, d in enumerate(DOCS) if i % 4 in (0, 2)), fmt
+
+
+def test_a_saved_dataset_folder_streams(tmp_path):
+    """``Dataset.save_to_disk``: arrow shards next to datasets' own state.json and dataset_info.json."""
+    from datasets import Dataset
+
+    Dataset.from_list([{"text": d} for d in DOCS]).save_to_disk(str(tmp_path / "saved"))
+    tokenizer = RecordingTokenizer()
+    check_stream(str(tmp_path / "saved"), "text")
+    list(StreamedTextDataset(str(tmp_path / "saved"), tokenizer, 8, 0, 1, infinite=False))
+    assert tokenizer.seen == DOCS
 
 
 def test_preflight_checks_the_stream_and_its_options(tmp_path):
@@ -208,8 +261,9 @@ def test_a_corrupt_parquet_shard_is_named(tmp_path):
     folder = write_shards(tmp_path / "p", "parquet")
     data = (folder / "part-1.parquet").read_bytes()
     (folder / "part-1.parquet").write_bytes(data[:4] + b"\0" * 64 + data[68:])  # a page header overwritten
-    with pytest.raises(ConfigError, match=r"part-1.parquet after row 0 cannot be read"):
+    with pytest.raises(ConfigError, match=r"part-1.parquet is not a readable parquet file .*; fix or remove the file") as e:
         list(StreamedTextDataset(str(folder), CharTokenizer(), 16, 0, 1, infinite=False))
+    assert "\n" not in str(e.value)  # pyarrow's message spans lines
 
 
 class RecordingTokenizer(CharTokenizer):

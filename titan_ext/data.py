@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_ext.inputs import jsonl
-from titan_ext.errors import ConfigError
+from titan_ext.inputs import jsonl, tokenizer
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 TINY_ASSETS = PACKAGE_ROOT / "assets" / "tiny"
@@ -88,9 +87,5 @@ def build_tokenizer(job_config):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     path = resolve_asset_path(job_config.model.hf_assets_path)
-    if not os.path.isdir(path):
-        raise ConfigError(
-            f"--model.hf_assets_path={job_config.model.hf_assets_path!r}: no such directory; "
-            "use 'titan_ext/assets/tiny' for the shipped tokenizer or a directory with tokenizer.json"
-        )
+    tokenizer.check_tokenizer_dir(path, job_config.model.hf_assets_path)
     return HuggingFaceTokenizer(path)

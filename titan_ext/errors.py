@@ -3,14 +3,16 @@
 Checks raise ``ConfigError`` with one line naming the option, its value and
 the fix. ``config_boundary`` wraps every titan_ext hook torchtitan calls: it
 turns a ``ConfigError`` into that line, logged once (rank 0; see ``exit_with``), and a quiet
-``SystemExit(2)`` on every rank, so neither the ranks nor torchrun's summary
-print a Python traceback. Outside those hooks (tests, scripts) the error is an
+``SystemExit(2)`` on every rank, so no rank prints a Python traceback; under
+torchrun the line is also the root cause of torchrun's failure summary
+(``report_to_torchrun``). Outside those hooks (tests, scripts) the error is an
 ordinary ``ValueError``.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
@@ -67,7 +69,23 @@ def exit_with(error: ConfigError) -> None:
     logging.getLogger().error(f"{prefix}: {error}")
     for handler in logging.getLogger().handlers:
         handler.flush()
+    report_to_torchrun(f"{prefix}: {error}")
     raise SystemExit(EXIT_CODE) from None
+
+
+def report_to_torchrun(line: str) -> None:
+    """Hand torchrun the line as this worker's error (torch.distributed.elastic's error-file protocol, the
+    format of its ``ErrorHandler.record_exception`` without a Python call stack): its failure summary, the
+    last thing a user sees, then shows the line as the root cause instead of a link to enable tracebacks."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return  # not under torchrun
+    message = {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": message}, f)
+    except OSError:  # the summary falls back to torchrun's own words; the log keeps the line
+        pass
 
 
 def config_boundary(fn):

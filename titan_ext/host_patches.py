@@ -136,6 +136,9 @@ CPU_MODE_WARNINGS: tuple[tuple[str, str], ...] = (
     ("DTensor (random operators|manual_seed)", "torch: gloo meshes; titan_ext does not draw random numbers on DTensors"),
     ("Set timeout is now only supported", "torch, for gloo groups after step 1; the timeout is still applied"),
     ("'set_vital' is deprecated", "torchdata's dataloader, on every job"),
+    ("In CPU autocast, but the target dtype is not supported",
+     "torchtitan autocasts 1-process and DDP jobs to --training.mixed_precision_param; for float32 (the debug "
+     "TOMLs') the CPU's autocast declines, and the job runs in float32 as asked"),
 )
 
 
@@ -169,6 +172,39 @@ JOB_LOGS: tuple[tuple[str, str, str], ...] = (
     ("transformers.utils.generic", "`past_key_values`/`cache_params` are deprecated",
      "fla 0.6's models build their outputs with past_key_values=, which transformers 5.24 renamed to cache"),
 )
+
+
+# Python warnings of titan_ext's entry points other than training (``titan_ext.kernels.from_pretrained(...)``
+# and its ``generate``, the planner) that ask nothing of their user: (message regex, why, versions seen).
+ENTRY_WARNINGS: tuple[tuple[str, str, str], ...] = (
+    ("`past_key_values` is deprecated and will be removed",
+     "fla 0.6's prepare_inputs_for_generation passes past_key_values=, which transformers 5.24 renamed to cache",
+     "fla 0.6.0, transformers 5.24"),
+    ("Both `past_key_values` and `cache` are set", "the same call, once transformers has made its cache",
+     "fla 0.6.0, transformers 5.24"),
+)
+
+
+@contextlib.contextmanager
+def quiet_entry() -> Iterator[None]:
+    """The console of a titan_ext entry point other than training, for the call alone: the job's tables,
+    ``ENTRY_WARNINGS``, and off an accelerator CPU mode's (its warnings and logs, not its patches)."""
+    import torch
+
+    cpu = not torch.accelerator.is_available()
+    messages = [m for m, *_ in (*JOB_WARNINGS, *ENTRY_WARNINGS)] + [m for m, _ in CPU_MODE_WARNINGS] * cpu
+    logs = [(name, part) for name, part, _ in (*JOB_LOGS, *(CPU_MODE_LOGS if cpu else ()))]
+    filters = [(logging.getLogger(name), _DropMessages(part)) for name, part in logs]
+    with warnings.catch_warnings():
+        for message in messages:
+            warnings.filterwarnings("ignore", message=message)
+        for logger, log_filter in filters:
+            logger.addFilter(log_filter)
+        try:
+            yield
+        finally:
+            for logger, log_filter in filters:
+                logger.removeFilter(log_filter)
 
 
 class _OneLineModelArgs(logging.Filter):

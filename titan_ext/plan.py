@@ -87,6 +87,25 @@ def describe(planned, job_config, link_gbps: float) -> str:
     return "\n".join(lines)
 
 
+KERNELS = ("planned in CPU mode, on titan_ext's portable torch kernels: on a GPU, fla's Triton kernels and torch's "
+           "fused attention save other tensors for backward, so activations there can differ (parameters, gradients, "
+           "optimizer state and collectives do not)")
+
+
+def check_kernels(job_config) -> None:
+    """fla's Triton kernels cannot run where the planner runs: a fake process group and FakeTensorMode, in CPU
+    mode (Triton's interpreter computes on real arrays; a GPU's kernels are not reachable from it)."""
+    from titan_ext.errors import ConfigError
+
+    if getattr(getattr(job_config, "titan_ext", None), "kernels", "auto") == "fla":
+        raise ConfigError(
+            "--titan_ext.kernels='fla': the planner cannot run fla's Triton kernels (it plans on fake tensors in CPU "
+            "mode, where neither a GPU nor Triton's interpreter can run them); plan with --titan_ext.kernels auto: "
+            "it plans titan_ext's portable kernels (parameters, gradients, optimizer state and collectives as with "
+            "fla's; the activations fla's kernels save on a GPU can differ)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     options, rest = parse(sys.argv[1:] if argv is None else argv)
     from titan_ext.planner import job_config_of, prepare
@@ -96,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     from titan_ext.planner.rank import plan_layout
 
     begin = time.monotonic()
+    try:
+        check_kernels(job_config_of(rest))
+    except ConfigError as error:
+        print(f"titan_ext: {error}", file=sys.stderr)
+        return 2
     if options.sweep:
         from titan_ext.planner import layouts
 
@@ -107,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"titan_ext: {error}", file=sys.stderr)
             return 2
         print(describe(planned, job_config_of(rest), options.link_gbps))
-    print(f"\nplanned in {time.monotonic() - begin:.1f} s")
+    print(f"\n{KERNELS}")
+    print(f"planned in {time.monotonic() - begin:.1f} s")
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from titan_ext.inputs import checkpoints, degrees, jsonl, names
+from titan_ext.inputs import checkpoints, degrees, jsonl, names, tokenizer
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError
 
@@ -22,6 +22,7 @@ def check_job_config(job_config, world_size: int) -> None:
     names.check_names(job_config)
     _check_model_name_and_flavor(job_config)
     _check_dataset(job_config)
+    _check_tokenizer(job_config)
     _check_document_mask(job_config)
     _check_titan_ext_parallelism(job_config, world_size)
 
@@ -45,13 +46,16 @@ def _check_model_name_and_flavor(job_config) -> None:
         from torchtitan.experiments import _supported_experiments
         from torchtitan.models import _supported_models
 
-        known = {*registry._extra_train_specs, *_supported_models, *_supported_experiments}
-        if name not in known:
-            raise ConfigError(f"--model.name={name!r} is not a registered train spec; choose one of {sorted(known)}")
+        own = set(registry._extra_train_specs)
+        if name not in own | set(_supported_models) | set(_supported_experiments):
+            raise names.unknown_name(f"--model.name={name!r}", name, "a registered train spec",
+                                     {"titan_ext": own, "torchtitan": set(_supported_models) - own},
+                                     set(_supported_experiments) - own, "torchtitan experiments")
     if _titan_ext_spec(name):
         flavors = registry.get_train_spec(name).model_args
         if flavor not in flavors:
-            raise ConfigError(f"--model.flavor={flavor!r} is not a flavor of {name}; choose one of {sorted(flavors)}")
+            raise names.unknown_name(f"--model.flavor={flavor!r}", flavor, f"a flavor of {name}",
+                                     {"flavors": set(flavors)})
 
 
 def _check_dataset(job_config) -> None:
@@ -69,6 +73,26 @@ def _check_dataset(job_config) -> None:
             jsonl.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
         if options.dataset == STREAM_DATASET:
             check_stream(options.dataset_path, text_field, option, bad_records)
+
+
+def _check_tokenizer(job_config) -> None:
+    """The spec's tokenizer loads from ``--model.hf_assets_path`` (before any model or process group), else a
+    missing or broken tokenizer.json ends in a FileNotFoundError or a Rust parse error on every rank."""
+    from torchtitan.protocols import train_spec as registry
+
+    from titan_ext.data import resolve_asset_path
+
+    name = job_config.model.name
+    known = name in registry._extra_train_specs or name in _torchtitan_model_names()
+    if known and registry.get_train_spec(name).build_tokenizer_fn is not None:
+        given = job_config.model.hf_assets_path
+        tokenizer.check_tokenizer_dir(resolve_asset_path(given), given)
+
+
+def _torchtitan_model_names() -> set[str]:
+    from torchtitan.models import _supported_models
+
+    return set(_supported_models)
 
 
 def _check_document_mask(job_config) -> None:
@@ -186,26 +210,26 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
         checkpoints.check_hf_checkpoint_shapes(path, shapes, option)
     else:
         checkpoints.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
-        if option == "--checkpoint.folder":  # a resume: the dataloader's position loads too
-            _check_data_parallel_degree(path, job_config, world_size)
+    _check_data_parallel_degree(job_config, world_size)
 
 
-def _check_data_parallel_degree(path: str, job_config, world_size: int) -> None:
+def _check_data_parallel_degree(job_config, world_size: int) -> None:
     """torchtitan's dataloaders keep one position per data-parallel rank and stop with an AssertionError
-    traceback when the degree changed; titan_ext_stream over local shards re-splits them, nothing else can."""
+    traceback when the degree changed; titan_ext_stream over local shards re-splits them, nothing else can.
+    Only a load that restores the dataloader matters (``checkpoints.dataloader_to_load``: not a seed's step-0)."""
     from titan_ext.text_stream import STREAM_DATASET, local_shards
 
+    path = checkpoints.dataloader_to_load(job_config)
     training = job_config.training
-    if "dataloader" in job_config.checkpoint.exclude_from_loading:
-        return
-    if training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
-        return  # StreamDataloader re-splits the saved positions
+    if path is None or training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
+        return  # nothing to re-split, or StreamDataloader re-splits the saved positions
     saved = checkpoints.dcp_dataloader_ranks(path)
     p = job_config.parallelism
     now = degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
+    option = "--checkpoint.folder" if path != job_config.checkpoint.initial_load_path else "--checkpoint.initial_load_path"
     if saved and saved != now:
         raise ConfigError(
-            f"--checkpoint.folder ({path}) was saved by {saved} data-parallel ranks, this job has {now}: "
+            f"{option} ({path}) was saved by {saved} data-parallel ranks, this job has {now}: "
             f"--training.dataset={job_config.training.dataset!r} cannot re-split its data position over another number "
             f"of ranks; resume with {saved} data-parallel ranks, or add --checkpoint.exclude_from_loading dataloader "
             "(model and optimizer resume, the data starts again from its beginning)"
@@ -221,10 +245,8 @@ def _check_vocabulary(model_args, model, job_config) -> None:
     path = os.path.join(assets, "tokenizer.json") if assets else ""
     if not os.path.isfile(path):
         return  # no HF tokenizer to compare with (the tokenizer's own build reports a missing one)
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(path)
-    needed = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    vocab = tokenizer.load_tokenizer_json(path, f"--model.hf_assets_path={job_config.model.hf_assets_path!r}")
+    needed = max(vocab.get_vocab(with_added_tokens=True).values()) + 1
     rows = model.get_input_embeddings().weight.shape[0]
     if rows < needed:
         hf_config = getattr(getattr(job_config, "titan_ext", None), "hf_config", "")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 from titan_ext.errors import ConfigError
@@ -37,11 +38,12 @@ class BadRecords:
         the dataset padding the step with windows that train nothing) or "exit" (this rank, in one line);
         "" outside a job: the ``ConfigError`` is raised."""
 
-    def meet(self, where: str, problem: str) -> None:
-        """Raise (stop), or log and count (skip); ``where`` is the file and line or row."""
+    def meet(self, where: str, problem: str, what: str = "record") -> None:
+        """Raise (stop), or log and count (skip); ``where`` is the file and line or row (``what``: "record",
+        or "file" for one that cannot be read at all)."""
         if self.policy == "stop":
             raise ConfigError(
-                f"{self.option}: {where} {problem}; fix or remove the record, or set {BAD_RECORDS_OPTION}=skip "
+                f"{self.option}: {where} {problem}; fix or remove the {what}, or set {BAD_RECORDS_OPTION}=skip "
                 "to train past bad records (logged, counted)"
             )
         self.skipped += 1
@@ -90,7 +92,16 @@ def _table_rows(file, builder, text_field, bad_records):
     except ConfigError:
         raise
     except Exception as error:  # pyarrow's: a corrupt or truncated file (skipping drops its rest)
-        bad_records.meet(f"{file} after row {row}", f"cannot be read ({type(error).__name__}: {error})")
+        detail = f"{type(error).__name__}: {one_line(error)}"
+        if row == 0:
+            bad_records.meet(file, f"is not a readable {builder} file ({detail})", "file")
+        else:
+            bad_records.meet(f"{file} after row {row}", f"cannot be read ({detail})")
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """A library's message (pyarrow's span lines) as one line."""
+    return " ".join(str(error).split())[:limit]
 
 
 def _record_batches(file: str, builder: str):
@@ -108,6 +119,25 @@ def _record_batches(file: str, builder: str):
             yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
             return
         yield from reader
+
+
+def holds_no_record(file: str, builder: str) -> bool:
+    """A shard that surely holds no record (0 bytes, only blank lines, 0 rows), to be left out of the split so
+    that no rank is dealt only empty files. Cheap: a parquet footer, a JSON-lines file's first line, an arrow
+    stream's first batches. A file that cannot be read is not empty: reading it reports it."""
+    if os.path.getsize(file) == 0:
+        return builder != "parquet"  # a 0-byte parquet file is no parquet file: reading it names it
+    try:
+        if builder == "json":
+            with open(file, "rb") as f:
+                return not any(raw.strip() for raw in f)
+        if builder == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(file).metadata.num_rows == 0
+        return not any(batch.num_rows for batch in _record_batches(file, builder))
+    except Exception:  # noqa: BLE001 (pyarrow's errors for a corrupt file: reported when it is read)
+        return False
 
 
 def initial_units(files: int, rank: int, world: int) -> list[Unit]:

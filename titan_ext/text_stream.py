@@ -31,7 +31,9 @@ from torch.utils.data import IterableDataset
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError, defer, exit_with
-from titan_ext.shards import BAD_RECORDS, BAD_RECORDS_OPTION, BadRecords, LocalRecords, file_records, split
+from titan_ext.shards import (
+    BAD_RECORDS, BAD_RECORDS_OPTION, BadRecords, LocalRecords, file_records, holds_no_record, one_line, split,
+)
 
 STREAM_DATASET = "titan_ext_stream"
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
@@ -42,7 +44,10 @@ def local_shards(path: str, option: str = OPTION) -> tuple[str, list[str]] | Non
     """(``datasets`` builder, files) for a local file, directory or glob; None for an HF dataset name.
     ``option`` is the config option that named ``path`` (errors name it)."""
     if os.path.isdir(path):
+        _check_not_dataset_dict(path, option)
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
+        if any(f.endswith(".arrow") for f in files):  # a ``save_to_disk`` folder: its JSON files describe it
+            files = [f for f in files if os.path.basename(f) not in SAVED_DATASET_METADATA]
         where = f"the directory {path!r}"
     elif glob.has_magic(path):
         files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
@@ -62,10 +67,31 @@ def local_shards(path: str, option: str = OPTION) -> tuple[str, list[str]] | Non
     if len(formats) > 1:
         raise ConfigError(f"{option}={path!r} mixes {sorted(formats)} shards; keep one format per dataset")
     (builder,) = formats
-    files = [f for f in files if FORMATS.get(os.path.splitext(f)[1]) == builder]
-    if all(os.path.getsize(f) == 0 for f in files):
-        raise ConfigError(f"{option}={path!r} holds no record (empty files); an empty dataset would never yield a batch")
+    shards = [f for f in files if FORMATS.get(os.path.splitext(f)[1]) == builder]
+    files = [f for f in shards if not holds_no_record(f, builder)]  # the others are read; empty ones add nothing
+    if not files:
+        raise ConfigError(f"{option}={path!r}: its {len(shards)} {builder} file(s) hold no record; "
+                          "an empty dataset would never yield a batch: point it at shards with records")
     return builder, files
+
+
+SAVED_DATASET_METADATA = ("state.json", "dataset_info.json")
+"""What ``datasets``' ``save_to_disk`` writes next to its arrow shards."""
+
+
+def _check_not_dataset_dict(path: str, option: str) -> None:
+    """A ``DatasetDict.save_to_disk`` folder holds one folder per split: reading them all would mix them."""
+    index = os.path.join(path, "dataset_dict.json")
+    if not os.path.isfile(index):
+        return
+    try:
+        with open(index) as f:
+            splits = list(json.load(f)["splits"])
+    except (ValueError, KeyError, TypeError):
+        splits = []
+    first = os.path.join(path, splits[0]) if splits else os.path.join(path, "train")
+    raise ConfigError(f"{option}={path!r} is a DatasetDict saved by datasets (splits: {', '.join(splits) or '?'}); "
+                      f"point it at one split's folder, e.g. {first!r}")
 
 
 def open_stream(path: str, option: str = OPTION, text_field: str = "text", bad_records: BadRecords | None = None,
@@ -108,10 +134,31 @@ def check_stream(path: str, text_field: str, option: str = OPTION, bad_records: 
                 for _ in itertools.islice(file_records(file, "json", text_field, BadRecords("stop", option)),
                                           FIRST_LOOK_LINES):
                     pass
+    if shards is not None and shards[0] == "parquet":
+        _check_parquet_footers(shards[1], path, text_field, option, bad_records)
     first = next(iter(open_stream(path, option, text_field, BadRecords(bad_records, option))), None)
     if first is None:
         raise ConfigError(f"{option}={path!r} holds no record; an empty dataset would never yield a batch")
     _check_text_field(first, path, text_field, option)
+
+
+def _check_parquet_footers(files: list[str], path: str, text_field: str, option: str, bad_records: str) -> None:
+    """Every footer (cheap): a broken file past the first is named now, not mid-run; the text column is in
+    the schema (a wrong [titan_ext] text_field is not a bad record)."""
+    import pyarrow.parquet as pq
+
+    columns = None
+    for file in files:
+        try:
+            schema = pq.ParquetFile(file).schema_arrow
+        except Exception as error:  # noqa: BLE001 (pyarrow's errors for a corrupt, truncated or 0-byte file)
+            if bad_records == "stop":
+                BadRecords("stop", option).meet(
+                    file, f"is not a readable parquet file ({type(error).__name__}: {one_line(error)})", "file")
+            continue
+        columns = schema.names if columns is None else columns
+    if columns is not None:
+        _check_text_field(dict.fromkeys(columns, ""), path, text_field, option)  # names only
 
 
 def _first_json_object(files: list[str]) -> dict | None:

@@ -147,15 +147,30 @@ def check_dcp_checkpoint(path: str, expected: dict[str, tuple[int, ...]], option
             )
 
 
-def dataloader_resume_degree(job_config) -> int | None:
-    """How many data-parallel ranks saved the dataloader positions this job resumes (from its own checkpoint
-    folder, dataloader not excluded), or None."""
+def dataloader_to_load(job_config) -> str | None:
+    """The DCP checkpoint whose dataloader positions torchtitan 0.2.2's ``CheckpointManager.load`` restores,
+    or None: a step-0 save (a seed checkpoint) and an initial checkpoint with ``initial_load_model_only`` load
+    the model alone, ``exclude_from_loading`` may drop the dataloader, and fault tolerance keeps its own."""
     checkpoint = job_config.checkpoint
-    if "dataloader" in checkpoint.exclude_from_loading or not os.path.exists(
-            os.path.join(job_config.job.dump_folder, checkpoint.folder)):
+    if "dataloader" in checkpoint.exclude_from_loading:
+        return None
+    ft = getattr(job_config, "fault_tolerance", None)
+    if getattr(ft, "enable", False) and checkpoint.enable_ft_dataloader_checkpoints:
         return None
     found = checkpoint_to_load(job_config)
-    return dcp_dataloader_ranks(found[0]) or None if found and found[1] == "dcp" else None
+    if not found or found[1] != "dcp":  # an HF checkpoint holds the model only
+        return None
+    path = found[0]
+    if not os.path.exists(os.path.join(job_config.job.dump_folder, checkpoint.folder)):  # the initial checkpoint
+        return None if checkpoint.initial_load_model_only else path
+    return None if os.path.basename(path) == "step-0" else path  # torchtitan: ``model_only = step == 0``
+
+
+def dataloader_resume_degree(job_config) -> int | None:
+    """How many data-parallel ranks saved the dataloader positions this job loads (``dataloader_to_load``), or
+    None."""
+    path = dataloader_to_load(job_config)
+    return dcp_dataloader_ranks(path) or None if path else None
 
 
 def dcp_dataloader_ranks(path: str) -> int:

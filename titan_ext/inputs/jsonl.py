@@ -17,6 +17,24 @@ def _require_file(path: str, where: str, fix: str) -> None:
         raise ConfigError(f"{where}: no such file; {fix}")
 
 
+def _require_json_lines(path: str, where: str, option: str) -> None:
+    """Files users give that are not JSON lines, named by what they are (the first line's JSON error would not)."""
+    section = option.removeprefix("--").split(".")[0]
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    kind = "parquet" if head.startswith(b"PAR1") else "arrow" if head.startswith(b"ARROW1") or path.endswith(
+        ".arrow") else "parquet" if path.endswith(".parquet") else ""
+    if kind:
+        raise ConfigError(f"{where} is a {kind} file; it is read by --{section}.dataset titan_ext_stream (this "
+                          "dataset reads one JSON-lines file)")
+    if head.startswith(b"\x1f\x8b"):
+        raise ConfigError(f"{where} is gzip-compressed; decompress it (gunzip), or give it uncompressed")
+    first = next((line for line in head.splitlines() if line.strip()), b"").strip()
+    if first in (b"[", b"{") or (first.startswith(b"[") and not first.endswith(b"]")):
+        raise ConfigError(f"{where} holds one JSON document over many lines, not JSON lines; write one JSON "
+                          "object per line")
+
+
 def _jsonl_record(raw: bytes, number: int, text_field: str, where: str, fix: str) -> dict:
     """One line of a JSON-lines dataset, parsed: an object with a string text field."""
     try:
@@ -42,6 +60,7 @@ def _jsonl_records(path: str, text_field: str, option: str, max_lines: int | Non
         raise ConfigError(f"{where} is a directory; a folder of shards is read by --{section}.dataset "
                           f"titan_ext_stream (parquet, JSON lines or arrow), or give one JSON-lines file")
     _require_file(path, where, fix)
+    _require_json_lines(path, where, option)
     with open(path, "rb") as f:
         for number, raw in enumerate(itertools.islice(f, max_lines), start=1):
             if raw.strip():

@@ -24,6 +24,29 @@ def _check_choice(where: str, value: str, choices, noun: str, suggestion: str | 
     raise ConfigError(f"{where} is not a {noun}; {use}")
 
 
+def did_you_mean(value: str, *groups) -> list[str]:
+    """Names close to ``value``, closest first, each group's before the next's (titan_ext's specs before
+    torchtitan's); a name that differs only in case comes first."""
+    found = []
+    for group in groups:
+        by_lower = {name.lower(): name for name in group}
+        close = difflib.get_close_matches(value.lower(), list(by_lower), n=3, cutoff=0.6)
+        found += [by_lower[name] for name in close if by_lower[name] not in found]
+    return found
+
+
+def unknown_name(where: str, value: str, noun: str, groups: dict[str, set[str]], unlisted: set[str] = frozenset(),
+                 unlisted_as: str = "") -> ConfigError:
+    """``where`` names no ``noun``: a "did you mean" (from ``groups``, then ``unlisted``), then the names of
+    ``groups`` by who registers them, and how many ``unlisted_as`` there are besides."""
+    close = did_you_mean(value, *groups.values(), unlisted)[:3]
+    listed = [f"{owner}: {', '.join(sorted(names))}" for owner, names in groups.items() if names]
+    if unlisted:
+        listed.append(f"and {len(unlisted)} {unlisted_as}")
+    hint = f"did you mean {' or '.join(repr(name) for name in close)}? " if close else "use one of "
+    return ConfigError(f"{where} is not {noun}; {hint}({'; '.join(listed)})")
+
+
 def _compile_backends() -> set[str]:
     import torch._dynamo
 

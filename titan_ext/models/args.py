@@ -25,6 +25,9 @@ def load_hf_config_json(path: str, option: str = HF_CONFIG_OPTION) -> dict[str, 
     option = f"{option}={path!r}"
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{option} is a directory without config.json; point it at an HF config.json or "
+                              "the model directory holding one")
     if not os.path.isfile(path):
         raise ConfigError(f"{option}: no such file; point it at an HF config.json or the directory holding one")
     try:

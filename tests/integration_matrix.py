@@ -76,7 +76,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - Rows whose code path does not depend on the model run for fewer specs: ``hsdp2x2`` (GLA),
   ``fsdp2_tp2`` and ``cp2_fsdp2`` (GLA and Llama; the fla transformer's TP and CP paths run in
   ``tp2``, ``cp2``, ``cp2_tp2`` and ``cp2_docs``).
-- Some rows belong to one spec (``Row.specs``): the README's extension example
+- Some rows belong to one spec (``Row.specs``): the extension example (docs/extending.md)
   (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
   ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
   ``error_on_recompile``: a recompile is an error.
@@ -270,7 +270,7 @@ TIED_DTENSOR_RTOL = (("hf_llama", 2e-5), ("hf_qwen3", 2e-5))
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
 PP_SPECS = ("fla_gla", "hf_llama", "fla_transformer")
 README_COMMAND = "{readme}"
-"""Stands for the README example's command-line arguments."""
+"""Stands for the extension example's command-line arguments (docs/extending.md)."""
 ROWS = {
     "single": Row(1, parallel(), validation=True),
     "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",)),
@@ -616,7 +616,7 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    # this checkout's titan_ext (not an installed copy of another), the drivers, and the README example's module
+    # this checkout's titan_ext (not an installed copy of another), the drivers, and the extension example's module
     python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.

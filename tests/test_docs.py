@@ -94,7 +94,9 @@ RUN_BY = {
     "torchrun --nproc_per_node=1 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--job.dump_folder outputs/seed --checkpoint.enable --checkpoint.create_seed_checkpoint": "matrix:fla_gla/single",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
-    "--checkpoint.enable --checkpoint.initial_load_path outputs/seed/checkpoint/step-0": "matrix:fla_gla/fsdp2",
+    "--checkpoint.enable --checkpoint.initial_load_path outputs/seed/checkpoint/step-0": "matrix:fla_gla/tp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--job.dump_folder outputs/seed --checkpoint.enable": "matrix:fla_gla/fsdp2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--job.dump_folder outputs/gla_hf --checkpoint.enable --checkpoint.last_save_in_hf --checkpoint.last_save_model_only":
         "matrix:fla_gla/hf",

@@ -63,7 +63,7 @@ def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec
 
     assert matrix[spec, "hf"].status == "ok", matrix[spec, "hf"].detail
     folder = Matrix(matrix_root, [spec], ["hf"]).hf_export_folder(spec, "base")
-    # fla's Triton kernels need a GPU: fla models load through titan_ext.kernels, as the README says
+    # fla's Triton kernels need a GPU: fla models load through titan_ext.kernels, as docs/gpu.md says
     load = kernels.from_pretrained if spec.startswith("fla_") else AutoModelForCausalLM.from_pretrained
     model, info = load(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info

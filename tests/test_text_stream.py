@@ -193,7 +193,7 @@ def test_a_job_without_the_titan_ext_section_gets_the_documented_defaults():
 
     from titan_ext.text_stream import stream_options
 
-    assert stream_options(SimpleNamespace()) == ("text", 10000)  # README: text_field "text", shuffle_buffer 10000
+    assert stream_options(SimpleNamespace()) == ("text", 10000)  # README.md: text_field "text", shuffle_buffer 10000
 
 
 def write_with_bad_line(folder, line_number, bad='{"text": "cut off'):

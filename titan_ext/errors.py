@@ -39,7 +39,7 @@ class HostChanged(ConfigError):
         except PackageNotFoundError:
             installed = "(not installed)"
         super().__init__(f"{package} {installed}: {what}; titan_ext would train on wrong numbers. Install a "
-                         f"tested version (README, Tested versions) or report it")
+                         f"tested version (docs/tested-versions.md) or report it")
 
 
 def rank() -> int:

@@ -242,6 +242,8 @@ CP_DOCS_RTOL = (*CP_ATTENTION_RTOL, ("fla_gated_deltanet", 1e-4))
 TIED_DTENSOR_RTOL = (("hf_llama", 2e-5), ("hf_qwen3", 2e-5))
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
 PP_SPECS = ("fla_gla", "hf_llama", "fla_transformer")
+CHUNKED = ("--titan_ext.loss", "chunked", "--titan_ext.loss_chunk_tokens", "48")
+"""The chunked loss, 48 tokens a chunk: a batch of 2 x 80 tokens runs 4 chunks (the last one shorter)."""
 README_COMMAND = "{readme}"
 """Stands for the README example's command-line arguments."""
 ROWS = {
@@ -339,6 +341,15 @@ ROWS = {
     "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True, cost=3),
+    # The chunked loss (titan_ext.loss), against one process on torchtitan's loss: FSDP2 (GLA's untied head is a
+    # group of its own, resharded after forward; Llama's tied head is the root's), TP2 with sequence and loss
+    # parallel and document masking (Llama's vocab-sharded tied weight), PP2 with gradient accumulation (the
+    # last stage's tied copy).
+    "chunked_fsdp2": Row(2, (*parallel(shard=2), *CHUNKED, "--parallelism.fsdp_reshard_after_forward", "always"),
+                         specs=("fla_gla", "hf_llama"), spec_rtol=TIED_DTENSOR_RTOL),
+    "chunked_tp2_docs": Row(2, (*parallel(tp=2), *CHUNKED), rtol=TP_RTOL, documents=True, validation=True,
+                            specs=("hf_llama",), spec_rtol=TIED_DTENSOR_RTOL, cost=3),
+    "chunked_pp2_accum2": Row(2, (*parallel(pp=2), *CHUNKED), rtol=TP_RTOL, accumulate=True, specs=("hf_llama",)),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
                     specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
@@ -571,7 +582,8 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    python_path = os.pathsep.join([str(REPO / "tests"), str(matrix.readme_folder)])  # + the README's module
+    # the checkout first (not an editable install's other tree), the tests' modules, the README's module
+    python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,

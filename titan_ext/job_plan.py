@@ -87,6 +87,14 @@ class DataParallelChoice:
 
 
 @dataclass(frozen=True)
+class LossChoice:
+    """The chunked loss (``titan_ext.loss``); the plan holds None for torchtitan's loss over the logits."""
+
+    chunk_tokens: int
+    """0: automatic (``titan_ext.kernels.linear_cross_entropy.chunk_size``)."""
+
+
+@dataclass(frozen=True)
 class JobPlan:
     world_size: int
     kernel_path: str
@@ -98,6 +106,8 @@ class JobPlan:
     compile: CompileChoice
     float8: Float8Choice | None
     data_parallel: DataParallelChoice
+    loss: LossChoice | None
+    """None: torchtitan's loss over the model's logits."""
     nonfinite: str
     metrics_jsonl: str
     hf_export: bool

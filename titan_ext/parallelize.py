@@ -21,6 +21,7 @@ from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 from titan_ext.float8 import keep_high_precision
 from titan_ext.job_plan import plan_of
+from titan_ext.loss import apply_chunked_loss
 
 logger = logging.getLogger()
 
@@ -29,10 +30,12 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
     plan = plan_of(model)  # the model's args carry the job plan
     if plan.float8 is not None and plan.float8.high_precision:
         keep_high_precision(model, plan.float8.high_precision)
+    if plan.loss is not None:
+        apply_chunked_loss(model, plan.loss)
     if plan.tp is not None:
         from titan_ext.tensor_parallel import apply_tp_from_plan
 
-        apply_tp_from_plan(model, parallel_dims.get_mesh("tp"), plan.tp)
+        apply_tp_from_plan(model, parallel_dims.get_mesh("tp"), plan.tp, head_in_loss=plan.loss is not None)
     if plan.cp is not None:
         from titan_ext.context_parallel import apply_cp
 
@@ -44,15 +47,18 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
     dp = plan.data_parallel
     if dp.kind in ("fsdp", "hsdp"):
         dims = ["dp_replicate", "fsdp"] if dp.kind == "hsdp" else ["fsdp"]
-        apply_fsdp(model, parallel_dims.get_mesh(dims), dp)
+        apply_fsdp(model, parallel_dims.get_mesh(dims), dp, head_alone=plan.loss is not None)
         logger.info(f"Applied {dp.kind.upper()} to the model")
     elif dp.kind == "ddp":
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), plan.compile.model)
     return model
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp, head_alone: bool = False) -> None:
     """FSDP2 (HSDP on a 2D mesh) over embeddings, each block, and norm + head together.
+
+    ``head_alone`` (the chunked loss, which calls the head after the model's forward): the head is a group
+    of its own, gathered when the loss calls it; the final norm stays with the root.
 
     The loss is already divided by the global token count, so gradients are
     summed, not averaged. gloo has no ``PREMUL_SUM``: there the reduction is
@@ -74,6 +80,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp) -> None:
     for block in decoder.layers:
         fully_shard(block, **config, reshard_after_forward=dp.reshard_blocks)
     head = [m for m in (decoder.norm, model.get_output_embeddings()) if m is not None and any(True for _ in m.parameters())]
+    if head_alone:
+        head = [m for m in head if m is model.get_output_embeddings()]
     if not tied and head:
         # Gathered last in forward and first in backward: keeping them unsharded
         # in between saves one all-gather.

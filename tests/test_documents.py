@@ -22,7 +22,10 @@ from titan_ext.text_stream import StreamedTextDataset
 
 FLAVORS = {"fla_gla": gla_flavors, "fla_gated_deltanet": gated_deltanet_flavors, "fla_transformer": transformer_flavors,
            "hf_llama": llama_flavors}
-MODELS = [*FLAVORS, "fla_gla+short_conv"]  # GLA with short convolutions: they too must stop at boundaries
+MODELS = [*FLAVORS, "fla_gla+short_conv", "hf_llama+document_attention"]
+"""GLA with short convolutions: they too must stop at boundaries. Llama with its attention run per document
+(``documents.apply_document_attention``, what a job with document masking runs) as well as with the
+block-causal mask."""
 
 
 def debug_model(name: str):
@@ -33,6 +36,9 @@ def debug_model(name: str):
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
+    if extra == "document_attention":
+        documents.apply_document_attention(model)
+        assert model.document_attention
     return model
 # two windows of 64 + 1 tokens, each exactly whole documents (a 1-token document too)
 DOCUMENT_LENGTHS = [[7, 30, 1, 27], [40, 2, 23]]

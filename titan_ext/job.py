@@ -165,6 +165,7 @@ def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
         float8=float8_choice,
         data_parallel=_data_parallel(job_config, world_size),
         loss=loss.loss_choice(meta, job_config, float8_choice and float8_choice.filter_fqns),
+        document_mask=documents.enabled(job_config),
         nonfinite=nonfinite.policy(section),
         metrics_jsonl=getattr(section, "metrics_jsonl", ""),
         hf_export=job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf,

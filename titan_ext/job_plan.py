@@ -108,6 +108,8 @@ class JobPlan:
     data_parallel: DataParallelChoice
     loss: LossChoice | None
     """None: torchtitan's loss over the model's logits."""
+    document_mask: bool
+    """``[titan_ext] document_mask``: packed windows train as their documents (``titan_ext.documents``)."""
     nonfinite: str
     metrics_jsonl: str
     hf_export: bool

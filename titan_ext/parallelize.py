@@ -20,6 +20,7 @@ from titan_ext.activation_checkpoint import apply_ac
 from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 from titan_ext.float8 import keep_high_precision
+from titan_ext.documents import apply_document_attention
 from titan_ext.job_plan import plan_of
 from titan_ext.loss import apply_chunked_loss
 
@@ -32,6 +33,8 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         keep_high_precision(model, plan.float8.high_precision)
     if plan.loss is not None:
         apply_chunked_loss(model, plan.loss)
+    if plan.document_mask and plan.cp is None:  # under CP, its attention masks documents itself
+        apply_document_attention(model)
     if plan.tp is not None:
         from titan_ext.tensor_parallel import apply_tp_from_plan
 

@@ -52,6 +52,10 @@ class TitanCausalLM:
     """Set by the chunked loss (``titan_ext.loss``): the forward returns the final hidden states, and the loss
     runs the head over them in chunks."""
 
+    document_attention = False
+    """Set by document masking on a transformers model (``titan_ext.documents.apply_document_attention``): its
+    attention runs each document alone, from ``cu_seqlens``; else it takes a block-causal mask."""
+
     cp_layout = None
     """Set by context parallelism (``titan_ext.context_parallel``): this rank's place in the split
     sequences, where each step's positions are recorded for the bound mixers."""
@@ -78,6 +82,8 @@ class TitanCausalLM:
         elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             inputs = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
             inputs["cu_seqlens"] = packing.cu_seqlens(document_positions)
+        elif self.document_attention:  # transformers: rotary positions from position_ids, attention per document
+            inputs = {**first, **packing.document_attention_inputs(document_positions)}
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
             mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}

@@ -51,7 +51,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk)
             grad_logits = _chunk_logits(hidden[rows], weight).sub_(lse[rows, None]).exp_()  # softmax
             local, inside = _local_labels(labels[rows], ctx.vocab_offset, weight.shape[0])
-            grad_logits[inside, local[inside]] -= 1.0
+            grad_logits.scatter_add_(1, local[:, None], -inside.to(grad_logits.dtype)[:, None])  # - one-hot
             grad_logits = grad_logits.mul_(scale[rows, None]).to(hidden.dtype)
             if want_hidden:
                 grad_hidden[rows] = grad_logits @ weight

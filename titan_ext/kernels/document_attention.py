@@ -3,7 +3,8 @@
 A transformers attention function (``ALL_ATTENTION_FUNCTIONS``' contract: ``[B, H, T, D]`` in,
 ``[B, T, H, D]`` out) for models whose documents are packed into rows (``titan_ext.documents``): the rows'
 tokens are taken as one packed sequence and each document attends to itself, causally. On CUDA, torch's
-variable-length kernel (``torch.nn.attention.varlen``, where this torch has it); elsewhere one SDPA call per
+variable-length kernel for bf16/fp16 (``torch.nn.attention.varlen``, where this torch has it with
+``window_size`` and ``enable_gqa``: torch 2.13; untested on a GPU here); elsewhere one SDPA call per
 document, whose memory grows with the document's tokens (not the row's squared). The boundaries come as
 ``cu_seq_lens_q`` (transformers' keyword for packed sequences, handed down by the model's forward).
 """
@@ -36,7 +37,8 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
 @torch.compiler.disable  # a host-side loop over documents: one graph break, no recompile per document count
 def packed_causal_attention(q, k, v, cu_seqlens, scale=None, window: int = -1, dropout: float = 0.0):
     """``[total, H, D]`` packed sequences (``[total, H_kv, D]`` keys and values), each attending to itself."""
-    varlen = compat.varlen_attention() if q.is_cuda and dropout == 0.0 else None
+    flash = q.is_cuda and dropout == 0.0 and q.dtype in (torch.bfloat16, torch.float16)  # flash-attention's dtypes
+    varlen = compat.varlen_attention() if flash else None
     if varlen is not None:
         bounds = cu_seqlens.to(torch.int32)
         longest = int((bounds[1:] - bounds[:-1]).max())

@@ -341,12 +341,13 @@ ROWS = {
     "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True, cost=3),
-    # The chunked loss (titan_ext.loss), against one process on torchtitan's loss: FSDP2 (GLA's untied head is a
-    # group of its own, resharded after forward; Llama's tied head is the root's), TP2 with sequence and loss
-    # parallel and document masking (Llama's vocab-sharded tied weight), PP2 with gradient accumulation (the
-    # last stage's tied copy).
-    "chunked_fsdp2": Row(2, (*parallel(shard=2), *CHUNKED, "--parallelism.fsdp_reshard_after_forward", "always"),
-                         specs=("fla_gla", "hf_llama"), spec_rtol=TIED_DTENSOR_RTOL),
+    # The chunked loss (titan_ext.loss), against one process on torchtitan's loss: FSDP2 with compiled blocks
+    # (GLA's untied head is a group of its own, resharded after forward; Llama's tied head is the root's), TP2
+    # with sequence and loss parallel and document masking (Llama's vocab-sharded tied weight), PP2 with gradient
+    # accumulation (the last stage's tied copy).
+    "chunked_fsdp2": Row(2, (*parallel(shard=2), *CHUNKED, "--parallelism.fsdp_reshard_after_forward", "always",
+                             "--compile.enable", "--compile.backend", "aot_eager"),
+                         specs=("fla_gla", "hf_llama"), spec_rtol=TIED_DTENSOR_RTOL, cost=4),
     "chunked_tp2_docs": Row(2, (*parallel(tp=2), *CHUNKED), rtol=TP_RTOL, documents=True, validation=True,
                             specs=("hf_llama",), spec_rtol=TIED_DTENSOR_RTOL, cost=3),
     "chunked_pp2_accum2": Row(2, (*parallel(pp=2), *CHUNKED), rtol=TP_RTOL, accumulate=True, specs=("hf_llama",)),

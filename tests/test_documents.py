@@ -156,3 +156,22 @@ def test_streamed_windows_carry_positions_and_resume_with_them(tmp_path):
     for inputs, labels in batches[5:]:
         got_inputs, got_labels = next(again)
         assert torch.equal(got_inputs["document_positions"], inputs["document_positions"]) and torch.equal(got_labels, labels)
+
+
+def test_an_attention_that_does_not_read_the_registry_stops_the_job():
+    """Per-document attention is put where transformers' attention modules look their function up; one that
+    looks elsewhere would let documents attend to each other: the job stops in one line."""
+    import types
+
+    import torch.nn as nn
+
+    from titan_ext.errors import HostChanged
+
+    block = nn.Module()
+    block.self_attn = nn.Linear(4, 4)  # its forward reads no attention registry
+    model = nn.Module()
+    model.arch = types.SimpleNamespace(packed_layout="position_ids")
+    model.config = types.SimpleNamespace(_attn_implementation="sdpa")
+    model.get_decoder = lambda: types.SimpleNamespace(layers=[block])
+    with pytest.raises(HostChanged, match="Linear.forward does not read ALL_ATTENTION_FUNCTIONS"):
+        documents.apply_document_attention(model)

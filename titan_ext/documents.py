@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, HostChanged
 
 OPTION = "--titan_ext.document_mask"
 IGNORE_INDEX = -100
@@ -91,10 +91,11 @@ def apply_document_attention(model) -> None:
         fallback = registry and registry.get_interface(implementation, getattr(module, "eager_attention_forward", None))
         interface = OneAttention(functools.partial(document_attention, fallback=fallback))
         names = {module.__name__: {"ALL_ATTENTION_FUNCTIONS": interface}}
-        if (module.__name__, "ALL_ATTENTION_FUNCTIONS") not in binding.bind(block.self_attn, {}, key=f"documents:{implementation}", names=names):
-            raise ConfigError(
-                f"{OPTION}: {type(block.self_attn).__qualname__} does not read transformers' attention registry, "
-                "where titan_ext puts its per-document attention; turn document masking off for this model"
+        used = binding.bind(block.self_attn, {}, key=f"documents:{implementation}", names=names)
+        if (module.__name__, "ALL_ATTENTION_FUNCTIONS") not in used:  # documents would attend to each other
+            raise HostChanged(
+                "transformers", f"{type(block.self_attn).__qualname__}.forward does not read ALL_ATTENTION_FUNCTIONS "
+                f"from {module.__name__}, where {OPTION} puts its per-document attention"
             )
     model.document_attention = True
 

@@ -351,6 +351,9 @@ ROWS = {
     "chunked_tp2_docs": Row(2, (*parallel(tp=2), *CHUNKED), rtol=TP_RTOL, documents=True, validation=True,
                             specs=("hf_llama",), spec_rtol=TIED_DTENSOR_RTOL, cost=3),
     "chunked_pp2_accum2": Row(2, (*parallel(pp=2), *CHUNKED), rtol=TP_RTOL, accumulate=True, specs=("hf_llama",)),
+    # opt-in (4 ranks): the last stage's vocab-sharded tied head under PP2 x TP2
+    "chunked_pp2_tp2": Row(4, (*parallel(tp=2, pp=2), *CHUNKED), rtol=TP_RTOL, specs=("hf_llama",),
+                           spec_rtol=TIED_DTENSOR_RTOL, opt_in=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
                     specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),

@@ -29,6 +29,9 @@ class TPOptions:
     loss_parallel: bool = True
     float8: bool = False
     """torchao's Float8 TP styles (all-gathers in float8); valid only for tensorwise scaling."""
+    head_in_loss: bool = False
+    """The loss runs the head on its weight's vocabulary shard (titan_ext's chunked loss): the plan places the
+    head's weight (``Shard(0)``) and lays out neither its input nor its output."""
 
 
 class TPPlan:
@@ -90,7 +93,7 @@ class TPPlan:
             )),
             self.final_norm: IfPresent(self.norm()),
             # Vocab-sharded logits go to torchtitan's loss_parallel context; else gather them.
-            self.lm_head: IfPresent(ColwiseParallel(
+            self.lm_head: IfPresent(PlaceParameters(Shard(0)) if self.options.head_in_loss else ColwiseParallel(
                 input_layouts=act,
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,

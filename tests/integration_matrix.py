@@ -269,6 +269,8 @@ CP_DOCS_RTOL = (*CP_ATTENTION_RTOL, ("fla_gated_deltanet", 1e-4))
 TIED_DTENSOR_RTOL = (("hf_llama", 2e-5), ("hf_qwen3", 2e-5))
 NAN = ("--experimental.custom_import", "nan_injection", "--model.name", "fla_gla_nan")
 PP_SPECS = ("fla_gla", "hf_llama", "fla_transformer")
+CHUNKED = ("--titan_ext.loss", "chunked", "--titan_ext.loss_chunk_tokens", "48")
+"""The chunked loss, 48 tokens a chunk: a batch of 2 x 80 tokens runs 4 chunks (the last one shorter)."""
 README_COMMAND = "{readme}"
 """Stands for the extension example's command-line arguments (docs/extending.md)."""
 ROWS = {
@@ -373,6 +375,19 @@ ROWS = {
     "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True, cost=3),
+    # The chunked loss (titan_ext.loss), against one process on torchtitan's loss: FSDP2 with compiled blocks
+    # (GLA's untied head is a group of its own, resharded after forward; Llama's tied head is the root's), TP2
+    # with sequence and loss parallel and document masking (Llama's vocab-sharded tied weight), PP2 with gradient
+    # accumulation (the last stage's tied copy).
+    "chunked_fsdp2": Row(2, (*parallel(shard=2), *CHUNKED, "--parallelism.fsdp_reshard_after_forward", "always",
+                             "--compile.enable", "--compile.backend", "aot_eager"),
+                         specs=("fla_gla", "hf_llama"), spec_rtol=TIED_DTENSOR_RTOL, cost=4),
+    "chunked_tp2_docs": Row(2, (*parallel(tp=2), *CHUNKED), rtol=TP_RTOL, documents=True, validation=True,
+                            specs=("hf_llama",), spec_rtol=TIED_DTENSOR_RTOL, cost=3),
+    "chunked_pp2_accum2": Row(2, (*parallel(pp=2), *CHUNKED), rtol=TP_RTOL, accumulate=True, specs=("hf_llama",)),
+    # opt-in (4 ranks): the last stage's vocab-sharded tied head under PP2 x TP2
+    "chunked_pp2_tp2": Row(4, (*parallel(tp=2, pp=2), *CHUNKED), rtol=TP_RTOL, specs=("hf_llama",),
+                           spec_rtol=TIED_DTENSOR_RTOL, opt_in=True),
     "nan_skip": Row(2, (*parallel(shard=2), *NAN, "--titan_ext.nonfinite_loss", "skip"), kind="nan_skip",
                     specs=("fla_gla",), env=(("NAN_AT_STEP", "3"),)),
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),

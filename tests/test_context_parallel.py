@@ -150,6 +150,9 @@ def _two_ranks(rank, mesh):
 
     host_patches.apply_cpu_mode()  # torch's ring on the CPU (this forked rank's own copy of torch)
     compat.torch_cp_options()._cp_options.convert_to_f32 = False  # the ring merges fp64 blocks in fp64
+    from titan_ext.kernels import cp_attention
+
+    cp_attention.QUERY_BLOCK = 16  # documents of up to 50 tokens: per-document attention in several query blocks
     results = {}
     for spec, pieces_per_rank, _ in CASES:
         torch.set_default_dtype(torch.float32 if spec.startswith("fla_gla") else torch.float64)

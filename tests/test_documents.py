@@ -22,7 +22,10 @@ from titan_ext.text_stream import StreamedTextDataset
 
 FLAVORS = {"fla_gla": gla_flavors, "fla_gated_deltanet": gated_deltanet_flavors, "fla_transformer": transformer_flavors,
            "hf_llama": llama_flavors}
-MODELS = [*FLAVORS, "fla_gla+short_conv"]  # GLA with short convolutions: they too must stop at boundaries
+MODELS = [*FLAVORS, "fla_gla+short_conv", "hf_llama+document_attention"]
+"""GLA with short convolutions: they too must stop at boundaries. Llama with its attention run per document
+(``documents.apply_document_attention``, what a job with document masking runs) as well as with the
+block-causal mask."""
 
 
 def debug_model(name: str):
@@ -33,6 +36,9 @@ def debug_model(name: str):
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
+    if extra == "document_attention":
+        documents.apply_document_attention(model)
+        assert model.document_attention
     return model
 # two windows of 64 + 1 tokens, each exactly whole documents (a 1-token document too)
 DOCUMENT_LENGTHS = [[7, 30, 1, 27], [40, 2, 23]]
@@ -150,3 +156,22 @@ def test_streamed_windows_carry_positions_and_resume_with_them(tmp_path):
     for inputs, labels in batches[5:]:
         got_inputs, got_labels = next(again)
         assert torch.equal(got_inputs["document_positions"], inputs["document_positions"]) and torch.equal(got_labels, labels)
+
+
+def test_an_attention_that_does_not_read_the_registry_stops_the_job():
+    """Per-document attention is put where transformers' attention modules look their function up; one that
+    looks elsewhere would let documents attend to each other: the job stops in one line."""
+    import types
+
+    import torch.nn as nn
+
+    from titan_ext.errors import HostChanged
+
+    block = nn.Module()
+    block.self_attn = nn.Linear(4, 4)  # its forward reads no attention registry
+    model = nn.Module()
+    model.arch = types.SimpleNamespace(packed_layout="position_ids")
+    model.config = types.SimpleNamespace(_attn_implementation="sdpa")
+    model.get_decoder = lambda: types.SimpleNamespace(layers=[block])
+    with pytest.raises(HostChanged, match="Linear.forward does not read ALL_ATTENTION_FUNCTIONS"):
+        documents.apply_document_attention(model)

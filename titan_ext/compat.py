@@ -149,6 +149,20 @@ def maybe_mark_dynamic(tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+@functools.cache
+def varlen_attention():
+    """torch's variable-length attention kernel (``torch.nn.attention.varlen.varlen_attn``, CUDA), or None
+    where this torch lacks it or its ``window_size``/``enable_gqa`` arguments (torch 2.13 has both)."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    parameters = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(parameters) else None
+
+
 def all_gather_autograd(tensor, group, dim: int = 0):
     """An all-gather along ``dim`` whose backward sums each slice's gradient over the ranks
     (``torch.distributed._functional_collectives``: traceable by dynamo, runs on gloo and NCCL)."""

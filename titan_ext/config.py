@@ -51,6 +51,15 @@ class TitanExt:
     torch kernels on the CPU), "fla" (fla's kernels as shipped; on the CPU under Triton's interpreter,
     TRITON_INTERPRET=1) or "portable" (torch kernels anywhere, e.g. to bisect a kernel problem on a GPU)."""
 
+    loss: str = "full"
+    """The training loss: "full" (torchtitan's cross-entropy over the whole ``[batch, seq, vocab]`` logits) or
+    "chunked" (the output head and the loss over chunks of tokens: one chunk's logits at a time, forward and
+    backward; same result to fp32 rounding; ``titan_ext.loss``)."""
+
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the chunked loss; 0: as many as keep a chunk's fp32 logits within 128 MiB
+    (on this rank's vocabulary slice under TP)."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

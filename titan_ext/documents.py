@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, HostChanged
 
 OPTION = "--titan_ext.document_mask"
 IGNORE_INDEX = -100
@@ -68,6 +68,36 @@ def to_every_stage(post_dataloading_process):
         return inputs, labels, extra_inputs, extra_kwargs
 
     return process
+
+
+def apply_document_attention(model) -> None:
+    """A transformers model's attention runs each packed document alone, from ``cu_seqlens``
+    (``kernels.document_attention``), instead of a ``B x T x T`` block-causal mask; fla models take
+    ``cu_seqlens`` already. Each block's attention reads it from its modeling file's attention registry
+    (as context parallelism puts its own there)."""
+    if model.arch.packed_layout == "cu_seqlens":
+        return
+    import functools
+    import sys
+
+    from titan_ext.kernels import binding
+    from titan_ext.kernels.cp_attention import OneAttention
+    from titan_ext.kernels.document_attention import document_attention
+
+    implementation = model.config._attn_implementation
+    for block in model.get_decoder().layers:
+        module = sys.modules[type(block.self_attn).__module__]
+        registry = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+        fallback = registry and registry.get_interface(implementation, getattr(module, "eager_attention_forward", None))
+        interface = OneAttention(functools.partial(document_attention, fallback=fallback))
+        names = {module.__name__: {"ALL_ATTENTION_FUNCTIONS": interface}}
+        used = binding.bind(block.self_attn, {}, key=f"documents:{implementation}", names=names)
+        if (module.__name__, "ALL_ATTENTION_FUNCTIONS") not in used:  # documents would attend to each other
+            raise HostChanged(
+                "transformers", f"{type(block.self_attn).__qualname__}.forward does not read ALL_ATTENTION_FUNCTIONS "
+                f"from {module.__name__}, where {OPTION} puts its per-document attention"
+            )
+    model.document_attention = True
 
 
 def check_model(model_args, job_config) -> None:

@@ -22,8 +22,8 @@ import os
 import torch
 
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, nonfinite,
-    moe, pipeline, preflight, tensor_parallel,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, loss, moe,
+    nonfinite, pipeline, preflight, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
@@ -153,6 +153,7 @@ def plan_job(model_args: HFModelArgs, job_config) -> JobPlan:
 def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
     """``meta``: the model on the meta device (the TP plan is chosen from its modules)."""
     section = getattr(job_config, "titan_ext", None)
+    float8_choice = float8.float8_choice(job_config, model_args.arch.float8_high_precision)
     return JobPlan(
         world_size=world_size,
         kernel_path=model_args.kernel_path,
@@ -161,9 +162,11 @@ def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
         pp=pipeline.pp_choice(meta, job_config, world_size),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
-        float8=float8.float8_choice(job_config, model_args.arch.float8_high_precision),
+        float8=float8_choice,
         data_parallel=_data_parallel(job_config, world_size),
         moe=moe.moe_choice(meta, job_config),
+        loss=loss.loss_choice(meta, job_config, float8_choice and float8_choice.filter_fqns),
+        document_mask=documents.enabled(job_config),
         nonfinite=nonfinite.policy(section),
         metrics_jsonl=getattr(section, "metrics_jsonl", ""),
         hf_export=job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf,

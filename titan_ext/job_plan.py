@@ -100,6 +100,14 @@ class MoEChoice:
 
 
 @dataclass(frozen=True)
+class LossChoice:
+    """The chunked loss (``titan_ext.loss``); the plan holds None for torchtitan's loss over the logits."""
+
+    chunk_tokens: int
+    """0: automatic (``titan_ext.kernels.linear_cross_entropy.chunk_size``)."""
+
+
+@dataclass(frozen=True)
 class JobPlan:
     world_size: int
     kernel_path: str
@@ -113,6 +121,10 @@ class JobPlan:
     data_parallel: DataParallelChoice
     moe: MoEChoice | None
     """A mixture-of-experts model's routing (titan_ext.moe); None for a dense model."""
+    loss: LossChoice | None
+    """None: torchtitan's loss over the model's logits."""
+    document_mask: bool
+    """``[titan_ext] document_mask``: packed windows train as their documents (``titan_ext.documents``)."""
     nonfinite: str
     metrics_jsonl: str
     hf_export: bool

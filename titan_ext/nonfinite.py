@@ -114,13 +114,13 @@ def watch_loss(build_loss_fn):
     return build
 
 
-def _cross_entropy(job_config, **kwargs):
-    from torchtitan.components.loss import build_cross_entropy_loss
+def _job_loss(job_config, **kwargs):
+    from titan_ext.loss import build_loss
 
-    return build_cross_entropy_loss(job_config, **kwargs)
+    return build_loss(job_config, **kwargs)
 
 
-build_watched_loss = watch_loss(with_balance_loss(_cross_entropy))  # + MoE routers' balancing loss (titan_ext.moe)
+build_watched_loss = watch_loss(with_balance_loss(_job_loss))  # the job's loss (titan_ext.loss) + MoE routers' balancing loss (titan_ext.moe)
 
 
 def guard_optimizer_step(build_lr_schedulers_fn):

@@ -20,7 +20,9 @@ from titan_ext.activation_checkpoint import apply_ac
 from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
 from titan_ext.float8 import keep_high_precision
+from titan_ext.documents import apply_document_attention
 from titan_ext.job_plan import plan_of
+from titan_ext.loss import apply_chunked_loss
 from titan_ext.moe import apply_ep, apply_router_records, moe_blocks
 
 logger = logging.getLogger()
@@ -33,10 +35,14 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         keep_high_precision(model, plan.float8.high_precision)
     if plan.moe is not None and plan.moe.ep > 1:
         apply_ep(model, parallel_dims.get_mesh("ep"))
+    if plan.loss is not None:
+        apply_chunked_loss(model, plan.loss)
+    if plan.document_mask and plan.cp is None:  # under CP, its attention masks documents itself
+        apply_document_attention(model)
     if plan.tp is not None:
         from titan_ext.tensor_parallel import apply_tp_from_plan
 
-        apply_tp_from_plan(model, parallel_dims.get_mesh("tp"), plan.tp)
+        apply_tp_from_plan(model, parallel_dims.get_mesh("tp"), plan.tp, head_in_loss=plan.loss is not None)
     if plan.cp is not None:
         from titan_ext.context_parallel import apply_cp
 
@@ -50,17 +56,22 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         dims = ["dp_replicate", "fsdp"] if dp.kind == "hsdp" else ["fsdp"]
         expert_dims = ["dp_replicate", "efsdp"] if dp.kind == "hsdp" else ["efsdp"]
         expert_mesh = parallel_dims.get_optional_mesh(expert_dims) if parallel_dims.ep_enabled else None
-        apply_fsdp(model, parallel_dims.get_mesh(dims), dp, expert_mesh)
+        apply_fsdp(model, parallel_dims.get_mesh(dims), dp, expert_mesh, head_alone=plan.loss is not None)
         logger.info(f"Applied {dp.kind.upper()} to the model")
     elif dp.kind == "ddp":
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), plan.compile.model)
     return model
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp, expert_mesh: DeviceMesh | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, dp, expert_mesh: DeviceMesh | None = None, head_alone: bool = False
+) -> None:
     """FSDP2 (HSDP on a 2D mesh) over embeddings, each block, and norm + head together; under expert
     parallelism a block's experts are sharded on their own (``expert_mesh``: the data-parallel ranks of one
     expert-parallel rank, torchtitan's ``efsdp``).
+
+    ``head_alone`` (the chunked loss, which calls the head after the model's forward): the head is a group
+    of its own, gathered when the loss calls it; the final norm stays with the root.
 
     The loss is already divided by the global token count, so gradients are
     summed, not averaged. gloo has no ``PREMUL_SUM``: there the reduction is
@@ -85,6 +96,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, dp, expert_mesh: DeviceMes
                 fully_shard(moe_block.experts, **{**config, "mesh": expert_mesh}, reshard_after_forward=dp.reshard_blocks)
         fully_shard(block, **config, reshard_after_forward=dp.reshard_blocks)
     head = [m for m in (decoder.norm, model.get_output_embeddings()) if m is not None and any(True for _ in m.parameters())]
+    if head_alone:
+        head = [m for m in head if m is model.get_output_embeddings()]
     if not tied and head:
         # Gathered last in forward and first in backward: keeping them unsharded
         # in between saves one all-gather.

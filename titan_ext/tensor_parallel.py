@@ -67,11 +67,13 @@ def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
     )
 
 
-def apply_tp_from_plan(model: nn.Module, tp_mesh, choice) -> None:
-    """Shard ``model`` over the TP mesh with the plan class the job plan chose."""
+def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = False) -> None:
+    """Shard ``model`` over the TP mesh with the plan class the job plan chose (``head_in_loss``: the chunked
+    loss runs the head, on its vocabulary-sharded weight)."""
     from model_plans import TPOptions, apply_tp, enable_async_tp, plan_source
 
-    options = TPOptions(sequence_parallel=choice.sequence_parallel, loss_parallel=choice.loss_parallel, float8=choice.float8)
+    options = TPOptions(sequence_parallel=choice.sequence_parallel, loss_parallel=choice.loss_parallel, float8=choice.float8,
+                        head_in_loss=head_in_loss)
     plan = choice.plan_cls(options)
     apply_tp(model, tp_mesh, plan)
     if options.sequence_parallel:  # a pipeline stage's hidden states cross stages as this rank's sequence shard
@@ -84,5 +86,5 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice) -> None:
         f"Applied {type(plan).__name__} ({plan_source(choice.plan_cls)}, for model_type "
         f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
-        f"float8={options.float8}, async={choice.async_tp}"
+        f"float8={options.float8}, async={choice.async_tp}, head_in_loss={head_in_loss}"
     )

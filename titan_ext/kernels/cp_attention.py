@@ -48,17 +48,71 @@ def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = No
 
     K and V are all-gathered differentiably and put in sequence order; the mask is built from the
     tokens' global positions (``layout.positions``): causal, within a sliding ``window`` (fla's
-    ``window_size``), within each packed document. K and V of the whole sequence, and a ``B x T_local x T``
-    mask, are held for the duration of one layer's attention.
+    ``window_size``), within each packed document. K and V of the whole sequence are held for the duration of
+    one layer's attention; with documents each one's attention runs alone (``per_document_sdpa``), else a
+    ``B x T_local x T`` mask (a sliding window alone) is held too.
     """
     keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
     values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
     if layout.per_rank > 1:  # gathered in rank order: put the pieces in sequence order
         slots = in_sequence_order(layout.world, layout.per_rank)
         keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
+    if layout.document_positions is not None:
+        return per_document_sdpa(query, keys, values, layout, scale, window, dropout)
     mask = _global_mask(layout, keys.shape[2], window)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
                                           enable_gqa=query.shape[1] != keys.shape[1])
+
+
+QUERY_BLOCK = 1024
+"""Queries per SDPA call of ``per_document_sdpa``: its masks are ``QUERY_BLOCK x`` (a document's keys) at most."""
+
+
+@torch.compiler.disable  # a host-side loop over pieces and documents: one graph break, no recompile per count
+def per_document_sdpa(query, keys, values, layout, scale=None, window: int | None = None, dropout=0.0):
+    """``gathered_sdpa`` with documents, one SDPA call per (row, piece, document, block of queries): each block
+    of a document's local queries attends to that document's keys up to the block's last query (causal,
+    within ``window``), so no mask grows with the square of the row (a block's is ``QUERY_BLOCK`` x its keys)."""
+    out = query.new_empty(*query.shape[:3], values.shape[-1])
+    gqa = query.shape[1] != keys.shape[1]
+    for row, (positions, documents) in enumerate(zip(layout.positions.tolist(), layout.document_positions.tolist())):
+        for local, first, last in _query_blocks(positions, documents, window):
+            q = query[row: row + 1, :, local: local + last - first[1]]
+            k, v = (x[row: row + 1, :, first[0]: last] for x in (keys, values))
+            causal_offset = first[1] - first[0]  # keys before the block's first query
+            mask = None
+            if causal_offset or (window is not None and last - first[0] > window):
+                rows = torch.arange(q.shape[2], device=q.device)[:, None] + causal_offset
+                distance = rows - torch.arange(k.shape[2], device=q.device)[None, :]
+                mask = distance >= 0
+                if window is not None:
+                    mask = mask & (distance < window)
+            out[row: row + 1, :, local: local + q.shape[2]] = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    return out
+
+
+def _query_blocks(positions: list[int], documents: list[int], window: int | None):
+    """``(local start, (first key, first query), end)`` in global positions for each block of consecutive
+    local queries in one document: ``positions`` are the local tokens' global positions (runs of consecutive
+    ones: the pieces), ``documents`` the row's positions within documents (0 starts one)."""
+    start = 0
+    while start < len(positions):
+        end = start + 1  # the piece: consecutive global positions
+        while end < len(positions) and positions[end] == positions[end - 1] + 1:
+            end += 1
+        g = positions[start]
+        while g <= positions[end - 1]:
+            document = g - documents[g]  # this document's first token
+            stop = g + 1  # the document's end within the piece
+            while stop <= positions[end - 1] and documents[stop] != 0:
+                stop += 1
+            for block in range(g, stop, QUERY_BLOCK):
+                block_end = min(block + QUERY_BLOCK, stop)
+                first_key = document if window is None else max(document, block - window + 1)
+                yield start + block - positions[start], (first_key, block), block_end
+            g = stop
+        start = end
 
 
 def _global_mask(layout, length: int, window: int | None):

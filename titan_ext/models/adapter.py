@@ -48,6 +48,14 @@ class TitanCausalLM:
     """Set on a pipeline stage after the first (``titan_ext.pipeline``): its forward takes the previous
     stage's hidden states, though a tied head's stage holds the embedding (whose weight the head is)."""
 
+    head_in_loss = False
+    """Set by the chunked loss (``titan_ext.loss``): the forward returns the final hidden states, and the loss
+    runs the head over them in chunks."""
+
+    document_attention = False
+    """Set by document masking on a transformers model (``titan_ext.documents.apply_document_attention``): its
+    attention runs each document alone, from ``cu_seqlens``; else it takes a block-causal mask."""
+
     cp_layout = None
     """Set by context parallelism (``titan_ext.context_parallel``): this rank's place in the split
     sequences, where each step's positions are recorded for the bound mixers."""
@@ -55,7 +63,7 @@ class TitanCausalLM:
     def forward(
         self, tokens: torch.Tensor, document_positions: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits ``[B, T, vocab]``; ``document_positions`` (document masking) keeps each document to itself.
+        """Logits ``[B, T, vocab]`` (hidden states ``[B, T, D]`` under the chunked loss); ``document_positions`` (document masking) keeps each document to itself.
 
         ``positions`` come from torchtitan under context parallelism: each token's place in the whole
         row. A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of
@@ -74,12 +82,16 @@ class TitanCausalLM:
         elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             inputs = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
             inputs["cu_seqlens"] = packing.cu_seqlens(document_positions)
+        elif self.document_attention:  # transformers: rotary positions from position_ids, attention per document
+            inputs = {**first, **packing.document_attention_inputs(document_positions)}
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
             mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
         hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.lm_head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
+        if self.head_in_loss:  # the chunked loss applies the head (titan_ext.loss)
+            return hidden
         return self.lm_head(hidden).view(*tokens.shape[:2], -1)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -39,6 +39,14 @@ def block_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
+def document_attention_inputs(positions: torch.Tensor) -> dict:
+    """A transformers model's keyword arguments for documents packed in ``[B, T]`` rows, where its attention
+    runs each document alone (``kernels.document_attention``): rotary positions within each document, and the
+    documents' bounds over the flattened batch as ``cu_seq_lens_q`` (which transformers hands its attention)."""
+    return {"position_ids": positions, "cu_seq_lens_q": cu_seqlens(positions),
+            "attention_mask": _MASKED_BY_LAYOUT.to(positions.device)}
+
+
 def step_inputs(model: nn.Module, first: dict, positions, document_positions) -> dict:
     """The HF model's keyword arguments for one step under CP (``first``: its input ids or embeddings).
 
@@ -61,8 +69,8 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
 
 
 _MASKED_BY_LAYOUT = torch.ones(1, 1, 1, 1, dtype=torch.bool)
-"""The ``attention_mask`` of a transformers model under CP with documents. Its attention never reads an HF
-mask (``kernels.cp_attention.gathered_sdpa`` masks from the layout), but transformers would build one from
+"""The ``attention_mask`` of a transformers model under CP with documents, or with per-document attention
+(``document_attention_inputs``). Its attention never reads an HF mask (``kernels.cp_attention.gathered_sdpa`` masks from the layout), but transformers would build one from
 restarting ``position_ids`` for a batch where some row holds two documents and none otherwise: compiled
 blocks would see a tensor one step and None the next, and recompile. A 4D mask is passed through as is."""
 

@@ -3,6 +3,7 @@
     python bench/bench_plan.py                                   # the README's example sweep, this tree
     python bench/bench_plan.py --baseline /tmp/base              # and a checkout of an older commit, in turn
     python bench/bench_plan.py --baseline /tmp/base --sample 1   # the first layout of each kind only
+    python bench/bench_plan.py -- --training.seq_len 32768 --training.local_batch_size 1  # more flags for the job
 
 Each tree runs in a fresh process (imports included, as a user's sweep), one after the other, the baseline
 first; the machine's load average is printed before and after each, as both wall and CPU seconds are. A tree
@@ -68,10 +69,10 @@ def _kind(layout) -> str:
     return "FSDP/HSDP x TP" if layout.tp > 1 else "FSDP/HSDP"
 
 
-def run_tree(tree: Path, names: list[str] | None, timeout: float) -> dict:
+def run_tree(tree: Path, flags: list[str], names: list[str] | None, timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'bench')!r}); import bench_plan; "
-            f"print('RESULT', json.dumps(bench_plan.drive({EXAMPLE!r}, {WORLD}, {names!r})))")
+            f"print('RESULT', json.dumps(bench_plan.drive({[*EXAMPLE, *flags]!r}, {WORLD}, {names!r})))")
     load = os.getloadavg()[0]
     proc = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, text=True, timeout=timeout,
                           stdout=subprocess.PIPE, stderr=None)
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout of the commit to compare with")
     parser.add_argument("--sample", type=int, default=0, help="plan only the first N layouts of each kind")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds per tree")
+    parser.add_argument("flags", nargs="*", help="torchtitan/titan_ext flags added to the example's (after --)")
     options = parser.parse_args()
     names = None
     if options.sample:
@@ -99,8 +101,9 @@ def main() -> None:
         names = [name for group in taken.values() for name in group]
     trees = ([("baseline", options.baseline)] if options.baseline else []) + [("this tree", REPO)]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; GLA 7B sweep at {WORLD} ranks"
-          + (f", {len(names)} layouts (--sample {options.sample})" if names else ""), flush=True)
-    results = {label: run_tree(tree, names, options.timeout) for label, tree in trees}
+          + (f", {len(names)} layouts (--sample {options.sample})" if names else "") + "".join(f" {f}" for f in options.flags),
+          flush=True)
+    results = {label: run_tree(tree, options.flags, names, options.timeout) for label, tree in trees}
     by_kind = {label: defaultdict(float) for label in results}
     counts = defaultdict(int)
     for label, result in results.items():
@@ -122,7 +125,7 @@ def main() -> None:
     print("load average (1 min) before, after: "
           + "; ".join(f"{label} {r['load'][0]:.1f}, {r['load'][1]:.1f}" for label, r in results.items()))
     phases = results["this tree"]["phases"] or {}
-    print("\nthis tree, seconds per phase (summed over the ranks planned):")
+    print("\nthis tree, seconds per phase (summed over the ranks planned; pp stage setup is part of the recorded step):")
     for phase, seconds in sorted(phases.items(), key=lambda item: -item[1]):
         print(f"  {phase:<20}{seconds:>8.1f}")
 

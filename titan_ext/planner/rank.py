@@ -305,9 +305,10 @@ class _SavedBytes:
     saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
 
     def __init__(self):
-        self.bytes, self._seen, self._paused = 0, {}, False
+        self.bytes, self._seen = 0, {}
         """id -> the tensor, held so that no later tensor takes a freed one's id (under PP each microbatch's
         are freed at its backward while later ones are saved)."""
+        self._paused = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     @contextlib.contextmanager

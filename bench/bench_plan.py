@@ -37,7 +37,17 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
 
     imported = time.monotonic() - wall
     chosen = [layout for layout in layouts.candidates(world) if names is None or layout.name() in names]
-    seconds, phases = {}, None
+    seconds, phases, cpu_each = {}, None, []
+    planned = rank.plan_layout
+
+    def timed(*args, **kwargs):  # every layout reaches plan_layout, refused ones too: CPU seconds in order
+        begin = time.process_time()
+        try:
+            return planned(*args, **kwargs)
+        finally:
+            cpu_each.append(time.process_time() - begin)
+
+    rank.plan_layout = timed
     if hasattr(layouts, "plan_sweep"):
         phases = rank.Phases()
         original, layouts.candidates = layouts.candidates, lambda world: chosen
@@ -51,13 +61,15 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
         for layout in chosen:
             begin = time.monotonic()
             try:
-                rank.plan_layout(job_config_of([*argv, *layout.flags()]), world)
+                timed(job_config_of([*argv, *layout.flags()]), world)
             except Exception:  # noqa: BLE001  (skipped layouts take their time too)
                 pass
             seconds[layout.name()] = time.monotonic() - begin
             print(f"{layout.name()}: {seconds[layout.name()]:.1f} s", file=sys.stderr, flush=True)
     kinds = {layout.name(): layouts.kind(layout) if hasattr(layouts, "kind") else _kind(layout) for layout in chosen}
-    return {"imports": imported, "seconds": seconds, "kinds": kinds, "wall": time.monotonic() - wall,
+    cpu_seconds = {layout.name(): c for layout, c in zip(chosen, cpu_each)}
+    return {"imports": imported, "seconds": seconds, "cpu_seconds": cpu_seconds, "kinds": kinds,
+            "wall": time.monotonic() - wall,
             "cpu": time.process_time() - cpu, "phases": dict(phases.seconds) if phases else None}
 
 
@@ -105,23 +117,27 @@ def main() -> None:
           flush=True)
     results = {label: run_tree(tree, options.flags, names, options.timeout) for label, tree in trees}
     by_kind = {label: defaultdict(float) for label in results}
+    cpu_by_kind = {label: defaultdict(float) for label in results}
     counts = defaultdict(int)
     for label, result in results.items():
         for name, seconds in result["seconds"].items():
             by_kind[label][result["kinds"][name]] += seconds
+            cpu_by_kind[label][result["kinds"][name]] += result["cpu_seconds"].get(name, 0.0)
     for name, kind in results["this tree"]["kinds"].items():
         counts[kind] += 1
     labels = list(results)
-    print(f"\n{'layout kind':<16}{'layouts':>8}" + "".join(f"{label + ' s':>16}" for label in labels)
-          + ("       ratio" if len(labels) == 2 else ""))
-    for kind in sorted(counts):
-        cells = [by_kind[label][kind] for label in labels]
-        ratio = f"{cells[0] / cells[1]:>11.1f}x" if len(cells) == 2 and cells[1] else ""
-        print(f"{kind:<16}{counts[kind]:>8}" + "".join(f"{c:>16.1f}" for c in cells) + " " + ratio)
+    for title, table in (("wall", by_kind), ("CPU", cpu_by_kind)):
+        print(f"\n{'layout kind':<16}{'layouts':>8}" + "".join(f"{label + ' ' + title + ' s':>20}" for label in labels)
+              + ("       ratio" if len(labels) == 2 else ""))
+        for kind in sorted(counts):
+            cells = [table[label][kind] for label in labels]
+            ratio = f"{cells[0] / cells[1]:>11.1f}x" if len(cells) == 2 and cells[1] else ""
+            print(f"{kind:<16}{counts[kind]:>8}" + "".join(f"{c:>20.1f}" for c in cells) + " " + ratio)
+    print()
     for key, title in (("imports", "imports"), ("wall", "total (wall)"), ("cpu", "total (CPU)")):
         cells = [results[label][key] for label in labels]
         ratio = f"{cells[0] / cells[1]:>11.1f}x" if len(cells) == 2 and cells[1] else ""
-        print(f"{title:<24}" + "".join(f"{c:>16.1f}" for c in cells) + " " + ratio)
+        print(f"{title:<24}" + "".join(f"{c:>20.1f}" for c in cells) + " " + ratio)
     print("load average (1 min) before, after: "
           + "; ".join(f"{label} {r['load'][0]:.1f}, {r['load'][1]:.1f}" for label, r in results.items()))
     phases = results["this tree"]["phases"] or {}

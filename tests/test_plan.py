@@ -215,7 +215,9 @@ def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_r
 
     assert main(["--job.config_file", CONFIG, "--world", "4", "--sweep", "--memory-gib", "0.0085",
                  "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]) == 0  # 2 stages per rank
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    progress = [line for line in err.splitlines() if line.startswith("[")]  # a line per layout, as it is planned
+    assert progress[0].startswith("[1/") and len(progress) == int(progress[0].split("/")[1].split("]")[0])
     fits = out.split("do not fit")[0].splitlines()[2:]
     times = [float(line.split()[0]) for line in fits if line.strip()]
     assert times == sorted(times) and len(times) >= 3
@@ -244,3 +246,62 @@ def test_the_bubble_follows_stages_and_microbatches():
     assert bubble(SimpleNamespace(pp=None), job(8, 1)) == 0.0
     assert bubble(plan(4, 4), job(8, 1)) == 3 / 11  # 1F1B: (p - 1) / (m + p - 1)
     assert bubble(plan(4, 8), job(8, 1)) == 3 / 19  # interleaved, 2 stages per rank
+
+
+ON_ITS_OWN = """
+import json, sys
+from titan_ext.planner import job_config_of, prepare
+prepare()
+from titan_ext.planner.layouts import candidates
+from titan_ext.planner.rank import plan_layout
+argv, world, out = json.loads(sys.argv[1]), int(sys.argv[2]), {}
+for layout in reversed(candidates(world)):  # each after other layouts than in the sweep, the sweep's last first
+    try:
+        planned = plan_layout(job_config_of([*argv, *layout.flags()]), world)
+    except Exception as error:
+        out[layout.name()] = type(error).__name__
+        continue
+    out[layout.name()] = [[r.rank, list(r.stages), r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes,
+                           [[c.kind, c.group, c.ranks, c.bytes] for c in r.collectives]] for r in planned]
+print("PLANS " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def debug_sweep():
+    """The debug model's 8-rank sweep as ``--sweep`` plans it (one process, layout after layout), and the
+    progress lines it reported."""
+    from titan_ext.planner import layouts, prepare
+
+    prepare()
+    lines: list[str] = []
+    return layouts.plan_sweep(argv([]), 8, 50.0, progress=lines.append), lines
+
+
+def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
+    """Field by field, every rank of every layout: what the sweep planned equals the layout planned in another
+    process, after other layouts (nothing one layout leaves behind changes the next one's plan)."""
+    result, _ = debug_sweep
+    proc = subprocess.run([sys.executable, "-c", ON_ITS_OWN, json.dumps(argv([])), "8"], cwd=REPO, text=True,
+                          capture_output=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    alone = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PLANS "))[6:])
+    swept = {layout.name(): [[r.rank, list(r.stages), r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes,
+                              [[c.kind, c.group, c.ranks, c.bytes] for c in r.collectives]] for r in planned]
+             for layout, planned in result.planned.items()}
+    assert sorted(swept) == sorted(name for name, plans in alone.items() if isinstance(plans, list))
+    assert {layout.name() for layout, _ in result.skipped} == {name for name, plans in alone.items() if isinstance(plans, str)}
+    assert any(len(plans) > 1 for plans in swept.values()) == (torch.__version__ >= "2.13")  # pipelined layouts too
+    for name, plans in swept.items():
+        assert plans == alone[name], name
+
+
+def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
+    from titan_ext.planner.layouts import candidates
+
+    result, lines = debug_sweep
+    names = [layout.name() for layout in candidates(8)]
+    assert [line.split("] ")[0] + "]" for line in lines] == [f"[{i}/{len(names)}" + "]" for i in range(1, len(names) + 1)]
+    for line, layout in zip(lines, candidates(8)):
+        outcome = "peak " if layout in result.planned else "skipped"
+        assert line.startswith(f"[") and f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line

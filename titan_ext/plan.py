@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if options.sweep:
         from titan_ext.planner import layouts
 
-        print(layouts.sweep(rest, options.world, options.memory_gib, options.link_gbps))
+        print(layouts.sweep(rest, options.world, options.memory_gib, options.link_gbps,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True)))
     else:
         try:
             planned = plan_layout(job_config_of(rest), options.world)

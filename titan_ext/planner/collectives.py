@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -101,13 +102,13 @@ class Recorder:
     """Records every collective issued inside ``with recorder:`` (a torch dispatch mode)."""
 
     def __init__(self, labels: dict[str, str]):
-        self.labels, self.log = labels, []
+        self.labels, self.log, self._paused = labels, [], False
         recorder = self
 
         class Mode(compat.torch_dispatch_mode()):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                kind = _kind(str(func))
+                kind = None if recorder._paused else _kind(str(func))
                 if kind is not None:
                     recorder._record(str(func), kind, list(args) + list(kwargs.values()))
                 return func(*args, **kwargs)
@@ -117,6 +118,15 @@ class Recorder:
     def _record(self, op_name: str, kind: str, args: list) -> None:
         group, ranks = _group(args)
         self.log.append(Collective(kind, self.labels.get(group, f"group {group}"), ranks, _bytes(op_name, kind, args, ranks)))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing issued inside is recorded (a planned pipeline stage's setup, which real runs do once)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def __enter__(self):
         self._mode.__enter__()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NODE = 8
 """Ranks per node: TP and CP stay inside one (tp x cp <= 8), as their collectives are on every block's path."""
@@ -54,36 +54,75 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
-def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float) -> str:
+def kind(layout: Layout) -> str:
+    """The family a layout's planning cost follows (the bench's rows): PP steps every microbatch through
+    its stages; CP and TP add collectives on every block's path; FSDP/HSDP alone is the cheapest."""
+    if layout.pp > 1:
+        return "PP"
+    if layout.cp > 1:
+        return "CP"
+    return "FSDP/HSDP x TP" if layout.tp > 1 else "FSDP/HSDP"
+
+
+@dataclass
+class Sweep:
+    """Every layout's outcome: planned (``rows``: layout, the largest rank's bytes, collectives seconds per step,
+    bubble; ``planned``: its RankPlans) or skipped with its reason, and the seconds each took."""
+
+    world: int
+    rows: list = field(default_factory=list)
+    planned: dict = field(default_factory=dict)
+    skipped: list = field(default_factory=list)
+    seconds: dict = field(default_factory=dict)
+
+
+def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progress=None) -> Sweep:
+    """Plans ``candidates(world)`` in turn in this process (imports, torchtitan's registry and titan_ext's
+    kernels loaded once); ``progress(line)`` hears of each layout as it is done."""
     from titan_ext.errors import ConfigError
     from titan_ext.planner import estimates, job_config_of
     from titan_ext.planner.memory import GIB
     from titan_ext.planner.rank import plan_layout
 
-    fits, too_big, invalid = [], [], []
-    for layout in candidates(world):
+    result, layouts = Sweep(world), candidates(world)
+    for number, layout in enumerate(layouts, 1):
         job_config = job_config_of([*argv, *layout.flags()])
         begin = time.monotonic()
         try:
-            planned = plan_layout(job_config, world)
+            planned = plan_layout(job_config, world, phases)
         except ConfigError as error:
-            invalid.append((layout, str(error)))
-            continue
+            result.skipped.append((layout, str(error)))
         except Exception as error:  # noqa: BLE001  (the planner's own limits, reported per layout)
-            invalid.append((layout, f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"))
-            continue
-        peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.saved_bytes for r in planned)
-        bubble = estimates.bubble(planned[0].plan, job_config)
-        passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
-        row = (estimates.step_seconds(planned, link_gbps, passes), layout, peak, bubble, time.monotonic() - begin)
-        (fits if peak <= memory_gib * GIB else too_big).append(row)
-    lines = [f"layouts of {world} ranks that fit {memory_gib:g} GiB per rank, fastest first by the collectives' time "
+            result.skipped.append((layout, f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"))
+        else:
+            result.planned[layout] = planned
+            peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.saved_bytes for r in planned)
+            passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
+            result.rows.append((layout, peak, estimates.step_seconds(planned, link_gbps, passes),
+                                estimates.bubble(planned[0].plan, job_config)))
+        result.seconds[layout] = time.monotonic() - begin
+        if progress is not None:
+            done = f"peak {result.rows[-1][1] / GIB:.3f} GiB" if layout in result.planned else "skipped"
+            progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s)")
+    return result
+
+
+def report(result: Sweep, memory_gib: float, link_gbps: float) -> str:
+    from titan_ext.planner.memory import GIB
+
+    fits = [row for row in result.rows if row[1] <= memory_gib * GIB]
+    too_big = [row for row in result.rows if row[1] > memory_gib * GIB]
+    lines = [f"layouts of {result.world} ranks that fit {memory_gib:g} GiB per rank, fastest first by the collectives' time "
              f"at {link_gbps:g} GB/s (a lower bound on the step time):",
              "  collectives ms   peak GiB   bubble   layout"]
     lines += [f"  {_ms(s):>14} {peak / GIB:>10.3f} {bubble:>8.1%}   {layout.name()}"
-              for s, layout, peak, bubble, _ in sorted(fits, key=lambda r: r[:1] + (r[2],))]
+              for layout, peak, s, bubble in sorted(fits, key=lambda r: (r[2], r[1]))]
     lines += ["", f"do not fit {memory_gib:g} GiB:"]
-    lines += [f"  {layout.name()}: {peak / GIB:.3f} GiB" for _, layout, peak, _, _ in sorted(too_big, key=lambda r: r[2])]
+    lines += [f"  {layout.name()}: {peak / GIB:.3f} GiB" for layout, peak, _, _ in sorted(too_big, key=lambda r: r[1])]
     lines += ["", "skipped (titan_ext's checks, or the planner's limits):"]
-    lines += [f"  {layout.name()}: {reason}" for layout, reason in invalid]
+    lines += [f"  {layout.name()}: {reason}" for layout, reason in result.skipped]
     return "\n".join(lines)
+
+
+def sweep(argv: list[str], world: int, memory_gib: float, link_gbps: float, progress=None) -> str:
+    return report(plan_sweep(argv, world, link_gbps, progress=progress), memory_gib, link_gbps)

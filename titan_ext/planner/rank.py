@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections import Counter
 from dataclasses import dataclass
 from unittest import mock
 
@@ -30,6 +32,21 @@ class RankPlan:
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
     parallel_dims: object
+
+
+class Phases:
+    """Seconds spent per phase of planning, summed over the ranks planned (the sweep's bench prints them)."""
+
+    def __init__(self):
+        self.seconds: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        begin = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.monotonic() - begin
 
 
 def parallel_dims_of(job_config, world: int):
@@ -59,7 +76,7 @@ def fake_group(world: int, rank: int):
             dist.destroy_process_group()
 
 
-def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
+def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
@@ -69,52 +86,58 @@ def plan_rank(job_config, world: int, rank: int = 0) -> RankPlan:
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.tools import utils
 
+    phase = phases or Phases()
     with fake_group(world, rank), _schedules_as_on_a_real_group():
-        dims = parallel_dims_of(job_config, world)
-        dims.build_mesh()
-        spec = registry.get_train_spec(job_config.model.name)
-        model_args = spec.model_args[job_config.model.flavor]
-        # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
-        _raising(type(model_args).update_from_config)(model_args, job_config)
-        plan = plan_of(model_args)
-        if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
-            raise ConfigError(
-                f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "
-                f"{torch.__version__}'s pipeline stages lack the shape metadata the planner hands them); plan the "
-                "layout on a newer torch, or without PP"
-            )
-        with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
-            model = spec.model_cls(model_args)
-        build_model_converters(job_config, dims).convert(model)
-        loss_fn = _raising(spec.build_loss_fn)(job_config, parallel_dims=dims)
+        with phase("build"):
+            dims = parallel_dims_of(job_config, world)
+            dims.build_mesh()
+            spec = registry.get_train_spec(job_config.model.name)
+            model_args = spec.model_args[job_config.model.flavor]
+            # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
+            _raising(type(model_args).update_from_config)(model_args, job_config)
+            plan = plan_of(model_args)
+            if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
+                raise ConfigError(
+                    f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "
+                    f"{torch.__version__}'s pipeline stages lack the shape metadata the planner hands them); plan the "
+                    "layout on a newer torch, or without PP"
+                )
+            with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
+                model = spec.model_cls(model_args)
+            build_model_converters(job_config, dims).convert(model)
+            loss_fn = _raising(spec.build_loss_fn)(job_config, parallel_dims=dims)
         device = torch.device("cpu")
         parallelize = _raising(spec.parallelize_fn)
-        if dims.pp_enabled:
-            schedule, parts, first, last = _raising(spec.pipelining_fn)(
-                model, dims, job_config, device, model_args, parallelize, loss_fn
-            )
-        else:
-            schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
-        param_bytes = memory.param_bytes(parts)
-        neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize) if dims.pp_enabled else {}
+        with phase("parallelize"):
+            if dims.pp_enabled:
+                schedule, parts, first, last = _raising(spec.pipelining_fn)(
+                    model, dims, job_config, device, model_args, parallelize, loss_fn
+                )
+            else:
+                schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
+            param_bytes = memory.param_bytes(parts)
+            neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize) if dims.pp_enabled else {}
         with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True), \
                 (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
-            for part in [*parts, *neighbours.values()]:
-                part.to_empty(device=device)
-                part.train()
-            optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
-            step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
-            if dims.pp_enabled:  # the first step sets the stages up (their handshake): the second is recorded
-                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
-                step()
+            with phase("parallelize"):
+                for part in [*parts, *neighbours.values()]:
+                    part.to_empty(device=device)
+                    part.train()
+                optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
+                step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
             recorder = collectives.Recorder(collectives.group_labels(dims))
             saved = _SavedBytes()
-            with recorder, saved:
+            if dims.pp_enabled:
+                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
+                _first_step_setup_unrecorded(schedule, recorder, saved, phase)
+            with phase("recorded step"), recorder, saved:
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
-            grad_bytes = memory.grad_bytes(parts)
-            optimizers.step()
-            optimizer_bytes = memory.optimizer_bytes(optimizers)
+            with phase("optimizer"):
+                grad_bytes = memory.grad_bytes(parts)
+                with _UpdatesSkipped():
+                    optimizers.step()
+                optimizer_bytes = memory.optimizer_bytes(optimizers)
         stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
         return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
 
@@ -162,8 +185,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     nothing arrives, so the planner answers for the other ranks: the vote as real runs decide it (no stage
     given shapes: inferred), a stage's input as the previous stages compute it from the microbatch
     (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its
-    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only the
-    first step needs this; the recorded one sends and receives the activations and their gradients."""
+    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only a first
+    step needs this, and the planner runs one (``_first_step_setup_unrecorded``)."""
     meta = compat.pipeline_metadata()
     inner = schedule._schedule
     stages = list(getattr(inner, "_stages", None) or [inner._stage])
@@ -199,6 +222,38 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     for stage in stages:
         stage._send_meta = lambda meta_, destination: None
         stage._recv_meta = lambda source, stage=stage: received(stage, source)
+
+
+def _first_step_setup_unrecorded(schedule, recorder, saved, phase: Phases) -> None:
+    """The one step the planner runs under PP is a first step: before its microbatches the schedule sets its
+    stages up (the metadata inference's forward and backward of one microbatch, the other stages' forwards the
+    planner answers their messages with), and titan_ext's schedule first gives every copy of a tied weight the
+    first stage's values. A real run does both in its first step only: neither is recorded, so the recorded
+    step is what every later step of a real run issues and saves (``tests/test_plan.py``'s real runs: step 2)."""
+    inner = schedule._schedule
+
+    def initialize(*args, _original=inner._initialize_pp_stages, **kwargs):
+        with phase("pp stage setup"), recorder.paused(), saved.paused():
+            return _original(*args, **kwargs)
+
+    inner._initialize_pp_stages = initialize
+    tied = getattr(schedule, "_tied", None)
+    if tied is not None and not tied.synced:
+        tied.sync()
+
+
+class _UpdatesSkipped(compat.torch_dispatch_mode()):
+    """The optimizer step with its fused update left out: on fake tensors the update computes nothing, and
+    what the planner reads, the state the step creates (``Adam._init_group``: the moments and the step
+    counter, before the update), is there all the same. DTensor's sharding of the fused op's tensor lists is
+    most of a planned optimizer step's time."""
+
+    SKIPPED = {torch.ops.aten._fused_adam_.default, torch.ops.aten._fused_adamw_.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:
+            return None
+        return func(*args, **(kwargs or {}))
 
 
 class _ScalarsReadOne(compat.torch_dispatch_mode()):
@@ -253,11 +308,21 @@ class _SavedBytes:
         self.bytes, self._seen = 0, {}
         """id -> the tensor, held so that no later tensor takes a freed one's id (under PP each microbatch's
         are freed at its backward while later ones are saved)."""
+        self._paused = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing saved inside is counted (the PP stages' setup: ``_first_step_setup_unrecorded``)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def _pack(self, tensor):
         base = tensor._base if tensor._is_view() else tensor
-        if id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
+        if not self._paused and id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
             self._seen[id(tensor)] = tensor
             self.bytes += memory.local_bytes(tensor)
         return tensor
@@ -270,7 +335,7 @@ class _SavedBytes:
         return self._hooks.__exit__(*exc)
 
 
-def plan_layout(job_config, world: int):
+def plan_layout(job_config, world: int, phases: Phases | None = None):
     """One RankPlan per role: rank 0, and the first rank of each further pipeline stage."""
     pp = job_config.parallelism.pipeline_parallel_degree
-    return [plan_rank(job_config, world, stage * (world // pp)) for stage in range(pp)]
+    return [plan_rank(job_config, world, stage * (world // pp), phases) for stage in range(pp)]

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from titan_ext import kernels
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, HostChanged, defer
 from titan_ext.models import packing
 from titan_ext.models.args import HFModelArgs
 
@@ -34,6 +34,7 @@ class TitanCausalLM:
             super().__init__(model_args.to_hf_config())
         self.model_args = model_args
         self.arch = model_args.arch
+        self.mixers = self.arch.layer_mixers(self.config)  # each layer's token mixer, by index
         if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
             kernels.bind(self, model_args.kernel_path or kernels.default_path())
         if self.config.tie_word_embeddings:
@@ -78,6 +79,13 @@ class TitanCausalLM:
             mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
         hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
+        if self.cp_layout is not None and (missed := self.cp_layout.check_paths()):
+            # every rank stops at this step's end, together, in one line (``errors.defer``)
+            defer(HostChanged(
+                "flash-linear-attention" if self.model_args.library == "fla" else "transformers",
+                f"under context parallelism a layer's path did not run in step 1's forward ({missed}): that layer "
+                "would see only this rank's piece of the sequence",
+            ))
         if self.lm_head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         return self.lm_head(hidden).view(*tokens.shape[:2], -1)

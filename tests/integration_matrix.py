@@ -51,6 +51,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``cp2_docs`` and ``pp2_cp2_docs``.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
+- ``fla_gla_hybrid``: a hybrid (GLA at layer 0, fla's softmax Attention at layer 1 by fla's ``attn``
+  config, through ``--model.name fla`` and ``--titan_ext.hf_config``) in ``single``, ``fsdp2``, ``tp2``,
+  ``cp2`` (state passing and ring attention on one CP mesh), ``cp2_docs`` (all-gathered attention, with
+  AC and compile), ``pp2`` and ``ac_op_compile``.
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -160,6 +164,9 @@ TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
               "max_position_embeddings": 512, "tie_word_embeddings": True}
 GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile", "pp2")
+# An fla hybrid: GLA with fla's softmax Attention at layer 1 (fla's attn config, grouped-query heads).
+GLA_HYBRID = {"model_type": "gla", "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}}
+HYBRID_ROWS = ("single", "fsdp2", "tp2", "cp2", "cp2_docs", "pp2", "ac_op_compile")
 
 
 SPECS = {
@@ -173,6 +180,11 @@ SPECS = {
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
+    "fla_gla_hybrid": Spec(
+        "debug_gla.toml", flags=("--model.name", "fla", "--model.flavor", "gla-debugmodel"), hf_config=GLA_HYBRID,
+        rows=HYBRID_ROWS, recompiles="its attention layer's fla RotaryEmbedding fills its cos/sin cache lazily in "
+        "step 1, as fla_transformer's (tests/test_ac_compile.py)",
+    ),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).

@@ -182,8 +182,7 @@ SPECS = {
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     "fla_gla_hybrid": Spec(
         "debug_gla.toml", flags=("--model.name", "fla", "--model.flavor", "gla-debugmodel"), hf_config=GLA_HYBRID,
-        rows=HYBRID_ROWS, recompiles="its attention layer's fla RotaryEmbedding fills its cos/sin cache lazily in "
-        "step 1, as fla_transformer's (tests/test_ac_compile.py)",
+        rows=HYBRID_ROWS,
     ),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),

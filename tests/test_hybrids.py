@@ -55,9 +55,17 @@ def test_flops_count_each_layers_mixer():
 
 
 def test_tp_plan_is_assembled_per_layer():
-    from model_plans import GLATPPlan, TPOptions, validate_tp, mixers as plan_mixers
+    from model_plans import GLATPPlan, GatedDeltaNetTPPlan, TPOptions, validate_tp, mixers as plan_mixers
 
+    from titan_ext.models.gated_deltanet import gated_deltanet_flavors
     from titan_ext.tensor_parallel import plan_class
+
+    gdn = copy.deepcopy(gated_deltanet_flavors["debugmodel"])
+    gdn.config.update(num_hidden_layers=4, attn=ATTN)
+    model = meta_model(gdn)
+    plan_cls = plan_class(model, 2)
+    assert issubclass(plan_cls, GatedDeltaNetTPPlan) and "attn.a_proj" not in plan_cls(TPOptions()).block_plan(1)
+    validate_tp(model, plan_cls(TPOptions()), 2, 80)
 
     model = meta_model(gla_hybrid())
     plan_cls = plan_class(model, 2)
@@ -89,6 +97,8 @@ def test_a_layer_without_a_path_is_refused_naming_it():
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                               linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+    assert qwen.document_mask_blocker().startswith("layer 0 (transformers' gated deltanet (linear_attn)): titan_ext "
+                                                   "does not yet restart its state")
     assert qwen.context_parallel_blocker().startswith("layer 0 (transformers' gated deltanet (linear_attn)): titan_ext "
                                                       "has no context-parallel path")
     with pytest.raises(ConfigError, match=r"layer 0 \(transformers' gated deltanet \(linear_attn\)\) has no "

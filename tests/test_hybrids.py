@@ -168,3 +168,37 @@ def test_the_first_step_checks_each_layers_cp_path_ran(cp_mesh, unbound):
         assert f"a layer's path did not run in step 1's forward ({path}: 0 of 1 layers)" in str(deferred)
     model(tokens, positions=torch.arange(80, 160).expand(2, 80))  # checked once
     assert errors.take_deferred() is None
+
+
+QWEN3_5 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+
+
+def test_qwen3_5_gated_deltanet_takes_the_portable_kernel_equal_to_transformers_reference():
+    """On the CPU transformers would call fla's Triton kernel (fla is installed); titan_ext's model calls its
+    portable one, equal in fp64 to transformers' own torch reference (``torch_chunk_gated_delta_rule``)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from titan_ext.kernels import binding
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = build_model(transformers_model("qwen3_5_text", **QWEN3_5))
+        model.init_weights()
+        reference = copy.deepcopy(model)
+        wrapper = modeling_qwen3_5.torch_chunk_gated_delta_rule
+        used = binding.bind(reference, {}, key="test:reference", names={
+            modeling_qwen3_5.__name__: {"torch_chunk_gated_delta_rule": wrapper.__wrapped__}})
+        assert (modeling_qwen3_5.__name__, "torch_chunk_gated_delta_rule") in used
+        tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
+        ours, theirs = model(tokens), reference(tokens)
+        ours.sum().backward()
+        theirs.sum().backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+        binding.forget("test:reference")
+    assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-8, atol=1e-12), name

@@ -42,6 +42,10 @@ def test_transformers_layer_types_map_each_layer():
                               layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
     kinds = [type(m) for m in args.layer_mixers()]
     assert kinds == [mixers.TransformersGatedDeltaNet] * 3 + [mixers.TransformersAttention]
+    config = args.to_hf_config()  # MFU counts both kinds: the delta rule's per layer, attention's by its heads
+    delta = mixers.TransformersGatedDeltaNet().flops_per_token(config, 0, 4096)
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    assert args.mixer_flops_per_token(4096) == 3 * delta + 12 * heads * head_dim * 4096
 
 
 def test_flops_count_each_layers_mixer():

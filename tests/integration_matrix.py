@@ -57,7 +57,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   AC and compile), ``pp2`` and ``ac_op_compile``.
 - ``hf_qwen3_5``: transformers' Qwen3.5 (Gated DeltaNet at layer 0 on titan_ext's portable kernel, gated
   attention at layer 1) in ``single``, ``fsdp2``, ``pp2`` and ``hf`` (export and import);
-  its TP, CP and documents stop in one line naming layer 0 (``tests/test_hybrids.py``).
+  its TP, CP and documents stop in one line naming layer 0 (``tests/test_hybrids.py``). ``hf_qwen3_next``:
+  the same layers with a MoE FFN (experts replicated in ``pp2``, FSDP-sharded in ``fsdp2``).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -176,6 +177,9 @@ TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_s
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                 "layer_types": ["linear_attention", "full_attention"], "vocab_size": 2048,
                 "max_position_embeddings": 512}
+# Qwen3-Next: the same layers with a MoE FFN (4 experts, 2 per token, and a shared expert), experts FSDP-sharded.
+TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
 
 
 SPECS = {
@@ -195,6 +199,8 @@ SPECS = {
     ),
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "fsdp2", "pp2", "hf")),
+    "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
+                          rows=("single", "fsdp2", "pp2")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).

@@ -90,7 +90,9 @@ process), then 2-process jobs (two lanes), then 4-process jobs; ``Row.cost``
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
-jobs loaded the machine (phases of 5, 76, 105 and 60 s).
+jobs loaded the machine (phases of 5, 76, 105 and 60 s). The hybrid specs (``fla_gla_hybrid``,
+``hf_qwen3_5``, ``hf_qwen3_next``: 14 rows and 4 seed checkpoints, 1- and 2-process jobs only) took 36 s
+in a launch of their own (their jobs ~49 s summed over the lanes).
 """
 
 from __future__ import annotations

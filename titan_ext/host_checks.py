@@ -78,8 +78,13 @@ FLA_SIGNATURES = {
     "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
     "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
     "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
+    **{f"transformers.models.{model}.modeling_{model}:torch_{kind}_gated_delta_rule":
+       f"query, key, value, g, beta, {'chunk_size=64, ' if kind == 'chunk' else ''}initial_state=None, "
+       "output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs"
+       for model in ("qwen3_5", "qwen3_next") for kind in ("chunk", "recurrent")},
 }
-"""Checked with flash-linear-attention 0.6.0. fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
+"""Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet wrappers of Qwen3.5
+and Qwen3-Next, which call fla's kernels). fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
 and its deprecated ``fused_chunk_gla(**kwargs)`` carry no signature to compare."""
 
 
@@ -98,8 +103,9 @@ def check_fla_signatures(model_args) -> None:
     for target, expected in FLA_SIGNATURES.items():
         found = parameters(resolve(target))
         if found != expected:
+            package = "transformers" if target.startswith("transformers.") else "flash-linear-attention"
             raise HostChanged(
-                "flash-linear-attention", f"{target.replace(':', '.')} now takes ({found}), titan_ext's kernels "
+                package, f"{target.replace(':', '.')} now takes ({found}), titan_ext's kernels "
                 f"were written for ({expected})"
             )
 
@@ -216,7 +222,8 @@ def _transformers_model(model_args) -> bool:
 
 
 def _fla_model(model_args) -> bool:
-    return model_args.library == "fla"
+    """An fla model, or one whose mixers call kernels titan_ext replaces (transformers' Gated DeltaNet)."""
+    return model_args.library == "fla" or any(mixer.portable_kernels for mixer in model_args.layer_mixers())
 
 
 HOST_CHECKS: tuple[HostCheck, ...] = (

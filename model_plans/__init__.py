@@ -12,7 +12,8 @@ from the user's own module::
 """
 
 from model_plans.apply import apply_tp, enable_async_tp, resolve
-from model_plans.base import IfPresent, TPOptions, TPPlan
+from model_plans import mixers
+from model_plans.base import IfPresent, TPOptions, TPPlan, with_layer_mixers
 from model_plans.gated_deltanet import GatedDeltaNetTPPlan
 from model_plans.gla import GLATPPlan
 from model_plans.hf_plan import HFTPPlan, hf_plan_class
@@ -34,10 +35,12 @@ __all__ = [
     "enable_async_tp",
     "get_tp_plan",
     "hf_plan_class",
+    "mixers",
     "plan_for_model",
     "plan_source",
     "register_tp_plan",
     "registered_model_types",
     "resolve",
     "validate_tp",
+    "with_layer_mixers",
 ]

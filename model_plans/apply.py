@@ -68,8 +68,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> None:
     name = type(plan).__name__
     parallelize_module(model, tp_mesh, resolve(plan.model_plan(), model, name))
     retie_embeddings(model, plan)
-    for block in model.get_submodule(plan.layers):
-        parallelize_module(block, tp_mesh, resolve(plan.block_plan(), block, name))
+    for index, block in model.get_submodule(plan.layers).named_children():  # a pipeline stage's keep their indices
+        parallelize_module(block, tp_mesh, resolve(plan.block_plan(int(index)), block, name))
     _check_coverage(model, plan)
 
 

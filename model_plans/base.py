@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
@@ -47,7 +48,8 @@ class TPPlan:
     around the MLP.
 
     Subclasses name their modules (class attributes below) and give
-    ``attn_plan``; ``mlp_plan`` covers gated MLPs (fla's ``GatedMLP``, HF's
+    ``attn_plan``, the entries of the architecture's own token mixer (``model_plans.mixers``); a hybrid
+    model's layers of another mixer take theirs from ``layer_mixers``. ``mlp_plan`` covers gated MLPs (fla's ``GatedMLP``, HF's
     ``LlamaMLP``). An entry for a module the model lacks is an error in
     ``apply_tp`` unless it is wrapped in ``IfPresent`` (e.g. fla's
     ``swiglu_linear``, absent when ``fuse_swiglu`` is off).
@@ -59,6 +61,9 @@ class TPPlan:
     layers = "model.layers"
     attn_norm = "attn_norm"
     mlp_norm = "mlp_norm"
+    layer_mixers: tuple[tuple[int, Callable[["TPPlan"], Plan]], ...] = ()
+    """(layer index, its mixer's entries, ``model_plans.mixers``) for the layers whose token mixer is not
+    the architecture's own (a hybrid model's); set by ``with_layer_mixers``."""
 
     def __init__(self, options: TPOptions = TPOptions()):
         self.options = options
@@ -100,13 +105,20 @@ class TPPlan:
             )),
         }
 
-    def block_plan(self) -> Plan:
+    def block_plan(self, index: int | None = None) -> Plan:
+        """The plan of block ``index`` (None: a block of the architecture's own mixer)."""
         return {
             self.attn_norm: self.norm(),
-            **self.attn_plan(),
+            **self.mixer_plan(index),
             self.mlp_norm: self.norm(),
             **self.mlp_plan(),
         }
+
+    def mixer_plan(self, index: int | None) -> Plan:
+        """The entries of block ``index``'s token mixer: ``layer_mixers``' where it names the layer, else
+        the architecture's own (``attn_plan``)."""
+        other = dict(self.layer_mixers).get(index)
+        return self.attn_plan() if other is None else other(self)
 
     def attn_plan(self) -> Plan:
         raise NotImplementedError(f"{type(self).__name__} must define attn_plan()")
@@ -134,6 +146,14 @@ class TPPlan:
                 SwiGLULinearParallel(output_layouts=self.activation, use_local_output=self.local_residual)
             ),
         }
+
+
+def with_layer_mixers(plan_cls: type[TPPlan], layer_mixers: dict[int, Callable[[TPPlan], Plan]]) -> type[TPPlan]:
+    """``plan_cls`` for a hybrid model: the layers ``layer_mixers`` names take that mixer's entries."""
+    if not layer_mixers:
+        return plan_cls
+    return type(plan_cls.__name__, (plan_cls,), {"__module__": plan_cls.__module__, "__qualname__": plan_cls.__qualname__,
+                                                   "layer_mixers": tuple(sorted(layer_mixers.items()))})
 
 
 def short_conv_plan() -> Plan:

@@ -74,7 +74,7 @@ class HFTPPlan(TPPlan):
     optional: frozenset[str] = frozenset()
     """Modules only some blocks have (their entries are ``IfPresent``)."""
 
-    def block_plan(self) -> Plan:
+    def block_plan(self, index: int | None = None) -> Plan:
         plan = {}
         for module, entry in self.entries:
             style = self._style(module, entry)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from model_plans import mixers
 from model_plans.base import Plan, TPPlan
 from model_plans.registry import register_tp_plan
 
@@ -13,10 +14,4 @@ class LlamaTPPlan(TPPlan):
     mlp_norm = "post_attention_layernorm"
 
     def attn_plan(self) -> Plan:
-        return {
-            **self.gather("self_attn", kwarg="hidden_states"),
-            "self_attn.q_proj": self.colwise(),
-            "self_attn.k_proj": self.colwise(),
-            "self_attn.v_proj": self.colwise(),
-            "self_attn.o_proj": self.out_proj(),
-        }
+        return mixers.transformers_attention(self)

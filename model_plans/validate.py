@@ -55,12 +55,12 @@ _LAYOUT_ONLY = (PrepareModuleInput, PrepareModuleOutput)
 """Styles that lay out a module's inputs or outputs and leave its parameters alone."""
 
 
-def _uncovered_parameter(model: nn.Module, plan: TPPlan, block_plans: list[dict]) -> str | None:
+def _uncovered_parameter(model: nn.Module, plan: TPPlan, block_plans: dict[str, dict]) -> str | None:
     """The first parameter whose module no parameter-placing plan entry names, or None
-    (``block_plans``: each block's resolved plan)."""
+    (``block_plans``: each block's resolved plan, by its name in the block list)."""
     covered = {fqn for fqn, style in resolve(plan.model_plan(), model, type(plan).__name__).items()
                if not isinstance(style, _LAYOUT_ONLY)}
-    for index, block_plan in enumerate(block_plans):
+    for index, block_plan in block_plans.items():
         covered |= {f"{plan.layers}.{index}.{fqn}" for fqn, style in block_plan.items() if not isinstance(style, _LAYOUT_ONLY)}
     for param_name, _ in model.named_parameters():
         if param_name.rpartition(".")[0] not in covered:
@@ -83,15 +83,15 @@ def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | N
         if value % tp_degree:
             raise ValueError(f"{name}={value} is not divisible by {DEGREE}={tp_degree}; pick a degree that divides it")
     name = type(plan).__name__
-    blocks = list(model.get_submodule(plan.layers))
-    block_plans = [resolve(plan.block_plan(), block, name) for block in blocks]
-    uncovered = _uncovered_parameter(model, plan, block_plans)
+    indices, blocks = zip(*model.get_submodule(plan.layers).named_children())
+    block_plans = [resolve(plan.block_plan(int(index)), block, name) for index, block in zip(indices, blocks)]
+    uncovered = _uncovered_parameter(model, plan, dict(zip(indices, block_plans)))
     if uncovered:
         raise ValueError(
             f"parameter {uncovered} is not covered by {name}: TP would leave it a plain tensor among DTensors; "
             "add a plan entry for its module (a replicated style for modules TP does not split)"
         )
-    for index, (block, block_plan) in enumerate(zip(blocks, block_plans)):
+    for index, block, block_plan in zip(indices, blocks, block_plans):
         for fqn, style in block_plan.items():
             split = _split_size(style, block.get_submodule(fqn))
             if split is not None and split[1] % tp_degree:

@@ -55,6 +55,14 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``cp2_docs`` and ``pp2_cp2_docs``.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
+- ``fla_gla_hybrid``: a hybrid (GLA at layer 0, fla's softmax Attention at layer 1 by fla's ``attn``
+  config, through ``--model.name fla`` and ``--titan_ext.hf_config``) in ``single``, ``fsdp2``, ``tp2``,
+  ``cp2`` (state passing and ring attention on one CP mesh), ``cp2_docs`` (all-gathered attention, with
+  AC and compile), ``pp2`` and ``ac_op_compile``.
+- ``hf_qwen3_5``: transformers' Qwen3.5 (Gated DeltaNet at layer 0 on titan_ext's portable kernel, gated
+  attention at layer 1) in ``single``, ``fsdp2``, ``pp2`` and ``hf`` (export and import);
+  its TP, CP and documents stop in one line naming layer 0 (``tests/test_hybrids.py``). ``hf_qwen3_next``:
+  the same layers with a MoE FFN (experts replicated in ``pp2``, FSDP-sharded in ``fsdp2``).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -92,7 +100,9 @@ process), then 2-process jobs (two lanes), then 4-process jobs; ``Row.cost``
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
-jobs loaded the machine (phases of 5, 76, 105 and 60 s).
+jobs loaded the machine (phases of 5, 76, 105 and 60 s). The hybrid specs (``fla_gla_hybrid``,
+``hf_qwen3_5``, ``hf_qwen3_next``: 14 rows and 4 seed checkpoints, 1- and 2-process jobs only) took 36 s
+in a launch of their own (their jobs ~49 s summed over the lanes).
 """
 
 from __future__ import annotations
@@ -175,6 +185,19 @@ GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile", "pp2")
 # routes again, which must not count twice).
 TINY_QWEN3_MOE = json.loads((CONFIGS / "debug_qwen3_moe.json").read_text())
 
+# An fla hybrid: GLA with fla's softmax Attention at layer 1 (fla's attn config, grouped-query heads).
+GLA_HYBRID = {"model_type": "gla", "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}}
+HYBRID_ROWS = ("single", "fsdp2", "tp2", "cp2", "cp2_docs", "pp2", "ac_op_compile")
+# transformers' Qwen3.5: Gated DeltaNet (linear_attn, titan_ext's portable kernel on the CPU) then gated attention.
+TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"], "vocab_size": 2048,
+                "max_position_embeddings": 512}
+# Qwen3-Next: the same layers with a MoE FFN (4 experts, 2 per token, and a shared expert), experts FSDP-sharded.
+TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+
 
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
@@ -187,6 +210,14 @@ SPECS = {
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
+    "fla_gla_hybrid": Spec(
+        "debug_gla.toml", flags=("--model.name", "fla", "--model.flavor", "gla-debugmodel"), hf_config=GLA_HYBRID,
+        rows=HYBRID_ROWS,
+    ),
+    "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
+                       rows=("single", "fsdp2", "pp2", "hf")),
+    "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
+                          rows=("single", "fsdp2", "pp2")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,

@@ -190,6 +190,22 @@ def test_good_hf_configs(gla_config, llama_config):
                                   llama_config, SOURCE)  # fmt: skip
 
 
+def test_typed_dict_fields_from_typing_and_typing_extensions(gla_config):
+    """fla's hybrid ``attn`` is a ``typing_extensions.TypedDict`` (or a list of them): a dict (or list) is
+    valid, anything else is one line; a ``typing.TypedDict`` is recognised the same way."""
+    import typing
+
+    import typing_extensions
+
+    hf_config.check_hf_config_fields({"attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}}, gla_config, SOURCE)
+    hf_config.check_hf_config_fields({"attn": [{"layers": [1], "num_heads": 4}]}, gla_config, SOURCE)
+    fails(lambda: hf_config.check_hf_config_fields({"attn": "1,3"}, gla_config, SOURCE), SOURCE,
+          "attn='1,3' has type str", "needs AttentionSpec | list | None")
+    for TypedDict in (typing.TypedDict, typing_extensions.TypedDict):
+        Spec = TypedDict("Spec", {"layers": list})
+        assert hf_config._is_instance({"layers": [0]}, Spec) and not hf_config._is_instance([0], Spec)
+
+
 # ---------------------------------------------------------------- HF safetensors directories
 
 

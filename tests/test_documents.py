@@ -22,10 +22,10 @@ from titan_ext.text_stream import StreamedTextDataset
 
 FLAVORS = {"fla_gla": gla_flavors, "fla_gated_deltanet": gated_deltanet_flavors, "fla_transformer": transformer_flavors,
            "hf_llama": llama_flavors}
-MODELS = [*FLAVORS, "fla_gla+short_conv", "hf_llama+document_attention"]
+MODELS = [*FLAVORS, "fla_gla+short_conv", "hf_llama+document_attention", "fla_gla+hybrid"]
 """GLA with short convolutions: they too must stop at boundaries. Llama with its attention run per document
 (``documents.apply_document_attention``, what a job with document masking runs) as well as with the
-block-causal mask."""
+block-causal mask. A GLA hybrid (fla's softmax Attention at layer 1): both mixers keep documents apart."""
 
 
 def debug_model(name: str):
@@ -33,6 +33,8 @@ def debug_model(name: str):
     args = copy.deepcopy(FLAVORS[spec]["debugmodel"])
     if extra == "short_conv":
         args.config["use_short_conv"] = True
+    if extra == "hybrid":
+        args.config["attn"] = {"layers": [1], "num_heads": 4, "num_kv_heads": 2}
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()
@@ -120,7 +122,7 @@ def test_compiled_blocks_do_not_recompile_as_the_document_count_changes(spec):
         model(tokens, document_positions=positions).float().logsumexp(-1).mean().backward()
 
     # fla's transformer fills its rotary cache lazily in step 1: one recompile at step 2 (test_ac_compile.py)
-    warmup = 2 if spec == "fla_transformer" else 1
+    warmup = 2 if spec in ("fla_transformer", "fla_gla+hybrid") else 1  # the hybrid: its attention layer
     for count in (3, 5)[:warmup]:
         step(count)
     with torch._dynamo.config.patch(error_on_recompile=True):

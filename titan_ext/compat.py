@@ -163,6 +163,19 @@ def varlen_attention():
     return varlen_attn if {"window_size", "enable_gqa", "scale"} <= set(parameters) else None
 
 
+def once_per_run(fn) -> None:
+    """Call ``fn()`` once per run of the calling code: now in eager code, and while dynamo traces compiled
+    code (``torch._dynamo.comptime``: no op in the graph, no guard, so nothing recompiles)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(lambda ctx: fn())
+    else:
+        fn()
+
+
 def all_gather_autograd(tensor, group, dim: int = 0):
     """An all-gather along ``dim`` whose backward sums each slice's gradient over the ranks
     (``torch.distributed._functional_collectives``: traceable by dynamo, runs on gloo and NCCL)."""

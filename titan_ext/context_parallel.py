@@ -27,9 +27,11 @@ read at each token's global position they restart the recurrent states, the
 convolutions' halos, the rotary positions and the attention at every document
 start, on whichever rank it falls (``models.packing.step_inputs``, ``state_passing.PieceLayout``).
 
-An architecture opts in (``titan_ext.models.architecture``): ``cp_kernels`` (a recurrent mixer:
-the global names it calls and each one's kind of recurrence) or ``cp_attention``
-(the attention registry its attention module reads).
+Each layer takes its token mixer's path (``titan_ext.models.mixers``): ``cp_kernels`` (a recurrence:
+the global names it calls and each one's kind of recurrence) or ``cp_attention`` (fla's ``Attention``,
+or the attention registry a transformers attention module reads). A hybrid model runs both on one CP
+mesh and one ``PieceLayout``; a layer whose mixer has neither stops the job before the build
+(``check_cp``), and a layer whose path did not run in the first forward stops it after step 1.
 """
 
 from __future__ import annotations
@@ -104,46 +106,69 @@ def check_cp(model_args, job_config) -> None:
 
 
 def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
-    """Make each block's mixer see the whole sequence across ``cp_mesh`` (only this model's modules change)."""
+    """Make each block's mixer see the whole sequence across ``cp_mesh``, by its layer's path (only this
+    model's modules change): state passing for a recurrence, ring or all-gathered attention for softmax
+    attention, one CP mesh and one ``PieceLayout`` for all. Each path counts its runs; the model checks
+    them after its first forward (``PieceLayout.check_paths``)."""
     from titan_ext.kernels.state_passing import PieceLayout
 
     layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
-    kind = model.arch.cp_attention
-    if kind:
-        attend = attention_across_ranks(cp_mesh, layout, choice)
-        if kind == "transformers":
-            _apply_transformers_attention(model, attend)
-        else:
-            _apply_fla_attention(model, layout, attend)
-    else:
-        _apply_state_passing(model, layout)
+    blocks = {int(index): block for index, block in model.get_decoder().layers.named_children()}  # a stage's keep theirs
+    mixers = {index: model.mixers[index] for index in blocks}
+    attend = attention_across_ranks(cp_mesh, layout, choice) if any(m.cp_attention for m in mixers.values()) else None
+    key = _binding_key()  # one for all blocks: blocks of one class share one bound class, so compiled code too
+    for index, block in blocks.items():
+        mixer = mixers[index]
+        module, path = getattr(block, mixer.attribute), _path_of(mixer)
+        bound_key = f"{key}:{path}"  # a mixer's bound classes see its own replacements only
+        if mixer.cp_kernels:
+            _bind_state_passing(module, mixer, layout, bound_key)
+        elif mixer.cp_attention == "transformers":
+            _bind_transformers_attention(module, layout, attend, bound_key)
+        elif mixer.cp_attention == "fla":
+            _bind_fla_attention(module, layout, attend, bound_key)
+        else:  # refused before the build (check_cp): never silently local
+            raise ValueError(f"layer {index} ({mixer.name}) has no context-parallel path")
+        layout.expected[path] = layout.expected.get(path, 0) + 1
     model.cp_layout = layout  # the model's forward records each step's positions in it (``models.packing.step_inputs``)
+    logger.info(
+        f"Applied context parallelism ({layout.world} ranks, {layout.per_rank} piece(s) per rank), per layer: "
+        + ", ".join(f"{count} x {path}" for path, count in layout.expected.items())
+    )
 
 
-def _apply_state_passing(model: nn.Module, layout) -> None:
+def _path_of(mixer) -> str:
+    """The name of a mixer's CP path, as the layout counts its runs."""
+    return "state passing" if mixer.cp_kernels else f"{mixer.cp_attention} attention"
+
+
+def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> None:
+    """The recurrence's kernels pass their states across ranks (``kernels.state_passing``; fla's own
+    cp_context is not used), and its short convolutions read the previous piece's last inputs."""
     from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
-    key = _binding_key()
-    for block in model.get_decoder().layers:
-        mixer = block.attn
-        scope = type(mixer).forward.__globals__
-        replacements = {scope[name]: across_ranks(scope[name], recurrence, layout)
-                        for name, recurrence in model.arch.cp_kernels.items() if name in scope}
-        # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel,
-        # and the mixer's own call when it convolves q, k and v in one (Gated DeltaNet without TP)
-        convolutions = short_convolutions(mixer)
-        scopes = [scope] if convolutions else []
-        for conv in [type(c).forward.__globals__ for c in convolutions] + scopes:
-            kernel = conv.get("causal_conv1d")
-            if kernel is not None and kernel not in replacements:
-                replacements[kernel] = conv_across_ranks(kernel, layout)
-        binding.bind(mixer, replacements, key=key)  # the mixer and its convolutions, in one binding
-    logger.info(
-        f"Applied context parallelism ({layout.world} ranks, {layout.per_rank} piece(s) per rank): "
-        f"{', '.join(model.arch.cp_kernels)} pass their states across ranks by titan_ext's state passing "
-        "(kernels.state_passing; fla's own cp_context is not used)"
-    )
+    scope = type(mixer_module).forward.__globals__
+    replacements = {scope[name]: _counted(across_ranks(scope[name], recurrence, layout), layout, _path_of(mixer))
+                    for name, recurrence in mixer.cp_kernels.items() if name in scope}
+    # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel,
+    # and the mixer's own call when it convolves q, k and v in one (Gated DeltaNet without TP)
+    convolutions = short_convolutions(mixer_module)
+    scopes = [scope] if convolutions else []
+    for conv in [type(c).forward.__globals__ for c in convolutions] + scopes:
+        kernel = conv.get("causal_conv1d")
+        if kernel is not None and kernel not in replacements:
+            replacements[kernel] = conv_across_ranks(kernel, layout)
+    binding.bind(mixer_module, replacements, key=key)  # the mixer and its convolutions, in one binding
+
+
+def _counted(fn, layout, path: str):
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        layout.mark(path)
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
@@ -173,24 +198,22 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
     return attend
 
 
-def _apply_transformers_attention(model: nn.Module, attend) -> None:
-    """A transformers model's attention modules read ``attend`` from their modeling file's attention registry."""
+def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str) -> None:
+    """A transformers attention module reads ``attend`` from its modeling file's attention registry."""
     from titan_ext.kernels import binding
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    def across_ranks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        layout.mark("transformers attention")
         return attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None
 
-    interface = cp_attention.OneAttention(attention)
-    key = _binding_key()  # one for all blocks: they share one class, so compiled code is shared too
-    for block in model.get_decoder().layers:
-        cls = type(block.self_attn)
-        registry = (cls.__module__, "ALL_ATTENTION_FUNCTIONS")  # the modeling file's attention registry
-        used = binding.bind(block.self_attn, {}, key=key, names={registry[0]: {registry[1]: interface}})
-        if registry not in used:  # the attention would stay local to each rank: wrong, and silent
-            raise HostChanged(
-                "transformers", f"{cls.__qualname__}.forward no longer reads {registry[1]} from {registry[0]}, "
-                "where context parallelism puts its attention"
-            )
+    cls = type(attention)
+    registry = (cls.__module__, "ALL_ATTENTION_FUNCTIONS")  # the modeling file's attention registry
+    used = binding.bind(attention, {}, key=key, names={registry[0]: {registry[1]: cp_attention.OneAttention(across_ranks)}})
+    if registry not in used:  # the attention would stay local to each rank: wrong, and silent
+        raise HostChanged(
+            "transformers", f"{cls.__qualname__}.forward no longer reads {registry[1]} from {registry[0]}, "
+            "where context parallelism puts its attention"
+        )
 
 
 _bindings = itertools.count()
@@ -209,16 +232,15 @@ def _binding_key() -> str:
 _BINDING_PREFIX = "context_parallel:"
 
 
-def _apply_fla_attention(model: nn.Module, layout, attend) -> None:
+def _bind_fla_attention(attention: nn.Module, layout, attend, key: str) -> None:
     """fla's softmax ``Attention``: its forward under CP is titan_ext's ``fla_attention_forward``."""
     from titan_ext.kernels import binding
 
     def forward(self, *args, **kwargs):
+        layout.mark("fla attention")
         return cp_attention.fla_attention_forward(self, *args, layout=layout, attend=attend, **kwargs)
 
-    key = _binding_key()
-    for block in model.get_decoder().layers:
-        binding.bind(block.attn, {type(block.attn).forward: forward}, key=key)
+    binding.bind(attention, {type(attention).forward: forward}, key=key)
 
 
 def short_convolutions(mixer: nn.Module) -> list[nn.Module]:

@@ -78,8 +78,13 @@ FLA_SIGNATURES = {
     "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
     "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
     "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
+    **{f"transformers.models.{model}.modeling_{model}:torch_{kind}_gated_delta_rule":
+       f"query, key, value, g, beta, {'chunk_size=64, ' if kind == 'chunk' else ''}initial_state=None, "
+       "output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs"
+       for model in ("qwen3_5", "qwen3_next") for kind in ("chunk", "recurrent")},
 }
-"""Checked with flash-linear-attention 0.6.0. fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
+"""Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet wrappers of Qwen3.5
+and Qwen3-Next, which call fla's kernels). fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
 and its deprecated ``fused_chunk_gla(**kwargs)`` carry no signature to compare."""
 
 
@@ -98,8 +103,9 @@ def check_fla_signatures(model_args) -> None:
     for target, expected in FLA_SIGNATURES.items():
         found = parameters(resolve(target))
         if found != expected:
+            package = "transformers" if target.startswith("transformers.") else "flash-linear-attention"
             raise HostChanged(
-                "flash-linear-attention", f"{target.replace(':', '.')} now takes ({found}), titan_ext's kernels "
+                package, f"{target.replace(':', '.')} now takes ({found}), titan_ext's kernels "
                 f"were written for ({expected})"
             )
 
@@ -137,7 +143,9 @@ def check_transformers_attention(model_args) -> None:
     boolean 4D ``attention_mask`` as the mask (document masking's block-causal one)."""
     from titan_ext.kernels import binding
 
-    model = _tiny(model_args)
+    # a hybrid's first attention layer (Qwen3.5's layer 0 is linear attention, with no self_attn)
+    layer = next((i for i, mixer in enumerate(model_args.layer_mixers()) if mixer.attribute == "self_attn"), None)
+    model = None if layer is None else _tiny(model_args, layer)
     if model is None:
         return
     seen = []
@@ -219,13 +227,14 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 """A one-layer, 32-wide copy of the job's architecture: the same modeling code in a few milliseconds."""
 
 
-def _tiny(model_args, **sizes):
-    """The job's transformers model at ``TINY`` sizes (and ``sizes``), in fp32 with eager-built weights; None
-    when its config does not take them (an architecture these sizes do not fit is not probed)."""
+def _tiny(model_args, layer: int = 0, **sizes):
+    """The job's transformers model at ``TINY`` sizes (and ``sizes``) with one layer, of the kind of the job's
+    ``layer``, in fp32 with eager-built weights; None when its config does not take them (an architecture
+    these sizes do not fit is not probed)."""
     config = model_args.to_hf_config()
     fields = {name: value for name, value in {**TINY, **sizes}.items() if hasattr(config, name)}
     if isinstance(getattr(config, "layer_types", None), list):
-        fields["layer_types"] = config.layer_types[:1]
+        fields["layer_types"] = config.layer_types[layer:layer + 1]
     try:
         tiny = type(config)(**{**config.to_dict(), **fields})
         tiny._attn_implementation = "sdpa"
@@ -242,7 +251,8 @@ def _transformers_model(model_args) -> bool:
 
 
 def _fla_model(model_args) -> bool:
-    return model_args.library == "fla"
+    """An fla model, or one whose mixers call kernels titan_ext replaces (transformers' Gated DeltaNet)."""
+    return model_args.library == "fla" or any(mixer.portable_kernels for mixer in model_args.layer_mixers())
 
 
 HOST_CHECKS: tuple[HostCheck, ...] = (

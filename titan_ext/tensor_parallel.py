@@ -37,12 +37,12 @@ def check_tp(model: nn.Module, job_config) -> None:
     degree = job_config.parallelism.tensor_parallel_degree
     if degree <= 1:
         return
-    from model_plans import TPOptions, plan_for_model, validate_tp
+    from model_plans import TPOptions, validate_tp
 
     from titan_ext.data import sections
 
     try:
-        plan_cls = plan_for_model(model)
+        plan_cls = plan_class(model, degree)
         plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config)))
         for section in sections(job_config):  # validation windows are split as training's are
             validate_tp(model, plan, degree, getattr(job_config, section).seq_len, f"--{section}.seq_len")
@@ -50,16 +50,34 @@ def check_tp(model: nn.Module, job_config) -> None:
         raise ConfigError(str(error)) from None
 
 
+def plan_class(model: nn.Module, degree: int) -> type:
+    """The model's plan class (``model_plans.plan_for_model``), its layers of another token mixer than the
+    architecture's own (a hybrid's) taking their mixer's entries (``model_plans.mixers``)."""
+    import model_plans
+    from model_plans import plan_for_model, with_layer_mixers
+
+    own = type(model.arch.own_mixer(model.config))
+    others = {}
+    for index, mixer in enumerate(model.mixers):
+        if type(mixer) is own:
+            continue
+        if mixer.tp_plan is None:
+            raise ConfigError(
+                f"--parallelism.tensor_parallel_degree={degree}: layer {index} ({mixer.name}) has no "
+                "tensor-parallel plan in titan_ext; set the degree to 1"
+            )
+        others[index] = getattr(model_plans.mixers, mixer.tp_plan)
+    return with_layer_mixers(plan_for_model(model), others)
+
+
 def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
     """The job's TP: the plan found for ``model`` (the meta-device model ``check_tp`` checked) and its options."""
     p = job_config.parallelism
     if p.tensor_parallel_degree <= 1:
         return None
-    from model_plans import plan_for_model
-
     return TPChoice(
         degree=p.tensor_parallel_degree,
-        plan_cls=plan_for_model(model),
+        plan_cls=plan_class(model, p.tensor_parallel_degree),
         sequence_parallel=sequence_parallel_enabled(job_config),
         loss_parallel=not p.disable_loss_parallel,
         float8=float8_tp_enabled(job_config),
@@ -87,4 +105,5 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = F
         f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
         f"float8={options.float8}, async={choice.async_tp}, head_in_loss={head_in_loss}"
+        + "".join(f"; layer {index} takes model_plans.mixers.{entries.__name__}" for index, entries in plan.layer_mixers)
     )

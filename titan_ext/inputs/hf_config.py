@@ -13,6 +13,8 @@ import sys
 import types
 import typing
 
+import typing_extensions
+
 from titan_ext.errors import ConfigError
 
 logger = logging.getLogger()
@@ -98,11 +100,12 @@ def _options(annotation) -> tuple:
 def _is_instance(value, kind) -> bool:
     """JSON's view of a type: bool is not an int, an int is a valid float, None only for ``None``.
 
-    A TypedDict is a dict; a ``Literal`` holds its values.
+    A TypedDict is a dict, from ``typing`` or ``typing_extensions`` (fla's ``AttentionSpec``; only
+    ``typing_extensions.is_typeddict`` knows both); a ``Literal`` holds its values.
     """
     if typing.get_origin(kind) is typing.Literal:
         return value in typing.get_args(kind)
-    kind = dict if typing.is_typeddict(kind) else typing.get_origin(kind) or kind
+    kind = dict if typing_extensions.is_typeddict(kind) else typing.get_origin(kind) or kind
     if kind is typing.Any or value is None:
         return kind is typing.Any or kind is type(None)
     if isinstance(value, bool) or kind is bool:

@@ -131,14 +131,22 @@ def _global_mask(layout, length: int, window: int | None):
 
 
 def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,
-                          use_cache=False, layout=None, attend=None, **kwargs):
+                          use_cache=False, layout=None, attend=None, cu_seqlens=None, **kwargs):
     """fla's ``Attention.forward`` for training under CP: the same projections, qk-norm, rotary
     (at the tokens' global positions, or within their documents) and causal (windowed) attention,
-    by ``attend`` (``attention_across_ranks``)."""
+    by ``attend`` (``attention_across_ranks``).
+
+    In a hybrid with packed documents the recurrent layers take this rank's rows flattened into one
+    (``cu_seqlens``): here they are this rank's rows again, since the layout holds their documents."""
     from titan_ext.kernels.rotary import rotate_at  # imports fla
 
-    if attention_mask is not None or past_key_values is not None or kwargs.get("cu_seqlens") is not None:
-        raise ValueError("fla Attention under context parallelism takes no mask, cache or cu_seqlens")
+    if attention_mask is not None or past_key_values is not None:
+        raise ValueError("fla Attention under context parallelism takes no mask or cache")
+    packed = hidden_states.shape
+    if cu_seqlens is not None:
+        if layout.local_document_positions is None:
+            raise ValueError("fla Attention under context parallelism takes cu_seqlens only with the step's documents")
+        hidden_states = hidden_states.reshape(*layout.positions.shape, -1)
     B, T, _ = hidden_states.shape
     q, k, v = (proj(hidden_states).unflatten(-1, (-1, self.head_dim)) for proj in (self.q_proj, self.k_proj, self.v_proj))
     if self.qk_norm:
@@ -148,4 +156,5 @@ def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_val
     cos, sin = compat.fla_rotary_tables(self.rotary, length, q)
     q, k = rotate_at(q, cos, sin, positions, self.rotary.interleaved), rotate_at(k, cos, sin, positions, self.rotary.interleaved)
     o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=self.window_size)
-    return self.o_proj(o.transpose(1, 2).reshape(B, T, -1)), None, past_key_values
+    o = self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+    return o.reshape(*packed[:-1], -1), None, past_key_values

@@ -80,6 +80,34 @@ class PieceLayout:
         self.world = torch.distributed.get_world_size(group)
         self._micro_batch, self._recorded = None, {}
         self.record(None, None)
+        self.expected: dict[str, int] = {}
+        """Calls of each context-parallel path one forward must make (one per layer using it)."""
+        self.ran: dict[str, int] = {}
+        self.traced = self.checked = False
+
+    def mark(self, path: str) -> None:
+        """A bound layer's context-parallel ``path`` runs (``check_paths``); under compile, counted where it is traced."""
+        from titan_ext import compat
+
+        traced = torch.compiler.is_compiling()
+        compat.once_per_run(lambda: self._count(path, traced))
+
+    def _count(self, path: str, traced: bool) -> None:
+        self.ran[path] = self.ran.get(path, 0) + 1
+        self.traced |= traced
+
+    def check_paths(self) -> str | None:
+        """After the first forward: which paths ran fewer times than layers use them (a layer left unbound
+        would attend or recur within this rank's piece only), or None. Compiled blocks of one class may
+        share one trace, so there each path must have been traced at least once."""
+        if self.checked:
+            return None
+        self.checked = True
+        short = {path: self.ran.get(path, 0) for path, calls in self.expected.items()
+                 if self.ran.get(path, 0) < (1 if self.traced else calls)}
+        if not short:
+            return None
+        return ", ".join(f"{path}: {ran} of {self.expected[path]} layers" for path, ran in short.items())
 
     def record(self, positions: Tensor | None, document_positions: Tensor | None) -> None:
         """One step's positions, and what the bound kernels derive from them, once per step."""

@@ -2,23 +2,27 @@
 
 A model is its HF config: transformers' Auto classes give the config and
 causal-LM classes of any ``model_type`` (fla registers its models there when
-imported). What the config cannot say lives in an ``Architecture``: the
-training FLOPs of its token mixer, how packed documents reach it, its
-context-parallel path. Each shipped architecture module (``gla``,
-``gated_deltanet``, ``transformer``, ``llama``) registers one together with its
-flavor table; any other model type gets its library's generic architecture.
-A subclass of a known config class (a user's variant under a new
-``model_type``) inherits its parent's architecture.
+imported). What the config cannot say lives in an ``Architecture``: the map from
+each layer to its token mixer (``titan_ext.models.mixers``: TP entries, CP path,
+FLOPs, documents), read from the config, and what is the model's as a whole
+(how packed documents reach it, what training forces, Float8's exceptions).
+A pure model maps every layer to its own ``mixer``; a hybrid maps some layers to
+another (fla's ``attn`` config makes those layers fla's softmax ``Attention``;
+transformers' ``config.layer_types`` names each layer's kind). Each shipped
+architecture module (``gla``, ``gated_deltanet``, ``transformer``, ``llama``)
+registers one together with its flavor table; any other model type gets its
+library's generic architecture. A subclass of a known config class (a user's
+variant under a new ``model_type``) inherits its parent's architecture.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from titan_ext.errors import ConfigError
-from titan_ext.kernels.state_passing import AffineState, DiagonalDecay
+from titan_ext.models import mixers
+from titan_ext.models.mixers import Mixer
 
 LIBRARIES = {"fla": "fla", "hf": "transformers"}
 """Generic train spec name -> the library whose causal LMs it trains."""
@@ -29,16 +33,12 @@ class Architecture:
 
     model_type: ClassVar[str] = ""
     library: ClassVar[str] = "transformers"
+    mixer: ClassVar[Mixer | None] = None
+    """The architecture's own token mixer (None: a model type titan_ext does not know: ``mixers.Unknown``)."""
 
     packed_layout: ClassVar[str] = "position_ids"
     """How the model takes packed documents (``titan_ext.documents``): fla's ``cu_seqlens`` over one
     flattened row, or transformers' ``position_ids`` with a block-causal mask."""
-    cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
-    """Context parallelism (``titan_ext.context_parallel``) for a recurrent mixer: the kernels it
-    calls by global name, each with its kind of recurrence (``kernels.state_passing``)."""
-    cp_attention: ClassVar[str] = ""
-    """Context parallelism for softmax attention (torch's ring, or all-gathered keys and values where masked):
-    ``"transformers"`` (through the attention registry its modeling file reads) or ``"fla"`` (fla's ``Attention``)."""
     float8_high_precision: ClassVar[tuple[str, ...]] = ("lm_head",)
     """Linears (FQN parts) Float8 training keeps in high precision unless the job names its own
     filters: the output head, for the precision of the logits."""
@@ -47,28 +47,49 @@ class Architecture:
         """Config fields forced by training under torchtitan (e.g. no fused loss inside the model)."""
         return {}
 
-    def mixer_flops_per_token(self, config, seq_len: int) -> int | None:
-        """Training FLOPs per token of the token mixer beyond its projections; None if unknown."""
+    def own_mixer(self, config) -> Mixer:
+        return self.mixer if self.mixer is not None else mixers.Unknown(config.model_type)
+
+    def layer_mixers(self, config) -> tuple[Mixer, ...]:
+        """Each layer's token mixer, by index: the architecture's own, in a pure model."""
+        return (self.own_mixer(config),) * config.num_hidden_layers
+
+    def hybrid(self, config) -> bool:
+        return len({type(m) for m in self.layer_mixers(config)}) > 1
+
+    def _first_blocker(self, config, reason_of) -> str | None:
+        """The first layer's reason (``reason_of(mixer, layer)``); in a hybrid it names the layer and its mixer."""
+        for layer, mixer in enumerate(self.layer_mixers(config)):
+            reason = reason_of(mixer, layer)
+            if reason:
+                return f"layer {layer} ({mixer.name}): {reason}" if self.hybrid(config) else reason
         return None
+
+    def mixer_flops_per_token(self, config, seq_len: int) -> int | None:
+        """Training FLOPs per token of every layer's token mixer beyond its projections; None if one is unknown."""
+        counts = [m.flops_per_token(config, layer, seq_len) for layer, m in enumerate(self.layer_mixers(config))]
+        return None if None in counts else sum(counts)
 
     def document_mask_blocker(self, config) -> str | None:
         """Why this model cannot keep packed documents apart (a one-line reason and fix), or None."""
-        return None
+        return self._first_blocker(config, lambda mixer, layer: mixer.document_mask_blocker(config, layer))
 
     def ring_attention_blocker(self, config) -> str | None:
         """Why this model's attention under CP is not plain causal SDPA, which torch's ring runs (it then
         attends over all-gathered keys and values, masked), or None."""
+        for layer, mixer in enumerate(self.layer_mixers(config)):
+            if mixer.cp_attention and (reason := mixer.ring_attention_blocker(config, layer)):
+                return reason
         return None
 
     def context_parallel_blocker(self, config) -> str | None:
         """Why this model cannot split sequences across ranks (a one-line reason and fix), or None."""
-        if not (self.cp_kernels or self.cp_attention):
-            return f"titan_ext has no context-parallel path for {config.model_type!r} models yet; set it to 1"
-        return None
+        return self._first_blocker(config, lambda mixer, layer: mixer.context_parallel_blocker(config, layer))
 
 
 class FlaArchitecture(Architecture):
-    """Any fla causal LM: packed documents as ``cu_seqlens``; the loss stays out of the model."""
+    """Any fla causal LM: packed documents as ``cu_seqlens``; the loss stays out of the model; the layers
+    fla's ``attn`` config names are fla's softmax ``Attention``."""
 
     library = "fla"
     packed_layout = "cu_seqlens"
@@ -77,27 +98,31 @@ class FlaArchitecture(Architecture):
         # torchtitan computes the loss from the logits; the model must not.
         return {"fuse_cross_entropy": False, "fuse_linear_cross_entropy": False}
 
+    def layer_mixers(self, config):
+        own, attention = self.own_mixer(config), set(mixers.attention_layers(config))
+        return tuple(FLA_ATTENTION if layer in attention else own for layer in range(config.num_hidden_layers))
+
+
+FLA_ATTENTION = mixers.FlaAttention()
+
 
 class TransformersArchitecture(Architecture):
-    """Any transformers causal LM: softmax attention through torch's SDPA."""
+    """Any transformers causal LM: softmax attention through torch's SDPA; a hybrid's other layers by
+    ``config.layer_types``."""
+
+    mixer = mixers.TransformersAttention(context_parallel=False)
+    layer_types: ClassVar[dict[str, Mixer]] = {"linear_attention": mixers.TransformersGatedDeltaNet()}
+    """``config.layer_types`` entries whose layer is not the architecture's own attention."""
 
     def config_overrides(self):
         # torch's fused SDPA kernels on every device; no flash-attn package needed.
         return {"attn_implementation": "sdpa"}
 
-    def mixer_flops_per_token(self, config, seq_len):
-        """Softmax attention beyond the projections: 12 * layers * heads * head_dim * seq_len.
-
-        Per layer, head and token the forward computes q.k over seq_len keys
-        and the weighted sum of seq_len values, 2 * 2 * head_dim * seq_len;
-        training is 3x. The full seq_len x seq_len score matrix is counted (no
-        causal halving), as torchtitan's llama3 and flame count it.
-        """
-        heads = getattr(config, "num_attention_heads", None)
-        if not heads:
-            return None
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return 12 * config.num_hidden_layers * heads * head_dim * seq_len
+    def layer_mixers(self, config):
+        kinds = getattr(config, "layer_types", None) or ()
+        own = self.own_mixer(config)
+        return tuple(self.layer_types.get(kinds[layer] if layer < len(kinds) else "", own)
+                     for layer in range(config.num_hidden_layers))
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

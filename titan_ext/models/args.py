@@ -158,6 +158,10 @@ class HFModelArgs(BaseModelArgs):
             self.update_from_hf_config(load_hf_config_json(assets, option), f"{option}={assets!r}")
         self.classes()  # an unknown model type is one line here
 
+    def layer_mixers(self) -> tuple:
+        """Each layer's token mixer (``titan_ext.models.mixers``), by index."""
+        return self.arch.layer_mixers(self.to_hf_config())
+
     def document_mask_blocker(self) -> str | None:
         return self.arch.document_mask_blocker(self.to_hf_config())
 
@@ -185,7 +189,7 @@ class HFModelArgs(BaseModelArgs):
         if mixer is None:
             logger.warning(
                 f"titan_ext: no FLOP count for the token mixer of {self.model_type!r} models; "
-                "MFU counts 6 FLOPs per matmul weight only (register an Architecture to count it)"
+                "MFU counts 6 FLOPs per matmul weight only (register an Architecture or a mixer to count it)"
             )
             mixer = 0
         return nparams, 6 * matmul_params + mixer

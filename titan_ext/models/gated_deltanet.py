@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from titan_ext.kernels.state_passing import AffineState
+from titan_ext.models import mixers
 from titan_ext.models.architecture import FlaArchitecture, register_architecture
 from titan_ext.models.args import fla_model
 
@@ -10,25 +10,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class GatedDeltaNet(FlaArchitecture):
     model_type = "gated_deltanet"
-    cp_kernels = {"chunk_gated_delta_rule": AffineState(), "fused_recurrent_gated_delta_rule": AffineState()}
-
-    def mixer_flops_per_token(self, config, seq_len):
-        """The chunked gated delta rule, per layer and token, forward (training is 3x).
-
-        Per value head, with key dim K, value dim V and chunk C (64, fla's):
-        the in-chunk key-key and query-key scores cost 2 * 2*C*K; applying the
-        chunk's triangular inverse to the beta-scaled keys and values, 2*C*(K + V);
-        the scores times the corrections, 2*C*V; reading the state (queries
-        and keys) and updating it, 3 * 2*K*V. Linear in sequence length.
-        """
-        heads = config.num_v_heads or config.num_heads
-        key_dim = config.head_dim
-        value_dim = int(config.head_dim * config.expand_v)
-        from titan_ext.kernels.gated_delta import CHUNK as chunk  # imports fla: only when counted
-
-        per_head = 4 * chunk * key_dim + 2 * chunk * (key_dim + value_dim) + 2 * chunk * value_dim
-        per_head += 6 * key_dim * value_dim
-        return 3 * config.num_hidden_layers * heads * per_head
+    mixer = mixers.GatedDeltaNet()
 
 
 def gated_deltanet(**fields):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from titan_ext.models import mixers
 from titan_ext.models.architecture import TransformersArchitecture, register_architecture
 from titan_ext.models.args import transformers_model
 
@@ -9,10 +10,7 @@ from titan_ext.models.args import transformers_model
 @register_architecture
 class Llama(TransformersArchitecture):
     model_type = "llama"
-    cp_attention = "transformers"
-
-    def ring_attention_blocker(self, config):
-        return f"attention_dropout={config.attention_dropout}" if config.attention_dropout else None
+    mixer = mixers.TransformersAttention()
 
 
 def llama3_rope(factor: float, original_context: int = 8192, theta: float = 500000.0) -> dict:

@@ -57,13 +57,13 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
     layout = model.cp_layout
     layout.record(positions, document_positions)
     local = layout.local_document_positions
-    if model.arch.cp_attention == "transformers":  # rotary at position_ids: global, or within each document
-        if local is None:
+    if any(mixer.cp_attention == "transformers" for mixer in model.mixers):  # rotary at position_ids: global,
+        if local is None:  # or within each document
             return {**first, "position_ids": positions}
         return {**first, "position_ids": local, "attention_mask": _MASKED_BY_LAYOUT.to(local.device)}
-    if local is None or model.arch.cp_attention:  # fla's attention reads the layout
+    if local is None or not any(mixer.cp_kernels for mixer in model.mixers):  # fla's attention reads the layout
         return first
-    # a recurrent mixer on packed documents: the piece rows as one row
+    # recurrent mixers on packed documents: the piece rows as one row (fla's attention layers read the layout)
     flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
     return {**flat, "cu_seqlens": packed_cu_seqlens(layout)}
 

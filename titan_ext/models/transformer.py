@@ -7,6 +7,7 @@ parameter names and math stay fla's.
 
 from __future__ import annotations
 
+from titan_ext.models import mixers
 from titan_ext.models.architecture import FlaArchitecture, register_architecture
 from titan_ext.models.args import fla_model
 
@@ -14,22 +15,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class Transformer(FlaArchitecture):
     model_type = "transformer"
-    cp_attention = "fla"
-
-    def ring_attention_blocker(self, config):
-        return f"window_size={config.window_size}" if config.window_size else None
-
-    def mixer_flops_per_token(self, config, seq_len):
-        """Softmax attention beyond the projections: 12 * layers * heads * head_dim * keys.
-
-        Per layer, head and token the forward computes q.k over the keys and
-        the weighted sum of values, 2 * 2 * head_dim * keys; training is 3x.
-        Keys = seq_len (the full score matrix, no causal halving, as
-        torchtitan's llama3 and flame count it), or the window when smaller.
-        fla's heads * head_dim is hidden_size.
-        """
-        keys = min(seq_len, config.window_size or seq_len)
-        return 12 * config.num_hidden_layers * config.hidden_size * keys
+    mixer = mixers.FlaAttention()
 
 
 def transformer(**fields):

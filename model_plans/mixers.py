@@ -1,0 +1,106 @@
+"""Each token mixer's tensor-parallel entries (the ``attn`` part of a block's plan), one function per mixer.
+
+A function takes the model's ``TPPlan`` (its options and residual layout) and returns the entries of the
+block's mixer module. A model's plan class names its own mixer's function in ``attn_plan``; a hybrid
+model's plan gives other layers other functions (``TPPlan.layer_mixers``), so a block's plan is assembled
+from what mixes tokens in that block.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput
+
+from model_plans.base import IfPresent, Plan, TPPlan, short_conv_plan
+from model_plans.styles import Composed, NormParallel, PlaceParameters
+
+
+def _gather_hidden_states(plan: TPPlan) -> PrepareModuleInput:
+    """The mixer's input all-gathered in high precision, even with Float8 (see ``gla``)."""
+    return PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": plan.activation},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+    )
+
+
+def gla(plan: TPPlan) -> Plan:
+    """fla's ``GatedLinearAttention``: heads split across ranks, q/k/v/g and the gate's up-projection
+    colwise, o_proj rowwise.
+
+    The low-rank gate's down-projection ``gk_proj.0`` (hidden -> 16) is too
+    small to shard: its weight is replicated. The optional short convolutions
+    are sharded with the projections feeding them (``short_conv_plan``). The
+    per-head output norm runs on the local heads (``Shard(-2)``) with its
+    gate. The input is gathered in high precision even with Float8:
+    ``gk_proj.0`` is not a Float8 colwise linear and would receive a float8
+    tensor.
+    """
+    from fla.modules.parallel import PrepareModuleWeight
+
+    head_norm = NormParallel(Shard(-2), use_local_output=True)
+    return {
+        "attn": _gather_hidden_states(plan),
+        "attn.q_proj": plan.colwise(),
+        "attn.k_proj": plan.colwise(),
+        "attn.v_proj": plan.colwise(),
+        "attn.g_proj": plan.colwise(),
+        "attn.gk_proj.0": PrepareModuleWeight(layouts=Replicate()),
+        "attn.gk_proj.1": plan.colwise(),
+        **short_conv_plan(),
+        # fla builds one of the two: the fused norm-and-gate when fuse_norm is on, else a plain norm.
+        "attn.g_norm_swish_gate": IfPresent(head_norm),
+        "attn.g_norm": IfPresent(head_norm),
+        "attn.o_proj": plan.out_proj(),
+    }
+
+
+def gated_deltanet(plan: TPPlan) -> Plan:
+    """fla's ``GatedDeltaNet``: heads split across ranks, q/k/v, the per-value-head gate and beta (a/b) and
+    the output gate colwise, o_proj rowwise; the short convolutions and ``A_log``/``dt_bias`` (one per
+    value head) are sharded with them. Splitting query/key heads and value heads contiguously keeps each
+    value head's query/key head (``i // (num_v_heads // num_heads)``) on its rank.
+
+    The kernels read the sharded conv weights and ``A_log``/``dt_bias`` directly: the model must
+    run titan_ext's kernel binding (``titan_ext.kernels``, either path), which hands them local
+    shards and keeps fla's fused q/k/v conv (global widths) off under TP. The per-head output norm
+    runs on the local heads. The input is gathered in high precision even with Float8: ``a_proj``
+    and ``b_proj`` (``num_v_heads`` outputs) are usually too narrow for Float8Linear.
+    """
+    return {
+        "attn": Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
+        "attn.q_proj": plan.colwise(),
+        "attn.k_proj": plan.colwise(),
+        "attn.v_proj": plan.colwise(),
+        "attn.a_proj": plan.colwise(),
+        "attn.b_proj": plan.colwise(),
+        **short_conv_plan(),
+        "attn.g_proj": IfPresent(plan.colwise()),  # present with use_gate
+        "attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
+        "attn.o_proj": plan.out_proj(),
+    }
+
+
+def fla_attention(plan: TPPlan) -> Plan:
+    """fla's softmax ``Attention`` (its transformer's, and a hybrid's ``attn`` layers): heads split across
+    ranks; the optional q/k norms run per local head."""
+    return {
+        **plan.gather("attn", kwarg="hidden_states"),
+        "attn.q_proj": plan.colwise(),
+        "attn.k_proj": plan.colwise(),
+        "attn.v_proj": plan.colwise(),
+        # present with qk_norm only
+        "attn.q_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+        "attn.k_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+        "attn.o_proj": plan.out_proj(),
+    }
+
+
+def transformers_attention(plan: TPPlan) -> Plan:
+    """transformers' Llama-style ``self_attn``: heads split across ranks."""
+    return {
+        **plan.gather("self_attn", kwarg="hidden_states"),
+        "self_attn.q_proj": plan.colwise(),
+        "self_attn.k_proj": plan.colwise(),
+        "self_attn.v_proj": plan.colwise(),
+        "self_attn.o_proj": plan.out_proj(),
+    }

@@ -1,0 +1,51 @@
+"""fla's ``GatedDeltaNet`` (``fla.layers.gated_deltanet``), and transformers' (Qwen3.5 / Qwen3-Next's
+``linear_attn``)."""
+
+from __future__ import annotations
+
+from titan_ext.kernels.state_passing import AffineState
+from titan_ext.models.mixers.base import Mixer
+
+
+def delta_rule_flops(heads: int, key_dim: int, value_dim: int) -> int:
+    """The chunked gated delta rule, per token, forward x 3 (training).
+
+    Per value head, with key dim K, value dim V and chunk C (64, fla's):
+    the in-chunk key-key and query-key scores cost 2 * 2*C*K; applying the
+    chunk's triangular inverse to the beta-scaled keys and values, 2*C*(K + V);
+    the scores times the corrections, 2*C*V; reading the state (queries
+    and keys) and updating it, 3 * 2*K*V. Linear in sequence length.
+    """
+    from titan_ext.kernels.gated_delta import CHUNK as chunk  # imports fla: only when counted
+
+    per_head = 4 * chunk * key_dim + 2 * chunk * (key_dim + value_dim) + 2 * chunk * value_dim
+    per_head += 6 * key_dim * value_dim
+    return 3 * heads * per_head
+
+
+class GatedDeltaNet(Mixer):
+    name = "gated deltanet"
+    tp_plan = "gated_deltanet"
+    cp_kernels = {"chunk_gated_delta_rule": AffineState(), "fused_recurrent_gated_delta_rule": AffineState()}
+
+    def flops_per_token(self, config, layer, seq_len):
+        heads = config.num_v_heads or config.num_heads
+        return delta_rule_flops(heads, config.head_dim, int(config.head_dim * config.expand_v))
+
+
+class TransformersGatedDeltaNet(Mixer):
+    """transformers' Gated DeltaNet layer (``linear_attn``): counted, but no TP or CP path yet, and no
+    document resets (it restarts its state and convolution only at ``cu_seq_lens_q``, which transformers
+    passes with flash attention alone; titan_ext's block-causal mask would leave them running across
+    documents)."""
+
+    name = "transformers' gated deltanet (linear_attn)"
+    attribute = "linear_attn"
+    portable_kernels = True
+
+    def document_mask_blocker(self, config, layer):
+        return ("titan_ext does not yet restart its state and convolution at document boundaries; turn "
+                "--titan_ext.document_mask off")
+
+    def flops_per_token(self, config, layer, seq_len):
+        return delta_rule_flops(config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)

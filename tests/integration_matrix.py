@@ -173,6 +173,8 @@ SPECS = {
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
+    # KDA's own spec: its TP plan, state passing (with and without documents) and PP.
+    "fla_kda": Spec("debug_kda.toml", rows=("single", "tp2", "cp2", "cp2_docs", "pp2")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).

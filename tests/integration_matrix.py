@@ -573,7 +573,8 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    python_path = os.pathsep.join([str(REPO / "tests"), str(matrix.readme_folder)])  # + the README's module
+    # this checkout's titan_ext (not an installed one), the tests' modules and the README's module
+    python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,

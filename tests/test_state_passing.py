@@ -22,8 +22,10 @@ from titan_ext.kernels.kda import chunk_kda
 LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]
 """(ranks, pieces per rank): contiguous pieces, and torchtitan's head-tail order."""
 
-DOC_STARTS = [0, 7, 24, 25, 60, 72, 95]
-"""Document starts in a row of 96 tokens: across piece borders, one at a piece start (24), a 1-token document."""
+DOC_STARTS = [0, 7, 24, 25, 46, 60, 62, 72, 95]
+"""Document starts in a row of 96 tokens: across piece borders, one at a piece start (24), a 1-token document,
+and within a convolution's halo of a piece's end (46 for pieces of 24 and 48, 62 for pieces of 32): the next
+piece's halo then holds tokens of two documents."""
 
 
 def split(world, pieces_per_rank, T):

@@ -51,6 +51,13 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``cp2_docs`` and ``pp2_cp2_docs``.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
+- ``fla_gla_hybrid``: a hybrid (GLA at layer 0, fla's softmax Attention at layer 1 by fla's ``attn``
+  config, through ``--model.name fla`` and ``--titan_ext.hf_config``) in ``single``, ``fsdp2``, ``tp2``,
+  ``cp2`` (state passing and ring attention on one CP mesh), ``cp2_docs`` (all-gathered attention, with
+  AC and compile), ``pp2`` and ``ac_op_compile``.
+- ``hf_qwen3_5``: transformers' Qwen3.5 (Gated DeltaNet at layer 0 on titan_ext's portable kernel, gated
+  attention at layer 1) in ``single``, ``fsdp2``, ``pp2`` and ``hf`` (export and import);
+  its TP, CP and documents stop in one line naming layer 0 (``tests/test_hybrids.py``).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -160,6 +167,15 @@ TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048,
               "max_position_embeddings": 512, "tie_word_embeddings": True}
 GENERIC_ROWS = ("single", "fsdp2", "tp2", "ac_op_compile", "pp2")
+# An fla hybrid: GLA with fla's softmax Attention at layer 1 (fla's attn config, grouped-query heads).
+GLA_HYBRID = {"model_type": "gla", "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}}
+HYBRID_ROWS = ("single", "fsdp2", "tp2", "cp2", "cp2_docs", "pp2", "ac_op_compile")
+# transformers' Qwen3.5: Gated DeltaNet (linear_attn, titan_ext's portable kernel on the CPU) then gated attention.
+TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"], "vocab_size": 2048,
+                "max_position_embeddings": 512}
 
 
 SPECS = {
@@ -175,6 +191,12 @@ SPECS = {
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     # KDA's own spec: its TP plan, state passing (with and without documents) and PP.
     "fla_kda": Spec("debug_kda.toml", rows=("single", "tp2", "cp2", "cp2_docs", "pp2")),
+    "fla_gla_hybrid": Spec(
+        "debug_gla.toml", flags=("--model.name", "fla", "--model.flavor", "gla-debugmodel"), hf_config=GLA_HYBRID,
+        rows=HYBRID_ROWS,
+    ),
+    "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
+                       rows=("single", "fsdp2", "pp2", "hf")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
@@ -573,7 +595,7 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(DRIVER), str(plan_path)]
-    # this checkout's titan_ext (not an installed one), the tests' modules and the README's module
+    # this checkout's titan_ext first (an installed one may be another checkout's), + the README's module
     python_path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(matrix.readme_folder)])
     # TRITON_INTERPRET: Triton's interpreter for the jobs that run fla's kernels (--titan_ext.kernels fla; read
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.

@@ -133,11 +133,14 @@ CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 2, 1e-12), ("h
          ("fla_transformer", 1, 1e-12), ("fla_transformer+alltoall", 2, 1e-12),
          ("fla_transformer+window", 2, 1e-12), ("fla_gated_deltanet", 2, 1e-12),
          ("fla_gla+docs", 2, 1e-5), ("fla_gated_deltanet+docs", 1, 1e-12), ("hf_llama+docs", 1, 1e-12),
-         ("fla_transformer+docs", 2, 1e-12), ("fla_transformer+window+docs", 1, 1e-12)]
+         ("fla_transformer+docs", 2, 1e-12), ("fla_transformer+window+docs", 1, 1e-12),
+         ("fla_gated_deltanet_hybrid", 2, 1e-12), ("fla_gla_hybrid+docs", 1, 1e-5)]
 """(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
 Gated DeltaNet (its q/k/v convolution fused), Llama and the fla transformer in fp64: torch's ring
 attention (rotating keys and values by all-gather, or ``+alltoall`` rank to rank), or with a sliding
 window or ``+docs`` (packed documents, document masking on both sides) all-gathered keys and values.
+``_hybrid``: layer 1 is fla's softmax Attention (fla's ``attn`` config), on the same CP mesh as layer 0's
+state passing.
 Each spec runs with contiguous pieces (1 per rank) and head-tail ones (2) in one case or another."""
 
 DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
@@ -168,13 +171,15 @@ def _compare(spec, pieces_per_rank, rank, mesh):
 
         args = copy.deepcopy(transformer_flavors["debugmodel"])
         args.config["window_size"] = 24 if "+window" in spec else None  # reaches across pieces of 40
-    elif name == "fla_gated_deltanet":
+    elif name.startswith("fla_gated_deltanet"):
         from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 
         args = copy.deepcopy(gated_deltanet_flavors["debugmodel"])
     else:
         args = copy.deepcopy(gla_flavors["debugmodel"])
         args.config["use_short_conv"] = True
+    if name.endswith("_hybrid"):
+        args.config["attn"] = {"layers": [1], "num_heads": 4, "num_kv_heads": 2}
     torch.manual_seed(0)
     whole = build_model(args)
     whole.init_weights()

@@ -22,7 +22,8 @@ from titan_ext.text_stream import StreamedTextDataset
 
 FLAVORS = {"fla_gla": gla_flavors, "fla_gated_deltanet": gated_deltanet_flavors, "fla_transformer": transformer_flavors,
            "hf_llama": llama_flavors}
-MODELS = [*FLAVORS, "fla_gla+short_conv"]  # GLA with short convolutions: they too must stop at boundaries
+MODELS = [*FLAVORS, "fla_gla+short_conv", "fla_gla+hybrid"]  # GLA with short convolutions: they too must stop at
+# boundaries; a GLA hybrid (fla's softmax Attention at layer 1): both mixers keep documents apart
 
 
 def debug_model(name: str):
@@ -30,6 +31,8 @@ def debug_model(name: str):
     args = copy.deepcopy(FLAVORS[spec]["debugmodel"])
     if extra == "short_conv":
         args.config["use_short_conv"] = True
+    if extra == "hybrid":
+        args.config["attn"] = {"layers": [1], "num_heads": 4, "num_kv_heads": 2}
     torch.manual_seed(0)
     model = build_model(args)
     model.init_weights()

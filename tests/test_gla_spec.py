@@ -16,7 +16,7 @@ from titan_ext.models.gla import gla, gla_flavors
 
 def test_spec_registered_with_flavors():
     spec = get_train_spec("fla_gla")
-    assert set(spec.model_args) == {"debugmodel", "340M", "1.3B", "7B"}
+    assert set(spec.model_args) == {"debugmodel", "340M", "1.3B", "7B", "debugmodel_hybrid", "340M_hybrid"}
     assert spec.model_cls is build_model
     config = spec.model_args["340M"].to_hf_config()
     assert (config.hidden_size, config.num_hidden_layers, config.num_heads) == (1024, 24, 4)

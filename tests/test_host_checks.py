@@ -17,15 +17,19 @@ from titan_ext.models.llama import llama_flavors
 
 QWEN3 = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+QWEN3_5 = dict(QWEN3, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               layer_types=["linear_attention", "full_attention"])
+"""A hybrid whose layer 0 has no ``self_attn`` (Gated DeltaNet's ``linear_attn``): the probe takes layer 1's kind."""
 
 
 @pytest.mark.parametrize("args", [llama_flavors["debugmodel"], llama_flavors["8B"], gla_flavors["debugmodel"],
-                                  transformers_model("qwen3", **QWEN3)], ids=["llama", "llama8B", "gla", "qwen3"])
+                                  transformers_model("qwen3", **QWEN3), transformers_model("qwen3_5_text", **QWEN3_5)],
+                         ids=["llama", "llama8B", "gla", "qwen3", "qwen3_5"])
 def test_every_check_passes_on_the_installed_hosts(args):
     args = copy.deepcopy(args)
     host_checks.check_host(args)
     if args.library == "transformers":
-        assert host_checks._tiny(args) is not None  # the probe ran: the architecture took the tiny sizes
+        assert host_checks._tiny(args, layer=1) is not None  # the probe ran: the architecture took the tiny sizes
 
 
 def expect_host_changed(package, what, args=None):

@@ -11,6 +11,12 @@ it as torch ops (``titan_ext.kernels.gla_op``), so the GLA core stays inside
 the block's graph instead of splitting it. A graph break elsewhere in a block
 still compiles once for all blocks (``tests/test_ac_compile.py`` forces one).
 
+A hybrid's blocks differ in their token mixer (``titan_ext.models.mixers``): one shared frame would
+fail its guards on the mixer's type at every block of the other kind, a recompile per kind (and
+past dynamo's cache limit, a fallback to eager). Each mixer kind's blocks get a forward of their own
+(``_per_mixer_code``: the same function, its own code object), so dynamo traces each kind once and
+reuses it for every block of that kind.
+
 Embeddings (a gather), the final norm (already one fused kernel on CUDA)
 and ``lm_head`` (one GEMM) leave nothing to fuse, so they stay eager. The
 loss is torchtitan's: its ``build_cross_entropy_loss`` compiles it when
@@ -20,11 +26,27 @@ loss is torchtitan's: its ``build_cross_entropy_loss`` compiles it when
 from __future__ import annotations
 
 import logging
+import types
 
 import torch
 import torch.nn as nn
 
 logger = logging.getLogger()
+
+
+_per_mixer_classes: dict[tuple[type, str], type] = {}
+
+
+def _per_mixer_code(cls: type, mixer: str) -> type:
+    """``cls`` with a ``forward`` of its own code object for the blocks of one mixer kind (dynamo keeps its
+    compiled frames per code object)."""
+    if (cls, mixer) not in _per_mixer_classes:
+        fn = cls.forward
+        forward = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        forward.__kwdefaults__, forward.__qualname__, forward.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+        forward.__dict__.update(fn.__dict__)
+        _per_mixer_classes[cls, mixer] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+    return _per_mixer_classes[cls, mixer]
 
 
 def model_compile_enabled(job_config) -> bool:
@@ -34,7 +56,11 @@ def model_compile_enabled(job_config) -> bool:
 def apply_compile(model: nn.Module, backend: str) -> None:
     """Replace each decoder block with its compiled version (the compiled module is what runs)."""
     layers = model.get_decoder().layers
+    mixers = getattr(model, "mixers", ())
+    hybrid = len({type(mixer) for mixer in mixers}) > 1
     for name, block in list(layers.named_children()):
+        if hybrid:
+            block.__class__ = _per_mixer_code(type(block), type(mixers[int(name)]).__name__)
         # No fullgraph: an fla Triton op dynamo cannot trace must stay a graph break, not an error.
         layers.register_module(name, torch.compile(block, backend=backend))
     logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {backend})")

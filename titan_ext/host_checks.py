@@ -146,7 +146,9 @@ def check_transformers_attention(model_args) -> None:
     boolean 4D ``attention_mask`` as the mask (document masking's block-causal one)."""
     from titan_ext.kernels import binding
 
-    model = _tiny(model_args)
+    # a hybrid's first attention layer (Qwen3.5's layer 0 is linear attention, with no self_attn)
+    layer = next((i for i, mixer in enumerate(model_args.layer_mixers()) if mixer.attribute == "self_attn"), None)
+    model = None if layer is None else _tiny(model_args, layer)
     if model is None:
         return
     seen = []
@@ -199,13 +201,14 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 """A one-layer, 32-wide copy of the job's architecture: the same modeling code in a few milliseconds."""
 
 
-def _tiny(model_args):
-    """The job's transformers model at ``TINY`` sizes, in fp32 with eager-built weights; None when its
-    config does not take them (an architecture these sizes do not fit is not probed)."""
+def _tiny(model_args, layer: int = 0):
+    """The job's transformers model at ``TINY`` sizes with one layer, of the kind of the job's ``layer``, in
+    fp32 with eager-built weights; None when its config does not take them (an architecture these sizes do
+    not fit is not probed)."""
     config = model_args.to_hf_config()
     fields = {name: value for name, value in TINY.items() if hasattr(config, name)}
     if isinstance(getattr(config, "layer_types", None), list):
-        fields["layer_types"] = config.layer_types[:1]
+        fields["layer_types"] = config.layer_types[layer:layer + 1]
     try:
         tiny = type(config)(**{**config.to_dict(), **fields})
         tiny._attn_implementation = "sdpa"

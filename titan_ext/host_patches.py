@@ -364,7 +364,8 @@ BUILD: tuple[Patch, ...] = (
 
 @dataclass(frozen=True)
 class Kernel:
-    """An fla kernel and what titan_ext's own models call instead (``titan_ext.kernels``)."""
+    """An fla kernel (or a transformers function calling one) and what titan_ext's own models call instead
+    (``titan_ext.kernels``)."""
 
     fla: str
     """A function, a method (``module:Class.method``), or a class: a bound model then builds the
@@ -473,6 +474,12 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "else fla's choice",
         ("portable", "fla"),
     ),
+    *(Kernel(f"transformers.models.{model}.modeling_{model}:{name}", f"titan_ext.kernels.gated_delta:{portable}",
+             "transformers' Gated DeltaNet layer calls fla's Triton kernel through this wrapper whenever fla is "
+             "installed (fails off CUDA with '0 active drivers'): titan_ext's portable kernel, fla's call contract")
+      for model in ("qwen3_5", "qwen3_next")
+      for name, portable in (("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
+                             ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule"))),
     Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
     Kernel(
         "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss",

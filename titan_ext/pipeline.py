@@ -20,6 +20,8 @@ equal (``TiedWeight``).
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
 import logging
 import math
 
@@ -104,12 +106,14 @@ def _stages_per_rank(p, num_layers: int, single: bool) -> int:
     return per_rank
 
 
-def _balanced_stages(model: nn.Module, p, count: int) -> list[list[str]]:
-    """torchtitan's balancing, in this model's names."""
+def _balanced_stages(model: nn.Module, p, count: int, seq_len: int) -> list[list[str]]:
+    """torchtitan's balancing, in this model's names; a hybrid's by each layer's cost (``_cost_balanced``)."""
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
     embeddings, layers, norm, head = model_parts_of(model)
     num_layers = len(model.get_decoder().layers)
+    if model.arch.hybrid(model.config):
+        return _cost_balanced(model, p, count, seq_len)
     try:
         generic = generate_llm_fqn_per_model_part(
             count, num_layers, p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
@@ -121,6 +125,46 @@ def _balanced_stages(model: nn.Module, p, count: int) -> list[list[str]]:
         ) from None
     rename = {"tok_embeddings": embeddings, "norm": norm, "output": head}
     return [[rename.get(name) or name.replace("layers.", f"{layers}.", 1) for name in stage] for stage in generic]
+
+
+def layer_costs(model: nn.Module, seq_len: int) -> list[int]:
+    """Training FLOPs per token of each block: 6 per matmul weight plus its token mixer's own
+    (``titan_ext.models.mixers``; a hybrid's attention layers cost more than its recurrent ones)."""
+    blocks = model.get_decoder().layers
+    return [6 * sum(p.numel() for p in block.parameters()) + (mixer.flops_per_token(model.config, i, seq_len) or 0)
+            for i, (block, mixer) in enumerate(zip(blocks, model.mixers))]
+
+
+def _cost_balanced(model: nn.Module, p, count: int, seq_len: int) -> list[list[str]]:
+    """Contiguous stages of at least one block each whose largest cost is smallest; the embedding and the
+    head weigh as many average blocks as torchtitan's ``pipeline_parallel_first/last_stage_less_layers``."""
+    embeddings, layers, norm, head = model_parts_of(model)
+    costs = layer_costs(model, seq_len)
+    n = len(costs)
+    if count > n:
+        raise ConfigError(f"{DEGREE}={p.pipeline_parallel_degree} cannot split {n} blocks into {count} stages; "
+                          "use fewer stages or a model with more blocks")
+    mean = sum(costs) / n
+    first, last = p.pipeline_parallel_first_stage_less_layers * mean, p.pipeline_parallel_last_stage_less_layers * mean
+    prefix = [0, *itertools.accumulate(costs)]
+
+    @functools.cache
+    def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
+        """(largest stage cost, cut points) for blocks ``start:`` in ``stages`` stages."""
+        extra = first if start == 0 else 0
+        if stages == 1:
+            return prefix[n] - prefix[start] + extra + last, ()
+        options = []
+        for end in range(start + 1, n - stages + 2):
+            rest, cuts = best(end, stages - 1)
+            options.append((max(prefix[end] - prefix[start] + extra, rest), (end, *cuts)))
+        return min(options)
+
+    bounds = [0, *best(0, count)[1], n]
+    stages = [[f"{layers}.{i}" for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
+    stages[0].insert(0, embeddings)
+    stages[-1] += [norm, head]
+    return stages
 
 
 def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
@@ -170,7 +214,7 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
         _check_given_stages(model, stages)
     else:
         per_rank = _stages_per_rank(p, len(model.get_decoder().layers), issubclass(schedule_class, PipelineScheduleSingle))
-        stages = _balanced_stages(model, p, per_rank * p.pipeline_parallel_degree)
+        stages = _balanced_stages(model, p, per_rank * p.pipeline_parallel_degree, training.seq_len)
     if len(stages) % p.pipeline_parallel_degree:
         raise ConfigError(
             f"{len(stages)} pipeline stages do not divide over {DEGREE}={p.pipeline_parallel_degree}; "

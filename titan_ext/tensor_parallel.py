@@ -103,4 +103,5 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice) -> None:
         f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
         f"float8={options.float8}, async={choice.async_tp}"
+        + "".join(f"; layer {index} takes model_plans.mixers.{entries.__name__}" for index, entries in plan.layer_mixers)
     )

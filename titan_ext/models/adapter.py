@@ -35,7 +35,8 @@ class TitanCausalLM:
         self.model_args = model_args
         self.arch = model_args.arch
         self.mixers = self.arch.layer_mixers(self.config)  # each layer's token mixer, by index
-        if any(klass.__module__.startswith("fla.") for klass in type(self).__mro__):
+        fla = any(klass.__module__.startswith("fla.") for klass in type(self).__mro__)
+        if fla or any(mixer.portable_kernels for mixer in self.mixers):
             kernels.bind(self, model_args.kernel_path or kernels.default_path())
         if self.config.tie_word_embeddings:
             self.register_state_dict_post_hook(_without_tied_head)
@@ -98,11 +99,38 @@ class TitanCausalLM:
         module's ``_init_weights`` runs unconditionally.
         """
         for module in self.modules():
-            self._init_weights(module)
+            try:
+                self._init_weights(module)
+            except RuntimeError:
+                if not _sharded_parameters(module):
+                    raise
+                self._init_on_whole_tensors(module)
         if self.config.tie_word_embeddings and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
             self.tie_weights()  # a pipeline stage may hold the embedding alone
         if buffer_device is not None:
             move_buffers(self, buffer_device)
+
+    def _init_on_whole_tensors(self, module: nn.Module) -> None:
+        """``_init_weights`` of a module whose initializer mixes its DTensor parameters with plain tensors
+        (Qwen3.5's ``A_log``: ``init.copy_(A_log, torch.empty(...).uniform_(...))``): on whole plain tensors,
+        each then distributed as its parameter is (rank 0's values, one scatter each, on every rank in turn)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        sharded = _sharded_parameters(module)
+        for name, p in sharded.items():
+            module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
+        try:
+            self._init_weights(module)
+        finally:
+            with torch.no_grad():
+                for name, p in sharded.items():
+                    whole = module._parameters[name].detach()
+                    module._parameters[name] = p
+                    p.copy_(distribute_tensor(whole, p.device_mesh, p.placements))
+
+
+def _sharded_parameters(module: nn.Module) -> dict[str, DTensor]:
+    return {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
 
 
 def _without_tied_head(model: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -25,4 +25,9 @@ gla_flavors = {
     "340M": gla(hidden_size=1024, num_hidden_layers=24, num_heads=4, vocab_size=32000),
     "1.3B": gla(hidden_size=2048, num_hidden_layers=24, num_heads=4, vocab_size=32000),
     "7B": gla(hidden_size=4096, num_hidden_layers=32, num_heads=16, intermediate_size=11008, vocab_size=32000),
+    # hybrids (fla's attn config): fla's softmax Attention every few layers, GLA elsewhere (docs/hybrids.md)
+    "debugmodel_hybrid": gla(hidden_size=64, num_hidden_layers=4, num_heads=4, vocab_size=2048,
+                             max_position_embeddings=512, attn={"layers": [1, 3], "num_heads": 4, "num_kv_heads": 2}),
+    "340M_hybrid": gla(hidden_size=1024, num_hidden_layers=24, num_heads=4, vocab_size=32000, max_position_embeddings=8192,
+                       attn={"layers": [5, 11, 17, 23], "num_heads": 16, "num_kv_heads": 4}),
 }

@@ -21,6 +21,9 @@ class Mixer:
     cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
     """Context parallelism for a recurrence (``titan_ext.context_parallel``): the kernels it calls by global
     name, each with its kind of recurrence (``kernels.state_passing``)."""
+    portable_kernels: ClassVar[bool] = False
+    """Whether its module calls kernels ``titan_ext.kernels`` replaces off CUDA (``host_patches.MODEL_KERNELS``):
+    a transformers model holding one is bound too (fla's models always are)."""
     cp_attention: ClassVar[str] = ""
     """Context parallelism for softmax attention (torch's ring, or all-gathered keys and values where
     masked): ``"fla"`` (fla's ``Attention``) or ``"transformers"`` (through the attention registry its

@@ -34,10 +34,18 @@ class GatedDeltaNet(Mixer):
 
 
 class TransformersGatedDeltaNet(Mixer):
-    """transformers' Gated DeltaNet layer (``linear_attn``): counted, but no TP or CP path yet."""
+    """transformers' Gated DeltaNet layer (``linear_attn``): counted, but no TP or CP path yet, and no
+    document resets (it restarts its state and convolution only at ``cu_seq_lens_q``, which transformers
+    passes with flash attention alone; titan_ext's block-causal mask would leave them running across
+    documents)."""
 
     name = "transformers' gated deltanet (linear_attn)"
     attribute = "linear_attn"
+    portable_kernels = True
+
+    def document_mask_blocker(self, config, layer):
+        return ("titan_ext does not yet restart its state and convolution at document boundaries; turn "
+                "--titan_ext.document_mask off")
 
     def flops_per_token(self, config, layer, seq_len):
         return delta_rule_flops(config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)

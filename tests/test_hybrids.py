@@ -1,0 +1,204 @@
+"""Hybrid models: each layer's token mixer (``titan_ext.models.mixers``) decides its TP entries, CP path,
+FLOPs and pipeline cost; refusals name the layer, its mixer and the fix. Training under every parallelism
+against one process is the integration matrix's (``fla_gla_hybrid``); CP on two real ranks is
+``test_context_parallel.py``'s (``_hybrid`` cases)."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from titan_ext import errors
+from titan_ext.errors import ConfigError
+from titan_ext.job_plan import CPChoice
+from titan_ext.models import mixers
+from titan_ext.models.adapter import build_model, meta_model
+from titan_ext.models.args import fla_model, transformers_model
+from titan_ext.models.gla import gla_flavors
+
+ATTN = {"layers": [1, 3], "num_heads": 4, "num_kv_heads": 2}
+
+
+def gla_hybrid(layers=4, attn=ATTN, **fields):
+    args = copy.deepcopy(gla_flavors["debugmodel"])
+    args.config.update(num_hidden_layers=layers, attn=attn, **fields)
+    return args
+
+
+def test_fla_attn_config_maps_its_layers_to_fla_attention():
+    assert [m.name for m in gla_hybrid().layer_mixers()] == ["gla", "fla attention", "gla", "fla attention"]
+    assert set(map(type, gla_flavors["debugmodel"].layer_mixers())) == {mixers.GLA}  # a pure model: one mixer
+    model = meta_model(gla_hybrid())
+    assert [type(block.attn).__name__ for block in model.model.layers] == [
+        "GatedLinearAttention", "Attention", "GatedLinearAttention", "Attention"]
+    assert model.mixers == gla_hybrid().layer_mixers()
+
+
+def test_transformers_layer_types_map_each_layer():
+    args = transformers_model("qwen3_5_text", num_hidden_layers=4,
+                              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    kinds = [type(m) for m in args.layer_mixers()]
+    assert kinds == [mixers.TransformersGatedDeltaNet] * 3 + [mixers.TransformersAttention]
+
+
+def test_flops_count_each_layers_mixer():
+    """Attention layers grow with the sequence, GLA layers do not (past fla's 64-token chunk)."""
+    hybrid, pure = gla_hybrid(), gla_hybrid(attn=None)
+    config = hybrid.to_hf_config()
+    gla, attention = mixers.GLA().flops_per_token(config, 0, 2048), 12 * 64 * 2048  # fla: heads x head_dim = width
+    assert hybrid.mixer_flops_per_token(2048) == 2 * gla + 2 * attention
+    assert pure.mixer_flops_per_token(2048) == 4 * gla == pure.mixer_flops_per_token(4096)
+    assert hybrid.mixer_flops_per_token(4096) - hybrid.mixer_flops_per_token(2048) == 2 * attention
+
+
+def test_tp_plan_is_assembled_per_layer():
+    from model_plans import GLATPPlan, GatedDeltaNetTPPlan, TPOptions, validate_tp, mixers as plan_mixers
+
+    from titan_ext.models.gated_deltanet import gated_deltanet_flavors
+    from titan_ext.tensor_parallel import plan_class
+
+    gdn = copy.deepcopy(gated_deltanet_flavors["debugmodel"])
+    gdn.config.update(num_hidden_layers=4, attn=ATTN)
+    model = meta_model(gdn)
+    plan_cls = plan_class(model, 2)
+    assert issubclass(plan_cls, GatedDeltaNetTPPlan) and "attn.a_proj" not in plan_cls(TPOptions()).block_plan(1)
+    validate_tp(model, plan_cls(TPOptions()), 2, 80)
+
+    model = meta_model(gla_hybrid())
+    plan_cls = plan_class(model, 2)
+    assert issubclass(plan_cls, GLATPPlan) and dict(plan_cls.layer_mixers) == {1: plan_mixers.fla_attention,
+                                                                                3: plan_mixers.fla_attention}
+    plan = plan_cls(TPOptions())
+    assert "attn.gk_proj.1" in plan.block_plan(0) and "attn.gk_proj.1" not in plan.block_plan(1)
+    assert "attn.q_norm" in plan.block_plan(3)
+    validate_tp(model, plan, 2, 80)  # every parameter of both mixers covered, every split even
+    assert plan_class(meta_model(gla_hybrid(attn=None)), 2) is GLATPPlan  # a pure model: its registered plan
+
+
+def test_a_layer_without_a_path_is_refused_naming_it():
+    """One line naming the layer, its mixer and the fix, before the build."""
+    from titan_ext.context_parallel import check_cp
+    from titan_ext.tensor_parallel import plan_class
+
+    fused = gla_hybrid(attn_mode="fused_chunk")
+    assert fused.context_parallel_blocker() == (
+        "layer 0 (gla): GLA's attn_mode 'fused_chunk' has no context-parallel path; use attn_mode 'chunk' "
+        "(fla's default)")
+    assert fused.document_mask_blocker().startswith("layer 0 (gla): GLA's attn_mode 'fused_chunk' takes no cu_seqlens")
+    job = SimpleNamespace(parallelism=SimpleNamespace(context_parallel_degree=2))
+    with pytest.raises(ConfigError, match=r"context_parallel_degree=2: layer 0 \(gla\)"):
+        check_cp(fused, job)
+    assert gla_hybrid(attn={"layers": [1], "num_heads": 4, "window_size": 8}).ring_attention_blocker() == "window_size=8"
+
+    qwen = transformers_model("qwen3_5_text", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                              linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+    assert qwen.document_mask_blocker().startswith("layer 0 (transformers' gated deltanet (linear_attn)): titan_ext "
+                                                   "does not yet restart its state")
+    assert qwen.context_parallel_blocker().startswith("layer 0 (transformers' gated deltanet (linear_attn)): titan_ext "
+                                                      "has no context-parallel path")
+    with pytest.raises(ConfigError, match=r"layer 0 \(transformers' gated deltanet \(linear_attn\)\) has no "
+                                          "tensor-parallel plan in titan_ext; set the degree to 1"):
+        plan_class(meta_model(qwen), 2)
+
+
+def test_pipeline_stages_balance_each_layers_cost():
+    """Long sequences make the attention layers (4, 5) the costly ones: the first stage takes layers 0-4,
+    where splitting by index would give each stage three."""
+    from titan_ext.pipeline import layer_costs, pp_choice
+
+    with torch.device("meta"):
+        model = build_model(gla_hybrid(layers=6, attn={"layers": [4, 5], "num_heads": 4}))
+    p = SimpleNamespace(
+        pipeline_parallel_degree=2, pipeline_parallel_schedule="1F1B", pipeline_parallel_microbatch_size=1,
+        pipeline_parallel_layers_per_stage=None, pipeline_parallel_first_stage_less_layers=1,
+        pipeline_parallel_last_stage_less_layers=1, module_fqns_per_model_part=None,
+        data_parallel_shard_degree=1, data_parallel_replicate_degree=1, tensor_parallel_degree=1,
+        context_parallel_degree=1, expert_parallel_degree=1, pipeline_parallel_expert_parallel_overlap=False,
+    )
+    job = SimpleNamespace(parallelism=p, validation=SimpleNamespace(enable=False),
+                          training=SimpleNamespace(local_batch_size=4, global_batch_size=-1, seq_len=8192))
+    costs = layer_costs(model, 8192)
+    assert costs[0] == costs[3] < costs[4] == costs[5]
+    stages = pp_choice(model, job, world_size=2).stages
+    assert stages == (("model.embeddings", *(f"model.layers.{i}" for i in range(5))),
+                      ("model.layers.5", "model.norm", "lm_head"))
+    job.training.seq_len = 64  # short sequences: every layer costs about the same, three per stage
+    assert pp_choice(model, job, world_size=2).stages[1][0] == "model.layers.3"
+
+
+@pytest.fixture
+def cp_mesh():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unbound", [None, 0, 1])
+def test_the_first_step_checks_each_layers_cp_path_ran(cp_mesh, unbound):
+    """Both paths on one mesh; a layer whose binding is undone (its mixer back to the class it had before
+    CP) stops the job after step 1, naming the path that ran too few times."""
+    from titan_ext.context_parallel import apply_cp
+
+    torch.manual_seed(0)
+    model = build_model(gla_hybrid(layers=2, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2}))
+    model.init_weights()
+    before = [type(block.attn) for block in model.model.layers]
+    apply_cp(model, cp_mesh, CPChoice(2, 1, masked_attention="a test's mask"))
+    assert all(type(block.attn) is not cls for block, cls in zip(model.model.layers, before))
+    assert model.cp_layout.expected == {"state passing": 1, "fla attention": 1}
+    if unbound is not None:
+        model.model.layers[unbound].attn.__class__ = before[unbound]
+    tokens = torch.randint(0, 2048, (2, 80))
+    errors.take_deferred()
+    model(tokens, positions=torch.arange(80, 160).expand(2, 80))
+    deferred = errors.take_deferred()
+    if unbound is None:
+        assert deferred is None
+    else:
+        path = ["state passing", "fla attention"][unbound]
+        assert f"a layer's path did not run in step 1's forward ({path}: 0 of 1 layers)" in str(deferred)
+    model(tokens, positions=torch.arange(80, 160).expand(2, 80))  # checked once
+    assert errors.take_deferred() is None
+
+
+QWEN3_5 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
+
+
+def test_qwen3_5_gated_deltanet_takes_the_portable_kernel_equal_to_transformers_reference():
+    """On the CPU transformers would call fla's Triton kernel (fla is installed); titan_ext's model calls its
+    portable one, equal in fp64 to transformers' own torch reference (``torch_chunk_gated_delta_rule``)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from titan_ext.kernels import binding
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = build_model(transformers_model("qwen3_5_text", **QWEN3_5))
+        model.init_weights()
+        reference = copy.deepcopy(model)
+        wrapper = modeling_qwen3_5.torch_chunk_gated_delta_rule
+        used = binding.bind(reference, {}, key="test:reference", names={
+            modeling_qwen3_5.__name__: {"torch_chunk_gated_delta_rule": wrapper.__wrapped__}})
+        assert (modeling_qwen3_5.__name__, "torch_chunk_gated_delta_rule") in used
+        tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
+        ours, theirs = model(tokens), reference(tokens)
+        ours.sum().backward()
+        theirs.sum().backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+        binding.forget("test:reference")
+    assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-8, atol=1e-12), name

@@ -21,14 +21,17 @@ corrections ``U`` solve one unit-lower-triangular system,
 ``q_t`` and ``k_s`` for ``s <= t``, and the state moves on. The decay between
 two tokens is taken pairwise (``exp`` of a difference that is at most 0), never
 as a ratio of cumulative products, so long chunks and strong gates stay finite;
-that costs a ``[C, C, K]`` tensor per chunk, hence a chunk shorter than fla's.
-Autograd differentiates it; fla's naive recurrent form is the reference in the tests.
+that costs a ``[C, C, K]`` tensor per chunk, hence a chunk shorter than fla's, and
+the two products are recomputed in the backward instead of saving it (a checkpoint: what autograd keeps
+is the size of ``q`` and ``k``). Autograd differentiates it; fla's naive recurrent form is the reference
+in the tests.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from titan_ext.kernels.gated_delta import _l2norm, _softplus
 from titan_ext.kernels.tp_local import local
@@ -40,9 +43,11 @@ FLA_CHUNK = 64
 """fla's ``chunk_kda`` chunk (what the FLOP count assumes)."""
 
 
-def _decayed_products(a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
-    """``[..., t, s] = sum_d a_t[d] decay[t, s, d] b_s[d]`` for ``[..., C, K]`` inputs and ``[..., C, C, K]`` decays."""
-    return torch.einsum("...tk,...tsk,...sk->...ts", a, decay, b)
+def _scores(q, k, G, mask):
+    """Per chunk (``[..., C, K]`` inputs), ``[..., t, s] = sum_d x_t[d] exp(G_t[d] - G_s[d]) k_s[d]`` for
+    ``x = k`` and ``x = q``, over the pairs ``mask`` allows (else 0; masked before exp: no overflow)."""
+    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf")).exp()
+    return torch.einsum("...tk,...tsk,...sk->...ts", k, decay, k), torch.einsum("...tk,...tsk,...sk->...ts", q, decay, k)
 
 
 def _kda_rule(q, k, v, g, beta, state, sequence=None):
@@ -65,20 +70,20 @@ def _kda_rule(q, k, v, g, beta, state, sequence=None):
         before = torch.cat([seq[:1, :1], seq[:-1, -1:]])  # the sequence of the token before each chunk
         mask = mask & (seq.unsqueeze(-1) == seq.unsqueeze(-2))
         carry = (seq == before).to(q.dtype)
-    # exp(G_t - G_s) per key channel for s <= t in one sequence, else 0 (masked before exp: no overflow)
-    decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~mask.unsqueeze(-1), float("-inf")).exp()
+    kk, qk = checkpoint(_scores, q, k, G, mask, use_reentrant=False)  # s <= t in one sequence
     eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
-    A = beta.unsqueeze(-1) * _decayed_products(k, k, decay) * (1 - eye)  # strictly lower
+    A = beta.unsqueeze(-1) * kk * (1 - eye)  # strictly lower
     solve = lambda rhs: torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # noqa: E731
     reads_state = G.exp() * carry.unsqueeze(-1)  # how much of the incoming state each token sees, per channel
     w_v = solve(beta.unsqueeze(-1) * v)  # U = w_v - w_k @ S
     w_k = solve(beta.unsqueeze(-1) * reads_state * k)
-    qk = _decayed_products(q, k, decay)
+    # exp(G_last - G_s) for the chunk's last token's sequence, else 0
+    to_last_token = (G[..., -1:, :] - G).masked_fill(~mask[..., -1, :].unsqueeze(-1), float("-inf")).exp()
     outputs = []
     for i in range(n):
         u = w_v[:, :, i] - w_k[:, :, i] @ state
         outputs.append((q[:, :, i] * reads_state[:, :, i]) @ state + qk[:, :, i] @ u)
-        to_last = decay[:, :, i, -1]  # [B, H, C, K]: exp(G_last - G_s) for the last token's sequence, else 0
+        to_last = to_last_token[:, :, i]  # [B, H, C, K]
         state = reads_state[:, :, i, -1].unsqueeze(-1) * state + (to_last * k[:, :, i]).transpose(-1, -2) @ u
     return torch.stack(outputs, dim=2).reshape(B, H, T, -1), state
 

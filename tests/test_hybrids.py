@@ -42,6 +42,10 @@ def test_transformers_layer_types_map_each_layer():
                               layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
     kinds = [type(m) for m in args.layer_mixers()]
     assert kinds == [mixers.TransformersGatedDeltaNet] * 3 + [mixers.TransformersAttention]
+    config = args.to_hf_config()  # MFU counts both kinds: the delta rule's per layer, attention's by its heads
+    delta = mixers.TransformersGatedDeltaNet().flops_per_token(config, 0, 4096)
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    assert args.mixer_flops_per_token(4096) == 3 * delta + 12 * heads * head_dim * 4096
 
 
 def test_flops_count_each_layers_mixer():
@@ -202,3 +206,16 @@ def test_qwen3_5_gated_deltanet_takes_the_portable_kernel_equal_to_transformers_
     assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-8, atol=1e-12), name
+
+
+def test_a_pipeline_stage_lists_its_own_blocks_layer_types():
+    """transformers' hybrid decoders pick each block's mask by ``config.layer_types[i]``, ``i`` counted from the
+    stage's first block: a stage's config lists its own blocks' kinds; the whole model's is unchanged."""
+    from titan_ext.pipeline import stage_model
+
+    types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    with torch.device("meta"):
+        model = build_model(transformers_model("qwen3_5_text", **{**QWEN3_5, "num_hidden_layers": 4, "layer_types": types}))
+    stage = stage_model(model, ("model.layers.1", "model.layers.2", "model.norm", "lm_head"))
+    assert stage.model.config.layer_types == ["full_attention", "linear_attention"]
+    assert model.config.layer_types == types and list(map(type, stage.mixers)) == list(map(type, model.mixers))

@@ -296,6 +296,7 @@ def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     blocks = model.get_submodule(layers)
     kept = {name: block for name, block in blocks.named_children() if f"{layers}.{name}" in keep}
     _replace(model, layers, StageLayers(kept))
+    _stage_layer_types(model, [int(name) for name in kept])
     model.takes_hidden_states = embeddings not in keep
     if embeddings not in keep and not (model.config.tie_word_embeddings and head in keep):
         _replace(model, embeddings, None)
@@ -304,6 +305,16 @@ def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     if head not in keep:
         _replace(model, head, None)
     return model
+
+
+def _stage_layer_types(model: nn.Module, indices: list[int]) -> None:
+    """A hybrid transformers decoder picks each block's mask by ``config.layer_types[i]``, ``i`` counted in
+    the loop over its blocks, which in a stage start at 0: the stage's own copy of the config lists its
+    blocks' kinds (the stage is a deep copy: its modules share a config of their own; checkpoints record
+    ``model_args``' config, and each block's mixer was read at build: ``model.mixers``)."""
+    types = getattr(model.config, "layer_types", None)
+    if isinstance(types, list) and len(types) == model.config.num_hidden_layers:
+        model.config.layer_types = [types[i] for i in indices]
 
 
 def _replace(model: nn.Module, fqn: str, module: nn.Module | None) -> None:

@@ -27,11 +27,11 @@ from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_con
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
 from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
-from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
-from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
+from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titan_ext import compat

@@ -16,6 +16,7 @@ from model_plans import mixers
 from model_plans.base import IfPresent, TPOptions, TPPlan, with_layer_mixers
 from model_plans.gated_deltanet import GatedDeltaNetTPPlan
 from model_plans.gla import GLATPPlan
+from model_plans.kda import KDATPPlan
 from model_plans.hf_plan import HFTPPlan, hf_plan_class
 from model_plans.llama import LlamaTPPlan
 from model_plans.registry import get_tp_plan, plan_for_model, plan_source, register_tp_plan, registered_model_types
@@ -26,6 +27,7 @@ __all__ = [
     "GatedDeltaNetTPPlan",
     "GLATPPlan",
     "HFTPPlan",
+    "KDATPPlan",
     "LlamaTPPlan",
     "IfPresent",
     "TPOptions",

@@ -80,6 +80,36 @@ def gated_deltanet(plan: TPPlan) -> Plan:
     }
 
 
+def kda(plan: TPPlan) -> Plan:
+    """fla's ``KimiDeltaAttention``: heads split across ranks, as in ``gated_deltanet``: q/k/v, beta
+    (``b_proj``) and the up-projections of the low-rank decay gate (``f_proj.1``, ``num_v_heads *
+    head_dim`` outputs) and output gate (``g_proj.1``) colwise, o_proj rowwise; the short convolutions
+    and ``A_log`` (one per value head) and ``dt_bias`` (one per value head and key channel) sharded
+    with them. The gates' down-projections (``f_proj.0``, ``g_proj.0``: hidden -> head_v_dim) are too
+    small to shard: replicated, as GLA's ``gk_proj.0``; the input is gathered in high precision for them.
+
+    The kernels read the sharded conv weights and ``A_log``/``dt_bias`` directly: the model must run
+    titan_ext's kernel binding (``titan_ext.kernels``, either path), which hands them local shards. The
+    per-head output norm runs on the local heads.
+    """
+    from fla.modules.parallel import PrepareModuleWeight
+
+    return {
+        "attn": Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
+        "attn.q_proj": plan.colwise(),
+        "attn.k_proj": plan.colwise(),
+        "attn.v_proj": plan.colwise(),
+        "attn.b_proj": plan.colwise(),
+        "attn.f_proj.0": PrepareModuleWeight(layouts=Replicate()),
+        "attn.f_proj.1": plan.colwise(),
+        "attn.g_proj.0": PrepareModuleWeight(layouts=Replicate()),
+        "attn.g_proj.1": plan.colwise(),
+        **short_conv_plan(),
+        "attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
+        "attn.o_proj": plan.out_proj(),
+    }
+
+
 def fla_attention(plan: TPPlan) -> Plan:
     """fla's softmax ``Attention`` (its transformer's, and a hybrid's ``attn`` layers): heads split across
     ranks; the optional q/k norms run per local head."""

@@ -210,6 +210,8 @@ SPECS = {
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
+    # KDA's own spec: its TP plan, state passing (with and without documents) and PP.
+    "fla_kda": Spec("debug_kda.toml", rows=("single", "tp2", "cp2", "cp2_docs", "pp2")),
     "fla_gla_hybrid": Spec(
         "debug_gla.toml", flags=("--model.name", "fla", "--model.flavor", "gla-debugmodel"), hf_config=GLA_HYBRID,
         rows=HYBRID_ROWS,

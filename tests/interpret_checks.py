@@ -1,11 +1,12 @@
 """fla's Triton kernels (the GPU code path) under Triton's interpreter on the CPU, against titan_ext's portable ones.
 
-    TRITON_INTERPRET=1 python tests/interpret_checks.py [CASE ...]
+    TRITON_INTERPRET=1 python tests/interpret_checks.py [CASE ...]   # every case of CASES, or those named
 
 Two independent implementations agreeing: each fla kernel entry titan_ext's models call, forward and
 backward, with initial and final states and ``cu_seqlens``; GLA and Gated DeltaNet under context
 parallelism on fla's kernels (2 gloo ranks) against one process; Gated DeltaNet under TP=2 on fla's
-kernels against one process. Prints one JSON line per case: ``{"case", "worst", "tol", "seconds"}``
+kernels against one process; fla's KDA kernels (and, by name, ``cp_kda`` and ``tp_kda``: KDA under CP=2 and
+TP=2 on fla's kernels; ``OPT_IN``). Prints one JSON line per case: ``{"case", "worst", "tol", "seconds"}``
 (``worst``: the largest relative difference of any output or gradient). ``tests/test_interpret.py``
 runs it once (a process of its own: TRITON_INTERPRET must be set before fla is imported).
 """
@@ -115,6 +116,32 @@ def case_gated_delta_rule(entry: str, packed: bool):
                    cu_seqlens=CU if packed else None)
 
 
+def case_kda(entry: str, packed: bool):
+    """fla's KDA entry as KimiDeltaAttention calls it: the gate, L2 norms and sigmoid(beta) in the kernel,
+    A_log and dt_bias as inputs (with gradients), a V-first state."""
+    import fla.ops.kda as fla_kda
+
+    from titan_ext.kernels import kda
+
+    B, H, K, V = 1 if packed else 2, 2, 16, 16
+    q, k, v, g, beta, A_log, dt_bias, h0 = leaves(
+        ((B, T, H, K), lambda x: x), ((B, T, H, K), lambda x: x), ((B, T, H, V), lambda x: x),
+        ((B, T, H, K), lambda x: x), ((B, T, H), lambda x: x), ((H,), lambda x: x / 4), ((H * K,), lambda x: x),
+        ((2, H, V, K), lambda x: x / 4))
+    shipped, ours = getattr(fla_kda, entry), getattr(kda, entry)
+    kwargs = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, state_v_first=True, cu_seqlens=CU if packed else None)
+    if entry.startswith("fused_recurrent"):  # fla's decoding kernel: forward only
+        with torch.no_grad():
+            a, b = (fn(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, **kwargs)
+                    for fn in (shipped, ours))
+        return max(rel(x, y) for x, y in zip(a, b))
+    return compare(
+        lambda *x, **kw: shipped(q=x[0], k=x[1], v=x[2], g=x[3], beta=x[4], A_log=x[5], dt_bias=x[6], initial_state=x[7], **kw),
+        lambda *x, **kw: ours(q=x[0], k=x[1], v=x[2], g=x[3], beta=x[4], A_log=x[5], dt_bias=x[6], initial_state=x[7], **kw),
+        [q, k, v, g, beta, A_log, dt_bias, h0], **kwargs)
+
+
 def case_causal_conv1d(packed: bool):
     from fla.modules.causal_conv1d.ops import causal_conv1d as shipped
 
@@ -143,6 +170,8 @@ def tiny_args(name: str, **fields):
     """A debug flavor cut to a few milliseconds per interpreted kernel: 1 layer, hidden 64."""
     if name == "gla":
         from titan_ext.models.gla import gla_flavors as flavors
+    elif name == "kda":
+        from titan_ext.models.kda import kda_flavors as flavors
     else:
         from titan_ext.models.gated_deltanet import gated_deltanet_flavors as flavors
     args = copy.deepcopy(flavors["debugmodel"])
@@ -164,16 +193,16 @@ def built(args, path: str, like=None):
     return model
 
 
-def _cp_rank(rank, mesh):
-    """One of two gloo ranks: GLA (short convolutions) and Gated DeltaNet under CP=2 on fla's kernels."""
+def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
+    """One of two gloo ranks: GLA (short convolutions), Gated DeltaNet and KDA under CP=2 on fla's kernels."""
     from titan_ext.context_parallel import apply_cp
     from titan_ext.job_plan import CPChoice
     from titan_ext.kernels.state_passing import piece_order
 
     host_patches.apply_interpreter()  # a forkserver child imports afresh
     worst = {}
-    for name, fields in (("gla", {"use_short_conv": True}), ("gated_deltanet", {})):
-        args = tiny_args(name, **fields)
+    for name in names:
+        args = tiny_args(name, **({"use_short_conv": True} if name == "gla" else {}))
         whole = built(args, "fla")
         model = built(args, "fla", like=whole)
         apply_cp(model, mesh, CPChoice(2, 2))  # head-tail pieces: two per rank
@@ -194,15 +223,15 @@ def _cp_rank(rank, mesh):
     return worst
 
 
-def _tp_rank(rank, mesh):
-    """One of two gloo ranks: Gated DeltaNet sharded by its TP plan, on fla's kernels (tp_local wrappers)."""
+def _tp_rank(rank, mesh, name="gated_deltanet"):
+    """One of two gloo ranks: Gated DeltaNet or KDA sharded by its TP plan, on fla's kernels (tp_local wrappers)."""
     from model_plans import TPOptions, apply_tp, get_tp_plan
 
     host_patches.apply_interpreter()
-    args = tiny_args("gated_deltanet")
+    args = tiny_args(name)
     whole = built(args, "fla")
     model = built(args, "fla", like=whole)
-    apply_tp(model, mesh, get_tp_plan("gated_deltanet")(TPOptions(sequence_parallel=True, loss_parallel=False)))
+    apply_tp(model, mesh, get_tp_plan(name)(TPOptions(sequence_parallel=True, loss_parallel=False)))
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     whole(tokens).float().sum().backward()
     out = model(tokens)
@@ -226,10 +255,21 @@ def case_cp():
     return {f"cp2_{name}": max(r[name] for r in results.values()) for name in results[0]}
 
 
-def case_tp():
+def case_tp(name="gated_deltanet"):
+    import functools
+
     from helpers import on_forked_ranks
 
-    return {"tp2_gated_deltanet": max(on_forked_ranks(2, _tp_rank).values())}
+    return {f"tp2_{name}": max(on_forked_ranks(2, functools.partial(_tp_rank, name=name)).values())}
+
+
+def case_cp_kda():
+    import functools
+
+    from helpers import on_forked_ranks
+
+    results = on_forked_ranks(2, functools.partial(_cp_rank, names=("kda",)))
+    return {"cp2_kda": max(r["kda"] for r in results.values())}
 
 
 CASES = {
@@ -240,12 +280,21 @@ CASES = {
     "chunk_gated_delta_rule": (lambda: case_gated_delta_rule("chunk_gated_delta_rule", False), 1e-4),
     "chunk_gated_delta_rule_packed": (lambda: case_gated_delta_rule("chunk_gated_delta_rule", True), 1e-4),
     "fused_recurrent_gated_delta_rule": (lambda: case_gated_delta_rule("fused_recurrent_gated_delta_rule", False), 1e-4),
+    "chunk_kda_packed": (lambda: case_kda("chunk_kda", True), 1e-4),
+    "fused_recurrent_kda": (lambda: case_kda("fused_recurrent_kda", False), 1e-4),
     "causal_conv1d": (lambda: case_causal_conv1d(False), 1e-4),
     "causal_conv1d_packed": (lambda: case_causal_conv1d(True), 1e-4),
     "rms_norms": (case_norms, 1e-4),
     "cp": (case_cp, 1e-4),
     "tp": (case_tp, 1e-4),
 }
+OPT_IN = {
+    "chunk_kda": (lambda: case_kda("chunk_kda", False), 1e-4),
+    "cp_kda": (case_cp_kda, 1e-4),
+    "tp_kda": (lambda: case_tp("kda"), 1e-4),
+}
+"""Run by name only (fla's KDA kernels are the interpreter's slowest: ~40 s, ~130 s and ~140 s on the shared
+2-core machine): KDA unpacked (the packed case covers states and gradients), CP=2 and TP=2 on fla's KDA."""
 
 
 def main(names) -> int:
@@ -253,7 +302,7 @@ def main(names) -> int:
         print("set TRITON_INTERPRET=1 (before fla is imported)", file=sys.stderr)
         return 2
     for name in names or CASES:
-        fn, tol = CASES[name]
+        fn, tol = {**CASES, **OPT_IN}[name]
         start = time.time()
         try:
             worst = fn()

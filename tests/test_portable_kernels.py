@@ -61,6 +61,8 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
         fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: tp_local.chunk_gated_delta_rule,
         fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule: tp_local.fused_recurrent_gated_delta_rule,
+        fla.ops.kda.chunk.chunk_kda: tp_local.chunk_kda,
+        fla.ops.kda.fused_recurrent.fused_recurrent_kda: tp_local.fused_recurrent_kda,
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
         fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,

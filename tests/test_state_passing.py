@@ -1,5 +1,5 @@
 """The state exchange alone: a sequence split into pieces across simulated ranks equals one pass (fp64),
-for GLA's diagonal decay and the gated delta rule's full-matrix one, with and without packed documents,
+for GLA's diagonal decay and the gated delta rule's full-matrix one (a per-head decay, and KDA's per key channel), with and without packed documents,
 and the short convolutions' halos.
 
 Each simulated rank runs the real wrapper; the all-gather is stubbed in two passes: the first records
@@ -17,12 +17,15 @@ from titan_ext.kernels import gla as portable
 from titan_ext.kernels import state_passing
 from titan_ext.kernels.conv import causal_conv1d
 from titan_ext.kernels.gated_delta import chunk_gated_delta_rule
+from titan_ext.kernels.kda import chunk_kda
 
 LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]
 """(ranks, pieces per rank): contiguous pieces, and torchtitan's head-tail order."""
 
-DOC_STARTS = [0, 7, 24, 25, 60, 72, 95]
-"""Document starts in a row of 96 tokens: across piece borders, one at a piece start (24), a 1-token document."""
+DOC_STARTS = [0, 7, 24, 25, 46, 60, 62, 72, 95]
+"""Document starts in a row of 96 tokens: across piece borders, one at a piece start (24), a 1-token document,
+and within a convolution's halo of a piece's end (46 for pieces of 24 and 48, 62 for pieces of 32): the next
+piece's halo then holds tokens of two documents."""
 
 
 def split(world, pieces_per_rank, T):
@@ -101,6 +104,17 @@ def delta_case(B, T, with_h0):
     return [x.clone().requires_grad_() for x in (q, k, v, g, beta)], h0
 
 
+KDA_GATE = {"A_log": torch.log(torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=torch.float64)),
+            "dt_bias": torch.linspace(-2, 1, 4 * 8, dtype=torch.float64)}
+
+
+def kda_case(B, T, with_h0):
+    """KDA's call: a raw gate per value head and key channel, the rest as Gated DeltaNet's."""
+    (q, k, v, _, beta), h0 = delta_case(B, T, with_h0)
+    g = torch.randn(B, T, 4, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    return [q, k, v, g.requires_grad_(), beta], h0
+
+
 def gla_call(kernel, xs, h0, cu_seqlens=None):
     q, k, v, g = xs
     return kernel(q=q, k=k, v=v, g=g, initial_state=h0, cu_seqlens=cu_seqlens, state_v_first=False)[0]
@@ -112,15 +126,27 @@ def delta_call(kernel, xs, h0, cu_seqlens=None):
                   use_qk_l2norm_in_kernel=True)[0]
 
 
+def kda_call(kernel, xs, h0, cu_seqlens=None):
+    q, k, v, g, beta = xs
+    return kernel(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu_seqlens, state_v_first=True,
+                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, **KDA_GATE)[0]
+
+
 CASES = {
     "gla": (gla_case, gla_call, portable.chunk_gla, state_passing.DiagonalDecay("g")),
     "delta": (delta_case, delta_call, chunk_gated_delta_rule, state_passing.AffineState()),
+    "kda": (kda_case, kda_call, chunk_kda, state_passing.AffineState()),
 }
 
 
+def cases(layouts, few=((2, 1), (3, 2))):
+    """(recurrence, ranks, pieces per rank): every layout for GLA and the gated delta rule; KDA (the same
+    affine path, another kernel) on one contiguous and one head-tail layout."""
+    return [(r, *layout) for r in CASES for layout in layouts if r != "kda" or layout in few]
+
+
 @pytest.mark.parametrize("with_h0", [False, True])
-@pytest.mark.parametrize("world,pieces_per_rank", LAYOUTS)
-@pytest.mark.parametrize("recurrence", ["gla", "delta"])
+@pytest.mark.parametrize("recurrence,world,pieces_per_rank", cases(LAYOUTS))
 def test_pieces_with_exchanged_states_equal_one_pass(monkeypatch, recurrence, world, pieces_per_rank, with_h0):
     make, call, kernel, kind = CASES[recurrence]
     B, T = 2, 24 * world * pieces_per_rank  # pieces of 24: partial chunks of fla's 16 and of 64
@@ -140,8 +166,7 @@ def test_pieces_with_exchanged_states_equal_one_pass(monkeypatch, recurrence, wo
         assert_rel_close(got, want, tol=1e-10, what=f"d{name}")
 
 
-@pytest.mark.parametrize("world,pieces_per_rank", [(2, 1), (4, 1), (2, 2), (3, 2)])
-@pytest.mark.parametrize("recurrence", ["gla", "delta"])
+@pytest.mark.parametrize("recurrence,world,pieces_per_rank", cases([(2, 1), (4, 1), (2, 2), (3, 2)]))
 def test_packed_documents_restart_across_ranks(monkeypatch, recurrence, world, pieces_per_rank):
     """Documents packed in rows and split across ranks equal the same documents run one pass each:
     a piece that starts a document reads no state, one that holds a start hands on only its last document's."""

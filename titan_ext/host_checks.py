@@ -56,6 +56,15 @@ FLA_SIGNATURES = {
     "beta=None, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, "
     "use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
     "state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.ops.kda.chunk:chunk_kda": "q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+    "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
+    "allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
+    "return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, "
+    "cp_context=None, use_graph=False, max_num_seqs=None, **kwargs",
+    "fla.ops.kda.fused_recurrent:fused_recurrent_kda": "q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, "
+    "initial_state=None, output_final_state=False, "
+    "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
+    "allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs",
     "fla.modules.norm.layernorm:rms_norm": "x, weight, bias, residual=None, eps=1e-05, prenorm=False, "
     "residual_in_fp32=False",
     "fla.modules.norm.fused_norm_gate:rms_norm_gated": "x, g, weight, bias, activation='swish', residual=None, "

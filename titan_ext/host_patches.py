@@ -448,6 +448,8 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
         "titan_ext.kernels.gated_delta:fused_recurrent_gated_delta_rule", _TRITON,
     ),
+    Kernel("fla.ops.kda.chunk:chunk_kda", "titan_ext.kernels.kda:chunk_kda", _TRITON),
+    Kernel("fla.ops.kda.fused_recurrent:fused_recurrent_kda", "titan_ext.kernels.kda:fused_recurrent_kda", _TRITON),
     Kernel("fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.norms:rms_norm", _TRITON),
     Kernel("fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.norms:rms_norm_gated", _TRITON),
     Kernel("fla.modules.activations.ops:swish", "titan_ext.kernels.activations:swish", _TRITON),
@@ -486,6 +488,11 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
         "titan_ext.kernels.tp_local:fused_recurrent_gated_delta_rule", _TP_LOCAL, ("fla",),
     ),
+    Kernel("fla.ops.kda.chunk:chunk_kda", "titan_ext.kernels.tp_local:chunk_kda", _TP_LOCAL, ("fla",)),
+    Kernel(
+        "fla.ops.kda.fused_recurrent:fused_recurrent_kda", "titan_ext.kernels.tp_local:fused_recurrent_kda", _TP_LOCAL,
+        ("fla",),
+    ),
     Kernel(
         "fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.tp_local:rms_norm",
         "under TP (sequence parallel, or the per-head output norm) its input is a DTensor and its weight a replicated "
@@ -494,7 +501,7 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel(
         "fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.tp_local:rms_norm_gated",
-        "the same, for the gated output norm (GLA's g_norm, Gated DeltaNet's o_norm)", ("fla",),
+        "the same, for the gated output norm (GLA's g_norm, Gated DeltaNet's and KDA's o_norm)", ("fla",),
     ),
     Kernel(
         "fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.tp_local:swiglu_linear",

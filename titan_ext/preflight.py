@@ -185,7 +185,7 @@ def _check_portable(model_args, model) -> None:
         raise ConfigError(
             f"{model_args.model_type!r} models call fla's Triton kernel {kernel} (from {caller}), which has no "
             "portable path on CPU; train this model on a CUDA GPU, or pick an architecture titan_ext runs on CPU "
-            "(gla, gated_deltanet, transformer)"
+            "(gla, gated_deltanet, kda, transformer)"
         )
 
 

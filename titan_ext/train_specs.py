@@ -11,6 +11,7 @@ from titan_ext.models.architecture import LIBRARIES
 from titan_ext.models.args import HFModelArgs
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
+from titan_ext.models.kda import kda_flavors
 from titan_ext.models.llama import llama_flavors
 from titan_ext.models.transformer import transformer_flavors
 
@@ -70,6 +71,7 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
 NAMED = {
     "fla_gla": gla_flavors,
     "fla_gated_deltanet": gated_deltanet_flavors,
+    "fla_kda": kda_flavors,
     "fla_transformer": transformer_flavors,
     "hf_llama": llama_flavors,
 }

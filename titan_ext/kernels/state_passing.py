@@ -132,10 +132,16 @@ class PieceLayout:
     def continues(self) -> Tensor | None:
         """``[B * per_rank]``: whether each local piece's first token continues a document (None:
         no document masking, so every piece continues the one before it)."""
+        first = self.first_positions()
+        return None if first is None else first != 0
+
+    def first_positions(self) -> Tensor | None:
+        """``[B * per_rank]``: each local piece's first token's position in its document (None: no
+        document masking)."""
         if self.local_document_positions is None:
             return None
         size = self.local_document_positions.shape[1] // self.per_rank
-        return (self.local_document_positions[:, ::size] != 0).flatten()
+        return self.local_document_positions[:, ::size].flatten()
 
     def rows(self, x: Tensor) -> int:
         """How many piece rows ``x`` holds: batch x pieces per rank, or, packed into one row (documents),
@@ -328,7 +334,9 @@ def previous_tails(x: Tensor, width: int, layout: PieceLayout) -> Tensor:
 def conv_across_ranks(kernel, layout: PieceLayout):
     """fla's ``causal_conv1d`` (keyword arguments, ``x`` ``[B, T, D]``) on this rank's pieces of
     sequences split over ``layout.group``: each piece row convolves the previous piece's last inputs
-    as a prefix of its own (zeros where it starts a document), and drops the prefix's outputs."""
+    as a prefix of its own (zeros for those of another document: all where the piece starts one,
+    the first few where a document starts within the previous piece's last inputs), and drops the
+    prefix's outputs."""
 
     @functools.wraps(kernel)
     def conv_from_halo(x, weight, residual=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -336,12 +344,13 @@ def conv_across_ranks(kernel, layout: PieceLayout):
         if initial_state is not None or output_final_state:
             raise ValueError("a convolution split across context-parallel ranks takes no cache and gives no final state")
         kwargs.pop("cu_seqlens_cpu", None), kwargs.pop("chunk_indices", None)  # of the unwidened rows
-        continues, rows = layout.continues(), layout.rows(x)
+        first, rows = layout.first_positions(), layout.rows(x)
         width = weight.shape[-1] - 1
         pieces = _as_rows(x, rows)
         halos = previous_tails(pieces, width, layout)
-        if continues is not None:
-            halos = halos * continues.view(rows, *[1] * (halos.dim() - 1))
+        if first is not None:  # halo step j is the token width - j before the piece: in its document or not
+            same_document = first[:, None] >= torch.arange(width, 0, -1, device=first.device)
+            halos = halos * same_document.view(rows, width, *[1] * (halos.dim() - 2)).to(halos.dtype)
         widened = torch.cat([halos, pieces], dim=1)
         if residual is not None:
             residual = _as_rows(residual, rows)

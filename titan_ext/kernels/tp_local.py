@@ -2,7 +2,7 @@
 
 TP (``model_plans.styles.PlaceParameters``) shards the parameters a kernel
 reads directly, without a linear in between: ShortConvolution's weight and
-bias, Gated DeltaNet's per-head ``A_log``/``dt_bias``. They stay DTensors with
+bias, Gated DeltaNet's and KDA's per-head ``A_log``/``dt_bias``. They stay DTensors with
 their global shape (meta-device build, init, DCP and FSDP see the whole
 tensor), while the q/k/v reaching the kernel are the plain local tensors of
 colwise projections. A kernel therefore takes each DTensor argument's local
@@ -30,6 +30,8 @@ from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
+from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titan_ext import compat
@@ -67,6 +69,8 @@ causal_conv1d = with_local_args(fla_causal_conv1d)
 causal_conv1d_update = with_local_args(fla_causal_conv1d_update)
 chunk_gated_delta_rule = with_local_args(fla_chunk_gated_delta_rule)
 fused_recurrent_gated_delta_rule = with_local_args(fla_fused_recurrent_gated_delta_rule)
+chunk_kda = with_local_args(fla_chunk_kda)
+fused_recurrent_kda = with_local_args(fla_fused_recurrent_kda)
 
 
 def norm_on_local_shards(fn: Callable) -> Callable:

@@ -9,7 +9,7 @@ FLOPs, documents), read from the config, and what is the model's as a whole
 A pure model maps every layer to its own ``mixer``; a hybrid maps some layers to
 another (fla's ``attn`` config makes those layers fla's softmax ``Attention``;
 transformers' ``config.layer_types`` names each layer's kind). Each shipped
-architecture module (``gla``, ``gated_deltanet``, ``transformer``, ``llama``)
+architecture module (``gla``, ``gated_deltanet``, ``kda``, ``transformer``, ``llama``)
 registers one together with its flavor table; any other model type gets its
 library's generic architecture. A subclass of a known config class (a user's
 variant under a new ``model_type``) inherits its parent's architecture.

@@ -211,11 +211,14 @@ SPECS = {
                                                                     "gated_deltanet-debugmodel"),
                                rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
     # KDA's own spec: its TP plan, state passing (with and without documents) and PP.
-    "fla_kda": Spec("debug_kda.toml", rows=("single", "tp2", "cp2", "cp2_docs", "pp2")),
+    "fla_kda": Spec("debug_kda.toml", rows=("single", "fsdp2", "tp2", "cp2", "cp2_docs", "pp2")),
     "fla_gla_hybrid": Spec(
         "debug_gla.toml", flags=("--model.name", "fla", "--model.flavor", "gla-debugmodel"), hf_config=GLA_HYBRID,
         rows=HYBRID_ROWS,
     ),
+    # the shipped hybrid debug TOMLs as a user runs them (GLA with attention at layers 1 and 3; Qwen3.5 3:1)
+    "fla_gla_hybrid_shipped": Spec("debug_gla_hybrid.toml", rows=("single", "fsdp2")),
+    "hf_qwen3_5_shipped": Spec("debug_qwen3_5.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "fsdp2", "pp2", "hf")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,

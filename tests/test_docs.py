@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,6 +78,23 @@ RUN_BY = {
     "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule Interleaved1F1B":
         "matrix:fla_gla/pp2_interleaved",
     "python bench/compose_8ranks.py": "gpu",
+    # docs/hybrids.md
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla_hybrid.toml":
+        "matrix:fla_gla_hybrid_shipped/fsdp2",
+    "echo '{\"model_type\": \"gla\", \"attn\": {\"layers\": [1], \"num_heads\": 4, \"num_kv_heads\": 2}}' > hybrid.json":
+        "test:tests/test_docs.py::test_each_documented_launch_passes_the_checks_for_its_world_size",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
+    "--model.name fla --model.flavor gla-debugmodel --titan_ext.hf_config hybrid.json "
+    "--parallelism.context_parallel_degree 2": "matrix:fla_gla_hybrid/cp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_5.toml":
+        "matrix:hf_qwen3_5_shipped/fsdp2",
+    "python -m titan_ext.plan --job.config_file train_configs/debug_gla_hybrid.toml --world 8 "
+    "--parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 2":
+        "test:tests/test_hybrids.py::test_the_planner_plans_the_documented_hybrid_layout",
+    # docs/kda.md
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_kda.toml":
+        "matrix:fla_kda/fsdp2",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kda_340M.toml": "gpu",
     # docs/moe.md
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml":
         "matrix:hf_qwen3_moe/fsdp2",
@@ -355,6 +373,9 @@ def provide_outputs(folder: Path) -> None:
         records = [{"text": f"shard {n} document {i} " + "word " * 40} for i in range(8)]
         pq.write_table(pa.Table.from_pylist(records), shards / f"part-{n}.parquet")
     assert json.loads((hf / "config.json").read_text())["model_type"] == "gla"
+    for command in documented():  # the files the pages write with echo for the launches after them
+        if command.startswith("echo ") and " > " in command:
+            subprocess.run(command, shell=True, cwd=folder, check=True)
 
 
 def first_error(job_argv: list[str], world: int) -> str:

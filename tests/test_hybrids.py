@@ -219,3 +219,18 @@ def test_a_pipeline_stage_lists_its_own_blocks_layer_types():
     stage = stage_model(model, ("model.layers.1", "model.layers.2", "model.norm", "lm_head"))
     assert stage.model.config.layer_types == ["full_attention", "linear_attention"]
     assert model.config.layer_types == types and list(map(type, stage.mixers)) == list(map(type, model.mixers))
+
+
+def test_the_planner_plans_the_documented_hybrid_layout(capsys):
+    """docs/hybrids.md's planner command: a GLA hybrid under FSDP x CP x TP on 8 planned ranks."""
+    from pathlib import Path
+
+    from titan_ext.plan import main
+
+    toml = Path(__file__).resolve().parents[1] / "train_configs" / "debug_gla_hybrid.toml"
+    assert main(["--job.config_file", str(toml), "--world", "8",
+                 "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fla_gla debugmodel_hybrid on 8 ranks: fsdp 2 x cp 2 x tp 2" in out
+    kinds = {tuple(line.split()[:2]) for line in out.splitlines()}
+    assert {("all_gather", "cp"), ("reduce_scatter", "tp"), ("all_gather", "fsdp")} <= kinds

@@ -196,7 +196,8 @@ TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_s
                 "max_position_embeddings": 512}
 # Qwen3-Next: the same layers with a MoE FFN (4 experts, 2 per token, and a shared expert), experts FSDP-sharded.
 TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
-                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                   "router_aux_loss_coef": 0.0}  # its pp2 row: PP runs a MoE model only without the balancing loss
 
 
 SPECS = {

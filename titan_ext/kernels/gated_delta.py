@@ -120,21 +120,31 @@ def chunk_gated_delta_rule(
     if use_beta_sigmoid_in_kernel:
         beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
     q, v = q * scale, v.to(wide)
+    return run_delta_rule(_delta_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                          state_v_first, out_dtype)
+
+
+def run_delta_rule(rule, chunk, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first,
+                   out_dtype):
+    """What the chunked delta rules (Gated DeltaNet's, KDA's) share around their ``rule``: spans padded to
+    whole chunks of ``chunk`` tokens, packed sequences in one pass (training) or one by one (states given or
+    wanted), states in fla's layout. ``rule(q, k, v, g, beta, state, sequence)`` takes ``[B, H, T, *]``
+    spans; inputs are ``[B, T, H, *]``, already scaled and at the working precision."""
     h0 = initial_state
     if h0 is not None:
-        h0 = h0.to(wide).transpose(-1, -2) if state_v_first else h0.to(wide)
+        h0 = h0.to(q.dtype).transpose(-1, -2) if state_v_first else h0.to(q.dtype)
 
     def run(span, state, sequence=None):
         """``[B, T, H, *]`` slices -> (o ``[B, H, T, V]``, final state); ``sequence``: packed sequences in the slice."""
         T = q[:, span].shape[1]
-        pad = -T % CHUNK  # padded tokens: zero k, v, beta and gate leave the state untouched
-        qs, ks, vs = (F.pad(x[:, span].transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v))
-        gs, bs = (F.pad(x[:, span].transpose(1, 2), (0, pad)) for x in (g, beta))
+        pad = -T % chunk  # padded tokens: zero k, v, beta and log decay leave the state untouched
+        qs, ks, vs, gs, bs = (F.pad(x[:, span].transpose(1, 2), (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+                              for x in (q, k, v, g, beta))
         if sequence is not None:
             sequence = torch.cat([sequence, sequence[-1:].expand(pad)])
         if state is None:
-            state = qs.new_zeros(qs.shape[0], HV, ks.shape[-1], vs.shape[-1])
-        o, state = _delta_rule(qs, ks, vs, gs, bs, state, sequence)
+            state = qs.new_zeros(qs.shape[0], vs.shape[1], ks.shape[-1], vs.shape[-1])
+        o, state = rule(qs, ks, vs, gs, bs, state, sequence)
         return o[:, :, :T], state
 
     if cu_seqlens is None:

@@ -30,12 +30,10 @@ in the tests.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from titan_ext.kernels.gated_delta import _l2norm, _softplus
+from titan_ext.kernels.gated_delta import _l2norm, _softplus, run_delta_rule
 from titan_ext.kernels.tp_local import local
-from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
 CHUNK = 16
 """The portable kernel's chunk: its pairwise decays hold ``C * K`` numbers per token."""
@@ -145,40 +143,8 @@ def chunk_kda(
     if use_beta_sigmoid_in_kernel:
         beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
     q, v = q * scale, v.to(wide)
-    h0 = initial_state
-    if h0 is not None:
-        h0 = h0.to(wide).transpose(-1, -2) if state_v_first else h0.to(wide)
-
-    def run(span, state, sequence=None):
-        """``[B, T, H, *]`` slices -> (o ``[B, H, T, V]``, final state); ``sequence``: packed sequences in the slice."""
-        T = q[:, span].shape[1]
-        pad = -T % CHUNK  # padded tokens: zero k, v, beta and log decay leave the state untouched
-        qs, ks, vs, gs = (F.pad(x[:, span].transpose(1, 2), (0, 0, 0, pad)) for x in (q, k, v, g))
-        bs = F.pad(beta[:, span].transpose(1, 2), (0, pad))
-        if sequence is not None:
-            sequence = torch.cat([sequence, sequence[-1:].expand(pad)])
-        if state is None:
-            state = qs.new_zeros(qs.shape[0], HV, K, vs.shape[-1])
-        o, state = _kda_rule(qs, ks, vs, gs, bs, state, sequence)
-        return o[:, :, :T], state
-
-    if cu_seqlens is None:
-        o, ht = run(slice(None), h0)
-    elif h0 is None and not output_final_state:  # training: every packed sequence from zero, in one pass
-        check_packed_batch(q.shape[0])
-        o, ht = run(slice(None), None, token_sequences(cu_seqlens, q.shape[1])[0])
-    else:  # each packed sequence from its own initial state, or with its own final state
-        o, ht = _each_sequence(run, cu_seqlens, h0, q.shape[0])
-    o = o.transpose(1, 2).to(out_dtype)
-    final = (ht.transpose(-1, -2) if state_v_first else ht) if output_final_state else None
-    return o, final
-
-
-@torch.compiler.disable  # a loop over the sequences: one graph break, instead of a recompile per document count
-def _each_sequence(run, cu_seqlens, h0, batch_size):
-    spans = sequence_spans(cu_seqlens, batch_size=batch_size)
-    runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
-    return torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
+    return run_delta_rule(_kda_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                          state_v_first, out_dtype)
 
 
 def fused_recurrent_kda(

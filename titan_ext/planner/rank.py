@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from unittest import mock
 
 import torch
@@ -93,15 +94,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             dims.build_mesh()
             spec = registry.get_train_spec(job_config.model.name)
             model_args = spec.model_args[job_config.model.flavor]
-            # what torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)
-            _raising(type(model_args).update_from_config)(model_args, job_config)
-            plan = plan_of(model_args)
-            if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
-                raise ConfigError(
-                    f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "
-                    f"{torch.__version__}'s pipeline stages lack the shape metadata the planner hands them); plan the "
-                    "layout on a newer torch, or without PP"
-                )
+            plan = _job_plan(job_config, dims, model_args)
             with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
                 model = spec.model_cls(model_args)
             build_model_converters(job_config, dims).convert(model)
@@ -140,6 +133,23 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 optimizer_bytes = memory.optimizer_bytes(optimizers)
         stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
         return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+
+
+def _job_plan(job_config, dims, model_args=None):
+    """What torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)."""
+    from torchtitan.protocols import train_spec as registry
+
+    if model_args is None:
+        model_args = registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    _raising(type(model_args).update_from_config)(model_args, job_config)
+    plan = plan_of(model_args)
+    if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
+        raise ConfigError(
+            f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "
+            f"{torch.__version__}'s pipeline stages lack the shape metadata the planner hands them); plan the "
+            "layout on a newer torch, or without PP"
+        )
+    return plan
 
 
 PIPELINE_TORCH = "2.13"
@@ -335,7 +345,89 @@ class _SavedBytes:
         return self._hooks.__exit__(*exc)
 
 
-def plan_layout(job_config, world: int, phases: Phases | None = None):
-    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage."""
+def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None):
+    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage.
+
+    A pipelined rank steps every microbatch through its stages, and a fake step costs per operator whatever
+    the shapes: its m microbatches cost m times one. Every microbatch has the same shapes and the schedule
+    is deterministic, so what a rank holds and issues is affine in m (``_affine``): the rank is planned at
+    the two smallest counts its schedule takes and extrapolated to the job's m (``extrapolate=None``: where
+    that is cheaper and the schedule is one ``tests/test_plan.py`` verifies it for; ``False``: never;
+    ``True``: wherever m exceeds the two counts, for the tests)."""
     pp = job_config.parallelism.pipeline_parallel_degree
-    return [plan_rank(job_config, world, stage * (world // pp), phases) for stage in range(pp)]
+    ranks = [stage * (world // pp) for stage in range(pp)]
+    counts = _planned_microbatches(job_config, extrapolate)
+    if counts is None:
+        return [plan_rank(job_config, world, rank, phases) for rank in ranks]
+    plan = _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
+    try:
+        low, high = ([plan_rank(_with_microbatches(job_config, m), world, rank, phases) for rank in ranks] for m in counts)
+        return [_extrapolated(a, b, *counts, _microbatches(job_config), plan) for a, b in zip(low, high)]
+    except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
+        return [plan_rank(job_config, world, rank, phases) for rank in ranks]
+
+
+EXTRAPOLATED_SCHEDULES = {"1F1B", "Interleaved1F1B"}
+"""The schedules whose pipelined ranks are planned at two microbatch counts and extrapolated: those
+``tests/test_plan.py`` plans both ways and finds equal, field by field."""
+
+
+def _microbatches(job_config) -> int:
+    return job_config.training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size
+
+
+def _planned_microbatches(job_config, extrapolate: bool | None) -> tuple[int, int] | None:
+    """The two microbatch counts a pipelined rank is planned at, or None to step the job's own: p and p + 1 for
+    p ranks, the fewest that 1F1B (a microbatch per stage) and the interleaved schedules (whole rounds of p:
+    one round below 2p) take."""
+    p = job_config.parallelism
+    if extrapolate is False or p.pipeline_parallel_degree <= 1 or p.pipeline_parallel_schedule not in EXTRAPOLATED_SCHEDULES:
+        return None
+    if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
+        return None  # refused by titan_ext's checks, in the full plan
+    low, high, m = p.pipeline_parallel_degree, p.pipeline_parallel_degree + 1, _microbatches(job_config)
+    if m <= high or (extrapolate is None and low + high >= m):
+        return None
+    return low, high
+
+
+def _with_microbatches(job_config, count: int):
+    small = copy.deepcopy(job_config)
+    small.training.local_batch_size = count * job_config.parallelism.pipeline_parallel_microbatch_size
+    if job_config.validation.local_batch_size == job_config.training.local_batch_size:
+        small.validation.local_batch_size = small.training.local_batch_size
+    return small
+
+
+class _NotAffine(Exception):
+    """Two plans at m1 < m2 microbatches that no affine a + b·m fits with whole, non-negative values."""
+
+
+def _affine(low: int, high: int, m1: int, m2: int, m: int) -> int:
+    """f(m) for the f(m) = a + b·m through (m1, low) and (m2, high)."""
+    if (high - low) % (m2 - m1):
+        raise _NotAffine(f"{low} at {m1}, {high} at {m2}")
+    value = low + (high - low) // (m2 - m1) * (m - m1)
+    if value < 0:
+        raise _NotAffine(f"{low} at {m1}, {high} at {m2}: {value} at {m}")
+    return value
+
+
+def _extrapolated(low: RankPlan, high: RankPlan, m1: int, m2: int, m: int, plan) -> RankPlan:
+    """The rank at m microbatches from the rank at m1 and m2: the state it holds does not change with m; the
+    activations (summed over the microbatches) and each collective's count (by kind, group and bytes) are
+    affine in m. The collectives are listed in the order they first came at m2, each repeated its count."""
+    for name in ("rank", "stages", "param_bytes", "grad_bytes", "optimizer_bytes"):
+        if getattr(low, name) != getattr(high, name):
+            raise _NotAffine(name)
+    before, after = Counter(low.collectives), Counter(high.collectives)
+    issued = [c for c in dict.fromkeys([*high.collectives, *low.collectives]) for _ in range(_affine(before[c], after[c], m1, m2, m))]
+    return replace(high, saved_bytes=_affine(low.saved_bytes, high.saved_bytes, m1, m2, m), collectives=tuple(issued), plan=plan)
+
+
+def _checked_plan(job_config, world: int):
+    """titan_ext's checks of the job, and its ``JobPlan``, as ``plan_rank`` builds them (nothing built)."""
+    with fake_group(world, 0):
+        dims = parallel_dims_of(job_config, world)
+        dims.build_mesh()
+        return _job_plan(job_config, dims)

@@ -137,6 +137,18 @@ RUN_BY = {
         "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
     "python -m titan_ext.plan --job.config_file train_configs/debug_gla.toml --world 8 --sweep --memory-gib 0.008":
         "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
+    # docs/planning-sweep.md (the sweeps and the bench run for minutes: "gpu" marks what nothing here runs)
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--world 1024 --sweep --memory-gib 80": "gpu",
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full "
+    "--world 1024 --sweep --memory-gib 80":
+        "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
+    "python bench/bench_plan.py": "gpu",
+    "python bench/bench_plan.py --baseline /path/to/old/checkout": "gpu",
+    "python bench/bench_plan.py --sample 1 --baseline /path/to/old/checkout": "gpu",
+    "python bench/bench_plan.py --baseline /path/to/1ba53ce -- "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full": "gpu",
     # docs/extending.md: the example's files and command, read from the page (tests/readme_example.py)
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--experimental.custom_import my_gla --model.name fla --titan_ext.hf_config my_gla.json "

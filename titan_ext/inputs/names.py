@@ -26,7 +26,11 @@ def _check_choice(where: str, value: str, choices, noun: str, suggestion: str | 
 
 def did_you_mean(value: str, *groups) -> list[str]:
     """Names close to ``value``, closest first, each group's before the next's (titan_ext's specs before
-    torchtitan's); a name that differs only in case comes first."""
+    torchtitan's); a name that differs only in case is the one answer."""
+    for group in groups:
+        same = [name for name in group if name.lower() == value.lower()]
+        if same:
+            return same[:1]
     found = []
     for group in groups:
         by_lower = {name.lower(): name for name in group}

@@ -7,7 +7,7 @@ from titan_ext.kernels.state_passing import AffineState
 from titan_ext.models.mixers.base import Mixer
 
 
-def delta_rule_flops(heads: int, key_dim: int, value_dim: int) -> int:
+def delta_rule_flops(heads: int, key_dim: int, value_dim: int, chunk: int | None = None) -> int:
     """The chunked gated delta rule, per token, forward x 3 (training).
 
     Per value head, with key dim K, value dim V and chunk C (64, fla's):
@@ -16,7 +16,8 @@ def delta_rule_flops(heads: int, key_dim: int, value_dim: int) -> int:
     the scores times the corrections, 2*C*V; reading the state (queries
     and keys) and updating it, 3 * 2*K*V. Linear in sequence length.
     """
-    from titan_ext.kernels.gated_delta import CHUNK as chunk  # imports fla: only when counted
+    if chunk is None:  # fla's Gated DeltaNet chunk
+        from titan_ext.kernels.gated_delta import CHUNK as chunk  # imports fla: only when counted
 
     per_head = 4 * chunk * key_dim + 2 * chunk * (key_dim + value_dim) + 2 * chunk * value_dim
     per_head += 6 * key_dim * value_dim

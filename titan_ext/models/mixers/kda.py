@@ -4,24 +4,17 @@ from __future__ import annotations
 
 from titan_ext.kernels.state_passing import AffineState
 from titan_ext.models.mixers.base import Mixer
+from titan_ext.models.mixers.gated_deltanet import delta_rule_flops
 
 
 def kda_flops(heads: int, key_dim: int, value_dim: int) -> int:
-    """fla's chunked KDA, per token, forward x 3 (training).
-
-    As the gated delta rule (``gated_deltanet.delta_rule_flops``) with the decay
-    applied per key channel: per value head, key dim K, value dim V and fla's
-    chunk C (64), the in-chunk key-key and query-key scores 2 * 2*C*K, the
-    triangular inverse applied to the keys and values 2*C*(K + V), the scores
-    times the corrections 2*C*V, reading the state and updating it 3 * 2*K*V,
-    and the decayed keys and queries (per channel, one multiply each) 2 * 2*K.
-    Linear in sequence length.
+    """fla's chunked KDA, per token, forward x 3 (training): the gated delta rule's count
+    (``gated_deltanet.delta_rule_flops``, at fla's KDA chunk) plus the decay applied per key channel to the
+    keys and queries, one multiply each, 2 * 2*K per value head. Linear in sequence length.
     """
-    from titan_ext.kernels.kda import FLA_CHUNK as chunk
+    from titan_ext.kernels.kda import FLA_CHUNK
 
-    per_head = 4 * chunk * key_dim + 2 * chunk * (key_dim + value_dim) + 2 * chunk * value_dim
-    per_head += 6 * key_dim * value_dim + 4 * key_dim
-    return 3 * heads * per_head
+    return delta_rule_flops(heads, key_dim, value_dim, FLA_CHUNK) + 3 * heads * 4 * key_dim
 
 
 class KDA(Mixer):

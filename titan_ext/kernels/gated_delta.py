@@ -103,25 +103,35 @@ def chunk_gated_delta_rule(
         raise ValueError("the gated delta rule off CUDA does not support context parallel (cp_context)")
     if unused.get("gk") is not None or unused.get("gv") is not None:
         raise ValueError("the gated delta rule off CUDA supports a per-head scalar gate g, not gk/gv")
-    H, HV, out_dtype = q.shape[2], v.shape[2], v.dtype
+    out_dtype = v.dtype
+    q, k, v, beta = delta_rule_inputs(q, k, v, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval)
+    g = g.to(v.dtype)
+    if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
+        g = -local(A_log).to(v.dtype).exp() * _softplus(g if dt_bias is None else g + local(dt_bias).to(v.dtype))
+    return run_delta_rule(_delta_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                          state_v_first, out_dtype)
+
+
+def delta_rule_inputs(q, k, v, beta, scale, l2norm_qk: bool, beta_sigmoid: bool, allow_neg_eigval: bool):
+    """What fla's delta-rule kernels (Gated DeltaNet's, KDA's) fuse before the recurrence, in torch: q, k, v and
+    beta at the working precision (fp32; fp64 stays fp64), q and k L2-normalised if asked and repeated over
+    grouped value heads, q scaled (default ``K ** -0.5``), ``sigmoid(beta)`` (doubled for negative eigenvalues)."""
+    H, HV = q.shape[2], v.shape[2]
     if HV % H:
         raise ValueError(f"num_v_heads (HV={HV}) must be divisible by num_heads (H={H})")
     if scale is None:
         scale = k.shape[-1] ** -0.5
     wide = torch.promote_types(v.dtype, torch.float32)  # fla computes in fp32; fp64 inputs stay fp64
     q, k = q.to(wide), k.to(wide)
-    if use_qk_l2norm_in_kernel:
+    if l2norm_qk:
         q, k = _l2norm(q), _l2norm(k)
     if HV > H:
         q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-    g, beta = g.to(wide), beta.to(wide)
-    if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
-        g = -local(A_log).to(wide).exp() * _softplus(g if dt_bias is None else g + local(dt_bias).to(wide))
-    if use_beta_sigmoid_in_kernel:
+    beta = beta.to(wide)
+    if beta_sigmoid:
         beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    q, v = q * scale, v.to(wide)
-    return run_delta_rule(_delta_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                          state_v_first, out_dtype)
+    return q * scale, k, v.to(wide), beta
 
 
 def run_delta_rule(rule, chunk, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first,

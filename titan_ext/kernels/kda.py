@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from titan_ext.kernels.gated_delta import _l2norm, _softplus, run_delta_rule
+from titan_ext.kernels.gated_delta import _softplus, delta_rule_inputs, run_delta_rule
 from titan_ext.kernels.tp_local import local
 
 CHUNK = 16
@@ -127,22 +127,10 @@ def chunk_kda(
         raise ValueError("KDA off CUDA does not support fla's context parallel (cp_context)")
     if unused.get("return_intermediate_states"):
         raise ValueError("KDA off CUDA does not return intermediate states")
-    H, HV, K, out_dtype = q.shape[2], v.shape[2], q.shape[-1], v.dtype
-    if HV % H:
-        raise ValueError(f"num_v_heads (HV={HV}) must be divisible by num_heads (H={H})")
-    if scale is None:
-        scale = K ** -0.5
-    wide = torch.promote_types(v.dtype, torch.float32)  # fla accumulates in fp32; fp64 inputs stay fp64
-    q, k = q.to(wide), k.to(wide)
-    if use_qk_l2norm_in_kernel:
-        q, k = _l2norm(q), _l2norm(k)
-    if HV > H:
-        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-    g = kda_gate(g, A_log, dt_bias, lower_bound, wide) if use_gate_in_kernel else g.to(wide)
-    beta = beta.to(wide)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    q, v = q * scale, v.to(wide)
+    out_dtype = v.dtype
+    q, k, v, beta = delta_rule_inputs(q, k, v, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval)
+    g = kda_gate(g, A_log, dt_bias, lower_bound, v.dtype) if use_gate_in_kernel else g.to(v.dtype)
     return run_delta_rule(_kda_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                           state_v_first, out_dtype)
 

@@ -98,7 +98,22 @@ def group_labels(parallel_dims) -> dict[str, str]:
     return {group: "+".join(sorted(dims)) for group, dims in names.items()}
 
 
-class Recorder:
+class Pausable:
+    """A recorder that can look away: nothing inside ``paused()`` is recorded or counted (a planned pipeline
+    stage's setup, which real runs do once)."""
+
+    _paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+
+class Recorder(Pausable):
     """Records every collective issued inside ``with recorder:`` (a torch dispatch mode)."""
 
     def __init__(self, labels: dict[str, str]):
@@ -118,15 +133,6 @@ class Recorder:
     def _record(self, op_name: str, kind: str, args: list) -> None:
         group, ranks = _group(args)
         self.log.append(Collective(kind, self.labels.get(group, f"group {group}"), ranks, _bytes(op_name, kind, args, ranks)))
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Nothing issued inside is recorded (a planned pipeline stage's setup, which real runs do once)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
 
     def __enter__(self):
         self._mode.__enter__()

@@ -309,7 +309,7 @@ def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_
     return step
 
 
-class _SavedBytes:
+class _SavedBytes(collectives.Pausable):
     """Bytes of the tensors autograd saves for backward, each once, parameters (and views of them: FSDP's
     gathered weights) excepted. Under AC this is what the checkpointed blocks keep: torch's checkpoint
     saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
@@ -320,15 +320,6 @@ class _SavedBytes:
         are freed at its backward while later ones are saved)."""
         self._paused = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Nothing saved inside is counted (the PP stages' setup: ``_first_step_setup_unrecorded``)."""
-        self._paused = True
-        try:
-            yield
-        finally:
-            self._paused = False
 
     def _pack(self, tensor):
         base = tensor._base if tensor._is_view() else tensor

@@ -111,3 +111,23 @@ def _forked_rank(rank, world, port, work, results):
         results[rank] = work(rank, init_device_mesh("cpu", (world,)))
     finally:
         dist.destroy_process_group()
+
+
+def first_error(argv: list[str], world: int) -> str:
+    """What a job with these flags on ``world`` ranks stops with before its build (the checks a job runs:
+    preflight, then planning the job against its model), or '' if nothing."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import titan_ext  # noqa: F401  (train specs)
+    from titan_ext import preflight
+    from titan_ext.errors import ConfigError
+
+    job_config = ConfigManager().parse_args(argv)
+    try:
+        preflight.check_job_config(job_config, world_size=world)
+        model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+        type(model_args).update_from_config.__wrapped__(model_args, job_config)  # without the SystemExit boundary
+    except ConfigError as error:
+        return str(error)
+    return ""

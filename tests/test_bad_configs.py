@@ -15,13 +15,12 @@ import sys
 
 import pytest
 import torch
+from helpers import first_error
 from launch import CONFIGS, REPO
 from torch.distributed.checkpoint import save as dcp_save
-from torchtitan.config import ConfigManager
 from torchtitan.protocols.train_spec import get_train_spec
 
 import titan_ext  # noqa: F401  (train specs)
-from titan_ext import preflight
 from titan_ext.checkpoint import checkpoint_config
 from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import meta_model
@@ -280,17 +279,6 @@ CASES = {
     ),
 }
 
-
-def first_error(argv: list[str], world: int) -> str:
-    """What a job with these flags reports, through the checks a job runs, or '' if none."""
-    job_config = ConfigManager().parse_args(argv)
-    try:
-        preflight.check_job_config(job_config, world_size=world)
-        model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
-        type(model_args).update_from_config.__wrapped__(model_args, job_config)  # without the SystemExit boundary
-    except ConfigError as error:
-        return str(error)
-    return ""
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import first_error
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -389,24 +390,6 @@ def provide_outputs(folder: Path) -> None:
         if command.startswith("echo ") and " > " in command:
             subprocess.run(command, shell=True, cwd=folder, check=True)
 
-
-def first_error(job_argv: list[str], world: int) -> str:
-    """What a launch of these arguments on ``world`` ranks stops with before its build, or ''."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    import titan_ext  # noqa: F401  (train specs)
-    from titan_ext import preflight
-    from titan_ext.errors import ConfigError
-
-    job_config = ConfigManager().parse_args(job_argv)
-    try:
-        preflight.check_job_config(job_config, world_size=world)
-        model_args = get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
-        type(model_args).update_from_config.__wrapped__(model_args, job_config)  # without the SystemExit boundary
-    except ConfigError as error:
-        return str(error)
-    return ""
 
 
 def is_launch(command: str) -> bool:

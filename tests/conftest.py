@@ -25,3 +25,18 @@ def gloo_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def cp_mesh():
+    """Rank 1 of a fake 2-rank process group and its 1-D ``cp`` mesh: context-parallel code built for a
+    rank without the other."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    finally:
+        dist.destroy_process_group()

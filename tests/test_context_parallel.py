@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from helpers import on_forked_ranks
@@ -19,16 +18,6 @@ from titan_ext.kernels.state_passing import piece_order
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import gla_flavors
 
-
-@pytest.fixture
-def cp_mesh():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    finally:
-        dist.destroy_process_group()
 
 
 def gla(layers=2, short_conv=False):

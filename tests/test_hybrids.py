@@ -8,15 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from titan_ext import errors
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import CPChoice
 from titan_ext.models import mixers
 from titan_ext.models.adapter import build_model, meta_model
-from titan_ext.models.args import fla_model, transformers_model
+from titan_ext.models.args import transformers_model
 from titan_ext.models.gla import gla_flavors
 
 ATTN = {"layers": [1, 3], "num_heads": 4, "num_kv_heads": 2}
@@ -134,16 +132,6 @@ def test_pipeline_stages_balance_each_layers_cost():
     job.training.seq_len = 64  # short sequences: every layer costs about the same, three per stage
     assert pp_choice(model, job, world_size=2).stages[1][0] == "model.layers.3"
 
-
-@pytest.fixture
-def cp_mesh():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("unbound", [None, 0, 1])

@@ -14,6 +14,7 @@ from the user's own module::
 from model_plans.apply import apply_tp, enable_async_tp, resolve
 from model_plans import mixers
 from model_plans.base import IfPresent, TPOptions, TPPlan, with_layer_mixers
+from model_plans.deepseek_v3 import DeepseekV3TPPlan
 from model_plans.gated_deltanet import GatedDeltaNetTPPlan
 from model_plans.gla import GLATPPlan
 from model_plans.kda import KDATPPlan
@@ -24,6 +25,7 @@ from model_plans.transformer import TransformerTPPlan
 from model_plans.validate import validate_tp
 
 __all__ = [
+    "DeepseekV3TPPlan",
     "GatedDeltaNetTPPlan",
     "GLATPPlan",
     "HFTPPlan",

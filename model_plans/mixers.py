@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from model_plans.base import IfPresent, Plan, TPPlan, short_conv_plan
-from model_plans.styles import Composed, NormParallel, PlaceParameters
+from model_plans.styles import Composed, NormParallel, PlaceParameters, SharedKeyLatent
 
 
 def _gather_hidden_states(plan: TPPlan) -> PrepareModuleInput:
@@ -132,5 +132,27 @@ def transformers_attention(plan: TPPlan) -> Plan:
         "self_attn.q_proj": plan.colwise(),
         "self_attn.k_proj": plan.colwise(),
         "self_attn.v_proj": plan.colwise(),
+        "self_attn.o_proj": plan.out_proj(),
+    }
+
+
+def transformers_mla(plan: TPPlan) -> Plan:
+    """transformers' multi-head latent attention (DeepSeek-V3, Kimi Linear): heads split after the latent
+    projections. The down-projections and their norms (``q_a_proj``/``q_a_layernorm``,
+    ``kv_a_proj_with_mqa``/``kv_a_layernorm``: hidden -> rank, small) are replicated; the up-projections
+    (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) colwise, o_proj rowwise. The rotary key every head shares
+    leaves ``kv_a_proj_with_mqa`` as this rank's plain tensor, its gradient summed over the ranks
+    (``SharedKeyLatent``). The input is gathered in high precision for the replicated projections."""
+    from fla.modules.parallel import PrepareModuleWeight
+
+    return {
+        "self_attn": Composed(_gather_hidden_states(plan), SharedKeyLatent()),
+        "self_attn.q_proj": IfPresent(plan.colwise()),  # without q_lora_rank
+        "self_attn.q_a_proj": IfPresent(PrepareModuleWeight(layouts=Replicate())),
+        "self_attn.q_a_layernorm": IfPresent(NormParallel(Replicate())),
+        "self_attn.q_b_proj": IfPresent(plan.colwise()),
+        "self_attn.kv_a_proj_with_mqa": PlaceParameters(Replicate()),  # its output: SharedKeyLatent
+        "self_attn.kv_a_layernorm": NormParallel(Replicate()),
+        "self_attn.kv_b_proj": plan.colwise(),
         "self_attn.o_proj": plan.out_proj(),
     }

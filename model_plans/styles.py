@@ -90,6 +90,44 @@ class PlaceParameters(ParallelStyle):
         return f"PlaceParameters({self.placement})"
 
 
+class SharedKeyLatent(ParallelStyle):
+    """MLA's ``kv_a_proj_with_mqa`` (replicated weight) inside a head-split attention (on the attention
+    module, whose ``qk_rope_head_dim`` it reads): its output becomes this rank's plain tensor.
+
+    Its latent columns go on through the replicated ``kv_a_layernorm`` into the colwise ``kv_b_proj``, which
+    sums their gradient over the ranks; its last ``qk_rope_head_dim`` columns are the rotary key every head
+    shares, read by this rank's heads alone, so their gradient is summed here (an all-reduce in the backward).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        projection, width, group = module.kv_a_proj_with_mqa, module.qk_rope_head_dim, device_mesh.get_group()
+
+        def to_local(mod, args, output):
+            local = output.to_local() if isinstance(output, DTensor) else output
+            return _SumTailGradient.apply(local, width, group)
+
+        projection.register_forward_hook(to_local)
+        return module
+
+    def __repr__(self) -> str:
+        return "SharedKeyLatent()"
+
+
+class _SumTailGradient(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient of the last ``width`` columns over ``group``."""
+
+    @staticmethod
+    def forward(ctx, x, width: int, group):
+        ctx.width, ctx.group = width, group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        tail = grad[..., -ctx.width:].contiguous()
+        torch.distributed.all_reduce(tail, group=ctx.group)
+        return torch.cat([grad[..., :-ctx.width], tail], dim=-1), None, None
+
+
 class Composed(ParallelStyle):
     """Several styles on one module, applied in order: a plan names each module once, and a module
     may need both its inputs laid out and its own parameters placed."""

@@ -199,6 +199,20 @@ TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4,
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                    "router_aux_loss_coef": 0.0}  # its pp2 row: PP runs a MoE model only without the balancing loss
 
+# Multi-head latent attention: a dense DeepSeek-V3 (q and kv latents, interleaved rotary dims, value heads
+# narrower than query-key heads) under TP2 and CP2 (ring attention; all-gathered with documents).
+TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 2,
+                    "vocab_size": 2048, "max_position_embeddings": 512}
+# transformers' Kimi Linear: KDA (titan_ext's portable kernel on the CPU) then MLA with a MoE FFN (4 experts).
+TINY_KIMI_LINEAR = {"model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                    "qk_nope_head_dim": 16, "v_head_dim": 12, "linear_num_heads": 4, "linear_head_dim": 16,
+                    "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+                    "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32, "vocab_size": 2048,
+                    "max_position_embeddings": 512, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+
 
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
@@ -224,6 +238,10 @@ SPECS = {
                        rows=("single", "fsdp2", "pp2", "hf")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
                           rows=("single", "fsdp2", "pp2")),
+    "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
+                           rows=("single", "tp2", "cp2", "cp2_docs")),
+    "hf_kimi_linear": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR,
+                           rows=("single", "fsdp2", "pp2", "hf")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,

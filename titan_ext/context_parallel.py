@@ -41,6 +41,7 @@ import itertools
 import logging
 
 import torch.nn as nn
+import torch.nn.functional as F
 
 from titan_ext import documents
 from titan_ext.errors import ConfigError, HostChanged
@@ -193,9 +194,23 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # the ring's kernels take as many key/value heads as query heads (torchtitan repeats too)
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        return ring(query, key, value, scale=scale)
+        query, key, value, scale, width = one_head_dim(query, key, value, scale)
+        return ring(query, key, value, scale=scale)[..., :width]
 
     return attend
+
+
+def one_head_dim(query, key, value, scale):
+    """(query, key, value, scale, value head dim) with one head dim for all three, which the ring's kernels
+    need (MLA's values are narrower than its queries and keys): the narrower side padded with zeros, which
+    changes no score and no output within the value head dim; the scale is the unpadded one."""
+    qk, v = query.shape[-1], value.shape[-1]
+    scale = qk ** -0.5 if scale is None else scale
+    if v < qk:
+        value = F.pad(value, (0, qk - v))
+    elif qk < v:
+        query, key = F.pad(query, (0, v - qk)), F.pad(key, (0, v - qk))
+    return query, key, value, scale, v
 
 
 def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str) -> None:

@@ -91,9 +91,14 @@ FLA_SIGNATURES = {
        f"query, key, value, g, beta, {'chunk_size=64, ' if kind == 'chunk' else ''}initial_state=None, "
        "output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs"
        for model in ("qwen3_5", "qwen3_next") for kind in ("chunk", "recurrent")},
+    "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention":
+    "query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, "
+    "use_qk_l2norm_in_kernel=False, **kwargs",
+    "transformers.models.kimi_linear.modeling_kimi_linear:recurrent_kimi_delta_attention":
+    "query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False, **kwargs",
 }
 """Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet wrappers of Qwen3.5
-and Qwen3-Next, which call fla's kernels). fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
+and Qwen3-Next and the KDA wrappers of Kimi Linear, which call fla's kernels). fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
 and its deprecated ``fused_chunk_gla(**kwargs)`` carry no signature to compare."""
 
 

@@ -522,6 +522,11 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
       for model in ("qwen3_5", "qwen3_next")
       for name, portable in (("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
                              ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule"))),
+    *(Kernel(f"transformers.models.kimi_linear.modeling_kimi_linear:{name}", f"titan_ext.kernels.kda:{portable}",
+             "transformers' Kimi Linear KDA layer calls fla's Triton kernel through this wrapper whenever fla is "
+             "installed (fails off CUDA with '0 active drivers'): titan_ext's portable kernel, fla's call contract")
+      for name, portable in (("chunk_kimi_delta_attention", "chunk_kda"),
+                             ("recurrent_kimi_delta_attention", "fused_recurrent_kda"))),
     Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
     Kernel(
         "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss",

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Mapping
 
 from titan_ext.errors import config_boundary
 from titan_ext.job import JobModelArgs
+from titan_ext.models import deepseek_v3, kimi_linear  # noqa: F401  (register their architectures)
 from titan_ext.models.architecture import LIBRARIES
 from titan_ext.models.args import HFModelArgs
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors

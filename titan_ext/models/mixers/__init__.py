@@ -13,7 +13,8 @@ from titan_ext.models.mixers.attention import FlaAttention, TransformersAttentio
 from titan_ext.models.mixers.base import Mixer, Unknown
 from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGatedDeltaNet
 from titan_ext.models.mixers.gla import GLA
-from titan_ext.models.mixers.kda import KDA
+from titan_ext.models.mixers.kda import KDA, TransformersKDA
+from titan_ext.models.mixers.mla import TransformersMLA
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "Mixer", "TransformersAttention", "TransformersGatedDeltaNet",
-           "Unknown", "attention_layers"]
+           "TransformersKDA", "TransformersMLA", "Unknown", "attention_layers"]

@@ -1,0 +1,18 @@
+"""transformers' ``DeepseekV3ForCausalLM`` (HF names): multi-head latent attention, a dense gated MLP
+(its MoE layers have no TP entries: ``validate_tp`` names them)."""
+
+from __future__ import annotations
+
+from model_plans import mixers
+from model_plans.base import Plan, TPPlan
+from model_plans.registry import register_tp_plan
+
+
+@register_tp_plan("deepseek_v3")
+class DeepseekV3TPPlan(TPPlan):
+    embeddings = "model.embed_tokens"
+    attn_norm = "input_layernorm"
+    mlp_norm = "post_attention_layernorm"
+
+    def attn_plan(self) -> Plan:
+        return mixers.transformers_mla(self)

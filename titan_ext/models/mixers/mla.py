@@ -1,0 +1,38 @@
+"""Multi-head latent attention (MLA): transformers' DeepSeek-V3 attention and Kimi Linear's softmax layers.
+
+Queries come from a low-rank latent (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``) or one projection
+(``q_proj``); keys and values from one shared latent per token (``kv_a_proj_with_mqa``: ``kv_lora_rank``
+latent dims and ``qk_rope_head_dim`` rotary dims shared by every head, ``kv_a_layernorm``, ``kv_b_proj``).
+A head's query-key dim (``qk_nope_head_dim + qk_rope_head_dim``) differs from its value dim (``v_head_dim``).
+"""
+
+from __future__ import annotations
+
+from titan_ext.models.mixers.base import Mixer
+
+
+def mla_flops(heads: int, qk_head_dim: int, v_head_dim: int, keys: int) -> int:
+    """Softmax attention beyond the projections, per token, training (3x the forward): per head q.k over
+    the keys, 2 * qk_head_dim * keys, and the weighted sum of values, 2 * v_head_dim * keys (the full score
+    matrix, as ``attention.attention_flops`` counts it: the same count where the two dims are equal)."""
+    return 6 * heads * (qk_head_dim + v_head_dim) * keys
+
+
+class TransformersMLA(Mixer):
+    """transformers' MLA module (``self_attn``): heads split after the latent projections under TP
+    (``model_plans.mixers.transformers_mla``); under CP torch's ring (values padded to the query-key head
+    dim, which the ring's kernels need) or all-gathered keys and values where masked, through the attention
+    registry its modeling file reads; documents through that registry too."""
+
+    name = "transformers mla"
+    attribute = "self_attn"
+    tp_plan = "transformers_mla"
+    cp_attention = "transformers"
+
+    def ring_attention_blocker(self, config, layer):
+        dropout = getattr(config, "attention_dropout", 0.0)
+        return f"attention_dropout={dropout}" if dropout else None
+
+    def flops_per_token(self, config, layer, seq_len):
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        return mla_flops(config.num_attention_heads, qk_head_dim, config.v_head_dim, seq_len)

@@ -212,6 +212,8 @@ TINY_KIMI_LINEAR = {"model_type": "kimi_linear", "hidden_size": 64, "intermediat
                     "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
                     "num_experts": 4, "num_experts_per_token": 2, "moe_intermediate_size": 32, "vocab_size": 2048,
                     "max_position_embeddings": 512, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
+# ... with dense FFNs for its CP rows (titan_ext refuses CP for a MoE model: titan_ext.moe.check_moe)
+TINY_KIMI_LINEAR_DENSE = {**TINY_KIMI_LINEAR, "mlp_layer_types": ["dense", "dense"]}
 
 
 SPECS = {
@@ -241,7 +243,9 @@ SPECS = {
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_kimi_linear": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR,
-                           rows=("single", "fsdp2", "pp2", "hf")),
+                           rows=("single", "fsdp2", "pp2", "hf", "ep2_fsdp2")),
+    "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
+                                 rows=("single", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,

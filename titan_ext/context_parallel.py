@@ -149,9 +149,13 @@ def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> Non
     from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
 
-    scope = type(mixer_module).forward.__globals__
-    replacements = {scope[name]: _counted(across_ranks(scope[name], recurrence, layout), layout, _path_of(mixer))
+    scope = _run_globals(type(mixer_module).forward)
+    rows = mixer.cp_contract == "transformers"
+    replacements = {scope[name]: _counted(_documents_from_layout(across_ranks(scope[name], recurrence, layout), layout)
+                                          if rows else across_ranks(scope[name], recurrence, layout), layout, _path_of(mixer))
                     for name, recurrence in mixer.cp_kernels.items() if name in scope}
+    if rows and "causal_conv1d_fn" in scope:
+        replacements[scope["causal_conv1d_fn"]] = _transformers_conv_across_ranks(layout)
     # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel,
     # and the mixer's own call when it convolves q, k and v in one (Gated DeltaNet without TP)
     convolutions = short_convolutions(mixer_module)
@@ -161,6 +165,46 @@ def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> Non
         if kernel is not None and kernel not in replacements:
             replacements[kernel] = conv_across_ranks(kernel, layout)
     binding.bind(mixer_module, replacements, key=key)  # the mixer and its convolutions, in one binding
+
+
+def _run_globals(method) -> dict:
+    """The globals ``method``'s own code runs with, read through its decorators (transformers wraps a
+    layer's ``forward``; a bound class's wrapper runs the rebound function: ``kernels.functions_run``)."""
+    from titan_ext.kernels import functions_run
+
+    *_, innermost = functions_run(method)
+    return innermost.__globals__
+
+
+def _documents_from_layout(kernel, layout):
+    """A transformers mixer's kernel across ranks on ``[B, T]`` rows: with documents, the step's piece rows
+    as one packed row with ``cu_seqlens`` (``models.packing.packed_cu_seqlens``)."""
+    from titan_ext.kernels.transformers_kda import rows_as_packed
+    from titan_ext.models.packing import packed_cu_seqlens
+
+    @functools.wraps(kernel)
+    def rows_across_ranks(q, k, v, g=None, beta=None, **kwargs):
+        bounds = None if layout.local_document_positions is None else packed_cu_seqlens(layout)
+        return rows_as_packed(kernel, q, k, v, g, beta, bounds, **kwargs)
+
+    return rows_across_ranks
+
+
+def _transformers_conv_across_ranks(layout):
+    """transformers' ``causal_conv1d_fn`` (``[B, C, T]``) on this rank's pieces: titan_ext's convolution from
+    the previous piece's last inputs (``state_passing.conv_across_ranks``), documents from the layout."""
+    from titan_ext.kernels import conv
+    from titan_ext.kernels.state_passing import conv_across_ranks
+    from titan_ext.kernels.transformers_kda import causal_conv1d_fn
+    from titan_ext.models.packing import packed_cu_seqlens
+
+    halo = conv_across_ranks(conv.causal_conv1d, layout)
+
+    def conv_across(hidden_states, weight, bias=None, activation=None, **kwargs):
+        bounds = None if layout.local_document_positions is None else packed_cu_seqlens(layout)
+        return causal_conv1d_fn(hidden_states, weight, bias, activation, kernel=halo, cu_seqlens=bounds)
+
+    return conv_across
 
 
 def _counted(fn, layout, path: str):

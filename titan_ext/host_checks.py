@@ -96,6 +96,8 @@ FLA_SIGNATURES = {
     "use_qk_l2norm_in_kernel=False, **kwargs",
     "transformers.models.kimi_linear.modeling_kimi_linear:recurrent_kimi_delta_attention":
     "query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False, **kwargs",
+    "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
+    "hidden_states, weight, bias=None, activation=None, **kwargs",
 }
 """Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet wrappers of Qwen3.5
 and Qwen3-Next and the KDA wrappers of Kimi Linear, which call fla's kernels). fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)

@@ -140,7 +140,7 @@ def unported(model: nn.Module) -> dict[str, str]:
             method = inspect.getattr_static(cls, name, None)
             if not isinstance(method, types.FunctionType):
                 continue
-            for fn in _functions_run(method):
+            for fn in functions_run(method):
                 for global_name in fn.__code__.co_names:
                     value = fn.__globals__.get(global_name)
                     where = getattr(value, "__module__", None) or ""
@@ -151,7 +151,7 @@ def unported(model: nn.Module) -> dict[str, str]:
     return found
 
 
-def _functions_run(method: types.FunctionType) -> Iterator[types.FunctionType]:
+def functions_run(method: types.FunctionType) -> Iterator[types.FunctionType]:
     """``method`` and the functions its decorators wrap, each with the globals it runs with.
 
     A ``binding.rebased`` copy shares its original's code and replaces it: the

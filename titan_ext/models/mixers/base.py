@@ -21,6 +21,15 @@ class Mixer:
     cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
     """Context parallelism for a recurrence (``titan_ext.context_parallel``): the kernels it calls by global
     name, each with its kind of recurrence (``kernels.state_passing``)."""
+    cp_contract: ClassVar[str] = "fla"
+    """The call contract of its ``cp_kernels``: ``fla`` (documents as ``cu_seqlens`` from the model's forward,
+    short convolutions in fla's ``ShortConvolution``) or ``transformers`` (``[B, T]`` rows: under CP the
+    documents come from the step's ``PieceLayout``, and its ``causal_conv1d_fn`` reads the previous
+    piece's last inputs)."""
+    recurrent_documents: ClassVar[bool] = False
+    """Whether a transformers model's layer of this mixer is a recurrence that takes packed documents from
+    the ``cu_seq_lens_q`` its layer receives (``titan_ext.documents``: its module gets no per-document
+    attention)."""
     portable_kernels: ClassVar[bool] = False
     """Whether its module calls kernels ``titan_ext.kernels`` replaces off CUDA (``host_patches.MODEL_KERNELS``):
     a transformers model holding one is bound too (fla's models always are)."""

@@ -29,18 +29,18 @@ class KDA(Mixer):
 
 class TransformersKDA(Mixer):
     """transformers' KDA layer (Kimi Linear's ``linear_attention`` layers, ``self_attn``): on titan_ext's
-    portable kernel off CUDA (``host_patches.MODEL_KERNELS``), counted; no TP entries, no CP path and no
-    document resets yet (it convolves q, k and v in one ``conv1d`` whose channels a TP split would have to
-    take per projection, its convolution has no halo across CP ranks, and it passes packed boundaries to its
-    kernel as ``cu_seq_lens_q``, which the kernel does not read): each is refused in one line."""
+    portable kernel off CUDA, and each packed document from zero state and convolution
+    (``kernels.transformers_kda``, bound by ``host_patches.MODEL_KERNELS``); under CP state passing and its
+    convolution's halo, documents from the layout. No TP entries yet: it convolves q, k and v in one
+    ``conv1d`` whose channels a head split would take per projection, and its forget gate adds its own
+    ``dt_bias`` to the gate's output, both outside any kernel titan_ext binds."""
 
     name = "transformers' kda"
     attribute = "self_attn"
     portable_kernels = True
-
-    def document_mask_blocker(self, config, layer):
-        return ("titan_ext does not yet restart its state and convolution at document boundaries; turn "
-                "--titan_ext.document_mask off")
+    cp_kernels = {"chunk_kimi_delta_attention": AffineState()}
+    cp_contract = "transformers"
+    recurrent_documents = True
 
     def flops_per_token(self, config, layer, seq_len):
         return kda_flops(config.linear_num_heads, config.linear_head_dim, config.linear_head_dim)

@@ -1,0 +1,62 @@
+"""transformers' Kimi Linear KDA layer (``KimiLinearDeltaAttention``) on titan_ext's kernels, documents kept apart.
+
+Its forward calls two module functions: ``chunk_kimi_delta_attention(query, key, value, g=, beta=, ...,
+**kwargs)`` (fla's ``chunk_kda`` contract, ``[B, T, H, *]`` rows) and ``causal_conv1d_fn(x, weight, bias,
+activation, **kwargs)`` (``x`` ``[B, C, T]``, the q, k and v channels convolved in one call, the activation
+inside). Packed documents reach both only as ``cu_seq_lens_q`` in ``kwargs`` (over the flattened batch, the
+keyword transformers hands every layer; ``titan_ext.documents``), which neither reads. Here each call runs
+on one packed row with ``cu_seqlens`` when boundaries are given, so the state and the convolution restart
+at every document; without them it is the plain call. ``host_patches.MODEL_KERNELS`` binds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from titan_ext.kernels import conv, kda
+
+
+def packed_row(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, ...]`` -> ``[1, B * T, ...]``: rows back to back, as fla's ``cu_seqlens`` counts them."""
+    return x.reshape(1, -1, *x.shape[2:])
+
+
+def rows_as_packed(kernel, q, k, v, g, beta, cu_seqlens, **kwargs):
+    """``kernel`` (fla's ``chunk_kda`` contract) on ``[B, T]`` rows; with ``cu_seqlens`` (over the flattened
+    batch) on one packed row, the output back in rows."""
+    if cu_seqlens is None:
+        return kernel(q, k, v, g=g, beta=beta, **kwargs)
+    o, state = kernel(*map(packed_row, (q, k, v)), g=packed_row(g), beta=packed_row(beta), cu_seqlens=cu_seqlens,
+                      **kwargs)
+    return o.reshape(v.shape[:2] + o.shape[2:]), state
+
+
+def chunk_kda(q, k, v, g=None, beta=None, cu_seq_lens_q=None, cu_seqlens=None, **kwargs):
+    """The portable KDA kernel (``kernels.kda``), documents from ``cu_seq_lens_q``."""
+    return rows_as_packed(kda.chunk_kda, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **kwargs)
+
+
+def fla_chunk_kda(q, k, v, g=None, beta=None, cu_seq_lens_q=None, cu_seqlens=None, **kwargs):
+    """fla's ``chunk_kda`` (CUDA), documents from ``cu_seq_lens_q``."""
+    from fla.ops.kda import chunk_kda as kernel
+
+    return rows_as_packed(kernel, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **kwargs)
+
+
+def _bounds(cu_seq_lens_q, cu_seqlens, q):
+    """The call's packed boundaries: transformers' (over ``[B, T]`` rows) or fla's (``q`` already one row)."""
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError("cu_seqlens packs sequences into one row; got a batch of rows")
+    return cu_seq_lens_q if cu_seqlens is None else cu_seqlens
+
+
+def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seq_lens_q=None, kernel=conv.causal_conv1d,
+                     cu_seqlens=None, **kwargs):
+    """transformers' contract (``[B, C, T]`` in and out, ``weight`` ``[C, W]``) on ``kernel`` (fla's
+    ``causal_conv1d`` contract, ``[B, T, C]``: titan_ext's torch convolution); with boundaries, on one
+    packed row."""
+    x = hidden_states.transpose(1, 2)
+    bounds = cu_seq_lens_q if cu_seqlens is None else cu_seqlens
+    y, _ = kernel(x=x if bounds is None else packed_row(x), weight=weight, bias=bias, activation=activation,
+                  cu_seqlens=bounds)
+    return y.reshape(x.shape).transpose(1, 2)

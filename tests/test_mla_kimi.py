@@ -1,0 +1,98 @@
+"""Multi-head latent attention and transformers' Kimi Linear: layer map, portable KDA, documents, refusals.
+
+Their parallelisms run end to end in the integration matrix (``hf_deepseek_v3``: TP2, CP2 with and without
+documents; ``hf_kimi_linear``: FSDP2, EP2, PP2, HF export/import; ``hf_kimi_linear_dense``: CP2 with and
+without documents)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from titan_ext.errors import ConfigError
+from titan_ext.models import mixers
+from titan_ext.models.adapter import build_model, meta_model
+from titan_ext.models.args import transformers_model
+
+KIMI = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, linear_num_heads=2,
+            linear_head_dim=8, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "dense"],
+            vocab_size=128, max_position_embeddings=256, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def kimi(**fields):
+    return transformers_model("kimi_linear", **{**KIMI, **fields})
+
+
+def test_kimi_linear_maps_kda_and_mla_layers_and_counts_both():
+    args = kimi()
+    kda, mla = args.layer_mixers()
+    assert isinstance(kda, mixers.TransformersKDA) and isinstance(mla, mixers.TransformersMLA)
+    config = args.to_hf_config()
+    # MLA: 6 x heads x (qk + v head dims) x keys; KDA: the chunked delta rule
+    assert mla.flops_per_token(config, 1, 64) == 6 * 2 * (12 + 6) * 64
+    assert args.mixer_flops_per_token(64) == kda.flops_per_token(config, 0, 64) + 6 * 2 * 18 * 64
+
+
+def _fp64_model(args):
+    torch.manual_seed(0)
+    model = build_model(args)
+    model.init_weights()
+    return model
+
+
+def test_kimi_linear_kda_takes_the_portable_kernel_equal_to_transformers_reference():
+    """On the CPU transformers would call fla's Triton kernel (fla is installed); titan_ext's model calls its
+    portable one, equal in fp64 to transformers' own torch reference and convolution."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as modeling
+
+    from titan_ext.kernels import binding
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _fp64_model(kimi())
+        reference = copy.deepcopy(model)
+        names = {name: getattr(modeling, name).__wrapped__ for name in ("chunk_kimi_delta_attention", "causal_conv1d_fn")}
+        used = binding.bind(reference, {}, key="test:reference", names={modeling.__name__: names})
+        assert {(modeling.__name__, name) for name in names} <= used
+        tokens = torch.randint(0, 128, (2, 80), generator=torch.Generator().manual_seed(1))
+        ours, theirs = model(tokens), reference(tokens)
+        ours.sum().backward()
+        theirs.sum().backward()
+    finally:
+        torch.set_default_dtype(torch.float32)
+        binding.forget("test:reference")
+    assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-8, atol=1e-12), name
+
+
+def test_kimi_linear_documents_each_run_alone():
+    """Packed documents (``--titan_ext.document_mask``): the KDA layer's state and convolution and the MLA
+    layer's attention restart at every document; each document's logits equal its own forward alone."""
+    from titan_ext.documents import apply_document_attention
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = _fp64_model(kimi())
+        apply_document_attention(model)
+        tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(2))
+        starts = [(0, 19), (0, 30, 41)]  # each row's document starts
+        positions = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(row, (*row[1:], 48))]) for row in starts])
+        packed = model(tokens, document_positions=positions)
+        for b, row in enumerate(starts):
+            for s, e in zip(row, (*row[1:], 48)):
+                alone = model(tokens[b:b + 1, s:e])
+                assert torch.allclose(packed[b, s:e], alone[0], rtol=1e-9, atol=1e-10), (b, s, e)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_kimi_linear_tp_is_refused_naming_its_kda_layer():
+    from titan_ext.tensor_parallel import plan_class
+
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=2: layer 0 \(transformers' kda\) has no "
+                                          "tensor-parallel plan in titan_ext; set the degree to 1"):
+        plan_class(meta_model(kimi()), 2)

@@ -44,12 +44,14 @@ def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
     assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
     # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
-    # cache helpers, and fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local)
+    # cache helpers, fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local), and
+    # Kimi Linear's KDA and convolution calls with their documents packed (transformers_kda)
     import fla.layers.utils
     from fla.layers.gated_deltanet import GatedDeltaNet
     from fla.modules.rotary.ops import RotaryEmbedding
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
-    from titan_ext.kernels import layer_cache, rotary, tp_local
+    from titan_ext.kernels import layer_cache, rotary, tp_local, transformers_kda
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
@@ -66,6 +68,8 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
         fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,
+        kimi.chunk_kimi_delta_attention: transformers_kda.fla_chunk_kda,
+        kimi.causal_conv1d_fn: transformers_kda.causal_conv1d_fn,
     }
     assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.portable_chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla

@@ -302,7 +302,8 @@ def test_a_good_config_passes(monkeypatch):
     assert first_error(GLA, 1) == ""
 
 
-@pytest.mark.parametrize("config, world", [("debug_qwen3_moe.toml", 2), ("qwen3_moe_30B_A3B.toml", 16)])
+@pytest.mark.parametrize("config, world", [("debug_qwen3_moe.toml", 2), ("qwen3_moe_30B_A3B.toml", 16),
+                                           ("debug_kimi_linear.toml", 2), ("kimi_linear.toml", 8)])
 def test_shipped_moe_configs_pass(monkeypatch, config, world):
     """The MoE TOMLs (the GPU one at its 16 ranks, with EP8): every check a job runs, the model on the meta device."""
     monkeypatch.chdir(REPO)  # their hf_config paths are the repository's

@@ -96,3 +96,21 @@ def test_kimi_linear_tp_is_refused_naming_its_kda_layer():
     with pytest.raises(ConfigError, match=r"tensor_parallel_degree=2: layer 0 \(transformers' kda\) has no "
                                           "tensor-parallel plan in titan_ext; set the degree to 1"):
         plan_class(meta_model(kimi()), 2)
+
+
+def test_kimi_linear_cp_pieces_shorter_than_its_convolution_are_refused(tmp_path, monkeypatch):
+    """Each CP piece must hold the 3 earlier inputs its layers' 4-tap q/k/v convolution reads."""
+    import json
+    from pathlib import Path
+
+    from helpers import first_error
+
+    config = tmp_path / "kimi.json"
+    config.write_text(json.dumps({"model_type": "kimi_linear", **KIMI}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    toml = Path(__file__).resolve().parents[1] / "train_configs" / "debug_llama.toml"
+    message = first_error(["--job.config_file", str(toml), "--model.name", "hf", "--titan_ext.hf_config", str(config),
+                           "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                           "--training.seq_len", "8"], 2)
+    assert message == ("--training.seq_len=8 makes context-parallel pieces of 2 tokens, shorter than the 3 earlier "
+                       "inputs each short convolution reads; use at least 12 tokens")

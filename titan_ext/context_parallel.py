@@ -85,7 +85,9 @@ def check_cp(model_args, job_config) -> None:
 
     pieces = degree * PIECES_PER_RANK[balancer]
     config = model_args.to_hf_config()
-    halo = config.conv_size - 1 if getattr(config, "use_short_conv", False) else 0
+    # fla's short convolutions, or transformers' one over q, k and v (Kimi Linear's KDA layers)
+    width = config.conv_size if getattr(config, "use_short_conv", False) else getattr(config, "linear_conv_kernel_dim", 1)
+    halo = width - 1
     tp = p.tensor_parallel_degree if sequence_parallel_enabled(job_config) else 1
     for section in sections(job_config):
         option, seq_len = f"--{section}.seq_len", getattr(job_config, section).seq_len
@@ -147,14 +149,13 @@ def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> Non
     """The recurrence's kernels pass their states across ranks (``kernels.state_passing``; fla's own
     cp_context is not used), and its short convolutions read the previous piece's last inputs."""
     from titan_ext.kernels import binding
-    from titan_ext.kernels.state_passing import across_ranks, conv_across_ranks
+    from titan_ext.kernels.state_passing import conv_across_ranks
 
     scope = _run_globals(type(mixer_module).forward)
-    rows = mixer.cp_contract == "transformers"
-    replacements = {scope[name]: _counted(_documents_from_layout(across_ranks(scope[name], recurrence, layout), layout)
-                                          if rows else across_ranks(scope[name], recurrence, layout), layout, _path_of(mixer))
+    replacements = {scope[name]: _counted(_kernel_across_ranks(mixer, scope[name], recurrence, layout), layout,
+                                          _path_of(mixer))
                     for name, recurrence in mixer.cp_kernels.items() if name in scope}
-    if rows and "causal_conv1d_fn" in scope:
+    if mixer.cp_contract == "transformers" and "causal_conv1d_fn" in scope:  # q, k and v in one convolution
         replacements[scope["causal_conv1d_fn"]] = _transformers_conv_across_ranks(layout)
     # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel,
     # and the mixer's own call when it convolves q, k and v in one (Gated DeltaNet without TP)
@@ -176,16 +177,21 @@ def _run_globals(method) -> dict:
     return innermost.__globals__
 
 
-def _documents_from_layout(kernel, layout):
-    """A transformers mixer's kernel across ranks on ``[B, T]`` rows: with documents, the step's piece rows
-    as one packed row with ``cu_seqlens`` (``models.packing.packed_cu_seqlens``)."""
+def _kernel_across_ranks(mixer, kernel, recurrence, layout):
+    """``state_passing.across_ranks`` of ``kernel``; a transformers mixer's on ``[B, T]`` rows, which with
+    documents become the step's piece rows as one packed row with ``cu_seqlens`` (``models.packing``)."""
+    from titan_ext.kernels.state_passing import across_ranks
     from titan_ext.kernels.transformers_kda import rows_as_packed
     from titan_ext.models.packing import packed_cu_seqlens
+
+    across = across_ranks(kernel, recurrence, layout)
+    if mixer.cp_contract != "transformers":
+        return across
 
     @functools.wraps(kernel)
     def rows_across_ranks(q, k, v, g=None, beta=None, **kwargs):
         bounds = None if layout.local_document_positions is None else packed_cu_seqlens(layout)
-        return rows_as_packed(kernel, q, k, v, g, beta, bounds, **kwargs)
+        return rows_as_packed(across, q, k, v, g, beta, bounds, **kwargs)
 
     return rows_across_ranks
 

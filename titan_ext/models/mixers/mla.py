@@ -8,7 +8,7 @@ A head's query-key dim (``qk_nope_head_dim + qk_rope_head_dim``) differs from it
 
 from __future__ import annotations
 
-from titan_ext.models.mixers.base import Mixer
+from titan_ext.models.mixers.attention import TransformersAttention
 
 
 def mla_flops(heads: int, qk_head_dim: int, v_head_dim: int, keys: int) -> int:
@@ -18,20 +18,15 @@ def mla_flops(heads: int, qk_head_dim: int, v_head_dim: int, keys: int) -> int:
     return 6 * heads * (qk_head_dim + v_head_dim) * keys
 
 
-class TransformersMLA(Mixer):
-    """transformers' MLA module (``self_attn``): heads split after the latent projections under TP
+class TransformersMLA(TransformersAttention):
+    """transformers' MLA module (``self_attn``), through its modeling file's attention registry like any
+    transformers attention: heads split after the latent projections under TP
     (``model_plans.mixers.transformers_mla``); under CP torch's ring (values padded to the query-key head
-    dim, which the ring's kernels need) or all-gathered keys and values where masked, through the attention
-    registry its modeling file reads; documents through that registry too."""
+    dim, which the ring's kernels need: ``context_parallel.one_head_dim``) or all-gathered keys and values
+    where masked; per-document attention."""
 
     name = "transformers mla"
-    attribute = "self_attn"
     tp_plan = "transformers_mla"
-    cp_attention = "transformers"
-
-    def ring_attention_blocker(self, config, layer):
-        dropout = getattr(config, "attention_dropout", 0.0)
-        return f"attention_dropout={dropout}" if dropout else None
 
     def flops_per_token(self, config, layer, seq_len):
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim

@@ -106,7 +106,7 @@ def test_kimi_linear_cp_pieces_shorter_than_its_convolution_are_refused(tmp_path
     from helpers import first_error
 
     config = tmp_path / "kimi.json"
-    config.write_text(json.dumps({"model_type": "kimi_linear", **KIMI}))
+    config.write_text(json.dumps({"model_type": "kimi_linear", **KIMI, "vocab_size": 2048}))  # the tokenizer's
     monkeypatch.setenv("WORLD_SIZE", "2")
     toml = Path(__file__).resolve().parents[1] / "train_configs" / "debug_llama.toml"
     message = first_error(["--job.config_file", str(toml), "--model.name", "hf", "--titan_ext.hf_config", str(config),

@@ -53,7 +53,7 @@ def test_compare_flags_what_differs(run, problem):
     assert (problem in detail) if problem else (detail == "" and rel <= RTOL), (rel, detail)
 
 
-@pytest.mark.parametrize("spec", ["fla_gla", "fla_transformer", "hf_llama"])
+@pytest.mark.parametrize("spec", ["fla_gla", "fla_transformer", "hf_llama", "hf_kimi_linear"])
 def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec):
     """The ``hf`` row's export, as a user loads it: model and tokenizer from the folder, then ``generate``."""
     import torch
@@ -63,8 +63,9 @@ def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec
 
     assert matrix[spec, "hf"].status == "ok", matrix[spec, "hf"].detail
     folder = Matrix(matrix_root, [spec], ["hf"]).hf_export_folder(spec, "base")
-    # fla's Triton kernels need a GPU: fla models load through titan_ext.kernels, as docs/gpu.md says
-    load = kernels.from_pretrained if spec.startswith("fla_") else AutoModelForCausalLM.from_pretrained
+    # fla's Triton kernels need a GPU: fla models, and Kimi Linear whose KDA layers call them, load through
+    # titan_ext.kernels, as docs/gpu.md says
+    load = kernels.from_pretrained if spec.startswith("fla_") or spec == "hf_kimi_linear" else AutoModelForCausalLM.from_pretrained
     model, info = load(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -18,6 +18,7 @@ from model_plans.deepseek_v3 import DeepseekV3TPPlan
 from model_plans.gated_deltanet import GatedDeltaNetTPPlan
 from model_plans.gla import GLATPPlan
 from model_plans.kda import KDATPPlan
+from model_plans.kimi_linear import KimiLinearTPPlan
 from model_plans.hf_plan import HFTPPlan, hf_plan_class
 from model_plans.llama import LlamaTPPlan
 from model_plans.registry import get_tp_plan, plan_for_model, plan_source, register_tp_plan, registered_model_types
@@ -30,6 +31,7 @@ __all__ = [
     "GLATPPlan",
     "HFTPPlan",
     "KDATPPlan",
+    "KimiLinearTPPlan",
     "LlamaTPPlan",
     "IfPresent",
     "TPOptions",

@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from model_plans.base import IfPresent, Plan, TPPlan, short_conv_plan
-from model_plans.styles import Composed, NormParallel, PlaceParameters, SharedKeyLatent
+from model_plans.styles import Composed, LocalWidth, NormParallel, PlaceEach, PlaceParameters, SharedKeyLatent
 
 
 def _gather_hidden_states(plan: TPPlan) -> PrepareModuleInput:
@@ -154,5 +154,35 @@ def transformers_mla(plan: TPPlan) -> Plan:
         "self_attn.kv_a_proj_with_mqa": PlaceParameters(Replicate()),  # its output: SharedKeyLatent
         "self_attn.kv_a_layernorm": NormParallel(Replicate()),
         "self_attn.kv_b_proj": plan.colwise(),
+        "self_attn.o_proj": plan.out_proj(),
+    }
+
+
+def transformers_kda(plan: TPPlan) -> Plan:
+    """transformers' KDA layer (Kimi Linear's ``linear_attention`` layers, ``self_attn``): heads split, as
+    fla's ``kda``: q/k/v, ``b_proj`` and the gates' up-projections (``forget_gate.f_b_proj``, ``g_b_proj``)
+    colwise, o_proj rowwise, the gates' down-projections replicated, the gated output norm on the local heads.
+
+    Its forward splits the three projections' outputs by ``qkv_dim``, made this rank's width
+    (``LocalWidth``). Its one ``conv1d`` over q, k and v stays whole: titan_ext's convolution takes this rank's
+    channels of each (``kernels.transformers_kda``). The forget gate's own code adds ``dt_bias`` to
+    ``f_b_proj``'s output and scales by ``exp(A_log)``: both sharded by heads, the output kept a DTensor
+    until the kernel takes its local shard.
+    """
+    from fla.modules.parallel import PrepareModuleWeight
+
+    return {
+        "self_attn": Composed(_gather_hidden_states(plan), LocalWidth("qkv_dim")),
+        "self_attn.q_proj": plan.colwise(),
+        "self_attn.k_proj": plan.colwise(),
+        "self_attn.v_proj": plan.colwise(),
+        "self_attn.conv1d": PlaceParameters(Replicate()),
+        "self_attn.forget_gate": PlaceEach({"dt_bias": Shard(0), "A_log": Shard(2)}),
+        "self_attn.forget_gate.f_a_proj": PrepareModuleWeight(layouts=Replicate()),
+        "self_attn.forget_gate.f_b_proj": plan.colwise(use_local_output=False),
+        "self_attn.b_proj": plan.colwise(),
+        "self_attn.g_a_proj": PrepareModuleWeight(layouts=Replicate()),
+        "self_attn.g_b_proj": plan.colwise(),
+        "self_attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
         "self_attn.o_proj": plan.out_proj(),
     }

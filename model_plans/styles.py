@@ -90,6 +90,42 @@ class PlaceParameters(ParallelStyle):
         return f"PlaceParameters({self.placement})"
 
 
+class PlaceEach(ParallelStyle):
+    """A module's own parameters distributed each with its placement (``{name: placement}``): parameters the
+    module's own code reads beside DTensor activations (Kimi Linear's forget gate adds ``dt_bias``,
+    ``[heads * head_dim]``, to its sharded output and scales it by ``A_log``, ``[1, 1, heads, 1]``)."""
+
+    def __init__(self, placements: dict[str, Placement]):
+        super().__init__()
+        self.placements = placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in self.placements.items():
+            param = module.get_parameter(name)
+            dparam = distribute_tensor(param, device_mesh, (placement,), src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return f"PlaceEach({self.placements})"
+
+
+class LocalWidth(ParallelStyle):
+    """The module's ``attribute`` (a width its forward splits its projections' outputs by) divided by the
+    TP degree, on the instance: those outputs hold this rank's heads only."""
+
+    def __init__(self, attribute: str):
+        super().__init__()
+        self.attribute = attribute
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        setattr(module, self.attribute, getattr(module, self.attribute) // device_mesh.size())
+        return module
+
+    def __repr__(self) -> str:
+        return f"LocalWidth({self.attribute!r})"
+
+
 class SharedKeyLatent(ParallelStyle):
     """MLA's ``kv_a_proj_with_mqa`` (replicated weight) inside a head-split attention (on the attention
     module, whose ``qk_rope_head_dim`` it reads): its output becomes this rank's plain tensor.

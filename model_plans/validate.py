@@ -48,6 +48,11 @@ def _unsupported(config) -> list[tuple[str, object, str]]:
     found = []
     if getattr(config, "attnres_block_size", None) is not None:
         found.append(("attnres_block_size", config.attnres_block_size, "set it to null (attention residuals are not sharded)"))
+    moe = "no shipped plan shards MoE FFNs; split their experts with --parallelism.expert_parallel_degree instead"
+    if "sparse" in (getattr(config, "mlp_layer_types", None) or ()):  # Kimi Linear
+        found.append(("mlp_layer_types", config.mlp_layer_types, moe))
+    if config.model_type == "deepseek_v3" and config.first_k_dense_replace < config.num_hidden_layers:
+        found.append(("first_k_dense_replace", config.first_k_dense_replace, moe))
     return found
 
 

@@ -65,10 +65,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   the same layers with a MoE FFN (experts replicated in ``pp2``, FSDP-sharded in ``fsdp2``).
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_fsdp2``, ``pp2`` and ``hf`` (export and import);
-  ``hf_kimi_linear_dense`` (2 layers, dense FFNs: CP is refused for MoE models) in ``cp2`` (state passing with
-  the convolution's halo, ring attention with values padded to the query-key head dim) and ``cp2_docs``;
-  ``hf_deepseek_v3`` (a dense DeepSeek-V3: q and kv latents, rotary dims) in ``tp2`` (MLA's heads split after
-  the latents). Kimi Linear's TP stops in one line naming its KDA layer (``tests/test_mla_kimi.py``).
+  ``hf_kimi_linear_dense`` (2 layers, dense FFNs: TP and CP are refused for MoE FFNs) in ``tp2`` (KDA's and
+  MLA's heads split), ``cp2`` (state passing with the convolution's halo, ring attention with values padded to
+  the query-key head dim) and ``cp2_docs``; ``hf_deepseek_v3`` (a dense DeepSeek-V3: q and kv latents,
+  rotary dims) in ``tp2``.
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -213,7 +213,7 @@ TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediat
                     "vocab_size": 2048, "max_position_embeddings": 512}
 # transformers' Kimi Linear: KDA (titan_ext's portable kernel on the CPU) then MLA, MoE FFNs (4 experts): the
 # shipped debug TOML (3 KDA layers to 1 MLA, train_configs/kimi_linear_debug.json); 2 layers with dense FFNs for
-# its CP rows (titan_ext refuses CP for a MoE model: titan_ext.moe.check_moe).
+# its TP and CP rows (titan_ext refuses both for MoE FFNs: model_plans.validate, titan_ext.moe.check_moe).
 TINY_KIMI_LINEAR_DENSE = {"model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 128,
                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
                           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "linear_num_heads": 4,
@@ -250,7 +250,7 @@ SPECS = {
                            rows=("single", "tp2")),
     "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_fsdp2", "pp2", "hf")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
-                                 rows=("single", "cp2", "cp2_docs")),
+                                 rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,

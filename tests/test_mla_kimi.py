@@ -1,7 +1,7 @@
 """Multi-head latent attention and transformers' Kimi Linear: layer map, portable KDA, documents, refusals.
 
 Their parallelisms run end to end in the integration matrix (``hf_deepseek_v3``: TP2, CP2 with and without
-documents; ``hf_kimi_linear``: FSDP2, EP2, PP2, HF export/import; ``hf_kimi_linear_dense``: CP2 with and
+documents; ``hf_kimi_linear``: FSDP2, EP2, PP2, HF export/import; ``hf_kimi_linear_dense``: TP2, CP2 with and
 without documents)."""
 
 from __future__ import annotations
@@ -90,12 +90,27 @@ def test_kimi_linear_documents_each_run_alone():
         torch.set_default_dtype(torch.float32)
 
 
-def test_kimi_linear_tp_is_refused_naming_its_kda_layer():
+def test_moe_ffns_under_tp_are_refused_in_one_line():
+    """Kimi Linear's and DeepSeek-V3's attention and KDA layers split under TP, their MoE FFNs do not."""
+    from model_plans import TPOptions, validate_tp
+
     from titan_ext.tensor_parallel import plan_class
 
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=2: layer 0 \(transformers' kda\) has no "
-                                          "tensor-parallel plan in titan_ext; set the degree to 1"):
-        plan_class(meta_model(kimi()), 2)
+    def check(args):
+        model = meta_model(args)
+        validate_tp(model, plan_class(model, 2)(TPOptions()), 2)
+
+    with pytest.raises(ValueError, match=r"^mlp_layer_types=\['dense', 'sparse'\] is not supported with "
+                                         "--parallelism.tensor_parallel_degree=2; no shipped plan shards MoE FFNs"):
+        check(kimi(mlp_layer_types=["dense", "sparse"], num_experts=4, num_experts_per_token=2, moe_intermediate_size=16))
+    check(kimi())  # dense: MLA and KDA layers split
+    deepseek = transformers_model("deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                                  kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  first_k_dense_replace=1, vocab_size=128)
+    with pytest.raises(ValueError, match=r"^first_k_dense_replace=1 is not supported with "):
+        check(deepseek)
 
 
 def test_kimi_linear_cp_pieces_shorter_than_its_convolution_are_refused(tmp_path, monkeypatch):

@@ -12,8 +12,13 @@ at every document; without them it is the plain call. ``host_patches.MODEL_KERNE
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Partial
 
 from titan_ext.kernels import conv, kda
+from titan_ext.kernels.tp_local import local
+
+PROJECTIONS = 3
+"""q, k and v: the layer convolves their outputs in one ``conv1d``, concatenated in that order."""
 
 
 def packed_row(x: torch.Tensor) -> torch.Tensor:
@@ -23,7 +28,9 @@ def packed_row(x: torch.Tensor) -> torch.Tensor:
 
 def rows_as_packed(kernel, q, k, v, g, beta, cu_seqlens, **kwargs):
     """``kernel`` (fla's ``chunk_kda`` contract) on ``[B, T]`` rows; with ``cu_seqlens`` (over the flattened
-    batch) on one packed row, the output back in rows."""
+    batch) on one packed row, the output back in rows. Under TP the forget gate's ``g`` is a DTensor of this
+    rank's heads (``model_plans.mixers.transformers_kda``): its local shard."""
+    g = local(g)
     if cu_seqlens is None:
         return kernel(q, k, v, g=g, beta=beta, **kwargs)
     o, state = kernel(*map(packed_row, (q, k, v)), g=packed_row(g), beta=packed_row(beta), cu_seqlens=cu_seqlens,
@@ -56,7 +63,21 @@ def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, cu_seq_l
     ``causal_conv1d`` contract, ``[B, T, C]``: titan_ext's torch convolution); with boundaries, on one
     packed row."""
     x = hidden_states.transpose(1, 2)
+    weight = this_ranks_channels(weight, x.shape[-1])
     bounds = cu_seq_lens_q if cu_seqlens is None else cu_seqlens
     y, _ = kernel(x=x if bounds is None else packed_row(x), weight=weight, bias=bias, activation=activation,
                   cu_seqlens=bounds)
     return y.reshape(x.shape).transpose(1, 2)
+
+
+def this_ranks_channels(weight, channels: int):
+    """The convolution's weight rows for ``channels`` inputs: under TP the weight is the whole layer's, a
+    replicated DTensor (``[3 * D, W]``), and the input this rank's heads of q, k and v (``3 * D / tp``
+    channels): this rank's rows of each projection, their gradient summed over the ranks (``Partial``)."""
+    if not isinstance(weight, DTensor):
+        return weight
+    whole = weight.to_local(grad_placements=[Partial()])
+    if whole.shape[0] == channels:
+        return whole
+    parts, rank = whole.shape[0] // channels, weight.device_mesh.get_local_rank()
+    return torch.cat([projection.chunk(parts)[rank] for projection in whole.chunk(PROJECTIONS)])

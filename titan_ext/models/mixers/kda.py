@@ -30,14 +30,14 @@ class KDA(Mixer):
 class TransformersKDA(Mixer):
     """transformers' KDA layer (Kimi Linear's ``linear_attention`` layers, ``self_attn``): on titan_ext's
     portable kernel off CUDA, and each packed document from zero state and convolution
-    (``kernels.transformers_kda``, bound by ``host_patches.MODEL_KERNELS``); under CP state passing and its
-    convolution's halo, documents from the layout. No TP entries yet: it convolves q, k and v in one
-    ``conv1d`` whose channels a head split would take per projection, and its forget gate adds its own
-    ``dt_bias`` to the gate's output, both outside any kernel titan_ext binds."""
+    (``kernels.transformers_kda``, bound by ``host_patches.MODEL_KERNELS``); heads split under TP
+    (``model_plans.mixers.transformers_kda``); under CP state passing and its convolution's halo, documents
+    from the layout."""
 
     name = "transformers' kda"
     attribute = "self_attn"
     portable_kernels = True
+    tp_plan = "transformers_kda"
     cp_kernels = {"chunk_kimi_delta_attention": AffineState()}
     cp_contract = "transformers"
     recurrent_documents = True

@@ -1,7 +1,7 @@
 """Multi-head latent attention and transformers' Kimi Linear: layer map, portable KDA, documents, refusals.
 
-Their parallelisms run end to end in the integration matrix (``hf_deepseek_v3``: TP2, CP2 with and without
-documents; ``hf_kimi_linear``: FSDP2, EP2, PP2, HF export/import; ``hf_kimi_linear_dense``: TP2, CP2 with and
+Their parallelisms run end to end in the integration matrix (``hf_deepseek_v3``: TP2;
+``hf_kimi_linear``: FSDP2, EP2, PP2, HF export/import; ``hf_kimi_linear_dense``: TP2, CP2 with and
 without documents)."""
 
 from __future__ import annotations

@@ -142,6 +142,23 @@ def case_kda(entry: str, packed: bool):
         [q, k, v, g, beta, A_log, dt_bias, h0], **kwargs)
 
 
+def case_kimi_kda():
+    """transformers' Kimi Linear KDA call as its layer makes it (the gate and sigmoid(beta) computed outside,
+    L2 norms in the kernel) on 2 rows with packed documents as ``cu_seq_lens_q``: fla's kernel on one packed
+    row (``transformers_kda.fla_chunk_kda``, the CUDA path) against the portable one."""
+    import torch.nn.functional as F
+
+    from titan_ext.kernels import transformers_kda
+
+    B, H, K, V = 2, 2, 16, 16
+    q, k, v, g, beta = leaves(((B, T, H, K), lambda x: x), ((B, T, H, K), lambda x: x), ((B, T, H, V), lambda x: x),
+                              ((B, T, H, K), lambda x: -F.softplus(x)), ((B, T, H), torch.sigmoid))
+    documents = torch.tensor([0, 23, T, T + 40, 2 * T])  # every row starts one
+    return compare(lambda *x, **kw: transformers_kda.fla_chunk_kda(*x[:3], g=x[3], beta=x[4], **kw),
+                   lambda *x, **kw: transformers_kda.chunk_kda(*x[:3], g=x[3], beta=x[4], **kw),
+                   [q, k, v, g, beta], use_qk_l2norm_in_kernel=True, cu_seq_lens_q=documents)
+
+
 def case_causal_conv1d(packed: bool):
     from fla.modules.causal_conv1d.ops import causal_conv1d as shipped
 
@@ -292,9 +309,11 @@ OPT_IN = {
     "chunk_kda": (lambda: case_kda("chunk_kda", False), 1e-4),
     "cp_kda": (case_cp_kda, 1e-4),
     "tp_kda": (lambda: case_tp("kda"), 1e-4),
+    "kimi_kda": (case_kimi_kda, 1e-4),
 }
 """Run by name only (fla's KDA kernels are the interpreter's slowest: ~40 s, ~130 s and ~140 s on the shared
-2-core machine): KDA unpacked (the packed case covers states and gradients), CP=2 and TP=2 on fla's KDA."""
+2-core machine): KDA unpacked (the packed case covers states and gradients), CP=2 and TP=2 on fla's KDA, and
+Kimi Linear's call with documents on fla's kernel."""
 
 
 def main(names) -> int:

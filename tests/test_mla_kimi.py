@@ -6,8 +6,6 @@ without documents)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -45,7 +43,8 @@ def _fp64_model(args):
 
 def test_kimi_linear_kda_takes_the_portable_kernel_equal_to_transformers_reference():
     """On the CPU transformers would call fla's Triton kernel (fla is installed); titan_ext's model calls its
-    portable one, equal in fp64 to transformers' own torch reference and convolution."""
+    portable one, equal to transformers' own model with its torch reference and convolution (its modeling
+    file's fallbacks, ``__wrapped__`` by the hub-kernel wrappers)."""
     from transformers.models.kimi_linear import modeling_kimi_linear as modeling
 
     from titan_ext.kernels import binding
@@ -53,20 +52,28 @@ def test_kimi_linear_kda_takes_the_portable_kernel_equal_to_transformers_referen
     torch.set_default_dtype(torch.float64)
     try:
         model = _fp64_model(kimi())
-        reference = copy.deepcopy(model)
+        reference = modeling.KimiLinearForCausalLM(model.config)
+        reference.load_state_dict(model.state_dict(), strict=False)  # the state dict omits no weight: checked below
         names = {name: getattr(modeling, name).__wrapped__ for name in ("chunk_kimi_delta_attention", "causal_conv1d_fn")}
         used = binding.bind(reference, {}, key="test:reference", names={modeling.__name__: names})
         assert {(modeling.__name__, name) for name in names} <= used
         tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
-        ours, theirs = model(tokens), reference(tokens)
+        ours, theirs = model(tokens), reference(tokens).logits
         ours.sum().backward()
         theirs.sum().backward()
     finally:
         torch.set_default_dtype(torch.float32)
         binding.forget("test:reference")
-    assert torch.allclose(ours, theirs, rtol=1e-10, atol=1e-12)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.allclose(p.grad, q.grad, rtol=1e-8, atol=1e-12), name
+    assert type(model.model.layers[0].self_attn) is not type(reference.model.layers[0].self_attn)  # two bindings
+    # transformers' reference computes the recurrence in float32 whatever its inputs: agreement to float32's
+    assert relative(ours, theirs) < 1e-6
+    theirs_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert relative(p.grad, theirs_params[name].grad) < 1e-5, name
+
+
+def relative(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
 
 
 def test_kimi_linear_documents_each_run_alone():

@@ -108,7 +108,10 @@ and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s o
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
 jobs loaded the machine (phases of 5, 76, 105 and 60 s). The hybrid specs (``fla_gla_hybrid``,
 ``hf_qwen3_5``, ``hf_qwen3_next``: 14 rows and 4 seed checkpoints, 1- and 2-process jobs only) took 36 s
-in a launch of their own (their jobs ~49 s summed over the lanes).
+in a launch of their own (their jobs ~49 s summed over the lanes). The MLA and Kimi Linear specs
+(``hf_kimi_linear``, ``hf_kimi_linear_dense``, ``hf_deepseek_v3``: 10 rows and 4 seed checkpoints, 1- and
+2-process jobs only) took 59-76 s in a launch of their own while other jobs loaded the machine (their jobs
+34 s of 1-process and 25 s of 2-process ones, summed).
 """
 
 from __future__ import annotations

@@ -85,7 +85,9 @@ def apply_document_attention(model) -> None:
     from titan_ext.kernels.document_attention import document_attention
 
     implementation = model.config._attn_implementation
-    for block in model.get_decoder().layers:
+    for index, block in model.get_decoder().layers.named_children():  # a pipeline stage's keep their indices
+        if model.mixers[int(index)].attribute != "self_attn":  # a hybrid's other layers read cu_seq_lens_q themselves
+            continue
         module = sys.modules[type(block.self_attn).__module__]
         registry = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
         fallback = registry and registry.get_interface(implementation, getattr(module, "eager_attention_forward", None))

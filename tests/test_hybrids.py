@@ -159,6 +159,22 @@ def test_the_first_step_checks_each_layers_cp_path_ran(cp_mesh, unbound):
     assert errors.take_deferred() is None
 
 
+def test_the_first_step_checks_transformers_gated_deltanet_cp_path_ran(cp_mesh):
+    """Qwen3.5's Gated DeltaNet layer counts its state passing; its binding undone, step 1 stops naming it."""
+    from titan_ext.context_parallel import apply_cp
+
+    torch.manual_seed(0)
+    model = build_model(transformers_model("qwen3_5_text", **QWEN3_5))
+    model.init_weights()
+    before = type(model.model.layers[0].linear_attn)
+    apply_cp(model, cp_mesh, CPChoice(2, 1, masked_attention="a test's mask"))
+    assert model.cp_layout.expected == {"state passing": 1, "transformers attention": 1}
+    model.model.layers[0].linear_attn.__class__ = before
+    errors.take_deferred()
+    model(torch.randint(0, 256, (2, 80)), positions=torch.arange(80, 160).expand(2, 80))
+    assert "(state passing: 0 of 1 layers)" in str(errors.take_deferred())
+
+
 QWEN3_5 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])

@@ -224,7 +224,7 @@ SPECS = {
     "fla_gla_hybrid_shipped": Spec("debug_gla_hybrid.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5_shipped": Spec("debug_qwen3_5.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
-                       rows=("single", "fsdp2", "pp2", "hf", "cp2", "cp2_docs")),
+                       rows=("single", "fsdp2", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
                           rows=("single", "fsdp2", "pp2", "cp2")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),

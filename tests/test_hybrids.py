@@ -80,7 +80,27 @@ def test_tp_plan_is_assembled_per_layer():
     assert plan_class(meta_model(gla_hybrid(attn=None)), 2) is GLATPPlan  # a pure model: its registered plan
 
 
-def test_a_layer_without_a_path_is_refused_naming_it():
+def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gated_deltanet_entries():
+    """Qwen3.5: its own HF plan (translated) for the attention layers and MLPs; its Gated DeltaNet layers (whose HF
+    entries, ``colwise_gather_output``, do not translate) take ``model_plans.mixers.transformers_gated_deltanet``;
+    whole heads per rank."""
+    from model_plans import TPOptions, validate_tp, mixers as plan_mixers
+
+    from titan_ext.tensor_parallel import plan_class
+
+    model = meta_model(transformers_model("qwen3_5_text", **QWEN3_5))
+    plan_cls = plan_class(model, 2)
+    assert dict(plan_cls.layer_mixers) == {0: plan_mixers.transformers_gated_deltanet}
+    plan = plan_cls(TPOptions())
+    assert "linear_attn.in_proj_qkv" in plan.block_plan(0) and "self_attn.q_proj" in plan.block_plan(1)
+    assert not any(name.startswith("linear_attn") for name in plan.block_plan(1))
+    validate_tp(model, plan, 2, 80)
+    odd = meta_model(transformers_model("qwen3_5_text", **{**QWEN3_5, "linear_num_key_heads": 1}))
+    with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by --parallelism.tensor_parallel_degree=2"):
+        validate_tp(odd, plan_class(odd, 2)(TPOptions()), 2, 80)
+
+
+def test_a_layer_without_a_path_is_refused_naming_it(monkeypatch):
     """One line naming the layer, its mixer and the fix, before the build."""
     from titan_ext.context_parallel import check_cp
     from titan_ext.tensor_parallel import plan_class
@@ -100,6 +120,7 @@ def test_a_layer_without_a_path_is_refused_naming_it():
                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                               linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
     assert qwen.document_mask_blocker() is None and qwen.context_parallel_blocker() is None  # both paths now
+    monkeypatch.setattr(mixers.TransformersGatedDeltaNet, "tp_plan", None)  # a mixer without TP entries
     with pytest.raises(ConfigError, match=r"layer 0 \(transformers' gated deltanet \(linear_attn\)\) has no "
                                           "tensor-parallel plan in titan_ext; set the degree to 1"):
         plan_class(meta_model(qwen), 2)

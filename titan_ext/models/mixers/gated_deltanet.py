@@ -38,10 +38,12 @@ class TransformersGatedDeltaNet(Mixer):
     """transformers' Gated DeltaNet layer (``linear_attn``: Qwen3.5's, Qwen3-Next's). In titan_ext's jobs it runs
     ``kernels.transformers_gated_deltanet``'s forward (``host_patches.MODEL_KERNELS``), which calls the delta
     rule and its short convolution by fla's contracts, under the names fla's Gated DeltaNet uses: the same
-    state passing and halo under CP, and packed documents (``cu_seq_lens_q``) restart both."""
+    state passing and halo under CP, and packed documents (``cu_seq_lens_q``) restart both; under TP it runs on
+    its rank's heads."""
 
     name = "transformers' gated deltanet (linear_attn)"
     attribute = "linear_attn"
+    tp_plan = "transformers_gated_deltanet"
     portable_kernels = True
     cp_kernels = {"chunk_gated_delta_rule": AffineState()}
 

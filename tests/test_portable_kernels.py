@@ -49,7 +49,10 @@ def test_every_replacement_resolves_for_both_paths():
     from fla.layers.gated_deltanet import GatedDeltaNet
     from fla.modules.rotary.ops import RotaryEmbedding
 
-    from titan_ext.kernels import layer_cache, rotary, tp_local
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from titan_ext.kernels import layer_cache, rotary, tp_local, transformers_gated_deltanet
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
@@ -66,6 +69,9 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
         fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,
+        # transformers' Gated DeltaNet layers: titan_ext's forward, on this path's kernels
+        vars(Qwen3_5GatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_5_forward,
+        vars(Qwen3NextGatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_next_forward,
     }
     assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.portable_chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla

@@ -56,16 +56,17 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
   that masks too (the "docs" variant: its own seed and single-process run).
 - ``fla_gla_hybrid``: a hybrid (GLA at layer 0, fla's softmax Attention at layer 1 by fla's ``attn``
-  config, through ``--model.name fla`` and ``--titan_ext.hf_config``) in ``single``, ``fsdp2``, ``tp2``,
+  config, through ``--model.name fla`` and ``--titan_ext.hf_config``) in ``single``, ``tp2``,
   ``cp2`` (state passing and ring attention on one CP mesh), ``cp2_docs`` (all-gathered attention, with
   AC and compile), ``pp2`` and ``ac_op_compile``.
 - ``hf_qwen3_5``: transformers' Qwen3.5 (Gated DeltaNet at layer 0 on titan_ext's forward and portable
-  kernels, gated attention at layer 1) in ``single``, ``fsdp2``, ``pp2``, ``hf`` (export and import), ``cp2``
-  (state passing, the convolution's halo and ring attention on one CP mesh) and ``cp2_docs`` (document resets
-  on both sides, all-gathered attention, with AC and compile); its TP stops in one line naming layer 0
-  (``tests/test_hybrids.py``). ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in
-  ``pp2`` and ``cp2``, FSDP-sharded in ``fsdp2``). Their CP rows added ~10 s of jobs (cp2 1.1 s and 2.3 s,
-  cp2_docs 4.3 s on 2 ranks; the documents' seed and single process 1.9 s).
+  kernels, gated attention at layer 1) in ``single``, ``tp2`` (heads split; sequence and loss parallel),
+  ``pp2``, ``hf`` (export and import), ``cp2`` (state passing, the convolution's halo and ring attention on
+  one CP mesh) and ``cp2_docs`` (document resets on both sides, all-gathered attention, with AC and compile).
+  ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
+  in ``fsdp2``). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
+  and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
+  (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -190,7 +191,8 @@ TINY_QWEN3_MOE = json.loads((CONFIGS / "debug_qwen3_moe.json").read_text())
 
 # An fla hybrid: GLA with fla's softmax Attention at layer 1 (fla's attn config, grouped-query heads).
 GLA_HYBRID = {"model_type": "gla", "attn": {"layers": [1], "num_heads": 4, "num_kv_heads": 2}}
-HYBRID_ROWS = ("single", "fsdp2", "tp2", "cp2", "cp2_docs", "pp2", "ac_op_compile")
+# (FSDP2: the cp2 rows shard over their CP ranks, and each hybrid's ``*_shipped`` spec runs ``fsdp2``.)
+HYBRID_ROWS = ("single", "tp2", "cp2", "cp2_docs", "pp2", "ac_op_compile")
 # transformers' Qwen3.5: Gated DeltaNet (linear_attn, titan_ext's portable kernel on the CPU) then gated attention.
 TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
@@ -224,7 +226,7 @@ SPECS = {
     "fla_gla_hybrid_shipped": Spec("debug_gla_hybrid.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5_shipped": Spec("debug_qwen3_5.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
-                       rows=("single", "fsdp2", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
+                       rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
                           rows=("single", "fsdp2", "pp2", "cp2")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),

@@ -168,12 +168,14 @@ def test_an_attention_that_does_not_read_the_registry_stops_the_job():
     import torch.nn as nn
 
     from titan_ext.errors import HostChanged
+    from titan_ext.models.mixers import TransformersAttention
 
     block = nn.Module()
     block.self_attn = nn.Linear(4, 4)  # its forward reads no attention registry
     model = nn.Module()
     model.arch = types.SimpleNamespace(packed_layout="position_ids")
     model.config = types.SimpleNamespace(_attn_implementation="sdpa")
-    model.get_decoder = lambda: types.SimpleNamespace(layers=[block])
+    model.get_decoder = lambda: types.SimpleNamespace(layers=nn.ModuleList([block]))
+    model.mixers = (TransformersAttention(),)
     with pytest.raises(HostChanged, match="Linear.forward does not read ALL_ATTENTION_FUNCTIONS"):
         documents.apply_document_attention(model)

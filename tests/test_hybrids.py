@@ -250,6 +250,20 @@ def test_transformers_gated_deltanet_runs_titan_ext_forward_equal_to_transformer
         assert (p.grad - q.grad).norm() <= 5e-6 * q.grad.norm(), name  # the decay's gradients: ~8e-7
 
 
+def test_a_portable_transformers_hybrid_keeps_transformers_forward_and_generates():
+    """``kernels.portable`` (a model run as its library runs it, not trained by titan_ext) keeps transformers'
+    forward of the layer, on titan_ext's portable kernels: it generates with a cache on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_ext import kernels
+
+    torch.manual_seed(0)
+    model = kernels.portable(AutoModelForCausalLM.from_config(transformers_model("qwen3_5_text", **QWEN3_5).to_hf_config()))
+    assert type(model.model.layers[0].linear_attn).forward.__name__ == "forward"
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+
+
 def test_documents_restart_transformers_gated_deltanet_state_and_convolution():
     """With document masking (as a job applies it: per-document attention, ``cu_seq_lens_q``) each packed
     document's logits equal the document's alone: the delta rule's state and its short convolution restart."""

@@ -42,7 +42,7 @@ from titan_ext.kernels import gla as torch_gla
 
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
-    assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
+    assert len(portable) == sum("portable" in k.paths and not k.training_only for k in MODEL_KERNELS)
     # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
     # cache helpers, and fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local)
     import fla.layers.utils
@@ -69,10 +69,11 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
         fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,
-        # transformers' Gated DeltaNet layers: titan_ext's forward, on this path's kernels
-        vars(Qwen3_5GatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_5_forward,
-        vars(Qwen3NextGatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_next_forward,
     }
+    # the models titan_ext trains: transformers' Gated DeltaNet layers run titan_ext's forward, on the path's kernels
+    assert kernels.replacements("fla", training=True) == {
+        **fla_path, vars(Qwen3_5GatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_5_forward,
+        vars(Qwen3NextGatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_next_forward}
     assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.portable_chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla
     with pytest.raises(ValueError, match="unknown kernel path 'cuda'"):

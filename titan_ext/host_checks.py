@@ -87,12 +87,17 @@ FLA_SIGNATURES = {
     "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
     "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
     "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
+    **{f"transformers.models.{model}.modeling_{model}:torch_{kind}_gated_delta_rule":
+       f"query, key, value, g, beta, {'chunk_size=64, ' if kind == 'chunk' else ''}initial_state=None, "
+       "output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs"
+       for model in ("qwen3_5", "qwen3_next") for kind in ("chunk", "recurrent")},
     **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward":
        "self, hidden_states, cache=None, attention_mask=None, **kwargs"
        for model, cls in (("qwen3_5", "Qwen3_5"), ("qwen3_next", "Qwen3Next"))},
 }
 """Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet layers of Qwen3.5
-and Qwen3-Next, whose forward titan_ext's runs instead: ``kernels.transformers_gated_deltanet``). fla's ``(*args, **kwargs)``
+and Qwen3-Next, which call fla's kernels, and whose forward titan_ext's training models run instead:
+``kernels.transformers_gated_deltanet``). fla's ``(*args, **kwargs)``
 activations (swish, sigmoid, swiglu) and its deprecated ``fused_chunk_gla(**kwargs)`` carry no signature to compare."""
 
 

@@ -37,7 +37,7 @@ class TitanCausalLM:
         self.mixers = self.arch.layer_mixers(self.config)  # each layer's token mixer, by index
         fla = any(klass.__module__.startswith("fla.") for klass in type(self).__mro__)
         if fla or any(mixer.portable_kernels for mixer in self.mixers):
-            kernels.bind(self, model_args.kernel_path or kernels.default_path())
+            kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True)
         if self.config.tie_word_embeddings:
             self.register_state_dict_post_hook(_without_tied_head)
 

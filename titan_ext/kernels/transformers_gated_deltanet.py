@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from fla.modules.causal_conv1d.ops import causal_conv1d
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
-
 from torch.distributed.tensor import DTensor, Partial
 
 from titan_ext.kernels.gated_delta import _softplus

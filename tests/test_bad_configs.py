@@ -223,10 +223,6 @@ CASES = {
         "--parallelism.expert_tensor_parallel_degree=2 needs --parallelism.expert_parallel_degree > 1",
     ),
     "pp with a moe model": ([*generic("hf", "qwen3_moe.json"), *PP2], 2, "the router's balancing loss (router_aux_loss_coef=0.01) needs every MoE layer's router logits"),
-    "cp with a moe model's balancing loss": (
-        [*generic("hf", "qwen3_moe.json"), *CP2], 2,
-        "the router's balancing loss (router_aux_loss_coef=0.01) counts expert shares per whole sequence",
-    ),
     "tp for a model with no plan": (
         [*generic("hf", "opt.json"), *TP2], 2, "no tensor-parallel plan for model_type 'opt'"
     ),

@@ -36,6 +36,7 @@ import ast
 import functools
 import inspect
 import textwrap
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -79,7 +80,8 @@ class HFTPPlan(TPPlan):
         for module, entry in self.entries:
             style = self._style(module, entry)
             plan[module] = IfPresent(style) if module in self.optional else style
-        return plan
+        other = dict(self.layer_mixers).get(index)  # a hybrid's layer of another token mixer: its entries too
+        return plan if other is None else {**plan, **other(self)}
 
     def _style(self, module: str, entry: BlockEntry) -> ParallelStyle:
         if entry.role == "gather":
@@ -93,11 +95,13 @@ class HFTPPlan(TPPlan):
         return NormParallel(Shard(-2), use_local_output=True)
 
 
-def hf_plan_class(model: nn.Module) -> type[TPPlan] | None:
+def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, str] = {}) -> type[TPPlan] | None:
     """The ``TPPlan`` subclass translated from ``model.config.base_model_tp_plan`` (None without one).
 
     ``model`` is a transformers causal LM, possibly on the meta device. A strategy or a layout the
     translation does not cover is a one-line ``ValueError`` naming the model type and the module.
+    ``other_mixers``: block index -> the attribute of a token mixer whose entries come from elsewhere
+    (``TPPlan.layer_mixers``: a hybrid's layers); the HF plan's entries under it are not translated.
     """
     config = model.config
     hf_plan = getattr(config, "base_model_tp_plan", None)
@@ -110,7 +114,8 @@ def hf_plan_class(model: nn.Module) -> type[TPPlan] | None:
     layers, block_plan = _split_plan(hf_plan, embeddings, model_type, prefix)
     stack = f"{_join(prefix, layers)}.*"
     blocks = list(base.get_submodule(layers))
-    per_block = [_block_entries(block, block_plan, model_type, stack) for block in blocks]
+    per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index))
+                 for index, block in enumerate(blocks)]
     entries, optional = _merge(per_block, model_type, stack)
     name = _class_name(model_type)
     attributes = dict(
@@ -202,8 +207,11 @@ def _final_norm(base: nn.Module, placed: set[str], model_type: str, prefix: str)
     return others[0]
 
 
-def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str) -> dict[str, BlockEntry]:
-    """One block's entries, in module order."""
+def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str,
+                   other_mixer: str | None = None) -> dict[str, BlockEntry]:
+    """One block's entries, in module order (none under ``other_mixer``, planned elsewhere)."""
+    if other_mixer is not None:
+        block_plan = {path: s for path, s in block_plan.items() if not path.startswith(f"{other_mixer}.")}
     named = _translated(block, block_plan, model_type, stack)
     groups = _groups(named, model_type, stack)
     residual_norms = {
@@ -219,7 +227,7 @@ def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str
             entries[name] = named[name]
         elif name in residual_norms:
             entries[name] = BlockEntry("residual_norm")
-    _check_coverage(block, entries, model_type, stack)
+    _check_coverage(block, entries, model_type, stack, other_mixer)
     return entries
 
 
@@ -228,8 +236,6 @@ def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, s
     named = {}
     for path, strategy in block_plan.items():
         where = f"{stack}.{path}"
-        if strategy not in _TRANSLATED:
-            raise _untranslated(model_type, where, strategy)
         try:
             module = block.get_submodule(path)
         except AttributeError:
@@ -238,6 +244,8 @@ def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, s
             except AttributeError:
                 continue
             raise _untranslated(model_type, where, strategy, "it names a parameter, not a module") from None
+        if strategy not in _TRANSLATED:
+            raise _untranslated(model_type, where, strategy)
         if strategy == "replicated_with_grad_allreduce":
             if not _is_norm(module):
                 raise _untranslated(model_type, where, strategy, "only per-head norms inside attention translate")
@@ -272,11 +280,14 @@ def _groups(named: dict[str, BlockEntry], model_type: str, stack: str) -> set[st
     return colwise
 
 
-def _check_coverage(block: nn.Module, entries: dict[str, BlockEntry], model_type: str, stack: str) -> None:
+def _check_coverage(block: nn.Module, entries: dict[str, BlockEntry], model_type: str, stack: str,
+                    other_mixer: str | None = None) -> None:
     """Every parameter must be placed: the HF plan replicates what it leaves out, which TP here cannot mix in."""
     placed = {name for name, entry in entries.items() if entry.role in _PLACING_ROLES}
     for param_name, _ in block.named_parameters():
         owner = _parent(param_name)
+        if other_mixer is not None and f"{owner}.".startswith(f"{other_mixer}."):
+            continue  # planned elsewhere
         if owner not in placed:
             raise ValueError(
                 f"{model_type}: {_join(stack, owner)} holds parameters that the HF plan does not place and that are "

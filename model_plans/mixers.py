@@ -186,3 +186,29 @@ def transformers_kda(plan: TPPlan) -> Plan:
         "self_attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
         "self_attn.o_proj": plan.out_proj(),
     }
+
+
+def transformers_gated_deltanet(plan: TPPlan) -> Plan:
+    """transformers' Gated DeltaNet (Qwen3.5's and Qwen3-Next's ``linear_attn``): heads split across ranks, as in
+    ``gated_deltanet``, for the layer's titan_ext forward (``titan_ext.kernels.transformers_gated_deltanet``):
+    the output gate, beta and the decay's input colwise (Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba`` too: their
+    rows are grouped per key head, so a contiguous split gives whole groups), ``A_log``/``dt_bias`` sharded per
+    value head, the gated norm on the local heads, ``out_proj`` rowwise.
+
+    Qwen3.5's fused ``in_proj_qkv`` and both models' ``conv1d`` hold all queries, then all keys, then all values:
+    a rank's heads are a slice of each, a layout no DTensor placement expresses. Their weights stay replicated
+    over the TP ranks (FSDP still shards them); the forward multiplies this rank's rows only, and their
+    gradients are summed over the TP ranks.
+    """
+    return {
+        "linear_attn": Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
+        "linear_attn.in_proj_qkv": IfPresent(PlaceParameters(Replicate())),  # Qwen3.5
+        "linear_attn.in_proj_z": IfPresent(plan.colwise()),
+        "linear_attn.in_proj_b": IfPresent(plan.colwise()),
+        "linear_attn.in_proj_a": IfPresent(plan.colwise()),
+        "linear_attn.in_proj_qkvz": IfPresent(plan.colwise()),  # Qwen3-Next
+        "linear_attn.in_proj_ba": IfPresent(plan.colwise()),
+        "linear_attn.conv1d": PlaceParameters(Replicate()),
+        "linear_attn.norm": NormParallel(Shard(-2), use_local_output=True),
+        "linear_attn.out_proj": plan.out_proj(),
+    }

@@ -18,8 +18,10 @@ from model_plans.base import TPPlan
 
 DEGREE = "--parallelism.tensor_parallel_degree"
 
-_HEAD_FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("num_v_heads",))
-"""fla's and HF's spellings of the head counts (``num_v_heads``: Gated DeltaNet's value heads)."""
+_HEAD_FIELDS = (("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"), ("num_v_heads",),
+                ("linear_num_key_heads",), ("linear_num_value_heads",))
+"""fla's and HF's spellings of the head counts (``num_v_heads``: Gated DeltaNet's value heads; ``linear_*``:
+transformers' Gated DeltaNet layers')."""
 
 
 def _heads(config) -> list[tuple[str, int]]:

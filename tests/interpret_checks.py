@@ -289,6 +289,27 @@ def case_cp_kda():
     return {"cp2_kda": max(r["kda"] for r in results.values())}
 
 
+def case_transformers_gated_deltanet():
+    """Qwen3.5's Gated DeltaNet layer (titan_ext's forward) on fla's kernels vs titan_ext's portable ones, with
+    packed documents (the convolution and the delta rule restart at ``cu_seq_lens_q``)."""
+    from titan_ext.models.args import transformers_model
+
+    args = transformers_model("qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                              linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                              layer_types=["linear_attention"])
+    ours = built(args, "portable")
+    theirs = built(args, "fla", like=ours)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(48).expand(2, 48).clone()
+    positions[:, 20:] -= 20  # a second document from token 20
+    outs = [model(tokens, document_positions=positions) for model in (ours, theirs)]
+    for out in outs:
+        out.float().sum().backward()
+    grads = [rel(p.grad, q.grad) for p, q in zip(theirs.parameters(), ours.parameters())]
+    return max(rel(outs[1].detach(), outs[0].detach()), *grads)
+
+
 CASES = {
     "chunk_gla": (lambda: case_chunk_gla(False), 1e-4),
     "chunk_gla_packed": (lambda: case_chunk_gla(True), 1e-4),
@@ -310,10 +331,11 @@ OPT_IN = {
     "cp_kda": (case_cp_kda, 1e-4),
     "tp_kda": (lambda: case_tp("kda"), 1e-4),
     "kimi_kda": (case_kimi_kda, 1e-4),
+    "transformers_gated_deltanet": (case_transformers_gated_deltanet, 1e-4),
 }
 """Run by name only (fla's KDA kernels are the interpreter's slowest: ~40 s, ~130 s and ~140 s on the shared
-2-core machine): KDA unpacked (the packed case covers states and gradients), CP=2 and TP=2 on fla's KDA, and
-Kimi Linear's call with documents on fla's kernel."""
+2-core machine): KDA unpacked (the packed case covers states and gradients), CP=2 and TP=2 on fla's KDA,
+Kimi Linear's call with documents on fla's kernel, and Qwen3.5's Gated DeltaNet layer on fla's kernels."""
 
 
 def main(names) -> int:

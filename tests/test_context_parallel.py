@@ -16,6 +16,7 @@ from titan_ext.context_parallel import apply_cp
 from titan_ext.job_plan import CPChoice
 from titan_ext.kernels.state_passing import piece_order
 from titan_ext.models.adapter import build_model
+from titan_ext.models.args import transformers_model
 from titan_ext.models.gla import gla_flavors
 
 
@@ -123,13 +124,16 @@ CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 2, 1e-12), ("h
          ("fla_transformer+window", 2, 1e-12), ("fla_gated_deltanet", 2, 1e-12),
          ("fla_gla+docs", 2, 1e-5), ("fla_gated_deltanet+docs", 1, 1e-12), ("hf_llama+docs", 1, 1e-12),
          ("fla_transformer+docs", 2, 1e-12), ("fla_transformer+window+docs", 1, 1e-12),
-         ("fla_gated_deltanet_hybrid", 2, 1e-12), ("fla_gla_hybrid+docs", 1, 1e-5)]
+         ("fla_gated_deltanet_hybrid", 2, 1e-12), ("fla_gla_hybrid+docs", 1, 1e-5), ("hf_qwen3_5", 2, 1e-6),
+         ("hf_qwen3_5+docs", 1, 1e-6)]
 """(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
 Gated DeltaNet (its q/k/v convolution fused), Llama and the fla transformer in fp64: torch's ring
 attention (rotating keys and values by all-gather, or ``+alltoall`` rank to rank), or with a sliding
 window or ``+docs`` (packed documents, document masking on both sides) all-gathered keys and values.
 ``_hybrid``: layer 1 is fla's softmax Attention (fla's ``attn`` config), on the same CP mesh as layer 0's
-state passing.
+state passing; ``hf_qwen3_5``: transformers' Gated DeltaNet (layer 0) and gated attention (layer 1), in fp64 but
+for its RMSNorms, which compute in fp32 (their weights' gradients, summed over other tokens per rank, differ
+by ~1e-7; every other gradient by 1e-12).
 Each spec runs with contiguous pieces (1 per rank) and head-tail ones (2) in one case or another."""
 
 DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
@@ -163,6 +167,10 @@ def _compare(spec, pieces_per_rank, rank, mesh):
 
         args = copy.deepcopy(transformer_flavors["debugmodel"])
         args.config["window_size"] = 24 if "+window" in spec else None  # reaches across pieces of 40
+    elif name == "hf_qwen3_5":
+        from test_hybrids import QWEN3_5
+
+        args = transformers_model("qwen3_5_text", **{**QWEN3_5, "vocab_size": 2048})
     elif name.startswith("fla_gated_deltanet"):
         from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 

@@ -89,6 +89,10 @@ RUN_BY = {
     "--parallelism.context_parallel_degree 2": "matrix:fla_gla_hybrid/cp2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_5.toml":
         "matrix:hf_qwen3_5_shipped/fsdp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_5.toml "
+    "--parallelism.context_parallel_degree 2 --titan_ext.document_mask": "matrix:hf_qwen3_5/cp2_docs",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_5.toml "
+    "--parallelism.tensor_parallel_degree 2": "matrix:hf_qwen3_5/tp2",
     "python -m titan_ext.plan --job.config_file train_configs/debug_gla_hybrid.toml --world 8 "
     "--parallelism.context_parallel_degree 2 --parallelism.tensor_parallel_degree 2":
         "test:tests/test_hybrids.py::test_the_planner_plans_the_documented_hybrid_layout",

@@ -159,11 +159,12 @@ def test_moe_refusals(degrees, phrase):
 
 
 def test_pipeline_parallel_without_the_balancing_loss():
-    """PP runs a MoE model whose config turns the balancing loss off, and records no routers (a stage without
-    the loss would keep them forever)."""
+    """PP (and CP) run a MoE model whose config turns the balancing loss off, and record no routers (a stage
+    without the loss would keep them forever)."""
     model = meta_model(args(router_aux_loss_coef=0.0))
     pp = parallelism(pipeline_parallel_degree=2, expert_parallel_degree=2)
     moe.check_moe(model, pp)
+    moe.check_moe(model, parallelism(context_parallel_degree=2))  # nor CP: routing is per token
     assert not moe.moe_choice(model, pp).record_routers
     assert moe.moe_choice(model, parallelism(expert_parallel_degree=2)).record_routers
 

@@ -42,7 +42,7 @@ from titan_ext.kernels import gla as torch_gla
 
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
-    assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
+    assert len(portable) == sum("portable" in k.paths and not k.training_only for k in MODEL_KERNELS)
     # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
     # cache helpers, fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local), and
     # Kimi Linear's KDA and convolution calls with their documents packed (transformers_kda)
@@ -51,7 +51,10 @@ def test_every_replacement_resolves_for_both_paths():
     from fla.modules.rotary.ops import RotaryEmbedding
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
-    from titan_ext.kernels import layer_cache, rotary, tp_local, transformers_kda
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    from titan_ext.kernels import layer_cache, rotary, tp_local, transformers_gated_deltanet, transformers_kda
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
@@ -71,6 +74,10 @@ def test_every_replacement_resolves_for_both_paths():
         kimi.chunk_kimi_delta_attention: transformers_kda.fla_chunk_kda,
         kimi.causal_conv1d_fn: transformers_kda.causal_conv1d_fn,
     }
+    # the models titan_ext trains: transformers' Gated DeltaNet layers run titan_ext's forward, on the path's kernels
+    assert kernels.replacements("fla", training=True) == {
+        **fla_path, vars(Qwen3_5GatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_5_forward,
+        vars(Qwen3NextGatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_next_forward}
     assert portable[fla.ops.gla.chunk.chunk_gla] is gla_op.portable_chunk_gla
     assert portable[fla.ops.gla.fused_recurrent.fused_recurrent_gla] is torch_gla.fused_recurrent_gla
     with pytest.raises(ValueError, match="unknown kernel path 'cuda'"):

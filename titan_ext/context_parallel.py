@@ -85,9 +85,8 @@ def check_cp(model_args, job_config) -> None:
 
     pieces = degree * PIECES_PER_RANK[balancer]
     config = model_args.to_hf_config()
-    # fla's short convolutions, or transformers' one over q, k and v (Kimi Linear's KDA layers)
-    width = config.conv_size if getattr(config, "use_short_conv", False) else getattr(config, "linear_conv_kernel_dim", 1)
-    halo = width - 1
+    halo = config.conv_size - 1 if getattr(config, "use_short_conv", False) else 0
+    halo = max(halo, getattr(config, "linear_conv_kernel_dim", 1) - 1)  # transformers' Gated DeltaNet layers
     tp = p.tensor_parallel_degree if sequence_parallel_enabled(job_config) else 1
     for section in sections(job_config):
         option, seq_len = f"--{section}.seq_len", getattr(job_config, section).seq_len
@@ -157,11 +156,10 @@ def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> Non
                     for name, recurrence in mixer.cp_kernels.items() if name in scope}
     if mixer.cp_contract == "transformers" and "causal_conv1d_fn" in scope:  # q, k and v in one convolution
         replacements[scope["causal_conv1d_fn"]] = _transformers_conv_across_ranks(layout)
-    # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel,
-    # and the mixer's own call when it convolves q, k and v in one (Gated DeltaNet without TP)
+    # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel, and the
+    # mixer's own call where it convolves q, k and v in one (fla's Gated DeltaNet without TP, transformers')
     convolutions = short_convolutions(mixer_module)
-    scopes = [scope] if convolutions else []
-    for conv in [type(c).forward.__globals__ for c in convolutions] + scopes:
+    for conv in [type(c).forward.__globals__ for c in convolutions] + [scope]:
         kernel = conv.get("causal_conv1d")
         if kernel is not None and kernel not in replacements:
             replacements[kernel] = conv_across_ranks(kernel, layout)

@@ -86,7 +86,7 @@ def apply_document_attention(model) -> None:
 
     implementation = model.config._attn_implementation
     for index, block in model.get_decoder().layers.named_children():  # a pipeline stage's keep their indices
-        if model.mixers[int(index)].recurrent_documents:  # its kernels take cu_seq_lens_q (kernels.transformers_kda)
+        if model.mixers[int(index)].recurrent_documents:  # its own kernels take cu_seq_lens_q
             continue
         module = sys.modules[type(block.self_attn).__module__]
         registry = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)

@@ -98,10 +98,15 @@ FLA_SIGNATURES = {
     "query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False, **kwargs",
     "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
     "hidden_states, weight, bias=None, activation=None, **kwargs",
+    **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward":
+       "self, hidden_states, cache=None, attention_mask=None, **kwargs"
+       for model, cls in (("qwen3_5", "Qwen3_5"), ("qwen3_next", "Qwen3Next"))},
 }
-"""Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet wrappers of Qwen3.5
-and Qwen3-Next and the KDA wrappers of Kimi Linear, which call fla's kernels). fla's ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu)
-and its deprecated ``fused_chunk_gla(**kwargs)`` carry no signature to compare."""
+"""Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet layers of Qwen3.5
+and Qwen3-Next and the KDA wrappers of Kimi Linear, which call fla's kernels; the Gated DeltaNet layers'
+forward titan_ext's training models run instead: ``kernels.transformers_gated_deltanet``). fla's
+``(*args, **kwargs)`` activations (swish, sigmoid, swiglu) and its deprecated ``fused_chunk_gla(**kwargs)``
+carry no signature to compare."""
 
 
 def parameters(fn) -> str:

@@ -72,10 +72,12 @@ def check_moe(model: nn.Module, job_config) -> None:
             "stage that computes the loss, which titan_ext does not carry across stages yet; train without PP, or "
             "set router_aux_loss_coef to 0 in the config.json to train without the balancing loss"
         )
-    if p.context_parallel_degree > 1:
+    if p.context_parallel_degree > 1 and getattr(model.config, "router_aux_loss_coef", 0):  # routing is per token
         raise ConfigError(
-            f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss counts "
-            "expert shares per whole sequence, which titan_ext does not gather across CP ranks yet; set it to 1"
+            f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss "
+            f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) counts expert shares per whole sequence, which "
+            "titan_ext does not gather across CP ranks yet; set it to 1, or set router_aux_loss_coef to 0 in the "
+            "config.json to train without the balancing loss"
         )
 
 

@@ -67,7 +67,8 @@ def plan_class(model: nn.Module, degree: int) -> type:
                 "tensor-parallel plan in titan_ext; set the degree to 1"
             )
         others[index] = getattr(model_plans.mixers, mixer.tp_plan)
-    return with_layer_mixers(plan_for_model(model), others)
+    attributes = {index: model.mixers[index].attribute for index in others}
+    return with_layer_mixers(plan_for_model(model, attributes), others)
 
 
 def tp_choice(model: nn.Module, job_config) -> TPChoice | None:

@@ -42,11 +42,13 @@ __all__ = ["PATHS", "bind", "default_path", "from_pretrained", "portable", "repl
 
 
 @functools.cache
-def replacements(path: str) -> dict[object, Callable]:
-    """fla object -> titan_ext's replacement, for one kernel path."""
+def replacements(path: str, training: bool = False) -> dict[object, Callable]:
+    """fla object -> titan_ext's replacement, for one kernel path (``training``: with the rows only the models
+    titan_ext trains take, ``Kernel.training_only``)."""
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; one of {PATHS}")
-    return {resolve(k.fla): resolve(k.replacement) for k in MODEL_KERNELS if path in k.paths}
+    return {resolve(k.fla): resolve(k.replacement) for k in MODEL_KERNELS
+            if path in k.paths and (training or not k.training_only)}
 
 
 @functools.cache
@@ -72,9 +74,10 @@ def default_path() -> str:
     return "fla" if torch.cuda.is_available() and not cpu_mode.forced() else "portable"
 
 
-def bind(model: nn.Module, path: str) -> nn.Module:
-    """Make ``model`` (in place) run the kernels of ``path``; returns it."""
-    _bind(model, replacements(path), path, global_names(path))
+def bind(model: nn.Module, path: str, training: bool = False) -> nn.Module:
+    """Make ``model`` (in place) run the kernels of ``path`` (``training``: as a model titan_ext trains);
+    returns it."""
+    _bind(model, replacements(path, training), f"{path}:training" if training else path, global_names(path))
     return model
 
 

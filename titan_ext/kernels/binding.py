@@ -105,7 +105,8 @@ def bound_class(cls: type, replacements: Replacements, key: str, names: ModuleNa
 
     Methods are taken along the MRO (the first definition wins, as Python
     resolves them); a method that is itself replaced (``Class.forward``) is
-    swapped whole. A class replaced by a subclass of its own becomes that subclass.
+    swapped whole, by a replacement that itself sees the other replacements. A class
+    replaced by a subclass of its own becomes that subclass.
     """
     replacement = replacements.get(cls) if _hashable(cls) else None
     if isinstance(replacement, type) and issubclass(replacement, cls):
@@ -119,8 +120,10 @@ def bound_class(cls: type, replacements: Replacements, key: str, names: ModuleNa
                 if not isinstance(fn, types.FunctionType):
                     methods.pop(name, None)
                     continue
-                if fn in replacements:
-                    methods[name] = replacements[fn]
+                if fn in replacements:  # swapped whole; the replacement sees the other replacements too
+                    new = replacements[fn]
+                    rebound = _rebind(new, replacements, names, used) if isinstance(new, types.FunctionType) else None
+                    methods[name] = new if rebound is None else rebound
                     used.add(fn)
                 elif (new := _rebind(fn, replacements, names, used)) is not None:
                     methods[name] = new

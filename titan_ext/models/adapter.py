@@ -37,7 +37,7 @@ class TitanCausalLM:
         self.mixers = self.arch.layer_mixers(self.config)  # each layer's token mixer, by index
         fla = any(klass.__module__.startswith("fla.") for klass in type(self).__mro__)
         if fla or any(mixer.portable_kernels for mixer in self.mixers):
-            kernels.bind(self, model_args.kernel_path or kernels.default_path())
+            kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True)
         if self.config.tie_word_embeddings:
             self.register_state_dict_post_hook(_without_tied_head)
 
@@ -89,6 +89,8 @@ class TitanCausalLM:
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
             mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
+            if any(mixer.cp_kernels for mixer in self.mixers):  # a hybrid's recurrent layers: one packed row
+                inputs["cu_seq_lens_q"] = packing.cu_seqlens(document_positions)
         hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.cp_layout is not None and (missed := self.cp_layout.check_paths()):
             # every rank stops at this step's end, together, in one line (``errors.defer``)

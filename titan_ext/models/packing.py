@@ -60,7 +60,10 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
     if any(mixer.cp_attention == "transformers" for mixer in model.mixers):  # rotary at position_ids: global,
         if local is None:  # or within each document
             return {**first, "position_ids": positions}
-        return {**first, "position_ids": local, "attention_mask": _MASKED_BY_LAYOUT.to(local.device)}
+        inputs = {**first, "position_ids": local, "attention_mask": _MASKED_BY_LAYOUT.to(local.device)}
+        if any(mixer.cp_kernels for mixer in model.mixers):  # a hybrid's recurrent layers: piece rows as one packed row
+            inputs["cu_seq_lens_q"] = packed_cu_seqlens(layout)
+        return inputs
     if local is None or not any(mixer.cp_kernels for mixer in model.mixers):  # fla's attention reads the layout
         return first
     # recurrent mixers on packed documents: the piece rows as one row (fla's attention layers read the layout)

@@ -58,7 +58,7 @@ class TransformersAttention(Mixer):
     """A transformers attention module (``self_attn``), through torch's SDPA.
 
     ``context_parallel``: whether titan_ext binds its CP attention for the model types using it (checked
-    by ``host_checks.check_transformers_attention`` and the matrix: Llama's).
+    by ``host_checks.check_transformers_attention`` and the matrix: Llama's, Qwen3.5's and Qwen3-Next's).
     """
 
     name = "transformers attention"

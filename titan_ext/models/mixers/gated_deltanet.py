@@ -35,18 +35,18 @@ class GatedDeltaNet(Mixer):
 
 
 class TransformersGatedDeltaNet(Mixer):
-    """transformers' Gated DeltaNet layer (``linear_attn``): counted, but no TP or CP path yet, and no
-    document resets (it restarts its state and convolution only at ``cu_seq_lens_q``, which transformers
-    passes with flash attention alone; titan_ext's block-causal mask would leave them running across
-    documents)."""
+    """transformers' Gated DeltaNet layer (``linear_attn``: Qwen3.5's, Qwen3-Next's). In titan_ext's jobs it runs
+    ``kernels.transformers_gated_deltanet``'s forward (``host_patches.MODEL_KERNELS``), which calls the delta
+    rule and its short convolution by fla's contracts, under the names fla's Gated DeltaNet uses: the same
+    state passing and halo under CP, and packed documents (``cu_seq_lens_q``) restart both; under TP it runs on
+    its rank's heads."""
 
     name = "transformers' gated deltanet (linear_attn)"
     attribute = "linear_attn"
+    tp_plan = "transformers_gated_deltanet"
     portable_kernels = True
-
-    def document_mask_blocker(self, config, layer):
-        return ("titan_ext does not yet restart its state and convolution at document boundaries; turn "
-                "--titan_ext.document_mask off")
+    recurrent_documents = True
+    cp_kernels = {"chunk_gated_delta_rule": AffineState()}
 
     def flops_per_token(self, config, layer, seq_len):
         return delta_rule_flops(config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)

@@ -1,6 +1,6 @@
 """Mixture-of-experts models (titan_ext.moe): the routers' balancing loss as the model computes it, counted
 per token so that splitting a batch (over ranks or micro-batches) changes nothing; MFU counting active experts;
-expert parallelism refused in one line until it exists."""
+expert parallelism (with TP: the TP ranks share the tokens) and what it refuses in one line."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def parallelism(**degrees):
 
 
 @pytest.mark.parametrize("degrees, phrase", [
-    (dict(expert_parallel_degree=2, tensor_parallel_degree=2), "titan_ext does not combine expert parallelism with TP"),
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
+     "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1"),
     (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
     (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
     (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
@@ -174,6 +175,20 @@ def test_expert_parallel_on_a_dense_model_is_refused():
     with pytest.raises(ConfigError, match="this model has no experts"):
         moe.check_moe(dense, parallelism(expert_parallel_degree=2))
     moe.check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
+
+
+def test_tensor_parallel_splits_experts_only_with_expert_parallelism():
+    """The translated HF plan places a MoE block's experts by EP (torchtitan's ETP=1); TP alone is refused."""
+    from model_plans import TPOptions
+    from model_plans.hf_plan import hf_plan_class
+    from model_plans.styles import MoEBlockParallel, PlacedElsewhere
+
+    plan_cls = hf_plan_class(meta_model(args()))
+    with pytest.raises(ValueError, match="are split by expert parallelism over the TP ranks, not by TP alone"):
+        plan_cls(TPOptions()).block_plan(0)
+    plan = plan_cls(TPOptions(expert_parallel=True)).block_plan(0)
+    assert isinstance(plan["mlp"], MoEBlockParallel) and isinstance(plan["mlp.experts"], PlacedElsewhere)
+    assert "mlp.gate" in plan
 
 
 def _expert_parallel_rank(rank, mesh):

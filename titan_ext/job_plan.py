@@ -21,6 +21,8 @@ class TPChoice:
     loss_parallel: bool
     float8: bool
     async_tp: bool
+    expert_parallel: bool = False
+    """MoE experts placed by expert parallelism over the TP ranks' token shares (EP x TP, titan_ext.moe)."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titan_ext import compat
 from titan_ext.errors import ConfigError
@@ -82,10 +83,11 @@ def check_moe(model: nn.Module, job_config) -> None:
 def _check_ep(blocks: list[nn.Module], p) -> None:
     ep = p.expert_parallel_degree
     option = f"--parallelism.expert_parallel_degree={ep}"
-    if p.tensor_parallel_degree > 1:
+    if p.expert_tensor_parallel_degree > 1:
         raise ConfigError(
-            f"{option} with --parallelism.tensor_parallel_degree={p.tensor_parallel_degree}: titan_ext does not "
-            "combine expert parallelism with TP yet; use one of them"
+            f"--parallelism.expert_tensor_parallel_degree={p.expert_tensor_parallel_degree}: titan_ext runs EP x TP "
+            "as torchtitan's ETP=1 (the TP ranks share the tokens, each expert whole on its EP rank); ETP=TP would "
+            "split gate_up_proj's packed [gate; up] rows, which titan_ext does not; set it to 1"
         )
     for block in blocks:
         experts = block.experts
@@ -102,10 +104,14 @@ def _check_ep(blocks: list[nn.Module], p) -> None:
 # ---------------------------------------------------------------- expert parallelism
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
+def apply_ep(model: nn.Module, ep_mesh, tp_mesh=None) -> None:
     """Each rank of ``ep_mesh`` holds ``num_experts / ep`` experts (their stacked weights sharded on dim 0) and
     computes them for every rank's tokens: tokens go to their experts' ranks in one all-to-all and come back in
-    another. The parameters keep their names (``mlp.experts.gate_up_proj``), so checkpoints are unchanged."""
+    another. The parameters keep their names (``mlp.experts.gate_up_proj``), so checkpoints are unchanged.
+
+    Under TP (``tp_mesh``; torchtitan's ETP=1, the EP mesh spanning the TP ranks) every TP rank holds all of
+    its batch's tokens (the block gathers them, ``model_plans``' ``moe_block``) and dispatches its share of them
+    (a TP rank's slice of the flattened tokens); the block sums the shares."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for block in moe_blocks(model):
@@ -114,6 +120,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
         experts.__class__ = _expert_parallel_class(type(experts))
         experts.ep_group = ep_mesh.get_group()
+        experts.tp_mesh = tp_mesh
     logger.info(f"Applied expert parallelism (EP={ep_mesh.size()}) to {len(moe_blocks(model))} MoE blocks")
 
 
@@ -131,7 +138,22 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, as the model's own
-    forward computes it, with this rank's experts only."""
+    forward computes it, with this rank's experts only; under TP this TP rank's share of the tokens, zeros
+    elsewhere."""
+    if self.tp_mesh is None:
+        return _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights)
+
+    def share_gradient(x):  # every TP rank's share feeds this input: the ranks' gradients are summed
+        return DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+    rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+    mine = rows.tensor_split(self.tp_mesh.size())[self.tp_mesh.get_local_rank()]
+    out = _dispatch_and_combine(self, share_gradient(hidden_states)[mine], top_k_index[mine],
+                                share_gradient(top_k_weights)[mine])
+    return hidden_states.new_zeros(hidden_states.shape).index_copy(0, mine, out)
+
+
+def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):
     group, ep = self.ep_group, dist.get_world_size(self.ep_group)
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()  # [E/ep, 2I, H], [E/ep, H, I]
     local = gate_up.shape[0]
@@ -181,7 +203,8 @@ class RouterRecords:
     def record(self, module, inputs, output) -> None:
         # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
         if not compat.in_backward():
-            self.logits.append(output[0])
+            logits = output[0]  # under TP a replicated DTensor (model_plans' router): the same on every TP rank
+            self.logits.append(logits.to_local() if isinstance(logits, DTensor) else logits)
 
     def take(self) -> list[torch.Tensor]:
         taken, self.logits = self.logits, []
@@ -248,7 +271,12 @@ def with_balance_loss(build_loss_fn):
             balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
             if torch.is_grad_enabled():  # training, not validation: this step's metrics
                 RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts)
-            return loss + choice.aux_loss_coef * balance.to(loss.dtype) if choice.aux_loss_coef else loss
+            if not choice.aux_loss_coef:
+                return loss
+            balance = choice.aux_loss_coef * balance.to(loss.dtype)
+            if isinstance(loss, DTensor):  # loss parallel: a replicated loss, as the balancing term is on each TP rank
+                balance = DTensor.from_local(balance, loss.device_mesh, loss.placements, run_check=False)
+            return loss + balance
 
         return loss_with_balance
 

@@ -34,7 +34,7 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
     if plan.float8 is not None and plan.float8.high_precision:
         keep_high_precision(model, plan.float8.high_precision)
     if plan.moe is not None and plan.moe.ep > 1:
-        apply_ep(model, parallel_dims.get_mesh("ep"))
+        apply_ep(model, parallel_dims.get_mesh("ep"), parallel_dims.get_mesh("tp") if plan.tp is not None else None)
     if plan.loss is not None:
         apply_chunked_loss(model, plan.loss)
     if plan.document_mask and plan.cp is None:  # under CP, its attention masks documents itself

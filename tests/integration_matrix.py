@@ -77,7 +77,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   the 8 experts), ``ep2_tp2_fsdp2`` (EP x TP, torchtitan's ETP=1: the EP mesh spans the TP ranks, which share
   the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
   each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
-  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2).
+  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_moe_bias`` (torchtitan's
+  auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
+  ``ep2_tp2_fsdp2``.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
   (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
@@ -235,6 +237,9 @@ SPECS = {
     # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
     "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                                hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
+    # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x TP x FSDP
+    "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
+                        hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_tp2_fsdp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),

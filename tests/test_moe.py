@@ -226,3 +226,102 @@ def test_expert_parallel_experts_equal_the_models_own():
     for rank, diffs in on_forked_ranks(2, _expert_parallel_rank).items():
         assert diffs.pop("local experts") == 4
         assert max(diffs.values()) < 1e-5, (rank, diffs)
+
+
+# ---------------------------------------------------------------- auxiliary-loss-free balancing (moe_balance = "bias")
+
+
+def bias_choice(model):
+    return moe.moe_choice(model, SimpleNamespace(titan_ext=SimpleNamespace(moe_balance="bias"),
+                                                 parallelism=parallelism().parallelism))
+
+
+@pytest.mark.parametrize("base", [TINY, TINY_OLMOE], ids=["qwen3_moe", "olmoe"])
+def test_a_zero_bias_routes_as_the_models_own_router(base):
+    model = real_model(base=base)
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(24, 64)
+    own = gate(x)
+    moe.apply_expert_bias(model)
+    for mine, theirs in zip(gate(x), own):
+        torch.testing.assert_close(mine, theirs)
+    saved = model.state_dict()  # the bias resumes with the checkpoint; the counts of a step in flight do not
+    assert "model.layers.0.mlp.gate.expert_bias" in saved and "model.layers.0.mlp.gate.tokens_per_expert" not in saved
+
+
+def test_the_bias_chooses_the_experts_and_the_probabilities_weigh_them():
+    model = real_model()
+    gate = model.model.layers[0].mlp.gate
+    moe.apply_expert_bias(model)
+    x = torch.randn(24, 64)
+    gate.expert_bias[3] = 10.0  # every token's first choice
+    logits, weights, index = gate(x)
+    assert (index == 3).any(-1).all()
+    probs = F.softmax(logits, dim=-1).gather(-1, index)
+    torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))  # norm_topk_prob
+    assert gate.tokens_per_expert[3] == 24 and gate.tokens_per_expert.sum() == 24 * 2
+    with torch.no_grad():  # validation counts nothing
+        gate(x)
+    assert gate.tokens_per_expert.sum() == 24 * 2
+
+
+def test_the_bias_moves_toward_the_under_used_experts():
+    model = real_model()
+    moe.apply_router_records(model, bias_choice(model))
+    moe.apply_expert_bias(model)
+    gate = model.model.layers[0].mlp.gate
+    gate.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
+    moe.update_expert_bias([model], None)
+    step = moe.BIAS_RATE
+    expected = torch.tensor([-step, step, step, step, step, step, step, -step]) - step * 4 / 8
+    torch.testing.assert_close(gate.expert_bias, expected)
+    assert gate.tokens_per_expert.sum() == 0
+    metrics = moe.step_metrics(None)
+    assert "moe/aux_loss" not in metrics and metrics["moe/tokens_per_expert_max"] == 10
+
+
+def _bias_rank(rank, mesh):
+    """Rank ``rank`` of 2 routes its own tokens; the update sums both ranks' counts."""
+    model = real_model()
+    moe.apply_router_records(model, bias_choice(model))
+    moe.apply_expert_bias(model)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 2048, (2, 16))
+    model(tokens[rank:rank + 1])
+    moe.update_expert_bias([model], mesh.get_group())
+    return torch.stack([block.mlp.gate.expert_bias for block in model.model.layers])
+
+
+def test_the_bias_is_the_global_batchs_on_every_rank():
+    from helpers import on_forked_ranks
+
+    model = real_model()
+    moe.apply_router_records(model, bias_choice(model))
+    moe.apply_expert_bias(model)
+    torch.manual_seed(1)
+    model(torch.randint(0, 2048, (2, 16)))
+    moe.update_expert_bias([model], None)
+    expected = torch.stack([block.mlp.gate.expert_bias for block in model.model.layers])
+    assert expected.abs().sum() > 0
+    for rank, bias in on_forked_ranks(2, _bias_rank).items():
+        torch.testing.assert_close(bias, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value, phrase", [
+    ("biased", "--titan_ext.moe_balance='biased' is not one of aux_loss, bias"),
+])  # fmt: skip
+def test_moe_balance_refusals(value, phrase):
+    job = parallelism()
+    job.titan_ext = SimpleNamespace(moe_balance=value)
+    with pytest.raises(ConfigError, match=phrase):
+        moe.check_moe(meta_model(args()), job)
+    job.titan_ext.moe_balance = "bias"
+    with pytest.raises(ConfigError, match="this model has no experts"):
+        moe.check_moe(meta_model(args(mlp_only_layers=[0, 1])), job)
+    job.checkpoint = SimpleNamespace(initial_load_in_hf=False, last_save_in_hf=True)
+    with pytest.raises(ConfigError, match="moe_balance='bias' with --checkpoint.last_save_in_hf: transformers' qwen3_moe"):
+        moe.check_moe(meta_model(args()), job)
+    job.checkpoint.last_save_in_hf = False
+    job.parallelism.pipeline_parallel_degree = 2
+    with pytest.raises(ConfigError, match="moe_balance='bias' with --parallelism.pipeline_parallel_degree=2"):
+        moe.check_moe(meta_model(args()), job)

@@ -202,6 +202,18 @@ def all_to_all_autograd(tensor, output_sizes: list[int], input_sizes: list[int],
     return _finished(funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group))
 
 
+def grouped_mm(rows, weights, ends):
+    """``rows [T, in]`` times each group's ``weights[g] [in, out]``, group g the rows up to ``ends[g]``
+    (``torch._grouped_mm``: one kernel for every expert, CPU and CUDA); None where this torch lacks it or the
+    inputs do not fit it (on CUDA it takes bfloat16), for the caller's loop over the groups."""
+    import torch
+
+    kernel = getattr(torch, "_grouped_mm", None)
+    if kernel is None or (rows.device.type != "cpu" and rows.dtype != torch.bfloat16):
+        return None
+    return kernel(rows, weights, offs=ends.to(torch.int32))
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread (where activation checkpointing
     recomputes a forward): ``torch._C._current_graph_task_id``."""

@@ -202,14 +202,25 @@ def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):
         local_ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received_counts.flatten())
         regroup = local_ids.argsort(stable=True)
     routed = compat.all_to_all_autograd(hidden_states[order // k], receive, send, group)[regroup]
-    outputs = []
-    for expert, rows in enumerate(routed.split(received_counts.sum(0).tolist())):
-        gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
-    computed = torch.cat(outputs)[_inverse(regroup)]
+    computed = _local_experts(self.act_fn, routed, received_counts.sum(0), gate_up, down)[_inverse(regroup)]
     returned = compat.all_to_all_autograd(computed, send, receive, group)[_inverse(order)]
     weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
     return weighted.sum(-2).to(hidden_states.dtype)
+
+
+def _local_experts(act_fn, rows, counts, gate_up, down):
+    """``down(act(gate) * up)`` of each local expert on its rows (``rows`` grouped by expert, ``counts`` per
+    expert): one grouped GEMM for all experts where torch has one for these inputs, else a loop over them."""
+    ends = counts.cumsum(0)
+    projected = compat.grouped_mm(rows, gate_up.transpose(-2, -1), ends)
+    if projected is not None:
+        gate, up = projected.chunk(2, dim=-1)
+        return compat.grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), ends)
+    outputs = []
+    for expert, expert_rows in enumerate(rows.split(counts.tolist())):
+        gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(act_fn(gate) * up, down[expert]))
+    return torch.cat(outputs)
 
 
 # ---------------------------------------------------------------- auxiliary-loss-free balancing

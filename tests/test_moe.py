@@ -318,6 +318,9 @@ def test_moe_balance_refusals(value, phrase):
     job.titan_ext.moe_balance = "bias"
     with pytest.raises(ConfigError, match="this model has no experts"):
         moe.check_moe(meta_model(args(mlp_only_layers=[0, 1])), job)
+    mixtral = {**TINY_OLMOE, "model_type": "mixtral", "num_local_experts": 8}
+    with pytest.raises(ConfigError, match="moe_balance='bias': titan_ext biases transformers' softmax top-k routers"):
+        moe.check_moe(meta_model(args(mixtral)), job)
     job.checkpoint = SimpleNamespace(initial_load_in_hf=False, last_save_in_hf=True)
     with pytest.raises(ConfigError, match="moe_balance='bias' with --checkpoint.last_save_in_hf: transformers' qwen3_moe"):
         moe.check_moe(meta_model(args()), job)

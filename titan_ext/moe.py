@@ -43,6 +43,9 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 BALANCES = ("aux_loss", "bias")
 """``[titan_ext] moe_balance``'s values."""
 
+ROUTER_FIELDS = ("weight", "hidden_dim", "num_experts", "top_k", "norm_topk_prob")
+"""What the biased router reads of transformers' router (Qwen2/3-MoE's, Qwen3-Next's, OLMoE's; not Mixtral's)."""
+
 BIAS_RATE = 1e-3
 """How far one optimizer step moves an expert's routing bias (torchtitan's default ``load_balance_coeff``)."""
 
@@ -76,6 +79,12 @@ def check_moe(model: nn.Module, job_config) -> None:
         raise ConfigError(f"--titan_ext.moe_balance={balance!r} is not one of {', '.join(BALANCES)}; pick one")
     if balance == "bias" and not blocks:
         raise ConfigError("--titan_ext.moe_balance='bias': this model has no experts (a dense model); remove it")
+    router = blocks[0].gate if blocks else None
+    if balance == "bias" and not all(hasattr(router, name) for name in ROUTER_FIELDS):
+        raise ConfigError(
+            f"--titan_ext.moe_balance='bias': titan_ext biases transformers' softmax top-k routers (holding "
+            f"{', '.join(ROUTER_FIELDS)}); {type(router).__name__} is not one; use moe_balance='aux_loss'"
+        )
     checkpoint = getattr(job_config, "checkpoint", None)
     hf_flags = [flag for flag in ("initial_load_in_hf", "last_save_in_hf") if getattr(checkpoint, flag, False)]
     if balance == "bias" and hf_flags:

@@ -265,6 +265,16 @@ def test_the_bias_chooses_the_experts_and_the_probabilities_weigh_them():
     assert gate.tokens_per_expert.sum() == 24 * 2
 
 
+def test_a_recompute_in_backward_counts_nothing():
+    from torch.utils.checkpoint import checkpoint
+
+    model = real_model()
+    moe.apply_expert_bias(model)
+    block = model.model.layers[0].mlp
+    checkpoint(block, torch.randn(1, 4, 64, requires_grad=True), use_reentrant=False).sum().backward()
+    assert block.gate.tokens_per_expert.sum() == 4 * 2
+
+
 def test_the_bias_moves_toward_the_under_used_experts():
     model = real_model()
     moe.apply_router_records(model, bias_choice(model))

@@ -73,9 +73,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
 - ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
-  expert-parallel rows ``ep2_fsdp2`` (with validation), ``ep2_resume``, ``ep2_hf`` (EP2: each rank holds 4 of
-  the 8 experts), ``ep2_tp2_fsdp2`` (EP x TP, torchtitan's ETP=1: the EP mesh spans the TP ranks, which share
-  the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
+  experts), ``ep2_tp2_fsdp2`` (EP x TP with validation, torchtitan's ETP=1: the EP mesh spans the TP ranks, which
+  share the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
   each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
   not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_moe_bias`` (torchtitan's
   auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
@@ -232,7 +232,7 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume", "ep2_hf",
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf",
                                "ep2_tp2_fsdp2", "ep2_tp2_docs", "compile_aot_eager")),
     # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
     "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
@@ -332,12 +332,11 @@ ROWS = {
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
     # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
-    "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
     "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
-    "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), specs=("hf_qwen3_moe",)),
+    "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
     # EP with document masking: EP over the TP ranks (which share one batch: the single process's documents)
     "ep2_tp2_docs": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, documents=True, specs=("hf_qwen3_moe",)),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),

@@ -100,7 +100,7 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml":
         "matrix:hf_qwen3_moe/fsdp2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
-    "--parallelism.expert_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_fsdp2",
+    "--parallelism.expert_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_resume",  # its first job: EP2 x FSDP2
     "torchrun --nproc_per_node=4 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
     "--parallelism.expert_parallel_degree 2 --parallelism.tensor_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_tp2_fsdp2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "

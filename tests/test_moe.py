@@ -340,31 +340,38 @@ def test_moe_balance_refusals(value, phrase):
         moe.check_moe(meta_model(args()), job)
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["torch_grouped_mm", "transformers_fallback"])
 @pytest.mark.parametrize("counts", [[3, 0, 5, 4], [0, 0, 0, 0]], ids=["uneven", "no_rows"])
-def test_grouped_gemm_equals_the_loop_over_experts(counts, monkeypatch):
-    """The local experts in one grouped GEMM (torch._grouped_mm) or, where torch has none, one expert at a time:
-    the same outputs and gradients."""
-    from titan_ext import compat
+def test_grouped_gemm_equals_a_loop_over_experts(counts, grouped, monkeypatch):
+    """The local experts in one grouped GEMM (torch's, or where it cannot run transformers' fallback loop):
+    the outputs and gradients of each expert's own down(act(gate) * up)."""
+    import transformers.integrations.moe as hf_moe
 
+    if not grouped:
+        monkeypatch.setattr(hf_moe, "_can_use_grouped_mm", lambda *a: False)
     torch.manual_seed(0)
     act = torch.nn.SiLU()
     counts = torch.tensor(counts)
     rows = torch.randn(int(counts.sum()), 16, requires_grad=True)
     gate_up, down = torch.randn(4, 2 * 8, 16, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)
     cotangent = torch.randn(rows.shape[0], 16)
+    leaves = (rows, gate_up, down)
 
-    def run():
-        for t in (rows, gate_up, down):
-            t.grad = None
-        out = moe._local_experts(act, rows, counts, gate_up, down)
+    def outputs_and_grads(compute):
+        out = compute()
         (out * cotangent).sum().backward()
-        return [out.detach(), rows.grad, gate_up.grad, down.grad]
+        result = [out.detach(), *(t.grad.clone() for t in leaves)]
+        for t in leaves:
+            t.grad = None
+        return result
 
-    calls, real = [], compat.grouped_mm
-    monkeypatch.setattr(compat, "grouped_mm", lambda *a: calls.append(1) or real(*a))
-    grouped = run()
-    assert calls, "torch._grouped_mm not taken"
-    monkeypatch.setattr(compat, "grouped_mm", lambda *a: None)
-    for mine, loop in zip(grouped, run()):
-        torch.testing.assert_close(mine, loop, rtol=1e-6, atol=1e-6)
+    def loop():
+        outputs = []
+        for expert, expert_rows in enumerate(rows.split(counts.tolist())):
+            gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(act(gate) * up, down[expert]))
+        return torch.cat(outputs)
 
+    mine = outputs_and_grads(lambda: moe._local_experts(act, rows, counts, gate_up, down))
+    for got, expected in zip(mine, outputs_and_grads(loop)):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

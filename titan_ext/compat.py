@@ -203,15 +203,13 @@ def all_to_all_autograd(tensor, output_sizes: list[int], input_sizes: list[int],
 
 
 def grouped_mm(rows, weights, ends):
-    """``rows [T, in]`` times each group's ``weights[g] [in, out]``, group g the rows up to ``ends[g]``
-    (``torch._grouped_mm``: one kernel for every expert, CPU and CUDA); None where this torch lacks it or the
-    inputs do not fit it (on CUDA it takes bfloat16), for the caller's loop over the groups."""
+    """``rows [T, in]`` times each group's ``weights[g] [in, out]``, group g the rows up to ``ends[g]``, through
+    transformers' dispatcher (``transformers.integrations.moe._grouped_mm``): torch's grouped GEMM where it runs
+    (CPU; CUDA from SM80; only bfloat16 under torch.compile), else its own loop over the groups (a custom op)."""
     import torch
 
-    kernel = getattr(torch, "_grouped_mm", None)
-    if kernel is None or (rows.device.type != "cpu" and rows.dtype != torch.bfloat16):
-        return None
-    return kernel(rows, weights, offs=ends.to(torch.int32))
+    moe = _lookup("transformers", "transformers.integrations.moe", "_grouped_mm")
+    return moe._grouped_mm(rows, weights, ends.to(torch.int32))
 
 
 def in_backward() -> bool:

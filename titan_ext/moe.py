@@ -219,17 +219,10 @@ def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):
 
 def _local_experts(act_fn, rows, counts, gate_up, down):
     """``down(act(gate) * up)`` of each local expert on its rows (``rows`` grouped by expert, ``counts`` per
-    expert): one grouped GEMM for all experts where torch has one for these inputs, else a loop over them."""
+    expert), all experts in one grouped GEMM (``compat.grouped_mm``)."""
     ends = counts.cumsum(0)
-    projected = compat.grouped_mm(rows, gate_up.transpose(-2, -1), ends)
-    if projected is not None:
-        gate, up = projected.chunk(2, dim=-1)
-        return compat.grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), ends)
-    outputs = []
-    for expert, expert_rows in enumerate(rows.split(counts.tolist())):
-        gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(act_fn(gate) * up, down[expert]))
-    return torch.cat(outputs)
+    gate, up = compat.grouped_mm(rows, gate_up.transpose(-2, -1), ends).chunk(2, dim=-1)
+    return compat.grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), ends)
 
 
 # ---------------------------------------------------------------- auxiliary-loss-free balancing

@@ -234,11 +234,16 @@ def apply_expert_bias(model: nn.Module) -> None:
     experts only (the chosen experts' weights are the unbiased probabilities), and the tokens each expert got
     since the last optimizer step (``tokens_per_expert``), which ``update_expert_bias`` turns into the bias."""
     for block in moe_blocks(model):
-        gate = block.gate
-        gate.register_buffer("expert_bias", torch.zeros(gate.num_experts, device=gate.weight.device))
-        gate.register_buffer("tokens_per_expert", torch.zeros(gate.num_experts, device=gate.weight.device),
-                             persistent=False)
-        gate.__class__ = _biased_router_class(type(gate))
+        bias_router(block.gate)
+
+
+def bias_router(gate: nn.Module) -> nn.Module:
+    """One router, biased in place (a zero bias: it routes as before)."""
+    gate.register_buffer("expert_bias", torch.zeros(gate.num_experts, device=gate.weight.device))
+    gate.register_buffer("tokens_per_expert", torch.zeros(gate.num_experts, device=gate.weight.device),
+                         persistent=False)
+    gate.__class__ = _biased_router_class(type(gate))
+    return gate
 
 
 @functools.cache

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from model_plans.styles import NormParallel, PlaceParameters, float8_styles
+from model_plans.styles import MoEBlockParallel, NormParallel, PlaceParameters, float8_styles
 
 Plan = dict[str, "ParallelStyle | IfPresent"]
 
@@ -33,6 +33,9 @@ class TPOptions:
     head_in_loss: bool = False
     """The loss runs the head on its weight's vocabulary shard (titan_ext's chunked loss): the plan places the
     head's weight (``Shard(0)``) and lays out neither its input nor its output."""
+    expert_parallel: bool = False
+    """MoE blocks' experts are placed by expert parallelism over the TP ranks' shares of the tokens (titan_ext.moe,
+    torchtitan's ETP=1): a plan lays out the block around them. Without it a plan with stacked experts is an error."""
 
 
 class TPPlan:
@@ -132,6 +135,16 @@ class TPPlan:
                 input_kwarg_layouts={kwarg: self.activation}, desired_input_kwarg_layouts={kwarg: Replicate()}
             )
         return {module: style}
+
+    def moe_block(self) -> "MoEBlockParallel":
+        """A MoE block: its input all-gathered (every TP rank routes every token), its output a sum of the TP
+        ranks' token shares (reduce-scattered with SP, else all-reduced)."""
+        return MoEBlockParallel(self.activation, use_local_output=self.local_residual)
+
+    def router(self) -> NormParallel:
+        """A MoE router: its weight replicated, computed on every token on every rank (its logits feed the
+        balancing loss identically on each)."""
+        return NormParallel(Replicate(), use_local_output=True)
 
     def mlp_plan(self) -> Plan:
         from fla.modules.mlp import SwiGLULinearParallel

@@ -17,6 +17,11 @@ the Megatron minimum:
   Here the weight is a replicated DTensor and the norm's input is declared sharded on the head
   dimension (-2), so the forward needs no collective and DTensor sums the weight's gradient
   (partial per rank) over the TP ranks: the same all-reduce, derived rather than hooked.
+- ``moe_tp_experts`` on a MoE block's stacked experts (with ``packed_colwise``/``rowwise`` on their weights) ->
+  the experts placed by expert parallelism over the TP ranks' token shares (``TPOptions.expert_parallel``,
+  torchtitan's ETP=1; without EP a ``ValueError``), the block around them ``self.moe_block()`` (input gathered,
+  output reduced from the ranks' shares) and its router ``self.router()`` (replicated). HF splits each
+  expert's rows instead, which the packed ``[gate; up]`` rows of ``gate_up_proj`` make a strided layout.
 - parameter-holding norms directly in a block that the HF plan leaves out (``input_layernorm``,
   ``post_attention_layernorm``, Gemma's ``pre_``/``post_feedforward_layernorm``) -> ``self.norm()``.
 
@@ -44,12 +49,12 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from model_plans.base import IfPresent, Plan, TPPlan
-from model_plans.styles import NormParallel
+from model_plans.styles import NormParallel, PlacedElsewhere
 
-_TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+_TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts")
 """The block strategies with a titan_ext counterpart (see the module docstring)."""
 
-_PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm")
+_PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm", "router", "experts")
 """Roles whose style places a module's parameters (``gather`` only lays out an input)."""
 
 
@@ -78,6 +83,14 @@ class HFTPPlan(TPPlan):
     def block_plan(self, index: int | None = None) -> Plan:
         plan = {}
         for module, entry in self.entries:
+            if entry.role == "experts":
+                if not self.options.expert_parallel:
+                    raise ValueError(
+                        f"{self.model_type}: the stacked experts {self.layers}.*.{module} are split by expert "
+                        "parallelism over the TP ranks, not by TP alone; add expert parallelism"
+                    )
+                plan[module] = PlacedElsewhere("expert parallelism")
+                continue
             style = self._style(module, entry)
             plan[module] = IfPresent(style) if module in self.optional else style
         other = dict(self.layer_mixers).get(index)  # a hybrid's layer of another token mixer: its entries too
@@ -87,7 +100,7 @@ class HFTPPlan(TPPlan):
         if entry.role == "gather":
             return self.gather(module, entry.keyword)[module]
         styles = {"colwise": self.colwise, "rowwise": self.out_proj, "head_norm": self.head_norm,
-                  "residual_norm": self.norm}
+                  "residual_norm": self.norm, "moe_block": self.moe_block, "router": self.router}
         return styles[entry.role]()
 
     def head_norm(self) -> NormParallel:
@@ -234,8 +247,14 @@ def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str
 def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str) -> dict[str, BlockEntry]:
     """The HF entries this block has, as roles. An entry naming nothing here is skipped, as HF does."""
     named = {}
+    experts = [path for path, strategy in block_plan.items() if strategy == "moe_tp_experts"]
     for path, strategy in block_plan.items():
         where = f"{stack}.{path}"
+        if any(path.startswith(f"{e}.") for e in experts):
+            continue  # the stacked experts' own weights: placed with them
+        if strategy == "moe_tp_experts":
+            named.update(_moe_entries(block, path, model_type, where))
+            continue
         try:
             module = block.get_submodule(path)
         except AttributeError:
@@ -255,6 +274,23 @@ def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, s
                 raise _untranslated(model_type, where, strategy, f"{type(module).__name__} is not a linear")
             named[path] = BlockEntry(strategy)
     return named
+
+
+def _moe_entries(block: nn.Module, path: str, model_type: str, where: str) -> dict[str, BlockEntry]:
+    """A MoE block holding a router and the stacked experts at ``path``, and nothing else with parameters."""
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return {}
+    owner_path = _parent(path)
+    owner = block.get_submodule(owner_path)
+    others = [name for name, child in owner.named_children()
+              if _join(owner_path, name) != path and _holds_parameters(child)]
+    if len(others) != 1 or not hasattr(owner.get_submodule(others[0]), "top_k"):
+        raise _untranslated(model_type, where, "moe_tp_experts",
+                            f"its block holds {others} beside the experts; one router translates, shared experts not yet")
+    return {owner_path: BlockEntry("moe_block"), path: BlockEntry("experts"),
+            _join(owner_path, others[0]): BlockEntry("router")}
 
 
 def _parent(path: str) -> str:

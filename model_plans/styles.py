@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_map
@@ -60,6 +60,40 @@ class NormParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"NormParallel(layout={self.layout}, use_local_output={self.use_local_output})"
+
+
+class MoEBlockParallel(ParallelStyle):
+    """A MoE block (router + experts) whose TP ranks each compute the experts for a share of the tokens.
+
+    Its input (the residual, laid out as ``layout``) is all-gathered and handed on as a plain tensor whose
+    gradient is declared replicated: the block must make every rank's input gradient the whole one (the
+    experts all-reduce their shares', ``titan_ext.moe``; the replicated router's is the same on every rank).
+    Its output, each rank's tokens' experts with zeros elsewhere, is a partial sum, reduced to ``layout``.
+    """
+
+    def __init__(self, layout: Placement, use_local_output: bool = False):
+        super().__init__()
+        self.layout = layout
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def pre_hook(mod, args):
+            x, *rest = args
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (self.layout,), run_check=False)
+            return (x.redistribute(placements=(Replicate(),)).to_local(), *rest)
+
+        def post_hook(mod, args, output):
+            out = DTensor.from_local(output, device_mesh, (Partial(),), run_check=False)
+            out = out.redistribute(placements=(self.layout,))
+            return out.to_local() if self.use_local_output else out
+
+        module.register_forward_pre_hook(pre_hook)
+        module.register_forward_hook(post_hook)
+        return module
+
+    def __repr__(self) -> str:
+        return f"MoEBlockParallel(layout={self.layout}, use_local_output={self.use_local_output})"
 
 
 class PlaceParameters(ParallelStyle):
@@ -162,6 +196,21 @@ class _SumTailGradient(torch.autograd.Function):
         tail = grad[..., -ctx.width:].contiguous()
         torch.distributed.all_reduce(tail, group=ctx.group)
         return torch.cat([grad[..., :-ctx.width], tail], dim=-1), None, None
+
+
+class PlacedElsewhere(ParallelStyle):
+    """A module whose parameters another parallelism places (MoE experts under expert parallelism, applied
+    before TP): TP leaves it as it is, and the plan still says where each parameter goes."""
+
+    def __init__(self, by: str):
+        super().__init__()
+        self.by = by
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return f"PlacedElsewhere(by={self.by!r})"
 
 
 class Composed(ParallelStyle):

@@ -83,10 +83,13 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
 - ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
-  expert-parallel rows ``ep2_fsdp2`` (with validation), ``ep2_hsdp2x2``, ``ep2_resume`` and ``ep2_hf``
-  (EP2: each rank holds 4 of the 8 experts); ``hf_moe_noaux`` (the same without the balancing loss, which
-  titan_ext does not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2). No EP row with document masking: EP takes data-parallel ranks,
-  whose document-masked batches are not the single process's.
+  expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
+  experts), ``ep2_tp2_fsdp2`` (EP x TP with validation, torchtitan's ETP=1: the EP mesh spans the TP ranks, which
+  share the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
+  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_moe_bias`` (torchtitan's
+  auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
+  ``ep2_tp2_fsdp2``.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
   (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
@@ -264,11 +267,14 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_fsdp2", "ep2_resume", "ep2_hsdp2x2", "ep2_hf",
-                               "compile_aot_eager")),
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf",
+                               "ep2_tp2_fsdp2", "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
     # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
     "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                                hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
+    # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x TP x FSDP
+    "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
+                        hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_tp2_fsdp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -366,10 +372,17 @@ ROWS = {
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
     # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
-    "ep2_fsdp2": Row(2, (*parallel(shard=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
-    "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), specs=("hf_qwen3_moe",)),
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
     "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
+    # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
+    # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
+    "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
+    # EP beyond the TP ranks (EP4 x TP2 on 4 ranks: the expert mesh spans both TP pairs, 2 experts per rank);
+    # opt-in: the CI's EP x TP row covers the same code with EP = TP
+    "ep4_tp2": Row(4, (*parallel(shard=2, tp=2), "--parallelism.expert_parallel_degree", "4"), opt_in=True,
+                   specs=("hf_qwen3_moe",)),
+    # EP with document masking: EP over the TP ranks (which share one batch: the single process's documents)
+    "ep2_tp2_docs": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, documents=True, specs=("hf_qwen3_moe",)),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),

@@ -79,7 +79,11 @@ def train(argv: list[str], log: Path) -> dict:
     import torchtitan.train as titan_train
     from torchtitan.config import ConfigManager
 
+    from titan_ext import compat
+
     torch._dynamo.reset()
+    # DTensor's cached sharding decisions hold the first of equal meshes: an earlier job's, whose groups are gone.
+    compat.clear_dtensor_sharding_cache()
     begin = time.monotonic()
     result = {"status": "ok", "error": ""}
     with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

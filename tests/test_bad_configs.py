@@ -208,11 +208,15 @@ CASES = {
     "fla model its library cannot build": (
         generic("fla", "mamba2_unbuildable.json"), 1, "Mamba2ForCausalLM cannot be built from this config"
     ),
-    # mixture of experts: expert parallelism is refused until titan_ext has it, never ignored
+    # mixture of experts: what titan_ext cannot split is refused, never ignored
     "ep on a dense model": ([*GLA, "--parallelism.expert_parallel_degree", "2"], 2, "this model has no experts"),
-    "ep with tp": (
-        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2", *TP2], 2,
-        "--parallelism.expert_parallel_degree=2 with --parallelism.tensor_parallel_degree=2: titan_ext does not combine",
+    "ep with etp": (
+        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+         "2", "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"], 4,
+        "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1",
+    ),
+    "tp of experts without ep": (
+        [*generic("hf", "qwen3_moe.json"), *TP2], 2, "are split by expert parallelism over the TP ranks, not by TP alone",
     ),
     "ep that does not divide the experts": (
         [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "3",

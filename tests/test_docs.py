@@ -107,7 +107,11 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml":
         "matrix:hf_qwen3_moe/fsdp2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
-    "--parallelism.expert_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_fsdp2",
+    "--parallelism.expert_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_resume",  # its first job: EP2 x FSDP2
+    "torchrun --nproc_per_node=4 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
+    "--parallelism.expert_parallel_degree 2 --parallelism.tensor_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_tp2_fsdp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
+    "--titan_ext.moe_balance bias": "matrix:hf_moe_bias/ep2_tp2_fsdp2",
     "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
     "-m torchtitan.train --job.config_file train_configs/qwen3_moe_30B_A3B.toml": "gpu",  # 8 gloo ranks, minutes: the opt-in matrix rows
     # docs/checkpoints-and-hf.md

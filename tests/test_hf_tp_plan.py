@@ -118,14 +118,15 @@ def qwen3_plan(**changes):
     [
         ("qwen3", qwen3_plan(**{"layers.*.mlp.gate_proj": "colwise_gather_output"}),
          "qwen3: HF TP strategy 'colwise_gather_output' on model.layers.*.mlp.gate_proj has no titan_ext translation"),
-        ("mixtral", {}, "mixtral: HF TP strategy 'packed_colwise' on model.layers.*.mlp.experts.gate_up_proj"),
+        ("qwen2_moe", {}, "qwen2_moe: HF TP strategy 'moe_tp_experts' on model.layers.*.mlp.experts has no titan_ext "
+         "translation (its block holds ['gate', 'shared_expert', 'shared_expert_gate'] beside the experts"),
         ("qwen3", qwen3_plan(**{"embed_tokens": "replicate"}), "HF TP strategy 'replicate' on model.embed_tokens"),
         ("qwen3", qwen3_plan(**{"layers.*.mlp.down_proj": None}),
          "qwen3: model.layers.*.mlp does not pair colwise projections with a rowwise output"),
         ("cohere", {"use_qk_norm": True},
          "cohere: model.layers.*.self_attn.q_norm holds parameters that the HF plan does not place"),
     ],
-    ids=["block_strategy", "expert_parallel", "model_level", "unpaired", "uncovered"],
+    ids=["block_strategy", "shared_experts", "model_level", "unpaired", "uncovered"],
 )
 def test_an_untranslatable_plan_is_a_one_line_error_naming_it(model_type, overrides, expected):
     with pytest.raises(ValueError) as e:

@@ -106,6 +106,16 @@ def test_a_router_returning_scores_first_stops_the_job(monkeypatch):
     expect_host_changed("transformers", "no longer returns its logits first", transformers_model("qwen3_moe", **QWEN3_MOE))
 
 
+def test_a_router_weighing_experts_otherwise_stops_the_job(monkeypatch):
+    """E.g. a release scaling the chosen experts' weights: titan_ext's biased router would weigh them otherwise."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    original = modeling_qwen3_moe.Qwen3MoeTopKRouter.forward
+    monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward",
+                        lambda self, x: (lambda lg, s, i: (lg, 2 * s, i))(*original(self, x)))
+    expect_host_changed("transformers", "no longer weighs its top-k experts", transformers_model("qwen3_moe", **QWEN3_MOE))
+
+
 def test_a_4d_mask_not_used_as_given_stops_the_job(monkeypatch):
     from transformers.models.llama import modeling_llama
 

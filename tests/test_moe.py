@@ -1,6 +1,6 @@
 """Mixture-of-experts models (titan_ext.moe): the routers' balancing loss as the model computes it, counted
 per token so that splitting a batch (over ranks or micro-batches) changes nothing; MFU counting active experts;
-expert parallelism refused in one line until it exists."""
+expert parallelism (with TP: the TP ranks share the tokens) and what it refuses in one line."""
 
 from __future__ import annotations
 
@@ -148,7 +148,8 @@ def parallelism(**degrees):
 
 
 @pytest.mark.parametrize("degrees, phrase", [
-    (dict(expert_parallel_degree=2, tensor_parallel_degree=2), "titan_ext does not combine expert parallelism with TP"),
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
+     "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1"),
     (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
     (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
     (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
@@ -175,6 +176,20 @@ def test_expert_parallel_on_a_dense_model_is_refused():
     with pytest.raises(ConfigError, match="this model has no experts"):
         moe.check_moe(dense, parallelism(expert_parallel_degree=2))
     moe.check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
+
+
+def test_tensor_parallel_splits_experts_only_with_expert_parallelism():
+    """The translated HF plan places a MoE block's experts by EP (torchtitan's ETP=1); TP alone is refused."""
+    from model_plans import TPOptions
+    from model_plans.hf_plan import hf_plan_class
+    from model_plans.styles import MoEBlockParallel, PlacedElsewhere
+
+    plan_cls = hf_plan_class(meta_model(args()))
+    with pytest.raises(ValueError, match="are split by expert parallelism over the TP ranks, not by TP alone"):
+        plan_cls(TPOptions()).block_plan(0)
+    plan = plan_cls(TPOptions(expert_parallel=True)).block_plan(0)
+    assert isinstance(plan["mlp"], MoEBlockParallel) and isinstance(plan["mlp.experts"], PlacedElsewhere)
+    assert "mlp.gate" in plan
 
 
 def _expert_parallel_rank(rank, mesh):
@@ -212,3 +227,152 @@ def test_expert_parallel_experts_equal_the_models_own():
     for rank, diffs in on_forked_ranks(2, _expert_parallel_rank).items():
         assert diffs.pop("local experts") == 4
         assert max(diffs.values()) < 1e-5, (rank, diffs)
+
+
+# ---------------------------------------------------------------- auxiliary-loss-free balancing (moe_balance = "bias")
+
+
+def bias_choice(model):
+    return moe.moe_choice(model, SimpleNamespace(titan_ext=SimpleNamespace(moe_balance="bias"),
+                                                 parallelism=parallelism().parallelism))
+
+
+@pytest.mark.parametrize("base", [TINY, TINY_OLMOE], ids=["qwen3_moe", "olmoe"])
+def test_a_zero_bias_routes_as_the_models_own_router(base):
+    model = real_model(base=base)
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(24, 64)
+    own = gate(x)
+    moe.apply_expert_bias(model)
+    for mine, theirs in zip(gate(x), own):
+        torch.testing.assert_close(mine, theirs)
+    saved = model.state_dict()  # the bias resumes with the checkpoint; the counts of a step in flight do not
+    assert "model.layers.0.mlp.gate.expert_bias" in saved and "model.layers.0.mlp.gate.tokens_per_expert" not in saved
+
+
+def test_the_bias_chooses_the_experts_and_the_probabilities_weigh_them():
+    model = real_model()
+    gate = model.model.layers[0].mlp.gate
+    moe.apply_expert_bias(model)
+    x = torch.randn(24, 64)
+    gate.expert_bias[3] = 10.0  # every token's first choice
+    logits, weights, index = gate(x)
+    assert (index == 3).any(-1).all()
+    probs = F.softmax(logits, dim=-1).gather(-1, index)
+    torch.testing.assert_close(weights, probs / probs.sum(-1, keepdim=True))  # norm_topk_prob
+    assert gate.tokens_per_expert[3] == 24 and gate.tokens_per_expert.sum() == 24 * 2
+    with torch.no_grad():  # validation counts nothing
+        gate(x)
+    assert gate.tokens_per_expert.sum() == 24 * 2
+
+
+def test_a_recompute_in_backward_counts_nothing():
+    from torch.utils.checkpoint import checkpoint
+
+    model = real_model()
+    moe.apply_expert_bias(model)
+    block = model.model.layers[0].mlp
+    checkpoint(block, torch.randn(1, 4, 64, requires_grad=True), use_reentrant=False).sum().backward()
+    assert block.gate.tokens_per_expert.sum() == 4 * 2
+
+
+def test_the_bias_moves_toward_the_under_used_experts():
+    model = real_model()
+    moe.apply_router_records(model, bias_choice(model))
+    moe.apply_expert_bias(model)
+    gate = model.model.layers[0].mlp.gate
+    gate.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
+    moe.update_expert_bias([model], None)
+    step = moe.BIAS_RATE
+    expected = torch.tensor([-step, step, step, step, step, step, step, -step]) - step * 4 / 8
+    torch.testing.assert_close(gate.expert_bias, expected)
+    assert gate.tokens_per_expert.sum() == 0
+    metrics = moe.step_metrics(None)
+    assert "moe/aux_loss" not in metrics and metrics["moe/tokens_per_expert_max"] == 10
+
+
+def _bias_rank(rank, mesh):
+    """Rank ``rank`` of 2 routes its own tokens; the update sums both ranks' counts."""
+    model = real_model()
+    moe.apply_router_records(model, bias_choice(model))
+    moe.apply_expert_bias(model)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 2048, (2, 16))
+    model(tokens[rank:rank + 1])
+    moe.update_expert_bias([model], mesh.get_group())
+    return torch.stack([block.mlp.gate.expert_bias for block in model.model.layers])
+
+
+def test_the_bias_is_the_global_batchs_on_every_rank():
+    from helpers import on_forked_ranks
+
+    model = real_model()
+    moe.apply_router_records(model, bias_choice(model))
+    moe.apply_expert_bias(model)
+    torch.manual_seed(1)
+    model(torch.randint(0, 2048, (2, 16)))
+    moe.update_expert_bias([model], None)
+    expected = torch.stack([block.mlp.gate.expert_bias for block in model.model.layers])
+    assert expected.abs().sum() > 0
+    for rank, bias in on_forked_ranks(2, _bias_rank).items():
+        torch.testing.assert_close(bias, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value, phrase", [
+    ("biased", "--titan_ext.moe_balance='biased' is not one of aux_loss, bias"),
+])  # fmt: skip
+def test_moe_balance_refusals(value, phrase):
+    job = parallelism()
+    job.titan_ext = SimpleNamespace(moe_balance=value)
+    with pytest.raises(ConfigError, match=phrase):
+        moe.check_moe(meta_model(args()), job)
+    job.titan_ext.moe_balance = "bias"
+    with pytest.raises(ConfigError, match="this model has no experts"):
+        moe.check_moe(meta_model(args(mlp_only_layers=[0, 1])), job)
+    mixtral = {**TINY_OLMOE, "model_type": "mixtral", "num_local_experts": 8}
+    with pytest.raises(ConfigError, match="moe_balance='bias': titan_ext biases transformers' softmax top-k routers"):
+        moe.check_moe(meta_model(args(mixtral)), job)
+    job.checkpoint = SimpleNamespace(initial_load_in_hf=False, last_save_in_hf=True)
+    with pytest.raises(ConfigError, match="moe_balance='bias' with --checkpoint.last_save_in_hf: transformers' qwen3_moe"):
+        moe.check_moe(meta_model(args()), job)
+    job.checkpoint.last_save_in_hf = False
+    job.parallelism.pipeline_parallel_degree = 2
+    with pytest.raises(ConfigError, match="moe_balance='bias' with --parallelism.pipeline_parallel_degree=2"):
+        moe.check_moe(meta_model(args()), job)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["torch_grouped_mm", "transformers_fallback"])
+@pytest.mark.parametrize("counts", [[3, 0, 5, 4], [0, 0, 0, 0]], ids=["uneven", "no_rows"])
+def test_grouped_gemm_equals_a_loop_over_experts(counts, grouped, monkeypatch):
+    """The local experts in one grouped GEMM (torch's, or where it cannot run transformers' fallback loop):
+    the outputs and gradients of each expert's own down(act(gate) * up)."""
+    import transformers.integrations.moe as hf_moe
+
+    if not grouped:
+        monkeypatch.setattr(hf_moe, "_can_use_grouped_mm", lambda *a: False)
+    torch.manual_seed(0)
+    act = torch.nn.SiLU()
+    counts = torch.tensor(counts)
+    rows = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    gate_up, down = torch.randn(4, 2 * 8, 16, requires_grad=True), torch.randn(4, 16, 8, requires_grad=True)
+    cotangent = torch.randn(rows.shape[0], 16)
+    leaves = (rows, gate_up, down)
+
+    def outputs_and_grads(compute):
+        out = compute()
+        (out * cotangent).sum().backward()
+        result = [out.detach(), *(t.grad.clone() for t in leaves)]
+        for t in leaves:
+            t.grad = None
+        return result
+
+    def loop():
+        outputs = []
+        for expert, expert_rows in enumerate(rows.split(counts.tolist())):
+            gate, up = F.linear(expert_rows, gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(act(gate) * up, down[expert]))
+        return torch.cat(outputs)
+
+    mine = outputs_and_grads(lambda: moe._local_experts(act, rows, counts, gate_up, down))
+    for got, expected in zip(mine, outputs_and_grads(loop)):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

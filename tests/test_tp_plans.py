@@ -158,7 +158,7 @@ def job(converters=(), recipe=None, disable_loss_parallel=False, disable_sp=None
         model=SimpleNamespace(converters=list(converters)),
         quantize=SimpleNamespace(linear=SimpleNamespace(float8=SimpleNamespace(recipe_name=recipe))),
         parallelism=SimpleNamespace(tensor_parallel_degree=degree, disable_loss_parallel=disable_loss_parallel,
-                                    enable_async_tensor_parallel=async_tp),
+                                    enable_async_tensor_parallel=async_tp, expert_parallel_degree=1),
         training=SimpleNamespace(seq_len=seq_len),
         validation=SimpleNamespace(enable=False),
         titan_ext=titan_ext_section,

@@ -202,6 +202,16 @@ def all_to_all_autograd(tensor, output_sizes: list[int], input_sizes: list[int],
     return _finished(funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group))
 
 
+def grouped_mm(rows, weights, ends):
+    """``rows [T, in]`` times each group's ``weights[g] [in, out]``, group g the rows up to ``ends[g]``, through
+    transformers' dispatcher (``transformers.integrations.moe._grouped_mm``): torch's grouped GEMM where it runs
+    (CPU; CUDA from SM80; only bfloat16 under torch.compile), else its own loop over the groups (a custom op)."""
+    import torch
+
+    moe = _lookup("transformers", "transformers.integrations.moe", "_grouped_mm")
+    return moe._grouped_mm(rows, weights, ends.to(torch.int32))
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread (where activation checkpointing
     recomputes a forward): ``torch._C._current_graph_task_id``."""

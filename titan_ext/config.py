@@ -60,6 +60,12 @@ class TitanExt:
     """Tokens per chunk of the chunked loss; 0: as many as keep a chunk's fp32 logits within 128 MiB
     (on this rank's vocabulary slice under TP)."""
 
+    moe_balance: str = "aux_loss"
+    """How a mixture-of-experts model keeps its experts evenly used: "aux_loss" (the router's balancing loss times
+    the config's ``router_aux_loss_coef``, as transformers trains it) or "bias" (torchtitan's auxiliary-loss-free
+    balancing: a per-expert bias added to the router's scores to choose the top-k experts, moved by 1e-3 toward
+    even use after each optimizer step from the tokens each expert got over the global batch)."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -14,6 +14,7 @@ changed (``errors.HostChanged``).
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import inspect
 import itertools
@@ -216,10 +217,10 @@ _probes = itertools.count()  # a binding key per probe: a bound class holds its 
 
 def check_transformers_experts(model_args) -> None:
     """A MoE block's router returns its logits first and picks the top-k of their softmax (the balancing loss
-    recomputes the choice from them), and its experts module computes, per token, the sum over its top-k of
+    recomputes the choice from them; the biased router the weights too), and its experts module computes, per token, the sum over its top-k of
     weight x ``down(act(gate) * up)`` with ``gate`` the first half of ``gate_up_proj``'s rows (expert
     parallelism computes exactly that, rank by rank)."""
-    from titan_ext.moe import moe_blocks
+    from titan_ext.moe import ROUTER_FIELDS, bias_router, moe_blocks
 
     model = _tiny(model_args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     blocks = moe_blocks(model) if model is not None else []
@@ -233,6 +234,12 @@ def check_transformers_experts(model_args) -> None:
                            index.sort(-1).values):
             raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer returns its logits first or no "
                                               "longer picks the top-k of their softmax, which the balancing loss reads")
+        if all(hasattr(block.gate, name) for name in ROUTER_FIELDS):  # what moe_balance = "bias" recomputes
+            _, biased_weights, biased_index = bias_router(copy.deepcopy(block.gate))(x)
+            if not (torch.equal(biased_index, index) and torch.allclose(biased_weights, weights)):
+                raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer weighs its top-k experts by "
+                                                  "their softmax probabilities (renormalized if norm_topk_prob), which "
+                                                  "titan_ext's biased router (moe_balance = 'bias') computes")
         experts = block.experts
         gate, up = torch.einsum("th,eih->tei", x, experts.gate_up_proj).chunk(2, dim=-1)
         each = torch.einsum("tei,ehi->teh", experts.act_fn(gate) * up, experts.down_proj)  # [T, E, H]

@@ -21,6 +21,8 @@ class TPChoice:
     loss_parallel: bool
     float8: bool
     async_tp: bool
+    expert_parallel: bool = False
+    """MoE experts placed by expert parallelism over the TP ranks' token shares (EP x TP, titan_ext.moe)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,10 @@ class MoEChoice:
     """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
     record_routers: bool = True
     """Router logits kept for the balancing loss and the routing metrics (not under PP, which runs without
-    the balancing loss)."""
+    the balancing loss, nor with ``balance`` "bias")."""
+    balance: str = "aux_loss"
+    """``[titan_ext] moe_balance``: "aux_loss" (the router's balancing loss, as the model was trained) or "bias"
+    (torchtitan's auxiliary-loss-free balancing: a per-expert routing bias, titan_ext.moe.apply_expert_bias)."""
 
 
 @dataclass(frozen=True)

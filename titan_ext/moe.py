@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titan_ext import compat
 from titan_ext.errors import ConfigError
@@ -39,23 +40,65 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")]
 
 
+BALANCES = ("aux_loss", "bias")
+"""``[titan_ext] moe_balance``'s values."""
+
+ROUTER_FIELDS = ("weight", "hidden_dim", "num_experts", "top_k", "norm_topk_prob")
+"""What the biased router reads of transformers' router (Qwen2/3-MoE's, Qwen3-Next's, OLMoE's; not Mixtral's)."""
+
+BIAS_RATE = 1e-3
+"""How far one optimizer step moves an expert's routing bias (torchtitan's default ``load_balance_coeff``)."""
+
+
+def balance_option(job_config) -> str:
+    return getattr(getattr(job_config, "titan_ext", None), "moe_balance", "aux_loss")
+
+
 def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
     """From the meta model: None for a dense model. Under PP (without the balancing loss, ``check_moe``) the
-    routers are not recorded: a stage without the loss would keep them forever."""
+    routers are not recorded: a stage without the loss would keep them forever; with the routing bias the
+    loss needs no logits and the routers count their own tokens."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
     gate = blocks[0].gate
-    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    balance = balance_option(job_config)
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if balance == "aux_loss" else 0.0
     p = job_config.parallelism if job_config is not None else None
     return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k,
-                     ep=p.expert_parallel_degree if p else 1, record_routers=not (p and p.pipeline_parallel_degree > 1))
+                     ep=p.expert_parallel_degree if p else 1, balance=balance,
+                     record_routers=balance == "aux_loss" and not (p and p.pipeline_parallel_degree > 1))
 
 
 def check_moe(model: nn.Module, job_config) -> None:
     """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow."""
     p = job_config.parallelism
     blocks = moe_blocks(model)
+    balance = balance_option(job_config)
+    if balance not in BALANCES:
+        raise ConfigError(f"--titan_ext.moe_balance={balance!r} is not one of {', '.join(BALANCES)}; pick one")
+    if balance == "bias" and not blocks:
+        raise ConfigError("--titan_ext.moe_balance='bias': this model has no experts (a dense model); remove it")
+    router = blocks[0].gate if blocks else None
+    if balance == "bias" and not all(hasattr(router, name) for name in ROUTER_FIELDS):
+        raise ConfigError(
+            f"--titan_ext.moe_balance='bias': titan_ext biases transformers' softmax top-k routers (holding "
+            f"{', '.join(ROUTER_FIELDS)}); {type(router).__name__} is not one; use moe_balance='aux_loss'"
+        )
+    checkpoint = getattr(job_config, "checkpoint", None)
+    hf_flags = [flag for flag in ("initial_load_in_hf", "last_save_in_hf") if getattr(checkpoint, flag, False)]
+    if balance == "bias" and hf_flags:
+        raise ConfigError(
+            f"--titan_ext.moe_balance='bias' with --checkpoint.{hf_flags[0]}: transformers' {model.config.model_type} "
+            "has no routing bias among its weights, so the HF checkpoint would lose it; use torchtitan's (DCP) "
+            "checkpoints with the bias, or moe_balance='aux_loss'"
+        )
+    if balance == "bias" and p.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            f"--titan_ext.moe_balance='bias' with --parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: "
+            "titan_ext has not tested the routing bias's update across pipeline stages yet; use moe_balance='aux_loss' "
+            "(with router_aux_loss_coef 0 under PP) or no PP"
+        )
     if p.expert_parallel_degree > 1 and not blocks:
         raise ConfigError(
             f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: this model has no experts (a dense "
@@ -65,7 +108,7 @@ def check_moe(model: nn.Module, job_config) -> None:
         return
     if p.expert_parallel_degree > 1:
         _check_ep(blocks, p)
-    if p.pipeline_parallel_degree > 1 and getattr(model.config, "router_aux_loss_coef", 0):
+    if p.pipeline_parallel_degree > 1 and balance == "aux_loss" and getattr(model.config, "router_aux_loss_coef", 0):
         raise ConfigError(
             f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the router's balancing loss "
             f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) needs every MoE layer's router logits on the "
@@ -84,10 +127,11 @@ def check_moe(model: nn.Module, job_config) -> None:
 def _check_ep(blocks: list[nn.Module], p) -> None:
     ep = p.expert_parallel_degree
     option = f"--parallelism.expert_parallel_degree={ep}"
-    if p.tensor_parallel_degree > 1:
+    if p.expert_tensor_parallel_degree > 1:
         raise ConfigError(
-            f"{option} with --parallelism.tensor_parallel_degree={p.tensor_parallel_degree}: titan_ext does not "
-            "combine expert parallelism with TP yet; use one of them"
+            f"--parallelism.expert_tensor_parallel_degree={p.expert_tensor_parallel_degree}: titan_ext runs EP x TP "
+            "as torchtitan's ETP=1 (the TP ranks share the tokens, each expert whole on its EP rank); ETP=TP would "
+            "split gate_up_proj's packed [gate; up] rows, which titan_ext does not; set it to 1"
         )
     for block in blocks:
         experts = block.experts
@@ -104,10 +148,14 @@ def _check_ep(blocks: list[nn.Module], p) -> None:
 # ---------------------------------------------------------------- expert parallelism
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> None:
+def apply_ep(model: nn.Module, ep_mesh, tp_mesh=None) -> None:
     """Each rank of ``ep_mesh`` holds ``num_experts / ep`` experts (their stacked weights sharded on dim 0) and
     computes them for every rank's tokens: tokens go to their experts' ranks in one all-to-all and come back in
-    another. The parameters keep their names (``mlp.experts.gate_up_proj``), so checkpoints are unchanged."""
+    another. The parameters keep their names (``mlp.experts.gate_up_proj``), so checkpoints are unchanged.
+
+    Under TP (``tp_mesh``; torchtitan's ETP=1, the EP mesh spanning the TP ranks) every TP rank holds all of
+    its batch's tokens (the block gathers them, ``model_plans``' ``moe_block``) and dispatches its share of them
+    (a TP rank's slice of the flattened tokens); the block sums the shares."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     for block in moe_blocks(model):
@@ -116,6 +164,7 @@ def apply_ep(model: nn.Module, ep_mesh) -> None:
             experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
         experts.__class__ = _expert_parallel_class(type(experts))
         experts.ep_group = ep_mesh.get_group()
+        experts.tp_mesh = tp_mesh
     logger.info(f"Applied expert parallelism (EP={ep_mesh.size()}) to {len(moe_blocks(model))} MoE blocks")
 
 
@@ -133,7 +182,22 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, as the model's own
-    forward computes it, with this rank's experts only."""
+    forward computes it, with this rank's experts only; under TP this TP rank's share of the tokens, zeros
+    elsewhere."""
+    if self.tp_mesh is None:
+        return _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights)
+
+    def share_gradient(x):  # every TP rank's share feeds this input: the ranks' gradients are summed
+        return DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+    rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
+    mine = rows.tensor_split(self.tp_mesh.size())[self.tp_mesh.get_local_rank()]
+    out = _dispatch_and_combine(self, share_gradient(hidden_states)[mine], top_k_index[mine],
+                                share_gradient(top_k_weights)[mine])
+    return hidden_states.new_zeros(hidden_states.shape).index_copy(0, mine, out)
+
+
+def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):
     group, ep = self.ep_group, dist.get_world_size(self.ep_group)
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()  # [E/ep, 2I, H], [E/ep, H, I]
     local = gate_up.shape[0]
@@ -149,14 +213,108 @@ def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
         local_ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(received_counts.flatten())
         regroup = local_ids.argsort(stable=True)
     routed = compat.all_to_all_autograd(hidden_states[order // k], receive, send, group)[regroup]
-    outputs = []
-    for expert, rows in enumerate(routed.split(received_counts.sum(0).tolist())):
-        gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(self.act_fn(gate) * up, down[expert]))
-    computed = torch.cat(outputs)[_inverse(regroup)]
+    computed = _local_experts(self.act_fn, routed, received_counts.sum(0), gate_up, down)[_inverse(regroup)]
     returned = compat.all_to_all_autograd(computed, send, receive, group)[_inverse(order)]
     weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
     return weighted.sum(-2).to(hidden_states.dtype)
+
+
+def _local_experts(act_fn, rows, counts, gate_up, down):
+    """``down(act(gate) * up)`` of each local expert on its rows (``rows`` grouped by expert, ``counts`` per
+    expert), all experts in one grouped GEMM (``compat.grouped_mm``)."""
+    ends = counts.cumsum(0)
+    gate, up = compat.grouped_mm(rows, gate_up.transpose(-2, -1), ends).chunk(2, dim=-1)
+    return compat.grouped_mm(act_fn(gate) * up, down.transpose(-2, -1), ends)
+
+
+# ---------------------------------------------------------------- auxiliary-loss-free balancing
+
+
+def apply_expert_bias(model: nn.Module) -> None:
+    """torchtitan's auxiliary-loss-free balancing (arXiv 2408.15664) on transformers' routers: a per-expert
+    ``expert_bias`` (a buffer saved in checkpoints) added to the router's probabilities to choose the top-k
+    experts only (the chosen experts' weights are the unbiased probabilities), and the tokens each expert got
+    since the last optimizer step (``tokens_per_expert``), which ``update_expert_bias`` turns into the bias."""
+    for block in moe_blocks(model):
+        bias_router(block.gate)
+
+
+def bias_router(gate: nn.Module) -> nn.Module:
+    """One router, biased in place (a zero bias: it routes as before)."""
+    gate.register_buffer("expert_bias", torch.zeros(gate.num_experts, device=gate.weight.device))
+    gate.register_buffer("tokens_per_expert", torch.zeros(gate.num_experts, device=gate.weight.device),
+                         persistent=False)
+    gate.__class__ = _biased_router_class(type(gate))
+    return gate
+
+
+@functools.cache
+def _biased_router_class(cls: type) -> type:
+    return type(f"Biased{cls.__name__}", (cls,), {"forward": _biased_router_forward,
+                                                   "init_titan_ext_buffers": _zero_expert_bias})
+
+
+def _zero_expert_bias(self) -> None:
+    with torch.no_grad():
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+
+def _biased_router_forward(self, hidden_states):
+    """``(router_logits, top_k_weights, top_k_index)`` as transformers' softmax routers return them, the top-k
+    chosen on the probabilities plus ``expert_bias``."""
+    weight = self.weight
+    if isinstance(hidden_states, DTensor):  # under TP (model_plans' router): replicated, computed locally
+        hidden_states, weight = hidden_states.to_local(), weight.to_local()
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), weight)
+    probs = F.softmax(logits, dtype=torch.float, dim=-1)
+    index = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
+    weights = probs.gather(-1, index)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    # training forwards only: not validation, nor a recompute in backward (activation checkpointing)
+    if torch.is_grad_enabled() and not compat.in_backward():
+        with torch.no_grad():
+            self.tokens_per_expert += torch.bincount(index.flatten(), minlength=self.num_experts)
+    return logits, weights.to(logits.dtype), index
+
+
+def update_expert_bias(model_parts: list[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """After a step's forwards and before its update (torchtitan's optimizer pre-hook, so once per step with
+    gradient accumulation): each router's bias moves ``BIAS_RATE`` toward its under-used experts and away from
+    its over-used ones (centered), from the tokens each expert got over the global batch (summed over
+    ``group``, the batch's ranks): the same bias on every rank."""
+    routers = [block.gate for part in model_parts for block in moe_blocks(part)]
+    if not routers:
+        return
+    counts = torch.stack([router.tokens_per_expert for router in routers])  # [MoE layers, experts]
+    RECORDS.add_step(counts.new_zeros(()), counts.new_zeros(()), counts)  # this rank's, summed over the ranks when logged
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(counts, group=group)
+    with torch.no_grad():
+        for router, count in zip(routers, counts):
+            delta = BIAS_RATE * torch.sign(count.mean() - count)
+            router.expert_bias += delta - delta.mean()
+            router.tokens_per_expert.zero_()
+
+
+def with_expert_bias_update(build_optimizers):
+    """Wrap a train spec's ``build_optimizers_fn``: with ``moe_balance = "bias"`` the optimizers update the
+    routers' biases before each step."""
+
+    @functools.wraps(build_optimizers)
+    def build(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
+        from titan_ext.job_plan import plan_of
+
+        optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
+        choice = plan_of(model_parts[0]).moe
+        if choice is not None and choice.balance == "bias":
+            batch_mesh = parallel_dims.get_optional_mesh("loss")
+            group = batch_mesh.get_group() if batch_mesh is not None else None
+            optimizers.register_step_pre_hook(lambda *_, **__: update_expert_bias(model_parts, group))
+        return optimizers
+
+    return build
 
 
 # ---------------------------------------------------------------- the routers' logits, forward to loss
@@ -183,7 +341,8 @@ class RouterRecords:
     def record(self, module, inputs, output) -> None:
         # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
         if not compat.in_backward():
-            self.logits.append(output[0])
+            logits = output[0]  # under TP a replicated DTensor (model_plans' router): the same on every TP rank
+            self.logits.append(logits.to_local() if isinstance(logits, DTensor) else logits)
 
     def take(self) -> list[torch.Tensor]:
         taken, self.logits = self.logits, []
@@ -250,7 +409,12 @@ def with_balance_loss(build_loss_fn):
             balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
             if torch.is_grad_enabled():  # training, not validation: this step's metrics
                 RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts)
-            return loss + choice.aux_loss_coef * balance.to(loss.dtype) if choice.aux_loss_coef else loss
+            if not choice.aux_loss_coef:
+                return loss
+            balance = choice.aux_loss_coef * balance.to(loss.dtype)
+            if isinstance(loss, DTensor):  # loss parallel: a replicated loss, as the balancing term is on each TP rank
+                balance = DTensor.from_local(balance, loss.device_mesh, loss.placements, run_check=False)
+            return loss + balance
 
         return loss_with_balance
 
@@ -271,8 +435,9 @@ def step_metrics(group: dist.ProcessGroup | None) -> dict[str, float]:
     RECORDS.reset_step()
     stats = stats.cpu()
     counts = stats[2:]
+    balance = {} if RECORDS.choice.balance == "bias" else {"moe/aux_loss": (stats[0] / stats[1].clamp_min(1)).item()}
     return {
-        "moe/aux_loss": (stats[0] / stats[1].clamp_min(1)).item(),
+        **balance,
         "moe/tokens_per_expert_max": counts.max().item(),
         "moe/tokens_per_expert_mean": counts.mean().item(),
     }

@@ -43,7 +43,8 @@ def check_tp(model: nn.Module, job_config) -> None:
 
     try:
         plan_cls = plan_class(model, degree)
-        plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config)))
+        plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config),
+                                  expert_parallel=job_config.parallelism.expert_parallel_degree > 1))
         for section in sections(job_config):  # validation windows are split as training's are
             validate_tp(model, plan, degree, getattr(job_config, section).seq_len, f"--{section}.seq_len")
     except ValueError as error:
@@ -83,6 +84,7 @@ def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
         loss_parallel=not p.disable_loss_parallel,
         float8=float8_tp_enabled(job_config),
         async_tp=p.enable_async_tensor_parallel,
+        expert_parallel=p.expert_parallel_degree > 1,
     )
 
 
@@ -92,7 +94,7 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = F
     from model_plans import TPOptions, apply_tp, enable_async_tp, plan_source
 
     options = TPOptions(sequence_parallel=choice.sequence_parallel, loss_parallel=choice.loss_parallel, float8=choice.float8,
-                        head_in_loss=head_in_loss)
+                        head_in_loss=head_in_loss, expert_parallel=choice.expert_parallel)
     plan = choice.plan_cls(options)
     apply_tp(model, tp_mesh, plan)
     if options.sequence_parallel:  # a pipeline stage's hidden states cross stages as this rank's sequence shard

@@ -119,6 +119,8 @@ class TitanCausalLM:
                 if not _sharded_parameters(module):
                     raise
                 self._init_on_whole_tensors(module)
+            if hasattr(module, "init_titan_ext_buffers"):  # state titan_ext adds to a module (titan_ext.moe's expert bias)
+                module.init_titan_ext_buffers()
         if self.config.tie_word_embeddings and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
             self.tie_weights()  # a pipeline stage may hold the embedding alone
         if buffer_device is not None:

@@ -95,8 +95,8 @@ def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gate
     assert "linear_attn.in_proj_qkv" in plan.block_plan(0) and "self_attn.q_proj" in plan.block_plan(1)
     assert not any(name.startswith("linear_attn") for name in plan.block_plan(1))
     validate_tp(model, plan, 2, 80)
-    experts = r"'packed_colwise' on model.layers.\*.mlp.experts.gate_up_proj has no titan_ext translation"
-    with pytest.raises(ValueError, match=experts):  # Qwen3-Next's experts: its TP stays refused
+    experts = r"'moe_tp_experts' on model.layers.\*.mlp.experts has no titan_ext translation .*shared experts not yet"
+    with pytest.raises(ValueError, match=experts):  # Qwen3-Next's shared experts: its TP stays refused
         plan_class(meta_model(transformers_model("qwen3_next", **QWEN3_NEXT)), 2)
     odd = meta_model(transformers_model("qwen3_5_text", **{**QWEN3_5, "linear_num_key_heads": 1}))
     with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by --parallelism.tensor_parallel_degree=2"):

@@ -68,7 +68,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
-  portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_fsdp2``, ``pp2`` and ``hf`` (export and import);
+  portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2`` and ``hf`` (export and import);
   ``hf_kimi_linear_dense`` (2 layers, dense FFNs: TP and CP are refused for MoE FFNs) in ``tp2`` (KDA's and
   MLA's heads split), ``cp2`` (state passing with the convolution's halo, ring attention with values padded to
   the query-key head dim) and ``cp2_docs``; ``hf_deepseek_v3`` (a dense DeepSeek-V3: q and kv latents,
@@ -259,7 +259,7 @@ SPECS = {
                           rows=("single", "fsdp2", "pp2", "cp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_fsdp2", "pp2", "hf")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
@@ -483,6 +483,11 @@ ROWS = {
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
                     env=(("NAN_AT_STEP", "3"),), expect="non-finite loss (NaN or Inf) at step 3: stopped before its update"),
 }
+
+
+_unknown = {f"{spec}/{row}" for spec, s in SPECS.items() for row in s.rows or () if row not in ROWS}
+_unknown |= {f"{row}/{spec}" for row, r in ROWS.items() for spec in r.specs or () if spec not in SPECS}
+assert not _unknown, f"the matrix names rows or specs it does not define (a row would silently not run): {_unknown}"
 
 
 def applies(spec: str, row: str) -> bool:

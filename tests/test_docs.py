@@ -101,7 +101,7 @@ RUN_BY = {
         "matrix:fla_kda/fsdp2",
     "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kda_340M.toml": "gpu",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_kimi_linear.toml "
-    "--parallelism.expert_parallel_degree 2": "matrix:hf_kimi_linear/ep2_fsdp2",
+    "--parallelism.expert_parallel_degree 2": "matrix:hf_kimi_linear/ep2_hf",
     "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kimi_linear.toml": "gpu",
     # docs/moe.md
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml":

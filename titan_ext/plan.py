@@ -26,7 +26,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def layout_name(dims) -> str:
     names = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("fsdp", dims.dp_shard), ("cp", dims.cp), ("tp", dims.tp)]
-    return " x ".join(f"{name} {degree}" for name, degree in names if degree > 1) or "1 rank"
+    name = " x ".join(f"{name} {degree}" for name, degree in names if degree > 1) or "1 rank"
+    return name + (f", experts over ep {dims.ep}" if dims.ep > 1 else "")
 
 
 def describe(planned, job_config, link_gbps: float) -> str:

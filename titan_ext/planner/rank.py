@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
 from unittest import mock
@@ -15,7 +16,7 @@ import torch
 from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
-from titan_ext.planner import collectives, memory
+from titan_ext.planner import collectives, experts, memory
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             if dims.pp_enabled:
                 _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
                 _first_step_setup_unrecorded(schedule, (recorder, saved, peak), phase)
-            with phase("recorded step"), peak, recorder, saved:
+            with phase("recorded step"), _whole_windows(), experts.evenly_routed([*parts, *neighbours.values()]), \
+                    peak, recorder, saved:
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
             peak_bytes = peak.peak_bytes(memory.gradients(parts))
@@ -194,6 +196,20 @@ def _schedules_as_on_a_real_group():
             return "gloo" if backend == "fake" else backend
 
     with mock.patch.object(module, "dist", RealLooking()):
+        yield
+
+
+@contextlib.contextmanager
+def _whole_windows():
+    """The fake batch holds whole windows, no packed documents: transformers finds none in a real batch's
+    position ids, and skips its ``T x T`` mask for SDPA's causal flag; on fake tensors it cannot read them and
+    would build the mask (8192 tokens: 256 MiB per layer) that the real step never holds."""
+    try:
+        masking = compat.transformers_masking_module()
+    except compat.CompatError:  # no transformers model to plan
+        yield
+        return
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
         yield
 
 
@@ -326,9 +342,10 @@ class _SavedBytes(collectives.Pausable):
     saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
 
     def __init__(self):
-        self.bytes, self._seen = 0, {}
-        """id -> the tensor, held so that no later tensor takes a freed one's id (under PP each microbatch's
-        are freed at its backward while later ones are saved)."""
+        self.bytes, self._seen = 0, weakref.WeakValueDictionary()
+        """id -> the tensor while it lives: a later tensor that takes a freed one's id is counted (under PP
+        each microbatch's are freed at its backward while later ones are saved), and holding none keeps the
+        step's peak (``memory.StepPeak``) as a real step's."""
         self._paused = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 

@@ -81,6 +81,15 @@ class StepPeak(Pausable):
         number, size, _ = self._live.pop(key)
         self.events.append((number, -size))
 
+    def _resized(self, storage) -> None:
+        """FSDP frees a gathered weight's memory by resizing its storage to 0 and gathers into it again by
+        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees)."""
+        held = self._live.get(storage._cdata)
+        if held is not None and held[1] != storage.nbytes():
+            number, size, ref = held
+            self._live[storage._cdata] = (number, storage.nbytes(), ref)
+            self.events.append((number, storage.nbytes() - size))
+
     def peak_bytes(self, kept: list[torch.Tensor] = ()) -> int:
         """The largest sum of live bytes, less the allocations that ``kept`` (the gradients) still hold."""
         left_out = set()
@@ -97,10 +106,19 @@ class StepPeak(Pausable):
         return peak
 
     def __enter__(self):
+        resize, peak = torch.UntypedStorage.resize_, self
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            peak._resized(storage)
+            return out
+
+        self._resize, torch.UntypedStorage.resize_ = resize, resized
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
         return self._mode.__exit__(*exc)
 
 

@@ -123,6 +123,7 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     fake = compat.fake_process_group()
     assert callable(fake.FakeStore) and callable(fake.FakeTensorMode)
     assert issubclass(compat.torch_dispatch_mode(), object)
+    assert callable(compat.transformers_masking_module().find_packed_sequence_indices)  # answered for the fake batch
     if torch.__version__ >= "2.13":  # planning PP needs it (earlier torch: one line, test_sweep_...)
         metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
         assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)

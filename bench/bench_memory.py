@@ -13,6 +13,10 @@ block to the system, so resident memory follows what torch holds):
   (``kernels.document_attention``, what a job with ``--titan_ext.document_mask`` runs). Extra memory and time
   are against no masking, as a share of that step's.
 
+Beside each measured case, the planner's figure for the same job (``python -m titan_ext.plan``'s step peak: the
+most the step's own tensors hold at once, planned on fake tensors, in a process of its own) and its ratio to the
+measured step peak above what the process held before the step (model, gradients, the process itself).
+
 A case whose estimated need exceeds the memory available now is skipped and says so (the full loss at 32k
 tokens needs ~80 GB). One step per case, no warm-up: times include first-call costs, the same for every case.
 
@@ -98,6 +102,8 @@ def run_case(case: str, tokens: int) -> dict:
         labels[extra["document_positions"] == 0] = -100
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # held from the start, as after a first step
+    held_before_step = rss_bytes()
+    reset_peak()
     start = time.perf_counter()
     head, model.lm_head = model.lm_head, None  # the trunk alone: its hidden states (as a pipeline stage returns them)
     hidden = model(tokens_in, **extra)
@@ -121,8 +127,40 @@ def run_case(case: str, tokens: int) -> dict:
     hidden.backward(detached.grad)
     trunk_backward = time.perf_counter() - start
     step = trunk_forward + loss_seconds + trunk_backward
-    return {"case": case, "tokens": tokens, "peak": max(trunk_peak, peak_bytes()), "loss_peak": loss_peak, "step_s": step,
-            "loss_s": loss_seconds, "loss": float(loss)}
+    peak = max(trunk_peak, peak_bytes())
+    return {"case": case, "tokens": tokens, "peak": peak, "step_peak": peak - held_before_step, "loss_peak": loss_peak,
+            "step_s": step, "loss_s": loss_seconds, "loss": float(loss)}
+
+
+def plan_flags(case: str, tokens: int, config_path: str) -> list[str] | None:
+    """The job a case's step is one step of, as ``python -m titan_ext.plan`` takes it (one rank); None for the
+    block-causal mask, which no job builds any more."""
+    kind, variant = case.split(":")
+    if variant == "mask":
+        return None
+    chunked = not (kind == "loss" and variant == "full")
+    return ["--job.config_file", str(REPO / "train_configs" / "debug_llama.toml"), "--model.name", "hf",
+            "--model.flavor", "from_config", "--titan_ext.hf_config", config_path, "--training.seq_len", str(tokens),
+            "--training.local_batch_size", "1", "--titan_ext.loss", "chunked" if chunked else "full",
+            *(["--titan_ext.document_mask"] if variant == "per_document" else [])]
+
+
+def plan_case(case: str, tokens: int) -> dict:
+    """The planner's step peak and saved bytes for a case, in this process."""
+    import tempfile
+
+    from titan_ext.planner import job_config_of, prepare
+    from titan_ext.planner.rank import plan_rank
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as config:
+        json.dump(QWEN3_SHAPED, config)
+        config.flush()
+        flags = plan_flags(case, tokens, config.name)
+        if flags is None:
+            return {"planned_peak": None}
+        prepare()
+        planned = plan_rank(job_config_of(flags), 1)
+    return {"planned_peak": planned.peak_bytes, "planned_saved": planned.saved_bytes}
 
 
 def estimate_bytes(case: str, tokens: int) -> float:
@@ -147,12 +185,15 @@ def measure(case: str, tokens: int) -> dict:
         return {"case": case, "tokens": tokens, "skipped": f"needs ~{need / GIB:.0f} GiB, {free / GIB:.0f} GiB available"}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, __file__, "--case", case, "--tokens", str(tokens)], env=env,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"case": case, "tokens": tokens, "skipped": f"failed (exit {done.returncode}): "
-                f"{(done.stderr.strip().splitlines() or ['?'])[-1][:120]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    figures = {}
+    for option in ("--case", "--plan"):  # the step, then the planner, each in a process of its own
+        done = subprocess.run([sys.executable, __file__, option, case, "--tokens", str(tokens)], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"case": case, "tokens": tokens, "skipped": f"{option[2:]} failed (exit {done.returncode}): "
+                    f"{(done.stderr.strip().splitlines() or ['?'])[-1][:120]}"}
+        figures.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return figures
 
 
 def report(results: list[dict]) -> None:
@@ -188,12 +229,29 @@ def report(results: list[dict]) -> None:
         print(f"{tokens:>7}  {name:12} {r['peak'] / GIB:>14.2f} {extra / GIB:>10.3f} {share:>12} {time_ratio:>8}")
 
 
+def planner_report(results: list[dict]) -> None:
+    print("\nThe planner (python -m titan_ext.plan, one rank) vs the measured step peak above what was held before it")
+    print(f"{'tokens':>7}  {'case':18} {'planned GiB':>12} {'measured GiB':>13} {'planned/measured':>17}")
+    for r in results:
+        if "skipped" in r:
+            continue
+        planned = r.get("planned_peak")
+        cells = (f"{planned / GIB:>12.3f}", f"{r['step_peak'] / GIB:>13.3f}",
+                 f"{planned / r['step_peak']:>17.3f}") if planned is not None else ("-", f"{r['step_peak'] / GIB:>13.3f}",
+                                                                                 "(no job builds this mask)")
+        print(f"{r['tokens']:>7}  {r['case']:18} " + " ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process (the subprocess)
+    parser.add_argument("--plan", help=argparse.SUPPRESS)  # the planner's figures for one case, in this process
     args = parser.parse_args()
+    if args.plan:
+        print(json.dumps(plan_case(args.plan, args.tokens[0])))
+        return
     if args.case:
         import torch
 
@@ -209,6 +267,7 @@ def main() -> None:
             results.append(measure(case, tokens))
             print(json.dumps(results[-1]), flush=True)
     report(results)
+    planner_report(results)
 
 
 if __name__ == "__main__":

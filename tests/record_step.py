@@ -26,10 +26,11 @@ def _recorded(self, **kwargs):
     if not folder or self._record_calls != RECORDED_CALL:
         return _forward_backward_step(self, **kwargs)
     held = {"param_bytes": memory.param_bytes(self.model_parts), "optimizer_bytes": memory.optimizer_bytes(self.optimizers)}
-    recorder = collectives.Recorder(collectives.group_labels(self.parallel_dims))
-    with recorder:
+    recorder, peak = collectives.Recorder(collectives.group_labels(self.parallel_dims)), memory.StepPeak()
+    with peak, recorder:
         loss = _forward_backward_step(self, **kwargs)
     held["grad_bytes"] = memory.grad_bytes(self.model_parts)
+    held["peak_bytes"] = peak.peak_bytes(memory.gradients(self.model_parts))
     held["collectives"] = collectives.summary(recorder.log)
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{dist.get_rank()}.json").write_text(json.dumps(held))

@@ -149,6 +149,10 @@ RUN_BY = {
         "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
     "python -m titan_ext.plan --job.config_file train_configs/debug_gla.toml --world 8 --sweep --memory-gib 0.008":
         "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
+    "python -m titan_ext.plan --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
+    "--titan_ext.hf_config train_configs/qwen3_next_80b_a3b.json --titan_ext.no-document_mask --world 1024":
+        "gpu",  # minutes of planning; tests/test_plan.py plans MoE (EP 2) and a hybrid (CP 2) against real runs
+    "python bench/bench_memory.py --tokens 1024 8192": "gpu",  # minutes and ~16 GiB
     # docs/planning-sweep.md (the sweeps and the bench run for minutes: "gpu" marks what nothing here runs)
     "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
     "--world 1024 --sweep --memory-gib 80": "gpu",

@@ -21,7 +21,16 @@ LAYOUTS = [
     ("pp2", 2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     ("fsdp2_tp2", 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
     ("pp2_fsdp2", 4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
+    # a hybrid's attention layers under CP: torch's ring exchanges K/V; its GLA layers pass states
+    ("cp2_hybrid", 2, ["--job.config_file", str(REPO / "train_configs" / "debug_gla_hybrid.toml"),
+                       "--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2"]),
+    # MoE: the all-to-alls' sizes follow the routing, which a plan does not know (it routes evenly)
+    ("ep2_moe", 2, ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml"),
+                    "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2"]),
 ]
+ROUTED = {"ep2_moe"}
+"""Layouts whose ranks send as many bytes as their tokens' routing says: planned evenly routed, their
+all-to-alls' bytes summed over the ranks equal the real ranks' sum (every slot is sent and returned once)."""
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,7 +43,8 @@ def _host_patches_undone():
 
 
 def argv(flags: list[str], dump: Path | None = None) -> list[str]:
-    out = ["--job.config_file", CONFIG, "--training.steps", "2", *flags]
+    config = [] if flags[:1] == ["--job.config_file"] else ["--job.config_file", CONFIG]
+    out = [*config, "--training.steps", "2", *flags]
     return out + (["--job.dump_folder", str(dump)] if dump else [])
 
 
@@ -66,8 +76,8 @@ def real_runs(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name,world,flags", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
-    """Per rank: parameter, gradient and optimizer bytes, and the collectives of step 2's forward and backward
-    (kind, group, group size, count, bytes)."""
+    """Per rank: parameter, gradient and optimizer bytes, the step's peak, and the collectives of step 2's
+    forward and backward (kind, group, group size, count, bytes)."""
     from titan_ext.planner.collectives import summary
     from titan_ext.planner.rank import plan_rank
     from titan_ext.planner import job_config_of, prepare
@@ -75,17 +85,33 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     if name.startswith("pp2") and torch.__version__ < "2.13":
         pytest.skip("planning PP needs torch >= 2.13 (the planner says so in one line)")
     prepare()
+    planned_all_to_all, real_all_to_all = 0, 0
     for rank in range(world):
         real = json.loads((real_runs / name / f"rank{rank}.json").read_text())
-        planned = plan_rank(job_config_of(argv(flags)), world, rank)
+        planned = plan_rank(job_config_of(argv(flags)), world, rank) if rank == 0 or name not in ROUTED else planned
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == (
             real["param_bytes"], real["grad_bytes"], real["optimizer_bytes"]), f"rank {rank}"
         assert planned.stages == ((rank * 2 // world,) if name.startswith("pp2") else ())
-        assert [list(row) for row in summary(list(planned.collectives))] == real["collectives"], f"rank {rank}"
+        rows = [list(row) for row in summary(list(planned.collectives))]
         assert real["collectives"], "a sharded layout issues collectives"
+        if name in ROUTED:  # the all-to-alls: their count per rank, their bytes over all ranks
+            planned_all_to_all += sum(row[4] for row in rows if row[0] == "all_to_all")
+            real_all_to_all += sum(row[4] for row in real["collectives"] if row[0] == "all_to_all")
+            rows, real["collectives"] = ([row[:4] if row[0] == "all_to_all" else row for row in table]
+                                         for table in (rows, real["collectives"]))
+        else:
+            # the same accounting of the real tensors: not equal, and the planner errs high (2026-11-26, before
+            # storage resizes were followed: fsdp2, pp2, pp2_fsdp2 within 4%, cp2_hybrid 1.054, tp2 1.147,
+            # fsdp2_tp2 1.167, the TP excess not explained yet). bench/bench_memory.py compares the planner
+            # with the process's measured memory.
+            assert 0.95 < planned.peak_bytes / real["peak_bytes"] < 1.2, (rank, planned.peak_bytes, real["peak_bytes"])
+        assert rows == real["collectives"], f"rank {rank}"
         if name.startswith("pp2"):  # the pipeline's own traffic: each microbatch's activations one way, their gradients back
             kinds = {row[0] for row in real["collectives"] if row[1] in ("pp", "pp+world")}
             assert kinds == {"send", "recv"}, real["collectives"]
+        if name == "cp2_hybrid":  # the attention layers' K/V (torch's ring) besides the GLA layers' states
+            assert {row[0] for row in real["collectives"]} >= {"all_gather", "all_to_all", "reduce_scatter"}
+    assert planned_all_to_all == real_all_to_all
 
 
 def test_the_private_torch_apis_the_planner_uses_are_there():
@@ -97,6 +123,7 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     fake = compat.fake_process_group()
     assert callable(fake.FakeStore) and callable(fake.FakeTensorMode)
     assert issubclass(compat.torch_dispatch_mode(), object)
+    assert callable(compat.transformers_masking_module().find_packed_sequence_indices)  # answered for the fake batch
     if torch.__version__ >= "2.13":  # planning PP needs it (earlier torch: one line, test_sweep_...)
         metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
         assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
@@ -213,7 +240,7 @@ def test_a_bad_layout_stops_in_titan_exts_one_line(capsys):
 def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest(capsys):
     from titan_ext.plan import main
 
-    assert main(["--job.config_file", CONFIG, "--world", "4", "--sweep", "--memory-gib", "0.0085",
+    assert main(["--job.config_file", CONFIG, "--world", "4", "--sweep", "--memory-gib", "0.015",
                  "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]) == 0  # 2 stages per rank
     out, err = capsys.readouterr()
     progress = [line for line in err.splitlines() if line.startswith("[")]  # a line per layout, as it is planned
@@ -227,7 +254,7 @@ def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_r
     else:
         assert not pipelined and "pp 2 x fsdp 2: planning --parallelism.pipeline_parallel_degree=2 needs torch >= 2.13" in out
     assert "pp 4: --parallelism.pipeline_parallel_degree=4 cannot split 2 blocks into 8 stages" in out
-    assert "fsdp 4: " in out.split("do not fit")[1].split("skipped")[0]  # 0.0085 GiB: FSDP alone keeps too much
+    assert "fsdp 4: " in out.split("do not fit")[1].split("skipped")[0]  # 0.015 GiB: FSDP alone keeps too much (its gathered weights in the step peak)
     assert "\n  tp 4: " not in out  # it fits, it is not skipped
 
 

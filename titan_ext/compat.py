@@ -348,6 +348,13 @@ def pipeline_schedules_module() -> types.ModuleType:
     return schedules
 
 
+def transformers_masking_module() -> types.ModuleType:
+    """transformers' mask builders (``transformers.masking_utils``), whose ``find_packed_sequence_indices`` the
+    planner answers for its fake batch of whole windows (on fake tensors it cannot read the position ids)."""
+    _lookup("transformers", "transformers.masking_utils", "find_packed_sequence_indices")
+    return importlib.import_module("transformers.masking_utils")
+
+
 def pipeline_metadata() -> types.SimpleNamespace:
     """torch's pipeline-stage metadata (``torch.distributed.pipelining._utils``): what a stage receives from its
     neighbours on another rank before its first step; the planner hands it over itself."""

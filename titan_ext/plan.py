@@ -26,7 +26,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def layout_name(dims) -> str:
     names = [("pp", dims.pp), ("dp_replicate", dims.dp_replicate), ("fsdp", dims.dp_shard), ("cp", dims.cp), ("tp", dims.tp)]
-    return " x ".join(f"{name} {degree}" for name, degree in names if degree > 1) or "1 rank"
+    name = " x ".join(f"{name} {degree}" for name, degree in names if degree > 1) or "1 rank"
+    return name + (f", experts over ep {dims.ep}" if dims.ep > 1 else "")
 
 
 def describe(planned, job_config, link_gbps: float) -> str:
@@ -44,22 +45,23 @@ def describe(planned, job_config, link_gbps: float) -> str:
         f"x seq {training.seq_len}, {passes} pass(es) per step, AC {ac.mode}, params {training.mixed_precision_param} "
         f"in FSDP's forward",
         "",
-        "per rank, GiB        params     grads  optimizer  activations     total",
+        "per rank, GiB        params     grads  optimizer      saved  step peak     total",
     ]
     for rank in planned:
         who = f"rank {rank.rank}" + (f" (stages {','.join(map(str, rank.stages))})" if rank.stages else "")
-        held = (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes)
-        saved = f"{rank.saved_bytes / GIB:.3f}"
-        total = sum(held) + rank.saved_bytes
-        lines.append(f"{who:<18}" + "".join(f"{b / GIB:>10.3f}" for b in held[:2]) + f"{held[2] / GIB:>11.3f}"
-                     + f"{saved:>13}" + f"{total / GIB:>10.3f}")
+        figures = (rank.param_bytes, rank.grad_bytes, rank.optimizer_bytes, rank.saved_bytes, rank.peak_bytes, rank.total_bytes)
+        lines.append(f"{who:<18}" + "".join(f"{b / GIB:>{w}.3f}" for b, w in zip(figures, (10, 10, 11, 11, 11, 10))))
     lines += [
         "  params, grads, optimizer: exact, the local shards of the sharded tensors (optimizer: after one step).",
-        "  activations: what autograd saved in one forward pass of the local batch (parameters and FSDP's",
-        "  gathered weights excepted; under AC what checkpointed blocks keep), recorded under FakeTensorMode;",
-        "  not counted: the recomputed block's transient peak (AC), backward's temporaries, fragmentation.",
-        *(["  under PP: summed over all the step's microbatches, as if all were in flight (a bound: the schedule",
-           "  frees each one's at its backward, and 1F1B keeps at most as many as there are stages)"]
+        "  saved: what autograd saved in one forward pass of the local batch (parameters and FSDP's gathered",
+        "  weights excepted; under AC what checkpointed blocks keep), recorded under FakeTensorMode.",
+        "  step peak: the most the step's own tensors held at once, each from its allocation to its release:",
+        "  the saved tensors and backward's transients (the logits' gradient, a loss chunk, the recomputed",
+        "  block under AC), FSDP's gathered weights, the collectives' buffers; gradients excepted. Not counted:",
+        "  the allocator's fragmentation and caching, kernels' workspaces, the process's own memory.",
+        "  total: params + grads + optimizer + step peak (a bound: it counts every gradient at the peak).",
+        *(["  under PP: saved is summed over all the step's microbatches, as if all were in flight (a bound); the",
+           "  step peak follows the schedule, which frees each microbatch's at its backward"]
           if first.plan.pp else []),
         "",
     ]

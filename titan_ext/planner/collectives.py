@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_ext import compat
 
@@ -122,6 +123,8 @@ class Recorder(Pausable):
 
         class Mode(compat.torch_dispatch_mode()):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented  # DTensor first: what it issues inside (torch's ring attention) comes back here
                 kwargs = kwargs or {}
                 kind = None if recorder._paused else _kind(str(func))
                 if kind is not None:

@@ -96,7 +96,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
             result.skipped.append((layout, f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"))
         else:
             result.planned[layout] = planned
-            peak = max(r.param_bytes + r.grad_bytes + r.optimizer_bytes + r.saved_bytes for r in planned)
+            peak = max(r.total_bytes for r in planned)
             passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
             result.rows.append((layout, peak, estimates.step_seconds(planned, link_gbps, passes),
                                 estimates.bubble(planned[0].plan, job_config)))

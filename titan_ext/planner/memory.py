@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.distributed.tensor import DTensor
+
+from titan_ext import compat
+from titan_ext.planner.collectives import Pausable
 
 GIB, MIB = 2**30, 2**20
 
@@ -30,3 +35,92 @@ def optimizer_bytes(optimizers) -> int:
         for value in state.values()
         if isinstance(value, torch.Tensor)
     )
+
+
+class StepPeak(Pausable):
+    """The most bytes a step's own tensors hold at once (a torch dispatch mode, planned and real runs alike).
+
+    Every tensor an operator allocates inside ``with peak:`` is counted from its allocation until its storage
+    is freed (a weak reference on the storage: what autograd saves, the transients of backward such as the
+    logits' gradient, FSDP's gathered weights, the collectives' buffers), each storage once; ``peak_bytes``
+    leaves out the storages that end the step as the parameters' gradients (the gradients' own column). Memory
+    held before the step (parameters, optimizer state, the batch) is not in it; nor is the allocator's
+    fragmentation, nor kernels' workspaces that never reach torch's dispatcher."""
+
+    def __init__(self):
+        self._paused = False
+        self.events: list[tuple[int, int]] = []
+        """(allocation number, +bytes) at each allocation, (allocation number, -bytes) at its storage's release."""
+        self._live: dict[int, tuple[int, int, weakref.ref]] = {}
+        """storage address -> (allocation number, bytes, a weak reference that reports its release)."""
+        peak = self
+
+        class Mode(compat.torch_dispatch_mode()):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented  # DTensor first: its local tensors' allocations come back here
+                out = func(*args, **(kwargs or {}))
+                if not peak._paused:
+                    for tensor in torch.utils._pytree.tree_leaves(out):
+                        if isinstance(tensor, torch.Tensor):
+                            peak._allocated(tensor)
+                return out
+
+        self._mode = Mode()
+
+    def _allocated(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live:  # a view, or an operator that wrote in place
+            return
+        number, size = len(self.events), storage.nbytes()
+        self._live[key] = (number, size, weakref.ref(storage, lambda _, key=key: self._released(key)))
+        self.events.append((number, size))
+
+    def _released(self, key: int) -> None:
+        number, size, _ = self._live.pop(key)
+        self.events.append((number, -size))
+
+    def _resized(self, storage) -> None:
+        """FSDP frees a gathered weight's memory by resizing its storage to 0 and gathers into it again by
+        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees)."""
+        held = self._live.get(storage._cdata)
+        if held is not None and held[1] != storage.nbytes():
+            number, size, ref = held
+            self._live[storage._cdata] = (number, storage.nbytes(), ref)
+            self.events.append((number, storage.nbytes() - size))
+
+    def peak_bytes(self, kept: list[torch.Tensor] = ()) -> int:
+        """The largest sum of live bytes, less the allocations that ``kept`` (the gradients) still hold."""
+        left_out = set()
+        for tensor in kept:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            held = self._live.get(local.untyped_storage()._cdata)
+            if held is not None:
+                left_out.add(held[0])
+        now = peak = 0
+        for number, size in self.events:
+            if number not in left_out:
+                now += size
+                peak = max(peak, now)
+        return peak
+
+    def __enter__(self):
+        resize, peak = torch.UntypedStorage.resize_, self
+
+        def resized(storage, size):
+            out = resize(storage, size)
+            peak._resized(storage)
+            return out
+
+        self._resize, torch.UntypedStorage.resize_ = resize, resized
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return self._mode.__exit__(*exc)
+
+
+def gradients(model_parts) -> list[torch.Tensor]:
+    return [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
 from unittest import mock
@@ -15,7 +16,7 @@ import torch
 from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
-from titan_ext.planner import collectives, memory
+from titan_ext.planner import collectives, experts, memory
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,18 @@ class RankPlan:
     saved_bytes: int
     """Activations: bytes autograd saved for backward in one forward (parameters excepted; under AC, what the
     checkpointed blocks keep)."""
+    peak_bytes: int
+    """The most bytes the step's own tensors held at once (``memory.StepPeak``): the saved activations with
+    backward's transients, FSDP's gathered weights and the collectives' buffers; gradients excepted."""
     collectives: tuple[collectives.Collective, ...]
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
     parallel_dims: object
+
+    @property
+    def total_bytes(self) -> int:
+        """What the rank needs: its state, and the step's peak on top (a bound: the gradients are all counted)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.peak_bytes
 
 
 class Phases:
@@ -119,20 +128,22 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
                 step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
             recorder = collectives.Recorder(collectives.group_labels(dims))
-            saved = _SavedBytes()
+            saved, peak = _SavedBytes(), memory.StepPeak()
             if dims.pp_enabled:
                 _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
-                _first_step_setup_unrecorded(schedule, recorder, saved, phase)
-            with phase("recorded step"), recorder, saved:
+                _first_step_setup_unrecorded(schedule, (recorder, saved, peak), phase)
+            with phase("recorded step"), _whole_windows(), experts.evenly_routed([*parts, *neighbours.values()]), \
+                    peak, recorder, saved:
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
+            peak_bytes = peak.peak_bytes(memory.gradients(parts))
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
                 with _UpdatesSkipped():
                     optimizers.step()
                 optimizer_bytes = memory.optimizer_bytes(optimizers)
         stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
-        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, peak_bytes, recorded, plan, dims)
 
 
 def _job_plan(job_config, dims, model_args=None):
@@ -188,6 +199,20 @@ def _schedules_as_on_a_real_group():
         yield
 
 
+@contextlib.contextmanager
+def _whole_windows():
+    """The fake batch holds whole windows, no packed documents: transformers finds none in a real batch's
+    position ids, and skips its ``T x T`` mask for SDPA's causal flag; on fake tensors it cannot read them and
+    would build the mask (8192 tokens: 256 MiB per layer) that the real step never holds."""
+    try:
+        masking = compat.transformers_masking_module()
+    except compat.CompatError:  # no transformers model to plan
+        yield
+        return
+    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
 def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor) -> None:
     """torch's schedule sets its stages up in its first step by messages between the ranks: a vote (whose
     result it reads with ``.item()``) on whether every stage was given its shapes, then each stage's output
@@ -234,7 +259,7 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
         stage._recv_meta = lambda source, stage=stage: received(stage, source)
 
 
-def _first_step_setup_unrecorded(schedule, recorder, saved, phase: Phases) -> None:
+def _first_step_setup_unrecorded(schedule, recorders, phase: Phases) -> None:
     """The one step the planner runs under PP is a first step: before its microbatches the schedule sets its
     stages up (the metadata inference's forward and backward of one microbatch, the other stages' forwards the
     planner answers their messages with), and titan_ext's schedule first gives every copy of a tied weight the
@@ -243,7 +268,9 @@ def _first_step_setup_unrecorded(schedule, recorder, saved, phase: Phases) -> No
     inner = schedule._schedule
 
     def initialize(*args, _original=inner._initialize_pp_stages, **kwargs):
-        with phase("pp stage setup"), recorder.paused(), saved.paused():
+        with phase("pp stage setup"), contextlib.ExitStack() as stack:
+            for recorder in recorders:
+                stack.enter_context(recorder.paused())
             return _original(*args, **kwargs)
 
     inner._initialize_pp_stages = initialize
@@ -315,9 +342,10 @@ class _SavedBytes(collectives.Pausable):
     saves their inputs through autograd too (its ``_NoopSaveInputs``)."""
 
     def __init__(self):
-        self.bytes, self._seen = 0, {}
-        """id -> the tensor, held so that no later tensor takes a freed one's id (under PP each microbatch's
-        are freed at its backward while later ones are saved)."""
+        self.bytes, self._seen = 0, weakref.WeakValueDictionary()
+        """id -> the tensor while it lives: a later tensor that takes a freed one's id is counted (under PP
+        each microbatch's are freed at its backward while later ones are saved), and holding none keeps the
+        step's peak (``memory.StepPeak``) as a real step's."""
         self._paused = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
@@ -406,14 +434,15 @@ def _affine(low: int, high: int, m1: int, m2: int, m: int) -> int:
 
 def _extrapolated(low: RankPlan, high: RankPlan, m1: int, m2: int, m: int, plan) -> RankPlan:
     """The rank at m microbatches from the rank at m1 and m2: the state it holds does not change with m; the
-    activations (summed over the microbatches) and each collective's count (by kind, group and bytes) are
+    activations (summed over the microbatches), the step's peak and each collective's count (by kind, group and bytes) are
     affine in m. The collectives are listed in the order they first came at m2, each repeated its count."""
     for name in ("rank", "stages", "param_bytes", "grad_bytes", "optimizer_bytes"):
         if getattr(low, name) != getattr(high, name):
             raise _NotAffine(name)
     before, after = Counter(low.collectives), Counter(high.collectives)
     issued = [c for c in dict.fromkeys([*high.collectives, *low.collectives]) for _ in range(_affine(before[c], after[c], m1, m2, m))]
-    return replace(high, saved_bytes=_affine(low.saved_bytes, high.saved_bytes, m1, m2, m), collectives=tuple(issued), plan=plan)
+    return replace(high, saved_bytes=_affine(low.saved_bytes, high.saved_bytes, m1, m2, m),
+                   peak_bytes=_affine(low.peak_bytes, high.peak_bytes, m1, m2, m), collectives=tuple(issued), plan=plan)
 
 
 def _checked_plan(job_config, world: int):

@@ -1,0 +1,97 @@
+"""Mixture-of-experts layers on fake tensors, evenly routed.
+
+Which tokens a router sends to which expert is data, and a fake step has none: the model's experts (a loop
+over the experts its tokens hit, ``nonzero``) and titan_ext's expert parallelism (``bincount`` and the
+exchanged counts) cannot size their tensors. For the step the planner records, each MoE block's experts
+module computes as its own forward would if the routing were even: each expert gets an equal share of the
+``tokens x top_k`` slots (the load that balanced routing aims at), with the same matmuls per expert and,
+under expert parallelism, the same three all-to-alls (the counts, the tokens to their experts' ranks, the
+results back) with these sizes. Only ``top_k`` experts' work per token is planned, as the real step does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_ext import compat
+
+
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` as evenly as whole numbers go (the first ones one larger)."""
+    return [total // parts + (index < total % parts) for index in range(parts)]
+
+
+@contextlib.contextmanager
+def evenly_routed(model_parts):
+    """Every MoE block's experts module in ``model_parts`` computes with even routing inside the block."""
+    from titan_ext import moe
+
+    swapped = [block.experts for part in model_parts for block in moe.moe_blocks(part)]
+    for experts in swapped:
+        forward = _expert_parallel_forward if hasattr(experts, "ep_group") else _forward
+        experts.forward = types.MethodType(forward, experts)
+    try:
+        yield
+    finally:
+        for experts in swapped:
+            del experts.forward
+
+
+def _computed(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor, act_fn) -> torch.Tensor:
+    """``down_e(act(gate_e) * up_e)`` of each expert's ``counts[e]`` consecutive rows, as the model's loop
+    computes it; with equal counts in one batched matmul per weight (the same bytes and FLOPs, and one
+    operator per layer instead of one per expert: a 512-expert model plans in seconds)."""
+    if len(set(counts)) == 1:
+        batched = rows.view(len(counts), counts[0], rows.shape[-1])
+        gate, up = torch.bmm(batched, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(act_fn(gate) * up, down.transpose(1, 2)).view(rows.shape[0], -1)
+    outputs = []
+    for expert, part in enumerate(rows.split(counts)):
+        gate, up = F.linear(part, gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(act_fn(gate) * up, down[expert]))
+    return torch.cat(outputs)
+
+
+def _forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts loop (``Qwen3MoeExperts.forward``) over every expert, each with its share."""
+    final = torch.zeros_like(hidden_states)
+    tokens, k = top_k_index.shape
+    with torch.no_grad():  # the model's expert mask (its size counts; its values would pick the rows)
+        mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        mask.sum(dim=(-1, -2))
+    counts = shares(tokens * k, self.num_experts)
+    slots = torch.arange(tokens * k, device=hidden_states.device)  # expert by expert
+    token_idx, top_k_pos = slots % tokens, slots // tokens
+    out = _computed(hidden_states[token_idx], counts, self.gate_up_proj, self.down_proj, self.act_fn)
+    final.index_add_(0, token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(final.dtype))
+    return final
+
+
+def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``titan_ext.moe``'s expert-parallel forward with the counts even routing gives: every rank sends each
+    rank the slots of that rank's experts and receives as many from each."""
+    from titan_ext.moe import _inverse
+
+    group, ep = self.ep_group, dist.get_world_size(self.ep_group)
+    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+    local = gate_up.shape[0]
+    tokens, k = top_k_index.shape
+    per_expert = shares(tokens * k, local * ep)  # each rank's slots per (global) expert
+    rank = dist.get_rank(group)
+    send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+    mine = per_expert[rank * local:(rank + 1) * local]
+    receive = [sum(mine)] * ep
+    order = top_k_index.reshape(-1).argsort(stable=True)
+    with torch.no_grad():
+        compat.all_to_all_counts(torch.zeros(local * ep, dtype=torch.long, device=top_k_index.device), group)
+        regroup = torch.arange(sum(receive), device=top_k_index.device).argsort(stable=True)
+    routed = compat.all_to_all_autograd(hidden_states[order // k], receive, send, group)[regroup]
+    computed = _computed(routed, [count * ep for count in mine], gate_up, down, self.act_fn)[_inverse(regroup)]
+    returned = compat.all_to_all_autograd(computed, send, receive, group)[_inverse(order)]
+    weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(-2).to(hidden_states.dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import traceback
 from types import SimpleNamespace
 
 import pytest
@@ -29,18 +30,25 @@ def loss_and_grads(model, tokens):
 
 @pytest.mark.parametrize("rule, save_list", [("kda", "titan_ext"), ("gated_delta", "titan_ext"), ("kda", "torchtitan")])
 def test_op_sac_saves_the_delta_rule_core(rule, save_list, monkeypatch):
-    """Gradients as without AC, and the core's forward runs once per block in backward: inside its own
-    backward op (autograd through the portable core), not again in SAC's recompute, which replays the op's
-    saved output. With torchtitan's save list (the control) the recompute runs the core a second time."""
+    """Gradients as without AC and without the op (plain autograd through the core), and the core's forward
+    runs once per block in backward, inside its own backward op: SAC's recompute replays the op's saved
+    output. With torchtitan's save list (the control) the recompute runs the core again."""
     torch.manual_seed(0)
     model = build_model(copy.deepcopy(MODELS[rule]))
     model.init_weights()
     tokens = torch.randint(0, 2048, (1, 40), generator=torch.Generator().manual_seed(1))  # KDA: 3 chunks, a ragged end
-    reference = loss_and_grads(model, tokens)
+    with monkeypatch.context() as plain:
+        plain.setattr(delta_rule_op, "delta_rule", delta_rule_op.run_rule)
+        reference = loss_and_grads(model, tokens)
 
-    runs = []
+    runs = []  # per run of the core: inside delta_rule_bwd?
     core = delta_rule_op._RULES[rule]
-    monkeypatch.setitem(delta_rule_op._RULES, rule, lambda *a: runs.append(1) or core(*a))
+
+    def counted(*args):
+        runs.append(any(frame.name == "delta_rule_bwd" for frame in traceback.extract_stack()))
+        return core(*args)
+
+    monkeypatch.setitem(delta_rule_op._RULES, rule, counted)
     if save_list == "torchtitan":
         monkeypatch.setattr(activation_checkpoint, "op_sac_save_list", lambda: compat.torchtitan_ac().op_sac_save_list)
     apply_ac(model, ac_choice(SimpleNamespace(activation_checkpoint=ActivationCheckpoint(
@@ -48,8 +56,9 @@ def test_op_sac_saves_the_delta_rule_core(rule, save_list, monkeypatch):
     model.zero_grad()
     loss = model(tokens).float().logsumexp(-1).mean()
     blocks = len(model.model.layers)
-    assert len(runs) == blocks
+    assert runs == [False] * blocks
     loss.backward()
-    assert len(runs) - blocks == (blocks if save_list == "titan_ext" else 2 * blocks), "core runs in backward"
+    in_backward_op, in_recompute = runs[blocks:].count(True), runs[blocks:].count(False)
+    assert (in_backward_op, in_recompute) == (blocks, 0 if save_list == "titan_ext" else blocks)
     for grad, ref in zip([p.grad for p in model.parameters()], reference):
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-7)

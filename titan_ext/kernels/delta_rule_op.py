@@ -39,7 +39,8 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
 
-def _forward(q, k, v, g, beta, initial_state, output_final_state, state_v_first, cu_seqlens, out_dtype, rule):
+def run_rule(rule, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first, out_dtype):
+    """The registered core ``rule`` as plain torch ops (``delta_rule``'s arguments; no op boundary)."""
     return _RULES[rule](q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first, out_dtype)
 
 
@@ -49,7 +50,7 @@ def delta_rule_fwd(
     state_v_first: bool, cu_seqlens: Tensor | None, out_dtype: torch.dtype, rule: str,
 ) -> tuple[Tensor, Tensor]:
     """``(o, final state or empty)``, as ``run_delta_rule`` returns them (contiguous; the state a copy, never an input)."""
-    o, ht = _forward(q, k, v, g, beta, initial_state, output_final_state, state_v_first, cu_seqlens, out_dtype, rule)
+    o, ht = run_rule(rule, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first, out_dtype)
     return o.contiguous(), (ht.clone(memory_format=torch.contiguous_format) if ht is not None else _empty(q))
 
 
@@ -73,7 +74,7 @@ def delta_rule_bwd(
     with compat.autograd_enabled_inside_kernel(), torch.enable_grad():
         primals = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
         h0 = initial_state.detach().requires_grad_() if initial_state is not None else None
-        o, ht = _forward(*primals, h0, dht is not None, state_v_first, cu_seqlens, do.dtype, rule)
+        o, ht = run_rule(rule, *primals, h0, dht is not None, cu_seqlens, state_v_first, do.dtype)
         outputs, cotangents = [o], [do]
         if dht is not None:
             outputs.append(ht)
@@ -114,8 +115,8 @@ SAVE_LIST = {torch.ops.titan_ext.delta_rule_fwd.default}
 def delta_rule(rule: str, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first, out_dtype):
     """``run_delta_rule`` with the core ``rule`` (same inputs and returns), through the op where it can."""
     if any(isinstance(x, DTensor) for x in (q, k, v, g, beta, initial_state)):
-        return _forward(q, k, v, g, beta, initial_state, output_final_state, state_v_first, cu_seqlens, out_dtype,
-                        rule)
+        return run_rule(rule, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first,
+                        out_dtype)
     o, ht = torch.ops.titan_ext.delta_rule_fwd(
         q, k, v, g, beta, initial_state, output_final_state, state_v_first, cu_seqlens, out_dtype, rule
     )

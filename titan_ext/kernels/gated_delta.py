@@ -26,7 +26,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from titan_ext.kernels.delta_rule_op import delta_rule, register_rule
+from titan_ext.kernels import delta_rule_op
 from titan_ext.kernels.tp_local import local
 from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
@@ -113,8 +113,8 @@ def chunk_gated_delta_rule(
     g = g.to(v.dtype)
     if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
         g = -local(A_log).to(v.dtype).exp() * _softplus(g if dt_bias is None else g + local(dt_bias).to(v.dtype))
-    return delta_rule(_RULE, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first,
-                      out_dtype)
+    return delta_rule_op.delta_rule(_RULE, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                    state_v_first, out_dtype)
 
 
 def delta_rule_inputs(q, k, v, beta, scale, l2norm_qk: bool, beta_sigmoid: bool, allow_neg_eigval: bool):
@@ -180,7 +180,7 @@ def _each_sequence(run, cu_seqlens, h0, batch_size):
     return torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
 
 
-_RULE = register_rule("gated_delta", partial(run_delta_rule, _delta_rule, CHUNK))
+_RULE = delta_rule_op.register_rule("gated_delta", partial(run_delta_rule, _delta_rule, CHUNK))
 
 
 def fused_recurrent_gated_delta_rule(

@@ -12,7 +12,7 @@ from torchtitan.config.job_config import ActivationCheckpoint
 
 from titan_ext import activation_checkpoint, compat
 from titan_ext.activation_checkpoint import ac_choice, apply_ac
-from titan_ext.kernels import delta_rule_op
+from titan_ext.kernels import delta_rule_op, kda  # noqa: F401 (kda registers its core)
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.kda import kda_flavors
@@ -62,3 +62,20 @@ def test_op_sac_saves_the_delta_rule_core(rule, save_list, monkeypatch):
     assert (in_backward_op, in_recompute) == (blocks, 0 if save_list == "titan_ext" else blocks)
     for grad, ref in zip([p.grad for p in model.parameters()], reference):
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("state_v_first, cu_seqlens", [(False, None), (True, [0, 7, 20])])
+def test_delta_rule_op_registration(state_v_first, cu_seqlens):
+    """The op's fake (shapes and dtypes for compile) and autograd registration agree with its kernel: KDA's
+    core with initial and final states, per packed sequence."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, g = (torch.randn(1, 20, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    v, h0 = torch.randn(1, 20, 2, 4, generator=gen, dtype=torch.float64), torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    beta = torch.rand(1, 20, 2, generator=gen, dtype=torch.float64)
+    h0 = (h0 if cu_seqlens else h0[:1]).transpose(-1, -2) if state_v_first else (h0 if cu_seqlens else h0[:1])
+    inputs = [x.requires_grad_() for x in (q, k / k.norm(dim=-1, keepdim=True), v, -g.sigmoid(), beta, h0)]
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens)
+    args = (*inputs, True, state_v_first, cu, torch.float32, "kda")
+    checks = torch.library.opcheck(torch.ops.titan_ext.delta_rule_fwd.default, args,
+                                   test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert set(checks.values()) == {"SUCCESS"}, checks

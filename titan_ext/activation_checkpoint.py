@@ -25,6 +25,11 @@ recompute replays the mixer from the cache (no second run of its kernels) and
 reruns only the cheap elementwise work around it (gate logsigmoid, norms,
 SwiGLU) and every other projection GEMM. Memory per GLA block: the mixer's
 output plus fla's fp32 intra-chunk matrix ``A`` (``[B, T, H, chunk]``).
+
+The portable Gated DeltaNet and KDA cores are one op each the same way
+(``titan_ext::delta_rule_fwd``, ``titan_ext.kernels.delta_rule_op``; counted in
+``tests/test_delta_rule_sac.py``); fla's ``chunk_gated_delta_rule`` and
+``chunk_kda`` on CUDA stay autograd Functions, rerun in the recompute.
 """
 
 from __future__ import annotations
@@ -44,10 +49,11 @@ MODES = ("none", "full", "selective", "memory_budget")
 
 
 def op_sac_save_list() -> set:
-    """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA core."""
-    from titan_ext.kernels import gla_op
+    """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA and
+    delta-rule (Gated DeltaNet, KDA) cores."""
+    from titan_ext.kernels import delta_rule_op, gla_op
 
-    return compat.torchtitan_ac().op_sac_save_list | gla_op.SAVE_LIST
+    return compat.torchtitan_ac().op_sac_save_list | gla_op.SAVE_LIST | delta_rule_op.SAVE_LIST
 
 
 def layer_frequency(option: str) -> int | None:

@@ -14,15 +14,19 @@ Per chunk of ``C`` tokens with in-chunk cumulative decay ``G`` and start
 state ``S``, the delta rule's corrections ``U`` solve one unit-lower-triangular
 system, ``(I + A) U = diag(beta) V - diag(beta * exp(G)) K S`` with
 ``A[t, s] = beta_t exp(G_t - G_s) k_t.k_s`` for ``s < t``; then
-``O = exp(G) * (Q S) + (QK^T * decay mask) U`` and the state moves on. Autograd
+``O = exp(G) * (Q S) + (QK^T * decay mask) U`` and the state moves on. The core
+is one op to op-level SAC (``titan_ext.kernels.delta_rule_op``); autograd
 differentiates it; fla's naive recurrent form is the reference in the tests.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
+from titan_ext.kernels import delta_rule_op
 from titan_ext.kernels.tp_local import local
 from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
@@ -109,8 +113,8 @@ def chunk_gated_delta_rule(
     g = g.to(v.dtype)
     if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
         g = -local(A_log).to(v.dtype).exp() * _softplus(g if dt_bias is None else g + local(dt_bias).to(v.dtype))
-    return run_delta_rule(_delta_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                          state_v_first, out_dtype)
+    return delta_rule_op.delta_rule(_RULE, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                    state_v_first, out_dtype)
 
 
 def delta_rule_inputs(q, k, v, beta, scale, l2norm_qk: bool, beta_sigmoid: bool, allow_neg_eigval: bool):
@@ -174,6 +178,9 @@ def _each_sequence(run, cu_seqlens, h0, batch_size):
     spans = sequence_spans(cu_seqlens, batch_size=batch_size)
     runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
     return torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
+
+
+_RULE = delta_rule_op.register_rule("gated_delta", partial(run_delta_rule, _delta_rule, CHUNK))
 
 
 def fused_recurrent_gated_delta_rule(

@@ -29,9 +29,12 @@ in the tests.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from titan_ext.kernels import delta_rule_op
 from titan_ext.kernels.gated_delta import _softplus, delta_rule_inputs, run_delta_rule
 from titan_ext.kernels.tp_local import local
 
@@ -131,8 +134,11 @@ def chunk_kda(
     q, k, v, beta = delta_rule_inputs(q, k, v, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                                       allow_neg_eigval)
     g = kda_gate(g, A_log, dt_bias, lower_bound, v.dtype) if use_gate_in_kernel else g.to(v.dtype)
-    return run_delta_rule(_kda_rule, CHUNK, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                          state_v_first, out_dtype)
+    return delta_rule_op.delta_rule(_RULE, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                    state_v_first, out_dtype)
+
+
+_RULE = delta_rule_op.register_rule("kda", partial(run_delta_rule, _kda_rule, CHUNK))
 
 
 def fused_recurrent_kda(

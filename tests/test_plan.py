@@ -45,11 +45,10 @@ def real_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("plan_real")
     for sub in ("logs", "results"):
         (root / sub).mkdir()
-    lanes = [{"ranks": [0, 1], "jobs": []}, {"ranks": [2, 3], "jobs": []}]
-    phases = [lanes, [{"ranks": [0, 1, 2, 3], "jobs": []}]]
-    for i, (name, world, flags) in enumerate(LAYOUTS):  # 2-rank jobs alternate between the two lanes
+    phases = [{"lanes": [[0, 1], [2, 3]], "units": []}, {"lanes": [[0, 1, 2, 3]], "units": []}]
+    for name, world, flags in LAYOUTS:
         job = {"id": name, "argv": argv(flags, root / name), "env": {"RECORD_STEP_DIR": str(root / "recorded" / name)}}
-        (phases[0][i % 2] if world == 2 else phases[1][0])["jobs"].append(job)
+        phases[world // 4]["units"].append([job])
     plan = {"root": str(root), "name": "plan", "preload": ["titan_ext", "record_step"], "phases": phases}
     (root / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",

@@ -95,8 +95,9 @@ The CI machine has 2 cores and each process start costs ~15-30 s of imports.
 The whole matrix is ONE ``torchrun --nproc_per_node=4`` launch of
 ``tests/matrix_driver.py``, which calls ``torchtitan.train.main`` once per job:
 first the seed checkpoints and every 1-process job (four lanes of one
-process), then 2-process jobs (two lanes), then 4-process jobs; ``Row.cost``
-(roughly seconds) balances the lanes. The whole matrix takes ~3.7 min there
+process), then 2-process jobs (two lanes), then 4-process jobs; each lane takes
+the next row when it is free, the costliest (``Row.cost``) first. The table
+gives each row's seconds (its jobs', rank 0). The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other

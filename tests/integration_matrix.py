@@ -108,8 +108,9 @@ The CI machine has 2 cores and each process start costs ~15-30 s of imports.
 The whole matrix is ONE ``torchrun --nproc_per_node=4`` launch of
 ``tests/matrix_driver.py``, which calls ``torchtitan.train.main`` once per job:
 first the seed checkpoints and every 1-process job (four lanes of one
-process), then 2-process jobs (two lanes), then 4-process jobs; ``Row.cost``
-(roughly seconds) balances the lanes. The whole matrix takes ~3.7 min there
+process), then 2-process jobs (two lanes), then 4-process jobs; each lane takes
+the next row when it is free, the costliest (``Row.cost``) first. The table
+gives each row's seconds (its jobs', rank 0). The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
@@ -132,7 +133,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -288,7 +289,7 @@ class Row:
     kind: str = "train"
     """``train``: one job; ``resume``: full job then resumed job; ``hf``: HF export then import."""
     cost: int = 1
-    """Rough relative run time, to balance lanes."""
+    """Rough relative run time: the longest rows start first, so that no lane ends the phase alone."""
     rtol: float = RTOL
     specs: tuple[str, ...] | None = None
     """The specs the row applies to (None: titan_ext's three)."""
@@ -319,6 +320,10 @@ class Row:
     """The row validates (``VALIDATION``) and its validation losses must match the single-process run's.
     Not for compiled rows: a no_grad forward recompiles the blocks (dynamo guards the grad mode), once per
     job, and the matrix runs compiled jobs under ``error_on_recompile``."""
+
+    steps: int = STEPS
+    """Steps the row trains and compares with the single-process run's first as many (kind ``train``, no
+    validation): fewer where each step is slow (Triton's interpreter)."""
 
     def tolerance(self, spec: str) -> float:
         return dict(self.spec_rtol).get(spec, self.rtol)
@@ -387,7 +392,10 @@ ROWS = {
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
-    "compile_aot_eager": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "aot_eager"), cost=6),
+    # titan_ext's three specs compile with inductor here and with aot_eager in ac_op_compile, cp2_docs and
+    # chunked_fsdp2 or cp2_ac_compile: compile_aot_eager is the MoE spec's (whose only compiled row it is).
+    "compile_aot_eager": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "aot_eager"), cost=6,
+                             specs=("hf_qwen3_moe",)),
     "compile_inductor": Row(1, (*parallel(), "--compile.enable", "--compile.backend", "inductor"), cost=9),
     "ac_op_compile": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op",
                              "--compile.enable", "--compile.backend", "aot_eager"), cost=5),
@@ -462,7 +470,9 @@ ROWS = {
     "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla", "hf_llama")),
     # fla's own Triton kernels (the GPU code path) under Triton's interpreter, TP2 with sequence and loss parallel,
     # against one process on titan_ext's portable kernels ("single").
-    "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=30),
+    # Two steps: the kernels' forward and backward at the seed's weights and after one update (~10 s a step).
+    "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=12,
+                         steps=2),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True, cost=3),
     # The chunked loss (titan_ext.loss), against one process on torchtitan's loss: FSDP2 with compiled blocks
@@ -522,6 +532,8 @@ class Result:
     status: str  # ok, MISMATCH, ERROR, unsupported
     max_rel: float | None = None
     detail: str = ""
+    seconds: float | None = None
+    """The row's jobs' time (rank 0's, summed; not its seed's or reference's): what the row costs the matrix."""
 
 
 @dataclass
@@ -612,6 +624,8 @@ class Matrix:
             flags = (*flags[:i], *self.readme_argv(), *flags[i + 1:])
         if r.validation and spec != "llama3":  # torchtitan's own model keeps torchtitan's validator
             flags = (*flags, *VALIDATION, "--validation.dataset_path", str(self.corpus))
+        if r.steps != STEPS:
+            flags = (*flags, "--training.steps", str(r.steps))
         train = (*self.from_seed(spec, variant), *flags)
         if spec in r.seed_in_folder:  # the seed is this job's own step-0: no initial_load_path
             train = ("--checkpoint.enable", "--checkpoint.interval", "1000", *flags)
@@ -676,12 +690,12 @@ class Matrix:
 
     def plan(self, nproc: int) -> dict:
         units = self.units()
-        phases = [lanes(nproc, 1, [(1, [seed]) for seed in self.seeds()])]
+        phases = [phase(nproc, 1, [(1, [seed]) for seed in self.seeds()])]
         for late in (False, True):
             for world in sorted({unit[0] for unit in units}):
                 work = [(cost, jobs) for w, cost, jobs, is_late in units if w == world and is_late == late]
                 if work:
-                    phases.append(lanes(nproc, world, work))
+                    phases.append(phase(nproc, world, work))
         # Preload what every job imports (not titan_ext: each job's Trainer must import it to set up the job).
         preload = ["fla.models", "transformers", "torchao.float8"]
         return {"name": self.root.name, "root": str(self.root), "preload": preload, "phases": phases}
@@ -708,14 +722,11 @@ class Matrix:
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
 
 
-def lanes(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> list[dict]:
-    """Split ``nproc`` processes into lanes of ``world`` and spread the work, longest first."""
-    out = [{"ranks": list(range(i, i + world)), "jobs": [], "cost": 0} for i in range(0, nproc, world)]
-    for cost, jobs in sorted(work, key=lambda w: -w[0]):
-        lane = min(out, key=lambda lane: lane["cost"])
-        lane["jobs"] += [job.__dict__ for job in jobs]
-        lane["cost"] += cost
-    return [lane for lane in out if lane["jobs"]]
+def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:
+    """``nproc`` processes as lanes of ``world``, and the units of work, longest first: each free lane takes
+    the next (``tests/matrix_driver.py``)."""
+    return {"lanes": [list(range(i, i + world)) for i in range(0, nproc, world)],
+            "units": [[job.__dict__ for job in jobs] for _, jobs in sorted(work, key=lambda w: -w[0])]}
 
 
 def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
@@ -835,7 +846,7 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         if error := job_error(matrix, job):
             return Result(spec, row, "ERROR", None, error)
     ref = read_metrics(matrix, ref_jobs[-1])
-    all_steps = list(range(1, STEPS + 1))
+    all_steps = list(range(1, ROWS[row].steps + 1))
     kind = ROWS[row].kind
     checks = []  # (what, max rel, problem)
     if kind == "resume":
@@ -903,6 +914,13 @@ def hf_folder_problem(folder: Path) -> str:
     return ""
 
 
+def row_seconds(matrix: Matrix, spec: str, row: str) -> float | None:
+    if not matrix.applies(spec, row):
+        return None
+    paths = [matrix.root / "results" / f"{job.id}.rank0.json" for job in matrix.row_jobs(spec, row)]
+    return sum(json.loads(path.read_text()).get("seconds", 0.0) for path in paths if path.exists())
+
+
 def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> tuple[list[Result], float]:
     """Run ``rows`` of ``specs``; one Result per spec x row, unsupported rows listed with the reason."""
     matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
@@ -914,7 +932,7 @@ def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1
                 status = "unsupported" if applies(spec, row) else "n/a"
                 results.append(Result(spec, row, status, None, UNSUPPORTED[row]))
             else:
-                results.append(evaluate(matrix, spec, row))
+                results.append(replace(evaluate(matrix, spec, row), seconds=row_seconds(matrix, spec, row)))
     if code != 0 and all(r.status in ("ok", "unsupported", "n/a") for r in results):
         results.append(Result("-", "driver", "ERROR", None, f"exit {code}; see {root}/driver.log"))
     return results, seconds
@@ -926,11 +944,12 @@ OPT_IN_ROWS = [row for row in ROWS if ROWS[row].opt_in]
 
 
 def table(results: list[Result]) -> str:
-    lines = [f"{'spec':<16} {'row':<19} {'status':<11} {'max rel':>8}  detail"]
+    lines = [f"{'spec':<16} {'row':<19} {'status':<11} {'max rel':>8} {'s':>5}  detail"]
     for r in results:
         rel = "" if r.max_rel is None else f"{r.max_rel:.1e}"
+        seconds = "" if r.seconds is None else f"{r.seconds:.1f}"
         if r.status != "n/a":
-            lines.append(f"{r.spec:<16} {r.row:<19} {r.status:<11} {rel:>8}  {r.detail}")
+            lines.append(f"{r.spec:<16} {r.row:<19} {r.status:<11} {rel:>8} {seconds:>5}  {r.detail}")
     return "\n".join(lines)
 
 

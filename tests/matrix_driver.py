@@ -6,9 +6,12 @@ Every process start costs ~15-30 s of imports (fla, torchao, transformers) on
 the 2-core CI machine, so the matrix starts its processes once and calls
 torchtitan's own entry point, ``torchtitan.train.main(Trainer)``, once per job.
 The plan is a list of phases; a phase splits the N processes into lanes (e.g.
-four lanes of one process, or two of two) and each lane runs its jobs in order.
-A job is a fresh torchtitan job: ``main`` parses the job's argv, builds the
-Trainer, trains, closes and destroys the process group.
+four lanes of one process, or two of two) and hands its units (a row's jobs, run
+in order) to whichever lane is free, in the plan's order (longest first): a lane
+whose units ran long does not hold the phase while the others idle, however
+rough the plan's cost estimates are. A job is a fresh torchtitan job: ``main``
+parses the job's argv, builds the Trainer, trains, closes and destroys the
+process group.
 
 Each job gets its own env:// rendezvous: the lane's first process picks a free
 port, hands it to the others through torchrun's store, and every process
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import json
 import os
 import socket
@@ -106,17 +110,33 @@ def train(argv: list[str], log: Path) -> dict:
     return result
 
 
-def run_lane(store: dist.Store, key: str, lane: dict, rank: int, root: Path) -> None:
-    ranks = lane["ranks"]
+def run_job(store: dist.Store, key: str, job: dict, ranks: list[int], rank: int, root: Path) -> None:
     lane_rank = ranks.index(rank)
-    for job in lane["jobs"]:
-        port_key = f"{key}/{job['id']}/port"
-        if lane_rank == 0:
-            store.set(port_key, str(free_port()))
-        port = int(store.get(port_key))
-        with job_env(lane_rank, len(ranks), port, job["env"]):
-            result = train(job["argv"], root / "logs" / f"{job['id']}.rank{lane_rank}.log")
-        (root / "results" / f"{job['id']}.rank{lane_rank}.json").write_text(json.dumps(result))
+    port_key = f"{key}/{job['id']}/port"
+    if lane_rank == 0:
+        store.set(port_key, str(free_port()))
+    port = int(store.get(port_key))
+    with job_env(lane_rank, len(ranks), port, job["env"]):
+        result = train(job["argv"], root / "logs" / f"{job['id']}.rank{lane_rank}.log")
+    (root / "results" / f"{job['id']}.rank{lane_rank}.json").write_text(json.dumps(result))
+
+
+def run_phase(store: dist.Store, key: str, phase: dict, rank: int, root: Path) -> None:
+    """This process's lane takes the phase's next unit until none is left: the lane's first process claims it
+    (a counter in the store) and tells the lane's others which one."""
+    lane = next((l for l, ranks in enumerate(phase["lanes"]) if rank in ranks), None)
+    if lane is None:
+        return
+    ranks = phase["lanes"][lane]
+    for n in itertools.count():
+        claim = f"{key}/lane{lane}/{n}"
+        if rank == ranks[0]:
+            store.set(claim, str(store.add(f"{key}/next", 1) - 1))
+        unit = int(store.get(claim))
+        if unit >= len(phase["units"]):
+            return
+        for job in phase["units"][unit]:
+            run_job(store, key, job, ranks, rank, root)
 
 
 def main(plan_path: str) -> None:
@@ -127,9 +147,7 @@ def main(plan_path: str) -> None:
     store, rank, world = next(dist.rendezvous("env://"))
     store = dist.PrefixStore(f"titan_ext_matrix/{plan['name']}", store)
     for p, phase in enumerate(plan["phases"]):
-        for l, lane in enumerate(phase):
-            if rank in lane["ranks"]:
-                run_lane(store, f"{p}/{l}", lane, rank, root)
+        run_phase(store, str(p), phase, rank, root)
         barrier(store, f"phase{p}", world)
 
 

@@ -307,3 +307,33 @@ def test_attention_takes_the_ring_unless_masked(tmp_path, monkeypatch, config, f
     choice = args.plan.cp
     assert choice.masked_attention == masked
     assert choice.rotate_method == ("alltoall" if "alltoall" in flags else "allgather")
+
+
+def test_a_sliding_window_alone_attends_in_blocks_without_a_sequence_wide_mask(monkeypatch):
+    """A window without documents: each block of queries over the keys the window reaches, equal (fp64) to one
+    masked SDPA over the whole row, and no mask wider than a block plus the window (issue 41)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from titan_ext.kernels import cp_attention
+
+    B, H, D, T, window, block = 2, 2, 8, 64, 6, 4
+    g = torch.Generator().manual_seed(0)
+    query, keys, values = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    positions = torch.cat([torch.arange(0, 16), torch.arange(48, 64)]).expand(B, -1)  # rank 0's head-tail pieces
+    distance = positions[:, None, :, None] - torch.arange(T)[None, None, None, :]
+    want = F.scaled_dot_product_attention(query[:, :, positions[0]], keys, values,
+                                          attn_mask=(distance >= 0) & (distance < window))
+    sdpa, masks = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, attn_mask=None, **kwargs):
+        masks.append(None if attn_mask is None else tuple(attn_mask.shape))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(cp_attention, "QUERY_BLOCK", block)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    layout = SimpleNamespace(positions=positions, document_positions=None)
+    got = cp_attention.per_document_sdpa(query[:, :, positions[0]], keys, values, layout, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(masks) == B * 32 // block and all(m is None or m[-1] <= block + window - 1 for m in masks), masks

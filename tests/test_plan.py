@@ -55,11 +55,10 @@ def real_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("plan_real")
     for sub in ("logs", "results"):
         (root / sub).mkdir()
-    lanes = [{"ranks": [0, 1], "jobs": []}, {"ranks": [2, 3], "jobs": []}]
-    phases = [lanes, [{"ranks": [0, 1, 2, 3], "jobs": []}]]
-    for i, (name, world, flags) in enumerate(LAYOUTS):  # 2-rank jobs alternate between the two lanes
+    phases = [{"lanes": [[0, 1], [2, 3]], "units": []}, {"lanes": [[0, 1, 2, 3]], "units": []}]
+    for name, world, flags in LAYOUTS:
         job = {"id": name, "argv": argv(flags, root / name), "env": {"RECORD_STEP_DIR": str(root / "recorded" / name)}}
-        (phases[0][i % 2] if world == 2 else phases[1][0])["jobs"].append(job)
+        phases[world // 4]["units"].append([job])
     plan = {"root": str(root), "name": "plan", "preload": ["titan_ext", "record_step"], "phases": phases}
     (root / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
@@ -237,11 +236,21 @@ def test_a_bad_layout_stops_in_titan_exts_one_line(capsys):
     assert "num_heads=4 is not divisible by --parallelism.tensor_parallel_degree=8" in capsys.readouterr().err
 
 
-def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest(capsys):
+def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest(debug_sweep, monkeypatch, capsys):
+    """``--sweep`` through the CLI, on the sweep ``debug_sweep`` planned with the same arguments (planned once)."""
     from titan_ext.plan import main
+    from titan_ext.planner import layouts
 
-    assert main(["--job.config_file", CONFIG, "--world", "4", "--sweep", "--memory-gib", "0.015",
-                 "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]) == 0  # 2 stages per rank
+    result, lines = debug_sweep
+
+    def planned_once(argv, world, link_gbps, phases=None, progress=None):
+        assert (argv, world, link_gbps, phases) == (SWEEP_ARGV, result.world, 50.0, None)
+        for line in lines:
+            progress(line)
+        return result
+
+    monkeypatch.setattr(layouts, "plan_sweep", planned_once)
+    assert main([*SWEEP_ARGV, "--world", "4", "--sweep", "--memory-gib", "0.015"]) == 0
     out, err = capsys.readouterr()
     progress = [line for line in err.splitlines() if line.startswith("[")]  # a line per layout, as it is planned
     assert progress[0].startswith("[1/") and len(progress) == int(progress[0].split("/")[1].split("]")[0])
@@ -294,22 +303,26 @@ print("PLANS " + json.dumps(out))
 """
 
 
+SWEEP_ARGV = ["--job.config_file", CONFIG, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+"""The debug model with 2 stages per pipeline rank: the sweep's "pp 4" layouts are refused (8 stages, 2 blocks)."""
+
+
 @pytest.fixture(scope="module")
 def debug_sweep():
-    """The debug model's 8-rank sweep as ``--sweep`` plans it (one process, layout after layout), and the
+    """The debug model's 4-rank sweep as ``--sweep`` plans it (one process, layout after layout), and the
     progress lines it reported."""
     from titan_ext.planner import layouts, prepare
 
     prepare()
     lines: list[str] = []
-    return layouts.plan_sweep(argv([]), 8, 50.0, progress=lines.append), lines
+    return layouts.plan_sweep(SWEEP_ARGV, 4, 50.0, progress=lines.append), lines
 
 
 def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
     """Field by field, every rank of every layout: what the sweep planned equals the layout planned in another
     process, after other layouts (nothing one layout leaves behind changes the next one's plan)."""
     result, _ = debug_sweep
-    proc = subprocess.run([sys.executable, "-c", ON_ITS_OWN, json.dumps(argv([])), "8"], cwd=REPO, text=True,
+    proc = subprocess.run([sys.executable, "-c", ON_ITS_OWN, json.dumps(SWEEP_ARGV), str(result.world)], cwd=REPO, text=True,
                           capture_output=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     alone = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PLANS "))[6:])
@@ -327,9 +340,9 @@ def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
     from titan_ext.planner.layouts import candidates
 
     result, lines = debug_sweep
-    names = [layout.name() for layout in candidates(8)]
+    names = [layout.name() for layout in candidates(result.world)]
     assert [line.split("] ")[0] + "]" for line in lines] == [f"[{i}/{len(names)}" + "]" for i in range(1, len(names) + 1)]
-    for line, layout in zip(lines, candidates(8)):
+    for line, layout in zip(lines, candidates(result.world)):
         outcome = "peak " if layout in result.planned else "skipped"
         assert line.startswith(f"[") and f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
 
@@ -337,7 +350,6 @@ def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
 # (world, flags): pipelined layouts of 8 microbatches, planned at 2 and 3 and extrapolated, and stepped in full
 EXTRAPOLATED = [
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
-    (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),  # 2 stages per rank
     (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # planned at 4, 5
@@ -346,9 +358,9 @@ EXTRAPOLATED = [
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
 def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_step(debug_sweep, monkeypatch):
-    """Field by field, exactly: each pipelined layout of the debug model's 8-rank sweep (4 microbatches), and
-    layouts of 8 microbatches (with FSDP, interleaved), planned at p and p + 1 microbatches and extrapolated,
-    equal the same layout stepped with all its microbatches (p + 1 < m: 2 and 4 ranks)."""
+    """Field by field, exactly: each layout of 2 pipeline ranks in the debug model's 4-rank sweep (with FSDP,
+    CP or TP; 1F1B, 4 microbatches), and layouts of 8 microbatches (1F1B, interleaved, 4 stages), planned at p
+    and p + 1 microbatches and extrapolated, equal the same layout stepped with all its microbatches."""
     from titan_ext.planner import estimates, job_config_of, rank
     from titan_ext.planner.collectives import summary
 
@@ -360,7 +372,7 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     result, _ = debug_sweep
-    cases = [(8, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: at 2, 3
+    cases = [(result.world, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: at 2, 3
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
     assert len(cases) >= 6
     for world, args in cases:

@@ -285,8 +285,8 @@ def loader(path, rank, world, tokenizer, saved_degree=None, document_mask=False)
     return StreamDataloader(dataset, dp_rank=rank, dp_world_size=world, saved_degree=saved_degree, batch_size=2)
 
 
-@pytest.mark.parametrize("fmt,files,before,after", [("jsonl", 4, 2, 1), ("parquet", 4, 2, 3), ("jsonl", 1, 2, 3),
-                                                    ("parquet", 3, 4, 2)])
+# fewer ranks after (from more ranks than files) and more after (from one file), each format once
+@pytest.mark.parametrize("fmt,files,before,after", [("parquet", 3, 4, 2), ("jsonl", 1, 2, 3)])
 def test_resuming_on_another_number_of_ranks_reads_every_document_once(tmp_path, fmt, files, before, after):
     """``before`` ranks train a few steps and checkpoint (DCP, as torchtitan saves the dataloader); ``after``
     ranks resume from it and read to the end: across both runs every document entered exactly one rank's token

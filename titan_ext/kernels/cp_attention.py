@@ -46,22 +46,17 @@ class OneAttention:
 def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0):
     """Masked causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
 
-    K and V are all-gathered differentiably and put in sequence order; the mask is built from the
-    tokens' global positions (``layout.positions``): causal, within a sliding ``window`` (fla's
-    ``window_size``), within each packed document. K and V of the whole sequence are held for the duration of
-    one layer's attention; with documents each one's attention runs alone (``per_document_sdpa``), else a
-    ``B x T_local x T`` mask (a sliding window alone) is held too.
+    K and V are all-gathered differentiably and put in sequence order; each block of local queries attends to
+    the keys its global positions (``layout.positions``) allow: causal, within a sliding ``window`` (fla's
+    ``window_size``), within each packed document (``per_document_sdpa``). K and V of the whole sequence are
+    held for the duration of one layer's attention; no mask grows with the square of the sequence.
     """
     keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
     values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
     if layout.per_rank > 1:  # gathered in rank order: put the pieces in sequence order
         slots = in_sequence_order(layout.world, layout.per_rank)
         keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
-    if layout.document_positions is not None:
-        return per_document_sdpa(query, keys, values, layout, scale, window, dropout)
-    mask = _global_mask(layout, keys.shape[2], window)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                          enable_gqa=query.shape[1] != keys.shape[1])
+    return per_document_sdpa(query, keys, values, layout, scale, window, dropout)
 
 
 QUERY_BLOCK = 1024
@@ -70,12 +65,17 @@ QUERY_BLOCK = 1024
 
 @torch.compiler.disable  # a host-side loop over pieces and documents: one graph break, no recompile per count
 def per_document_sdpa(query, keys, values, layout, scale=None, window: int | None = None, dropout=0.0):
-    """``gathered_sdpa`` with documents, one SDPA call per (row, piece, document, block of queries): each block
+    """``gathered_sdpa``'s attention, one SDPA call per (row, piece, document, block of queries): each block
     of a document's local queries attends to that document's keys up to the block's last query (causal,
-    within ``window``), so no mask grows with the square of the row (a block's is ``QUERY_BLOCK`` x its keys)."""
+    within ``window``), so no mask grows with the square of the row (a block's is ``QUERY_BLOCK`` x its keys,
+    and with a window at most ``QUERY_BLOCK`` x ``QUERY_BLOCK + window``). Without documents
+    (``layout.document_positions`` None: a sliding window alone) each row is one document."""
     out = query.new_empty(*query.shape[:3], values.shape[-1])
     gqa = query.shape[1] != keys.shape[1]
-    for row, (positions, documents) in enumerate(zip(layout.positions.tolist(), layout.document_positions.tolist())):
+    documents = layout.document_positions
+    if documents is None:
+        documents = torch.arange(keys.shape[2]).expand(query.shape[0], -1)
+    for row, (positions, documents) in enumerate(zip(layout.positions.tolist(), documents.tolist())):
         for local, first, last in _query_blocks(positions, documents, window):
             q = query[row: row + 1, :, local: local + last - first[1]]
             k, v = (x[row: row + 1, :, first[0]: last] for x in (keys, values))
@@ -113,21 +113,6 @@ def _query_blocks(positions: list[int], documents: list[int], window: int | None
                 yield start + block - positions[start], (first_key, block), block_end
             g = stop
         start = end
-
-
-def _global_mask(layout, length: int, window: int | None):
-    """``[B, 1, T_local, T]``: each local query's keys in the whole row, by global position: earlier
-    or itself, within ``window``, and in its own document."""
-    query = layout.positions
-    key = torch.arange(length, device=query.device)
-    distance = query[:, :, None] - key[None, None, :]
-    mask = distance >= 0
-    if window is not None:
-        mask = mask & (distance < window)
-    if layout.document_positions is not None:
-        document = (layout.document_positions == 0).cumsum(dim=1)  # each token's document, in the whole row
-        mask = mask & (document.gather(1, query)[:, :, None] == document[:, None, :])
-    return mask[:, None]
 
 
 def fla_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None, output_attentions=False,

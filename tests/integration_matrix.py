@@ -64,7 +64,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``pp2``, ``hf`` (export and import), ``cp2`` (state passing, the convolution's halo and ring attention on
   one CP mesh) and ``cp2_docs`` (document resets on both sides, all-gathered attention, with AC and compile).
   ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
-  in ``fsdp2``; split over the CP ranks by EP in ``ep2_cp2``, 2.9 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
+  in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
+  shared expert split by TP, 2.8 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
@@ -256,7 +257,7 @@ SPECS = {
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2")),
+                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
     "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf")),
@@ -383,6 +384,10 @@ ROWS = {
                    specs=("hf_qwen3_moe",)),
     # EP with document masking: EP over the TP ranks (which share one batch: the single process's documents)
     "ep2_tp2_docs": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, documents=True, specs=("hf_qwen3_moe",)),
+    # EP x TP on 2 ranks: Qwen3-Next's TP (its shared expert a dense FFN inside the MoE block, the routed experts
+    # split by EP over the TP ranks)
+    # (its grad norms differ from one process by 8.9e-6, as its cp2 row's do: CP_RTOL)
+    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next",), spec_rtol=CP_RTOL),
     # EP x CP: the EP mesh spans the CP ranks (torchtitan's ep within dp_shard x cp), each dispatching the tokens of
     # its own sequence pieces (routing is per token)
     "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next",), spec_rtol=CP_RTOL),

@@ -22,8 +22,8 @@ the Megatron minimum:
   torchtitan's ETP=1; without EP a ``ValueError``), the block around them ``self.moe_block()`` (input gathered,
   output reduced from the ranks' shares) and its router ``self.router()`` (replicated). HF splits each
   expert's rows instead, which the packed ``[gate; up]`` rows of ``gate_up_proj`` make a strided layout.
-  A shared expert in the block (Qwen3-Next's ``shared_expert``, its linears in the HF plan) is a dense FFN on
-  the block's gathered input: ``colwise`` as above, its ``rowwise`` output ``self.shared_out_proj()`` (this
+  A shared expert in the block (Qwen3-Next's ``shared_expert``, its linears in the HF plan; Qwen2-MoE's, whose
+  linears take the plan's dense-FFN entries ``mlp.gate_proj``...) is a dense FFN on the block's gathered input: ``colwise`` as above, its ``rowwise`` output ``self.shared_out_proj()`` (this
   rank's partial share, summed with the routed experts' by the block); a one-output linear beside it that the
   HF plan leaves out (``shared_expert_gate``) ``self.shared_gate()`` (replicated).
 - parameter-holding norms directly in a block that the HF plan leaves out (``input_layernorm``,
@@ -313,14 +313,20 @@ def _moe_entries(block: nn.Module, path: str, block_plan: dict[str, str], model_
 
 
 def _shared_expert_entries(child: nn.Module, child_path: str, block_plan: dict[str, str]) -> dict[str, BlockEntry]:
-    """A dense FFN whose every linear the HF plan names: colwise ones, then one rowwise output."""
-    linears = {_join(child_path, n): m for n, m in child.named_modules() if isinstance(m, nn.Linear)}
-    roles = {p: block_plan.get(p) for p in linears}
-    params = {_parent(n) for n, _ in child.named_parameters()}
-    if not linears or {_join(child_path, n) for n in params} != set(linears) \
-            or set(roles.values()) != {"colwise", "rowwise"} or list(roles.values()).count("rowwise") != 1:
+    """A dense FFN whose every linear the HF plan places: colwise ones, then one rowwise output. Its linears'
+    entries are its own (Qwen3-Next's ``mlp.shared_expert.gate_proj``) or, where the HF plan has none of them
+    (Qwen2-MoE's), those of the model's dense FFN at the MoE block's path (``mlp.gate_proj``)."""
+    relative = [n for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+    owners = {_parent(n) for n, _ in child.named_parameters()}
+    if not relative or owners != set(relative):
         return {}
-    return {p: BlockEntry("colwise" if r == "colwise" else "shared_rowwise") for p, r in roles.items()}
+    own = {_join(child_path, n): block_plan.get(_join(child_path, n)) for n in relative}
+    if not any(own.values()):
+        own = {_join(child_path, n): block_plan.get(_join(_parent(child_path), n)) for n in relative}
+    strategies = list(own.values())
+    if set(strategies) != {"colwise", "rowwise"} or strategies.count("rowwise") != 1:
+        return {}
+    return {p: BlockEntry("colwise" if r == "colwise" else "shared_rowwise") for p, r in own.items()}
 
 
 def _parent(path: str) -> str:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from model_plans.styles import MoEBlockParallel, NormParallel, PlaceParameters, float8_styles
+from model_plans.styles import (
+    Composed, LocalShare, MoEBlockParallel, NormParallel, PlaceParameters, ScalesShares, float8_styles,
+)
 
 Plan = dict[str, "ParallelStyle | IfPresent"]
 
@@ -145,6 +147,15 @@ class TPPlan:
         """A MoE router: its weight replicated, computed on every token on every rank (its logits feed the
         balancing loss identically on each)."""
         return NormParallel(Replicate(), use_local_output=True)
+
+    def shared_out_proj(self) -> ParallelStyle:
+        """A shared expert's rowwise output inside a MoE block (``moe_block``): not reduced, this rank's partial
+        share joins the routed experts' share, which the block sums."""
+        return Composed(self.rowwise(output_layouts=Partial(), use_local_output=False), LocalShare())
+
+    def shared_gate(self) -> ScalesShares:
+        """A shared expert's gate (hidden -> 1) inside a MoE block: replicated, scaling this rank's share."""
+        return ScalesShares()
 
     def mlp_plan(self) -> Plan:
         from fla.modules.mlp import SwiGLULinearParallel

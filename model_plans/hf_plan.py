@@ -22,6 +22,10 @@ the Megatron minimum:
   torchtitan's ETP=1; without EP a ``ValueError``), the block around them ``self.moe_block()`` (input gathered,
   output reduced from the ranks' shares) and its router ``self.router()`` (replicated). HF splits each
   expert's rows instead, which the packed ``[gate; up]`` rows of ``gate_up_proj`` make a strided layout.
+  A shared expert in the block (Qwen3-Next's ``shared_expert``, its linears in the HF plan; Qwen2-MoE's, whose
+  linears take the plan's dense-FFN entries ``mlp.gate_proj``...) is a dense FFN on the block's gathered input: ``colwise`` as above, its ``rowwise`` output ``self.shared_out_proj()`` (this
+  rank's partial share, summed with the routed experts' by the block); a one-output linear beside it that the
+  HF plan leaves out (``shared_expert_gate``) ``self.shared_gate()`` (replicated).
 - parameter-holding norms directly in a block that the HF plan leaves out (``input_layernorm``,
   ``post_attention_layernorm``, Gemma's ``pre_``/``post_feedforward_layernorm``) -> ``self.norm()``.
 
@@ -54,7 +58,8 @@ from model_plans.styles import NormParallel, PlacedElsewhere
 _TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts")
 """The block strategies with a titan_ext counterpart (see the module docstring)."""
 
-_PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm", "router", "experts")
+_PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm", "router", "experts", "shared_rowwise",
+                  "shared_gate")
 """Roles whose style places a module's parameters (``gather`` only lays out an input)."""
 
 
@@ -100,7 +105,8 @@ class HFTPPlan(TPPlan):
         if entry.role == "gather":
             return self.gather(module, entry.keyword)[module]
         styles = {"colwise": self.colwise, "rowwise": self.out_proj, "head_norm": self.head_norm,
-                  "residual_norm": self.norm, "moe_block": self.moe_block, "router": self.router}
+                  "residual_norm": self.norm, "moe_block": self.moe_block, "router": self.router,
+                  "shared_rowwise": self.shared_out_proj, "shared_gate": self.shared_gate}
         return styles[entry.role]()
 
     def head_norm(self) -> NormParallel:
@@ -248,13 +254,12 @@ def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, s
     """The HF entries this block has, as roles. An entry naming nothing here is skipped, as HF does."""
     named = {}
     experts = [path for path, strategy in block_plan.items() if strategy == "moe_tp_experts"]
+    for path in experts:
+        named.update(_moe_entries(block, path, block_plan, model_type, f"{stack}.{path}"))
     for path, strategy in block_plan.items():
         where = f"{stack}.{path}"
-        if any(path.startswith(f"{e}.") for e in experts):
-            continue  # the stacked experts' own weights: placed with them
-        if strategy == "moe_tp_experts":
-            named.update(_moe_entries(block, path, model_type, where))
-            continue
+        if path in named or any(path.startswith(f"{e}.") for e in experts):
+            continue  # the MoE block's own entries; the stacked experts' weights: placed with them
         try:
             module = block.get_submodule(path)
         except AttributeError:
@@ -276,21 +281,52 @@ def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, s
     return named
 
 
-def _moe_entries(block: nn.Module, path: str, model_type: str, where: str) -> dict[str, BlockEntry]:
-    """A MoE block holding a router and the stacked experts at ``path``, and nothing else with parameters."""
+def _moe_entries(block: nn.Module, path: str, block_plan: dict[str, str], model_type: str,
+                 where: str) -> dict[str, BlockEntry]:
+    """A MoE block holding a router and the stacked experts at ``path``, and maybe a shared expert (its
+    colwise/rowwise linears in the HF plan) with a one-output gate; nothing else with parameters."""
     try:
         block.get_submodule(path)
     except AttributeError:
         return {}
     owner_path = _parent(path)
     owner = block.get_submodule(owner_path)
-    others = [name for name, child in owner.named_children()
-              if _join(owner_path, name) != path and _holds_parameters(child)]
-    if len(others) != 1 or not hasattr(owner.get_submodule(others[0]), "top_k"):
+    entries = {owner_path: BlockEntry("moe_block"), path: BlockEntry("experts")}
+    others = []
+    for name, child in owner.named_children():
+        child_path = _join(owner_path, name)
+        if child_path == path or not _holds_parameters(child):
+            continue
+        if hasattr(child, "top_k"):
+            entries[child_path] = BlockEntry("router")
+        elif isinstance(child, nn.Linear) and child.out_features == 1 and child_path not in block_plan:
+            entries[child_path] = BlockEntry("shared_gate")
+        elif shared := _shared_expert_entries(child, child_path, block_plan):
+            entries.update(shared)
+        else:
+            others.append(name)
+    if others or sum(e.role == "router" for e in entries.values()) != 1:
         raise _untranslated(model_type, where, "moe_tp_experts",
-                            f"its block holds {others} beside the experts; one router translates, shared experts not yet")
-    return {owner_path: BlockEntry("moe_block"), path: BlockEntry("experts"),
-            _join(owner_path, others[0]): BlockEntry("router")}
+                            f"its block holds {others} beside the experts and one router, which the HF plan does not "
+                            "place as a shared expert (colwise linears and one rowwise output)")
+    return entries
+
+
+def _shared_expert_entries(child: nn.Module, child_path: str, block_plan: dict[str, str]) -> dict[str, BlockEntry]:
+    """A dense FFN whose every linear the HF plan places: colwise ones, then one rowwise output. Its linears'
+    entries are its own (Qwen3-Next's ``mlp.shared_expert.gate_proj``) or, where the HF plan has none of them
+    (Qwen2-MoE's), those of the model's dense FFN at the MoE block's path (``mlp.gate_proj``)."""
+    relative = [n for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+    owners = {_parent(n) for n, _ in child.named_parameters()}
+    if not relative or owners != set(relative):
+        return {}
+    own = {_join(child_path, n): block_plan.get(_join(child_path, n)) for n in relative}
+    if not any(own.values()):
+        own = {_join(child_path, n): block_plan.get(_join(_parent(child_path), n)) for n in relative}
+    strategies = list(own.values())
+    if set(strategies) != {"colwise", "rowwise"} or strategies.count("rowwise") != 1:
+        return {}
+    return {p: BlockEntry("colwise" if r == "colwise" else "shared_rowwise") for p, r in own.items()}
 
 
 def _parent(path: str) -> str:
@@ -299,7 +335,8 @@ def _parent(path: str) -> str:
 
 def _groups(named: dict[str, BlockEntry], model_type: str, stack: str) -> set[str]:
     """The modules that parent colwise projections; each needs one rowwise output and gets one input gather."""
-    colwise = {_parent(p) for p, e in named.items() if e.role == "colwise"}
+    shared = {_parent(p) for p, e in named.items() if e.role == "shared_rowwise"}  # inside a gathered MoE block
+    colwise = {_parent(p) for p, e in named.items() if e.role == "colwise"} - shared
     rowwise = {_parent(p) for p, e in named.items() if e.role == "rowwise"}
     for path, entry in named.items():
         if entry.role == "head_norm" and _parent(path) not in colwise:

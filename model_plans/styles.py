@@ -96,6 +96,40 @@ class MoEBlockParallel(ParallelStyle):
         return f"MoEBlockParallel(layout={self.layout}, use_local_output={self.use_local_output})"
 
 
+class LocalShare(ParallelStyle):
+    """The last module of a shared expert inside a MoE block under TP (``MoEBlockParallel``): its DTensor
+    output, this rank's partial share of the shared expert's output, handed on as a plain tensor like the
+    routed experts' share (the block sums the shares). The gradient each share receives is the whole one,
+    the same on every rank: declared replicated."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(lambda mod, args, output: output.to_local(grad_placements=(Replicate(),)))
+        return module
+
+    def __repr__(self) -> str:
+        return "LocalShare()"
+
+
+class ScalesShares(ParallelStyle):
+    """A module replicated on every TP rank whose output scales each rank's partial share of a sum (Qwen3-Next's
+    ``shared_expert_gate`` inside a MoE block, ``MoEBlockParallel``): its weights replicated, its input the
+    block's gathered plain tensor, its output plain. The gradient of its output is then partial per rank (each
+    rank's share): summed over the TP ranks (one all-reduce in backward) before it reaches the module."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        NormParallel(Replicate(), use_local_output=True)._apply(module, device_mesh)
+
+        def post_hook(mod, args, output):
+            return DTensor.from_local(output, device_mesh, (Replicate(),), run_check=False).to_local(
+                grad_placements=(Partial(),))
+
+        module.register_forward_hook(post_hook)
+        return module
+
+    def __repr__(self) -> str:
+        return "ScalesShares()"
+
+
 class PlaceParameters(ParallelStyle):
     """A module's own parameters (not its children's) distributed with one placement; no input or output hooks.
 

@@ -64,7 +64,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``pp2``, ``hf`` (export and import), ``cp2`` (state passing, the convolution's halo and ring attention on
   one CP mesh) and ``cp2_docs`` (document resets on both sides, all-gathered attention, with AC and compile).
   ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
-  in ``fsdp2``). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
+  in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
+  shared expert split by TP, 2.8 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
@@ -87,7 +88,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   experts), ``ep2_tp2_fsdp2`` (EP x TP with validation, torchtitan's ETP=1: the EP mesh spans the TP ranks, which
   share the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
   each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
-  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_moe_bias`` (torchtitan's
+  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_qwen2_moe`` (a shared expert
+  whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
+  (2.3 s; its seed and single process 0.7 s); ``hf_moe_bias`` (torchtitan's
   auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
   ``ep2_tp2_fsdp2``.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
@@ -217,6 +220,12 @@ TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4,
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                    "router_aux_loss_coef": 0.0}  # its pp2 row: PP runs a MoE model only without the balancing loss
 
+# Qwen2-MoE: a shared expert whose linears its HF plan leaves out (they take its dense FFN's entries under TP).
+TINY_QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "vocab_size": 2048,
+                  "max_position_embeddings": 512}
+
 # Multi-head latent attention: a dense DeepSeek-V3 (q and kv latents, interleaved rotary dims, value heads
 # narrower than query-key heads) under TP2 and CP2 (ring attention; all-gathered with documents).
 TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -257,7 +266,9 @@ SPECS = {
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "cp2")),
+                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2")),
+    "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
+                         rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
     "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf")),
@@ -388,6 +399,14 @@ ROWS = {
                    specs=("hf_qwen3_moe",)),
     # EP with document masking: EP over the TP ranks (which share one batch: the single process's documents)
     "ep2_tp2_docs": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, documents=True, specs=("hf_qwen3_moe",)),
+    # EP x TP on 2 ranks: Qwen3-Next's TP (its shared expert a dense FFN inside the MoE block, the routed experts
+    # split by EP over the TP ranks)
+    # (its grad norms differ from one process by 8.9e-6, as its cp2 row's do: CP_RTOL)
+    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe"),
+                   spec_rtol=CP_RTOL),
+    # EP x CP: the EP mesh spans the CP ranks (torchtitan's ep within dp_shard x cp), each dispatching the tokens of
+    # its own sequence pieces (routing is per token)
+    "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next",), spec_rtol=CP_RTOL),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),

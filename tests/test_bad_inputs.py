@@ -467,6 +467,8 @@ BAD_DEGREES = {
                              "--parallelism.expert_tensor_parallel_degree=4 must be 1 or --parallelism.tensor_parallel_degree=2"),
     "ep does not split": (2, degree_values(expert_parallel=4),
                           "--parallelism.expert_parallel_degree=4 x --parallelism.expert_tensor_parallel_degree=1 does not divide"),
+    "ep does not split cp": (3, degree_values(context_parallel=3, expert_parallel=2),  # torchtitan's ep in dp_shard x cp
+                             "does not divide data_parallel_shard x context_parallel x tensor_parallel = 3"),
     "global batch": (2, {"training.global_batch_size": 12},
                      "--training.global_batch_size=12 is not a multiple of --training.local_batch_size=4 x 2 data-parallel ranks = 8"),
 }  # fmt: skip
@@ -484,6 +486,7 @@ def test_good_parallel_degrees():
     degrees.check_parallel_degrees(job(degree_values(tensor_parallel=2, data_parallel_shard=1)), 2)
     degrees.check_parallel_degrees(job({**degree_values(tensor_parallel=2), "training.global_batch_size": 24}), 6)
     degrees.check_parallel_degrees(job(degree_values(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2)), 8)
+    degrees.check_parallel_degrees(job(degree_values(context_parallel=2, expert_parallel=2)), 2)  # EP over the CP ranks
 
 
 # ---------------------------------------------------------------- registry names

@@ -113,13 +113,22 @@ def qwen3_plan(**changes):
     return {"base_model_tp_plan": plan}
 
 
+def qwen2_moe_plan(**changes):
+    from transformers import Qwen2MoeConfig
+
+    plan = {k: v for k, v in {**Qwen2MoeConfig.base_model_tp_plan, **changes}.items() if v is not None}
+    return {"base_model_tp_plan": plan}
+
+
 @pytest.mark.parametrize(
     "model_type,overrides,expected",
     [
         ("qwen3", qwen3_plan(**{"layers.*.mlp.gate_proj": "colwise_gather_output"}),
          "qwen3: HF TP strategy 'colwise_gather_output' on model.layers.*.mlp.gate_proj has no titan_ext translation"),
-        ("qwen2_moe", {}, "qwen2_moe: HF TP strategy 'moe_tp_experts' on model.layers.*.mlp.experts has no titan_ext "
-         "translation (its block holds ['gate', 'shared_expert', 'shared_expert_gate'] beside the experts"),
+        # Qwen2-MoE's shared expert takes its dense FFN's entries (matrix hf_qwen2_moe/ep2_tp2): without a rowwise one
+        ("qwen2_moe", qwen2_moe_plan(**{"layers.*.mlp.down_proj": None}), "qwen2_moe: HF TP strategy 'moe_tp_experts' "
+         "on model.layers.*.mlp.experts has no titan_ext translation (its block holds ['shared_expert'] beside the "
+         "experts and one router, which the HF plan does not place as a shared expert"),
         ("qwen3", qwen3_plan(**{"embed_tokens": "replicate"}), "HF TP strategy 'replicate' on model.embed_tokens"),
         ("qwen3", qwen3_plan(**{"layers.*.mlp.down_proj": None}),
          "qwen3: model.layers.*.mlp does not pair colwise projections with a rowwise output"),

@@ -153,6 +153,8 @@ def parallelism(**degrees):
     (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
     (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
     (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
+    (dict(context_parallel_degree=2, expert_parallel_degree=2),  # EP x CP trains without it (hf_qwen3_next/ep2_cp2)
+     "--parallelism.context_parallel_degree=2: the router's balancing loss"),
 ])  # fmt: skip
 def test_moe_refusals(degrees, phrase):
     with pytest.raises(ConfigError, match=phrase):

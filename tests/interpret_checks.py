@@ -310,6 +310,23 @@ def case_transformers_gated_deltanet():
     return max(rel(outs[1].detach(), outs[0].detach()), *grads)
 
 
+def case_gla_hybrid():
+    """fla's GLA hybrid (GLA at layer 0, fla's softmax Attention at layer 1 by fla's ``attn`` config) on fla's
+    kernels vs titan_ext's portable ones, with packed documents: the whole model, as a hybrid trains."""
+    args = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
+    args.config["num_hidden_layers"] = 2
+    ours = built(args, "portable")
+    theirs = built(args, "fla", like=ours)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(48).expand(2, 48).clone()
+    positions[:, 20:] -= 20  # a second document from token 20
+    outs = [model(tokens, document_positions=positions) for model in (ours, theirs)]
+    for out in outs:
+        out.float().sum().backward()
+    grads = [rel(p.grad, q.grad) for p, q in zip(theirs.parameters(), ours.parameters())]
+    return max(rel(outs[1].detach(), outs[0].detach()), *grads)
+
+
 CASES = {
     "chunk_gla": (lambda: case_chunk_gla(False), 1e-4),
     "chunk_gla_packed": (lambda: case_chunk_gla(True), 1e-4),
@@ -325,6 +342,7 @@ CASES = {
     "rms_norms": (case_norms, 1e-4),
     "cp": (case_cp, 1e-4),
     "tp": (case_tp, 1e-4),
+    "gla_hybrid": (case_gla_hybrid, 1e-4),  # the whole hybrid model, with documents (~7 s)
 }
 OPT_IN = {
     "chunk_kda": (lambda: case_kda("chunk_kda", False), 1e-4),

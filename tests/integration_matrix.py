@@ -271,7 +271,7 @@ SPECS = {
                          rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "ep2_tp2", "ep2_cp2")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
@@ -402,11 +402,12 @@ ROWS = {
     # EP x TP on 2 ranks: Qwen3-Next's TP (its shared expert a dense FFN inside the MoE block, the routed experts
     # split by EP over the TP ranks)
     # (its grad norms differ from one process by 8.9e-6, as its cp2 row's do: CP_RTOL)
-    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe"),
+    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe", "hf_kimi_linear"),
                    spec_rtol=CP_RTOL),
     # EP x CP: the EP mesh spans the CP ranks (torchtitan's ep within dp_shard x cp), each dispatching the tokens of
     # its own sequence pieces (routing is per token)
-    "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next",), spec_rtol=CP_RTOL),
+    "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_kimi_linear"),
+                   spec_rtol=CP_RTOL),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),

@@ -25,8 +25,9 @@ class ReplicatedBuffers(ParallelStyle):
     ``e_score_correction_bias``, added to its scores)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, buffer in list(module.named_buffers(recurse=False)):  # assigned in place: it stays (non)persistent
-            setattr(module, name, distribute_tensor(buffer, device_mesh, (Replicate(),), src_data_rank=self.src_data_rank))
+        for name, buffer in list(module.named_buffers(recurse=False)):  # assigned in place: stays (non)persistent
+            replicated = distribute_tensor(buffer, device_mesh, (Replicate(),), src_data_rank=self.src_data_rank)
+            setattr(module, name, replicated)
         return module
 
     def __repr__(self) -> str:

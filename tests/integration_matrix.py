@@ -69,8 +69,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
-  portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2`` and ``hf`` (export and import);
-  ``hf_kimi_linear_dense`` (2 layers, dense FFNs: TP and CP are refused for MoE FFNs) in ``tp2`` (KDA's and
+  portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
+  import), ``ep2_tp2`` (KimiLinearTPPlan: the router replicated, the shared experts split by TP, the routed ones by
+  EP over the TP ranks; 3.6 s, 7.7 s under load) and ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
+  ``hf_kimi_linear_dense`` (2 layers, dense FFNs: TP without EP) in ``tp2`` (KDA's and
   MLA's heads split), ``cp2`` (state passing with the convolution's halo, ring attention with values padded to
   the query-key head dim) and ``cp2_docs``; ``hf_deepseek_v3`` (a dense DeepSeek-V3: q and kv latents,
   rotary dims) in ``tp2``.
@@ -234,7 +236,7 @@ TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediat
                     "vocab_size": 2048, "max_position_embeddings": 512}
 # transformers' Kimi Linear: KDA (titan_ext's portable kernel on the CPU) then MLA, MoE FFNs (4 experts): the
 # shipped debug TOML (3 KDA layers to 1 MLA, train_configs/kimi_linear_debug.json); 2 layers with dense FFNs for
-# its TP and CP rows (titan_ext refuses both for MoE FFNs: model_plans.validate, titan_ext.moe.check_moe).
+# its TP and CP rows without EP (titan_ext refuses TP of MoE FFNs without EP: model_plans.validate).
 TINY_KIMI_LINEAR_DENSE = {"model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 128,
                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
                           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "linear_num_heads": 4,
@@ -271,7 +273,7 @@ SPECS = {
                          rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "ep2_tp2", "ep2_cp2")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
@@ -402,11 +404,12 @@ ROWS = {
     # EP x TP on 2 ranks: Qwen3-Next's TP (its shared expert a dense FFN inside the MoE block, the routed experts
     # split by EP over the TP ranks)
     # (its grad norms differ from one process by 8.9e-6, as its cp2 row's do: CP_RTOL)
-    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe"),
+    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe", "hf_kimi_linear"),
                    spec_rtol=CP_RTOL),
     # EP x CP: the EP mesh spans the CP ranks (torchtitan's ep within dp_shard x cp), each dispatching the tokens of
     # its own sequence pieces (routing is per token)
-    "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next",), spec_rtol=CP_RTOL),
+    "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_kimi_linear"),
+                   spec_rtol=CP_RTOL),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),

@@ -102,6 +102,10 @@ RUN_BY = {
     "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kda_340M.toml": "gpu",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_kimi_linear.toml "
     "--parallelism.expert_parallel_degree 2": "matrix:hf_kimi_linear/ep2_hf",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_kimi_linear.toml "
+    "--parallelism.tensor_parallel_degree 2 --parallelism.expert_parallel_degree 2": "matrix:hf_kimi_linear/ep2_tp2",
+    "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_kimi_linear.toml "
+    "--parallelism.context_parallel_degree 2 --parallelism.expert_parallel_degree 2": "matrix:hf_kimi_linear/ep2_cp2",
     "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kimi_linear.toml": "gpu",
     # docs/moe.md
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml":

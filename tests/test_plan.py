@@ -338,13 +338,52 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
     assert len(cases) >= 6
     for world, args in cases:
         job = job_config_of(args)
-        full = rank.plan_layout(job, world, extrapolate=False)
+        full = rank.plan_layout(job, world, extrapolate=False, reuse=False)
         count = len(extrapolated)
         planned = rank.plan_layout(job_config_of(args), world, extrapolate=True)
         assert len(extrapolated) == count + len(full), args  # extrapolated, not stepped in full after all
         assert fields(planned) == fields(full), args
         assert estimates.bubble(planned[0].plan, job) == estimates.bubble(full[0].plan, job)
         assert estimates.step_seconds(planned, 50.0) == pytest.approx(estimates.step_seconds(full, 50.0), rel=1e-12)
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
+def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_steps(tmp_path, monkeypatch):
+    """Field by field, exactly: 6-block debug models in 4 stages (2 blocks each in the middle), planned with what
+    their earlier ranks found (their stages' outputs, a twin's plan) and each rank on its own. The middle
+    stages are twins in a hybrid whose attention blocks fall alike in them (FSDP), and with TP, CP and
+    documents; not where one holds attention and the other not, nor where FSDP reshards after each forward."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    steps = []
+    monkeypatch.setattr(rank, "_step_runner", lambda *a, _f=rank._step_runner: steps.append(a[0]) or _f(*a))
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    def model(name, **fields):
+        (tmp_path / name).write_text(json.dumps({"model_type": "gla", "num_hidden_layers": 6, **fields}))
+        return ["--titan_ext.hf_config", str(tmp_path / name), "--parallelism.pipeline_parallel_degree", "4"]
+
+    fsdp = ["--parallelism.data_parallel_shard_degree", "2"]
+    attention = {"num_heads": 4, "num_kv_heads": 2}
+    for world, flags, stepped, compared in [
+        (8, [*model("alike.json", attn={"layers": [1, 3], **attention}), *fsdp], 3, True),
+        (8, [*model("unlike.json", attn={"layers": [2], **attention}), *fsdp], 4, True),
+        (16, [*model("gla.json"), "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree",
+              "2", "--parallelism.context_parallel_degree", "2", "--titan_ext.document_mask"], 3, True),
+        (8, [*model("gla.json"), *fsdp, "--parallelism.fsdp_reshard_after_forward", "always"], 4, False),
+    ]:
+        steps.clear()
+        reused = rank.plan_layout(job_config_of(argv(flags)), world)
+        assert len(steps) == stepped, flags
+        if stepped == 3:
+            assert fields(reused)[1][2:] == fields(reused)[2][2:], flags  # the twins
+        if compared:
+            assert fields(reused) == fields(rank.plan_layout(job_config_of(argv(flags)), world, reuse=False)), flags
 
 
 def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_verified():

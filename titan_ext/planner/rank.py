@@ -77,9 +77,26 @@ def fake_group(world: int, rank: int):
             dist.destroy_process_group()
 
 
-def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None) -> RankPlan:
+class StagesSeen:
+    """The pipeline stages of one layout planned so far, at one microbatch count (``plan_layout`` plans its
+    ranks in pipeline order): the shapes each sent its next stage in the first step's setup, which is what
+    that stage's rank receives in a real run (so a later rank builds no other rank's stages to learn its
+    input), and each stepped interior stage's plan by its structure and input (``_twin_key``)."""
+
+    def __init__(self):
+        self.sent: dict = {}
+        """stage index -> the ``_StageForwardMeta`` it sent the next stage."""
+        self.stepped: list = []
+        """(twin key, the RankPlan stepped for it, what its stage sent)."""
+
+
+def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
+              seen: StagesSeen | None = None) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
+
+    ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
+    interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -109,7 +126,14 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             else:
                 schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
             param_bytes = memory.param_bytes(parts)
-            neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize) if dims.pp_enabled else {}
+            seen = seen if seen is not None else StagesSeen()
+            stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
+            key = _twin_key(plan, schedule, parts, seen) if dims.pp_enabled else None
+            twin = next(((planned, sent) for k, planned, sent in seen.stepped if k == key), None) if key else None
+            if twin is not None:
+                seen.sent[stages[0]] = twin[1]
+                return replace(twin[0], rank=rank, stages=stages, parallel_dims=dims)
+            neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize, seen) if dims.pp_enabled else {}
         with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True), \
                 (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
             with phase("parallelize"):
@@ -121,7 +145,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             recorder = collectives.Recorder(collectives.group_labels(dims))
             saved = _SavedBytes()
             if dims.pp_enabled:
-                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
+                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp],
+                                            seen.sent)
                 _first_step_setup_unrecorded(schedule, recorder, saved, phase)
             with phase("recorded step"), recorder, saved:
                 step()
@@ -131,8 +156,10 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 with _UpdatesSkipped():
                     optimizers.step()
                 optimizer_bytes = memory.optimizer_bytes(optimizers)
-        stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
-        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+        planned = RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+        if key is not None:
+            seen.stepped.append((key, planned, seen.sent.get(stages[0])))
+        return planned
 
 
 def _job_plan(job_config, dims, model_args=None):
@@ -156,14 +183,49 @@ PIPELINE_TORCH = "2.13"
 """The first torch whose pipeline stages take the metadata the planner hands them (``compat.pipeline_metadata``)."""
 
 
-def _other_stages(model, choice, dims, job_config, parallelize) -> dict:
+def _other_stages(model, choice, dims, job_config, parallelize, seen: StagesSeen) -> dict:
     """The stages before this rank's last one that other ranks run, built as they build them: a stage
-    on another rank tells this one its output's shape and dtype in the first step (torch's handshake)."""
+    on another rank tells this one its output's shape and dtype in the first step (torch's handshake).
+    None where every stage this rank hears from was planned before it (``seen.sent``: what they sent)."""
     from titan_ext.pipeline import stage_model
 
     local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
+    if all(index - 1 in local or index - 1 in seen.sent for index in local if index > 0):
+        return {}
     return {index: parallelize(stage_model(model, choice.stages[index]), dims, job_config)
             for index in range(max(local)) if index not in local}
+
+
+def _twin_key(plan, schedule, parts, seen: StagesSeen):
+    """What makes two pipeline ranks' plans equal, or None where the planner steps the rank whatever came
+    before: one interior stage (not the first, which embeds, nor the last, which computes the loss) of a
+    schedule of one stage per rank; the same input (what the previous stage sent: known, as the ranks are
+    planned in order) and the same modules (``_structure``: classes, settings, parameters, local bytes).
+    Such a stage runs the same forwards and backwards as its twin, only their order differs with its place
+    in 1F1B's warm-up, which changes no count where FSDP keeps the blocks gathered across the step's
+    microbatches (its default under PP): with resharding after each forward it gathers again after each
+    backward that a forward followed, which the order changes, so no stage is anyone's twin there."""
+    inner = schedule._schedule
+    stages = list(getattr(inner, "_stages", None) or [inner._stage])
+    resharded = plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head)
+    if len(stages) != 1 or stages[0].is_first or stages[0].is_last or resharded:
+        return None
+    received = seen.sent.get(stages[0].stage_index - 1)
+    return None if received is None else (received, _structure(parts[0]))
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """A module tree without its names: each module's class and settings, and its own parameters' and
+    buffers' shapes, dtypes, placements and local bytes (a pipeline stage's blocks are named by their index
+    in the whole model)."""
+    from torch.distributed.tensor import DTensor
+
+    def tensors(items):
+        return tuple((type(t).__name__, tuple(t.shape), t.dtype, str(t.placements) if isinstance(t, DTensor) else "",
+                      memory.local_bytes(t), t.requires_grad) for _, t in items if t is not None)
+
+    return tuple((type(m).__qualname__, m.extra_repr(), tensors(m.named_parameters(recurse=False)),
+                  tensors(m.named_buffers(recurse=False))) for m in module.modules())
 
 
 @contextlib.contextmanager
@@ -188,15 +250,16 @@ def _schedules_as_on_a_real_group():
         yield
 
 
-def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor) -> None:
+def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor, sent: dict) -> None:
     """torch's schedule sets its stages up in its first step by messages between the ranks: a vote (whose
     result it reads with ``.item()``) on whether every stage was given its shapes, then each stage's output
     shapes and dtypes sent on as pickled objects, and its input gradients' sent back. On the fake group
     nothing arrives, so the planner answers for the other ranks: the vote as real runs decide it (no stage
     given shapes: inferred), a stage's input as the previous stages compute it from the microbatch
     (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its
-    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only a first
-    step needs this, and the planner runs one (``_first_step_setup_unrecorded``)."""
+    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. A stage
+    planned before this rank (``sent``: stage -> what it sent on) answers for itself, and this rank's stages
+    add what they send. Only a first step needs this, and the planner runs one (``_first_step_setup_unrecorded``)."""
     meta = compat.pipeline_metadata()
     inner = schedule._schedule
     stages = list(getattr(inner, "_stages", None) or [inner._stage])
@@ -218,6 +281,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     def received(stage, source: int):
         if source > stage.stage_index:  # the next stage's input gradients: as this stage's outputs
             return meta._StageBackwardMeta(backward_metas=meta._derive_grad_metas(stage._stage_meta.outputs))
+        if source in sent:
+            return sent[source]
         hidden = microbatch["args"]
         with torch.no_grad():
             for index in range(source + 1):
@@ -230,7 +295,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     inner._warmup_p2p = vote
     schedule._warm_up = False  # titan_ext's gloo warm-up step (TokenMeanSchedule): values do not matter here
     for stage in stages:
-        stage._send_meta = lambda meta_, destination: None
+        stage._send_meta = lambda meta_, destination, stage=stage: (
+            sent.__setitem__(stage.stage_index, meta_) if destination > stage.stage_index else None)
         stage._recv_meta = lambda source, stage=stage: received(stage, source)
 
 
@@ -336,8 +402,12 @@ class _SavedBytes(collectives.Pausable):
         return self._hooks.__exit__(*exc)
 
 
-def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None):
-    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage.
+def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
+                reuse: bool = True):
+    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage, planned in pipeline
+    order: each rank learns its input's shapes from the stage before it, and a rank whose stage is an
+    interior twin of one stepped before takes that one's plan (``_twin_key``). ``reuse=False``: each rank
+    planned on its own (the other ranks' stages built, every rank stepped), for the tests.
 
     A pipelined rank steps every microbatch through its stages, and a fake step costs per operator whatever
     the shapes: its m microbatches cost m times one. Every microbatch has the same shapes and the schedule
@@ -348,14 +418,19 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
     counts = _planned_microbatches(job_config, extrapolate)
+
+    def planned(job):
+        seen = StagesSeen()
+        return [plan_rank(job, world, rank, phases, seen if reuse else None) for rank in ranks]
+
     if counts is None:
-        return [plan_rank(job_config, world, rank, phases) for rank in ranks]
+        return planned(job_config)
     plan = _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
     try:
-        low, high = ([plan_rank(_with_microbatches(job_config, m), world, rank, phases) for rank in ranks] for m in counts)
+        low, high = (planned(_with_microbatches(job_config, m)) for m in counts)
         return [_extrapolated(a, b, *counts, _microbatches(job_config), plan) for a, b in zip(low, high)]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
-        return [plan_rank(job_config, world, rank, phases) for rank in ranks]
+        return planned(job_config)
 
 
 EXTRAPOLATED_SCHEDULES = {"1F1B", "Interleaved1F1B"}

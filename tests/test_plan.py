@@ -307,21 +307,22 @@ def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
         assert line.startswith(f"[") and f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
 
 
-# (world, flags): pipelined layouts of 8 microbatches, planned at 2 and 3 and extrapolated, and stepped in full
+# (world, flags): pipelined layouts of 8 microbatches, stepped with 3 (4 at PP 4) and extrapolated, and in full
 EXTRAPOLATED = [
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),  # 2 stages per rank
-    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # planned at 4, 5
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 4
 ]
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
 def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_step(debug_sweep, monkeypatch):
     """Field by field, exactly: each pipelined layout of the debug model's 8-rank sweep (4 microbatches), and
-    layouts of 8 microbatches (with FSDP, interleaved), planned at p and p + 1 microbatches and extrapolated,
-    equal the same layout stepped with all its microbatches (p + 1 < m: 2 and 4 ranks)."""
+    layouts of 8 microbatches (with FSDP, interleaved), stepped with max(3, p) microbatches, a middle one's
+    saves and collectives attributed to it, and extrapolated, equal the same layout stepped with all its
+    microbatches, each rank on its own."""
     from titan_ext.planner import estimates, job_config_of, rank
     from titan_ext.planner.collectives import summary
 
@@ -333,7 +334,7 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     result, _ = debug_sweep
-    cases = [(8, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: at 2, 3
+    cases = [(8, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: with 3
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
     assert len(cases) >= 6
     for world, args in cases:
@@ -388,15 +389,14 @@ def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_st
 
 def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_verified():
     from titan_ext.planner import job_config_of
-    from titan_ext.planner.rank import _planned_microbatches
+    from titan_ext.planner.rank import _stepped_microbatches
 
-    def counts(batch, pp=2, schedule="1F1B", extrapolate=None):
-        return _planned_microbatches(job_config_of(argv([
+    def count(batch, pp=2, schedule="1F1B", extrapolate=None):
+        return _stepped_microbatches(job_config_of(argv([
             "--parallelism.pipeline_parallel_degree", str(pp), "--training.local_batch_size", str(batch),
             "--parallelism.pipeline_parallel_schedule", schedule])), extrapolate)
 
-    assert counts(16) == (2, 3) and counts(16, 4) == (4, 5) and counts(16, schedule="Interleaved1F1B") == (2, 3)
-    assert counts(16, 8) is None  # 8 and 9 microbatches cost more than 16
-    assert counts(4) is None and counts(4, extrapolate=True) == (2, 3) and counts(3, extrapolate=True) is None
-    assert counts(16, extrapolate=False) is None and counts(16, pp=1) is None
-    assert counts(16, schedule="ZBVZeroBubble") is None  # not verified
+    assert count(16) == 3 and count(16, 4) == 4 and count(16, 8) == 8 and count(16, schedule="Interleaved1F1B") == 3
+    assert count(8, 8) is None  # as many as the job's own
+    assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
+    assert count(16, schedule="ZBVZeroBubble") is None  # not verified

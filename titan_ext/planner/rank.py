@@ -33,6 +33,9 @@ class RankPlan:
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
     parallel_dims: object
+    microbatch: tuple | None = None
+    """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
+    saved and issued, (bytes, collectives)."""
 
 
 class Phases:
@@ -91,12 +94,13 @@ class StagesSeen:
 
 
 def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
-              seen: StagesSeen | None = None) -> RankPlan:
+              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
     ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
     interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
+    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued.
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -144,19 +148,22 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
             recorder = collectives.Recorder(collectives.group_labels(dims))
             saved = _SavedBytes()
+            microbatches = _Microbatches(schedule, recorder, saved) if dims.pp_enabled and attribute else None
             if dims.pp_enabled:
                 _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp],
                                             seen.sent)
                 _first_step_setup_unrecorded(schedule, recorder, saved, phase)
-            with phase("recorded step"), recorder, saved:
+            with phase("recorded step"), recorder, saved, microbatches or contextlib.nullcontext():
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
+            middle = microbatches.middle() if microbatches else None
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
                 with _UpdatesSkipped():
                     optimizers.step()
                 optimizer_bytes = memory.optimizer_bytes(optimizers)
-        planned = RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims)
+        planned = RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, recorded, plan, dims,
+                           middle)
         if key is not None:
             seen.stepped.append((key, planned, seen.sent.get(stages[0])))
         return planned
@@ -392,7 +399,11 @@ class _SavedBytes(collectives.Pausable):
         if not self._paused and id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
             self._seen[id(tensor)] = tensor
             self.bytes += memory.local_bytes(tensor)
+            self.counted(memory.local_bytes(tensor))
         return tensor
+
+    def counted(self, nbytes: int) -> None:
+        """Told of each tensor's bytes as they are counted (``_Microbatches`` attributes them)."""
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -400,6 +411,88 @@ class _SavedBytes(collectives.Pausable):
 
     def __exit__(self, *exc):
         return self._hooks.__exit__(*exc)
+
+
+class _Microbatches:
+    """Which microbatch each collective a pipelined rank's step issues, and each byte it saves, belongs to:
+    those issued or saved while the stage runs a microbatch's forward, loss or backward, and its sends and
+    receives (each P2P op is made for one microbatch); the rest (the step's own: token counts, tied weights)
+    to none. ``middle()``: what a microbatch between the first and the last saved and issued, the same for
+    each such (checked) or ``_NotAffine``."""
+
+    def __init__(self, schedule, recorder, saved):
+        self.current, self.tags, self.saved, self.unattributed = None, [], Counter(), 0
+        self.log, self._recorder, self._p2p = recorder.log, recorder, None
+        record = recorder._record
+
+        def tagged(*args, **kwargs):
+            record(*args, **kwargs)
+            self.tags.append(self.current)
+
+        recorder._record = tagged
+        saved.counted = lambda nbytes: self.saved.update({self.current: nbytes})
+        inner = schedule._schedule
+        self.count = inner._n_microbatches
+        for stage in list(getattr(inner, "_stages", None) or [inner._stage]):
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._during(getattr(stage, name), 0))
+            for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
+                setattr(stage, name, self._stamped(getattr(stage, name)))
+        inner._maybe_compute_loss = self._during(inner._maybe_compute_loss, 3)
+
+    def _during(self, method, position: int):
+        def run(*args, **kwargs):
+            outer, self.current = self.current, args[position]
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current = outer
+
+        return run
+
+    @staticmethod
+    def _stamped(method):
+        def ops(index, *args, **kwargs):
+            made = method(index, *args, **kwargs)
+            for op in made:
+                op.planner_microbatch = index
+            return made
+
+        return ops
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        module = compat.pipeline_schedules_module()
+        original = module._batch_p2p
+
+        def batch(ops, *args, **kwargs):
+            first = len(self.log)
+            works = original(ops, *args, **kwargs)
+            if self._recorder._paused:  # the first step's setup
+                return works
+            kinds = ["send" if op.op in (dist.isend, dist.send) else "recv" for op in ops]
+            if [c.kind for c in self.log[first:]] != kinds:  # not one recorded op per P2P op, in order
+                self.unattributed += 1
+            else:
+                self.tags[first:] = [getattr(op, "planner_microbatch", None) for op in ops]
+            return works
+
+        self._p2p = mock.patch.object(module, "_batch_p2p", batch)
+        self._p2p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._p2p.__exit__(*exc)
+
+    def middle(self) -> tuple:
+        if self.unattributed or len(self.tags) != len(self.log):
+            raise _NotAffine("P2P ops not recorded one by one")
+        each = {index: (self.saved[index], tuple(c for c, tag in zip(self.log, self.tags) if tag == index))
+                for index in range(1, self.count - 1)}
+        if len({(nbytes, tuple(sorted(Counter(issued).items(), key=repr))) for nbytes, issued in each.values()}) != 1:
+            raise _NotAffine("middle microbatches differ")
+        return each[1]
 
 
 def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
@@ -411,30 +504,34 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
 
     A pipelined rank steps every microbatch through its stages, and a fake step costs per operator whatever
     the shapes: its m microbatches cost m times one. Every microbatch has the same shapes and the schedule
-    is deterministic, so what a rank holds and issues is affine in m (``_affine``): the rank is planned at
-    the two smallest counts its schedule takes and extrapolated to the job's m (``extrapolate=None``: where
-    that is cheaper and the schedule is one ``tests/test_plan.py`` verifies it for; ``False``: never;
-    ``True``: wherever m exceeds the two counts, for the tests)."""
+    is deterministic: a microbatch between the first (which FSDP gathers the weights for) and the last
+    (whose backward reduces the gradients) saves and issues what any other such does. So the rank is
+    stepped with the fewest microbatches its schedule takes that have one in the middle, what each saves
+    and issues recorded on its own (``_Microbatches``), and extrapolated to the job's m by adding the
+    middle one's (``extrapolate=None``: where that is cheaper and the schedule is one ``tests/test_plan.py``
+    verifies it for; ``False``: never; ``True``: wherever m exceeds that count, for the tests)."""
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
-    counts = _planned_microbatches(job_config, extrapolate)
+    count = _stepped_microbatches(job_config, extrapolate)
 
-    def planned(job):
+    def planned(job, attribute=False):
         seen = StagesSeen()
-        return [plan_rank(job, world, rank, phases, seen if reuse else None) for rank in ranks]
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
 
-    if counts is None:
+    if count is None:
         return planned(job_config)
     plan = _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
+    if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
+        return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     try:
-        low, high = (planned(_with_microbatches(job_config, m)) for m in counts)
-        return [_extrapolated(a, b, *counts, _microbatches(job_config), plan) for a, b in zip(low, high)]
+        return [_extrapolated(rank, count, _microbatches(job_config), plan)
+                for rank in planned(_with_microbatches(job_config, count), attribute=True)]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
         return planned(job_config)
 
 
 EXTRAPOLATED_SCHEDULES = {"1F1B", "Interleaved1F1B"}
-"""The schedules whose pipelined ranks are planned at two microbatch counts and extrapolated: those
+"""The schedules whose pipelined ranks are stepped with fewer microbatches and extrapolated: those
 ``tests/test_plan.py`` plans both ways and finds equal, field by field."""
 
 
@@ -442,19 +539,17 @@ def _microbatches(job_config) -> int:
     return job_config.training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size
 
 
-def _planned_microbatches(job_config, extrapolate: bool | None) -> tuple[int, int] | None:
-    """The two microbatch counts a pipelined rank is planned at, or None to step the job's own: p and p + 1 for
-    p ranks, the fewest that 1F1B (a microbatch per stage) and the interleaved schedules (whole rounds of p:
-    one round below 2p) take."""
+def _stepped_microbatches(job_config, extrapolate: bool | None) -> int | None:
+    """The microbatches a pipelined rank is stepped with, or None to step the job's own: p for p ranks (the
+    fewest 1F1B, a microbatch per stage, and the interleaved schedules, whole rounds of p, take) and at least
+    3 (one between the first and the last)."""
     p = job_config.parallelism
     if extrapolate is False or p.pipeline_parallel_degree <= 1 or p.pipeline_parallel_schedule not in EXTRAPOLATED_SCHEDULES:
         return None
     if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         return None  # refused by titan_ext's checks, in the full plan
-    low, high, m = p.pipeline_parallel_degree, p.pipeline_parallel_degree + 1, _microbatches(job_config)
-    if m <= high or (extrapolate is None and low + high >= m):
-        return None
-    return low, high
+    count = max(3, p.pipeline_parallel_degree)
+    return count if count < _microbatches(job_config) else None
 
 
 def _with_microbatches(job_config, count: int):
@@ -466,29 +561,21 @@ def _with_microbatches(job_config, count: int):
 
 
 class _NotAffine(Exception):
-    """Two plans at m1 < m2 microbatches that no affine a + b·m fits with whole, non-negative values."""
+    """A rank's middle microbatches that did not save and issue the same, or a collective not attributed."""
 
 
-def _affine(low: int, high: int, m1: int, m2: int, m: int) -> int:
-    """f(m) for the f(m) = a + b·m through (m1, low) and (m2, high)."""
-    if (high - low) % (m2 - m1):
-        raise _NotAffine(f"{low} at {m1}, {high} at {m2}")
-    value = low + (high - low) // (m2 - m1) * (m - m1)
-    if value < 0:
-        raise _NotAffine(f"{low} at {m1}, {high} at {m2}: {value} at {m}")
-    return value
-
-
-def _extrapolated(low: RankPlan, high: RankPlan, m1: int, m2: int, m: int, plan) -> RankPlan:
-    """The rank at m microbatches from the rank at m1 and m2: the state it holds does not change with m; the
-    activations (summed over the microbatches) and each collective's count (by kind, group and bytes) are
-    affine in m. The collectives are listed in the order they first came at m2, each repeated its count."""
-    for name in ("rank", "stages", "param_bytes", "grad_bytes", "optimizer_bytes"):
-        if getattr(low, name) != getattr(high, name):
-            raise _NotAffine(name)
-    before, after = Counter(low.collectives), Counter(high.collectives)
-    issued = [c for c in dict.fromkeys([*high.collectives, *low.collectives]) for _ in range(_affine(before[c], after[c], m1, m2, m))]
-    return replace(high, saved_bytes=_affine(low.saved_bytes, high.saved_bytes, m1, m2, m), collectives=tuple(issued), plan=plan)
+def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
+    """The rank at m microbatches from its step with ``count``: the state it holds does not change with m;
+    the activations (summed over the microbatches) and each collective's count (by kind, group and bytes)
+    gain a middle microbatch's for each further one. The collectives are listed in the order they first
+    came, each repeated its count."""
+    saved, issued = stepped.microbatch
+    counts = Counter(stepped.collectives)
+    for collective, n in Counter(issued).items():
+        counts[collective] += (m - count) * n
+    ordered = [c for c in dict.fromkeys(stepped.collectives) for _ in range(counts[c])]
+    return replace(stepped, saved_bytes=stepped.saved_bytes + (m - count) * saved, collectives=tuple(ordered),
+                   plan=plan, microbatch=None)
 
 
 def _checked_plan(job_config, world: int):

@@ -84,9 +84,13 @@ class StagesSeen:
     """The pipeline stages of one layout planned so far, at one microbatch count (``plan_layout`` plans its
     ranks in pipeline order): the shapes each sent its next stage in the first step's setup, which is what
     that stage's rank receives in a real run (so a later rank builds no other rank's stages to learn its
-    input), and each stepped interior stage's plan by its structure and input (``_twin_key``)."""
+    input), each stepped interior stage's plan by its structure and input (``_twin_key``), and the job's
+    checks, plan and whole meta model, the same for every rank (each copies its stages out of the model)."""
 
     def __init__(self):
+        self.built: tuple | None = None
+        """(the job config, its model args, their JobPlan, the whole model on the meta device), from the layout's
+        first rank."""
         self.sent: dict = {}
         """stage index -> the ``_StageForwardMeta`` it sent the next stage."""
         self.stepped: list = []
@@ -115,10 +119,15 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             dims.build_mesh()
             spec = registry.get_train_spec(job_config.model.name)
             model_args = spec.model_args[job_config.model.flavor]
-            plan = _job_plan(job_config, dims, model_args)
-            with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
-                model = spec.model_cls(model_args)
-            build_model_converters(job_config, dims).convert(model)
+            if seen is not None and seen.built and seen.built[0] is job_config:
+                model_args, plan, model = seen.built[1:]  # an earlier rank's: pipelined ranks copy their stages out
+            else:
+                plan = _job_plan(job_config, dims, model_args)
+                with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
+                    model = spec.model_cls(model_args)
+                build_model_converters(job_config, dims).convert(model)
+                if seen is not None and dims.pp_enabled:
+                    seen.built = (job_config, model_args, plan, model)
             loss_fn = _raising(spec.build_loss_fn)(job_config, parallel_dims=dims)
         device = torch.device("cpu")
         parallelize = _raising(spec.parallelize_fn)

@@ -352,8 +352,8 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
 def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_steps(tmp_path, monkeypatch):
     """Field by field, exactly: 6-block debug models in 4 stages (2 blocks each in the middle), planned with what
     their earlier ranks found (their stages' outputs, a twin's plan) and each rank on its own. The middle
-    stages are twins in a hybrid whose attention blocks fall alike in them (FSDP), and with TP, CP and
-    documents; not where one holds attention and the other not, nor where FSDP reshards after each forward."""
+    stages are twins in a hybrid whose attention blocks fall alike in them (FSDP), and with CP and documents;
+    not where one holds attention and the other not, nor where FSDP reshards after each forward."""
     from titan_ext.planner import job_config_of, prepare, rank
     from titan_ext.planner.collectives import summary
 
@@ -374,8 +374,8 @@ def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_st
     for world, flags, stepped, compared in [
         (8, [*model("alike.json", attn={"layers": [1, 3], **attention}), *fsdp], 3, True),
         (8, [*model("unlike.json", attn={"layers": [2], **attention}), *fsdp], 4, True),
-        (16, [*model("gla.json"), "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree",
-              "2", "--parallelism.context_parallel_degree", "2", "--titan_ext.document_mask"], 3, True),
+        (8, [*model("gla.json"), "--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree",
+             "2", "--titan_ext.document_mask"], 3, True),
         (8, [*model("gla.json"), *fsdp, "--parallelism.fsdp_reshard_after_forward", "always"], 4, False),
     ]:
         steps.clear()

@@ -202,7 +202,7 @@ PIPELINE_TORCH = "2.13"
 def _other_stages(model, choice, dims, job_config, parallelize, seen: StagesSeen) -> dict:
     """The stages before this rank's last one that other ranks run, built as they build them: a stage
     on another rank tells this one its output's shape and dtype in the first step (torch's handshake).
-    None where every stage this rank hears from was planned before it (``seen.sent``: what they sent)."""
+    None are built where every stage this rank hears from was planned before it (``seen.sent``: what it sent)."""
     from titan_ext.pipeline import stage_model
 
     local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
@@ -219,8 +219,8 @@ def _twin_key(plan, schedule, parts, seen: StagesSeen):
     planned in order) and the same modules (``_structure``: classes, settings, parameters, local bytes).
     Such a stage runs the same forwards and backwards as its twin, only their order differs with its place
     in 1F1B's warm-up, which changes no count where FSDP keeps the blocks gathered across the step's
-    microbatches (its default under PP): with resharding after each forward it gathers again after each
-    backward that a forward followed, which the order changes, so no stage is anyone's twin there."""
+    microbatches (its default under PP). Where it reshards after each forward, when it gathers again
+    follows that order: no stage is taken for another's there (each is stepped)."""
     inner = schedule._schedule
     stages = list(getattr(inner, "_stages", None) or [inner._stage])
     resharded = plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head)

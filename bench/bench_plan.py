@@ -3,6 +3,7 @@
     python bench/bench_plan.py                                   # the README's example sweep, this tree
     python bench/bench_plan.py --baseline /tmp/base              # and a checkout of an older commit, in turn
     python bench/bench_plan.py --baseline /tmp/base --sample 1   # the first layout of each kind only
+    python bench/bench_plan.py --layout "pp 8 x fsdp 128"        # one layout (repeat --layout for more)
     python bench/bench_plan.py -- --training.seq_len 32768 --training.local_batch_size 1  # more flags for the job
 
 Each tree runs in a fresh process (imports included, as a user's sweep), one after the other, the baseline
@@ -98,10 +99,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", type=Path, help="a checkout of the commit to compare with")
     parser.add_argument("--sample", type=int, default=0, help="plan only the first N layouts of each kind")
+    parser.add_argument("--layout", action="append", help="plan only this layout (its name as the sweep prints it); repeat")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds per tree")
     parser.add_argument("flags", nargs="*", help="torchtitan/titan_ext flags added to the example's (after --)")
     options = parser.parse_args()
-    names = None
+    names = options.layout
     if options.sample:
         sys.path.insert(0, str(REPO))
         from titan_ext.planner import layouts
@@ -113,7 +115,7 @@ def main() -> None:
         names = [name for group in taken.values() for name in group]
     trees = ([("baseline", options.baseline)] if options.baseline else []) + [("this tree", REPO)]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs; GLA 7B sweep at {WORLD} ranks"
-          + (f", {len(names)} layouts (--sample {options.sample})" if names else "") + "".join(f" {f}" for f in options.flags),
+          + (f", {len(names)} layouts" + (f" (--sample {options.sample})" if options.sample else "") if names else "") + "".join(f" {f}" for f in options.flags),
           flush=True)
     results = {label: run_tree(tree, options.flags, names, options.timeout) for label, tree in trees}
     by_kind = {label: defaultdict(float) for label in results}

@@ -297,7 +297,7 @@ for layout in reversed(candidates(world)):  # each after other layouts than in t
     except Exception as error:
         out[layout.name()] = type(error).__name__
         continue
-    out[layout.name()] = [[r.rank, list(r.stages), r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes,
+    out[layout.name()] = [[r.rank, list(r.stages), r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                            [[c.kind, c.group, c.ranks, c.bytes] for c in r.collectives]] for r in planned]
 print("PLANS " + json.dumps(out))
 """
@@ -326,7 +326,7 @@ def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
                           capture_output=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     alone = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PLANS "))[6:])
-    swept = {layout.name(): [[r.rank, list(r.stages), r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes,
+    swept = {layout.name(): [[r.rank, list(r.stages), r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                               [[c.kind, c.group, c.ranks, c.bytes] for c in r.collectives]] for r in planned]
              for layout, planned in result.planned.items()}
     assert sorted(swept) == sorted(name for name, plans in alone.items() if isinstance(plans, list))
@@ -347,20 +347,21 @@ def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
         assert line.startswith(f"[") and f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
 
 
-# (world, flags): pipelined layouts of 8 microbatches, planned at 2 and 3 and extrapolated, and stepped in full
+# (world, flags): pipelined layouts of 8 microbatches, stepped with 3 (5 at PP 4) and extrapolated, and in full
 EXTRAPOLATED = [
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),  # 2 stages per rank
-    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # planned at 4, 5
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 4
 ]
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
 def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_step(debug_sweep, monkeypatch):
     """Field by field, exactly: each layout of 2 pipeline ranks in the debug model's 4-rank sweep (with FSDP,
-    CP or TP; 1F1B, 4 microbatches), and layouts of 8 microbatches (1F1B, interleaved, 4 stages), planned at p
-    and p + 1 microbatches and extrapolated, equal the same layout stepped with all its microbatches."""
+    CP or TP; 1F1B, 4 microbatches), and layouts of 8 microbatches (1F1B, interleaved, 4 stages), stepped with
+    max(3, p + 1) microbatches, a middle one's saves, collectives and held bytes attributed to it, and
+    extrapolated, equal the same layout stepped with all its microbatches, each rank on its own."""
     from titan_ext.planner import estimates, job_config_of, rank
     from titan_ext.planner.collectives import summary
 
@@ -368,35 +369,84 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
     monkeypatch.setattr(rank, "_extrapolated", lambda *a, _f=rank._extrapolated: extrapolated.append(_f(*a)) or extrapolated[-1])
 
     def fields(planned):
-        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes,
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     result, _ = debug_sweep
-    cases = [(result.world, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: at 2, 3
+    cases = [(result.world, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: with 3
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
     assert len(cases) >= 6
+    in_full = []
     for world, args in cases:
         job = job_config_of(args)
-        full = rank.plan_layout(job, world, extrapolate=False)
+        full = rank.plan_layout(job, world, extrapolate=False, reuse=False)
         count = len(extrapolated)
         planned = rank.plan_layout(job_config_of(args), world, extrapolate=True)
-        assert len(extrapolated) == count + len(full), args  # extrapolated, not stepped in full after all
+        if len(extrapolated) != count + len(full):  # stepped in full after all
+            in_full.append(args)
         assert fields(planned) == fields(full), args
         assert estimates.bubble(planned[0].plan, job) == estimates.bubble(full[0].plan, job)
         assert estimates.step_seconds(planned, 50.0) == pytest.approx(estimates.step_seconds(full, 50.0), rel=1e-12)
+    # stepped in full (the peak not extrapolated, equal all the same): under CP, where the first stage's middle
+    # microbatches keep tensors past their work and its peak comes while they run; and the interleaved schedule
+    assert all("Interleaved1F1B" in args or args[args.index("--parallelism.context_parallel_degree") + 1] != "1"
+               for args in in_full if "--parallelism.context_parallel_degree" in args or "Interleaved1F1B" in args), in_full
+    assert all("--parallelism.context_parallel_degree" in args or "Interleaved1F1B" in args for args in in_full), in_full
+    assert len(in_full) <= 4, in_full
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
+def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_steps(tmp_path, monkeypatch):
+    """Field by field, exactly: 6-block debug models in 4 stages (2 blocks each in the middle), planned with what
+    their earlier ranks found (their stages' outputs, a twin's plan) and each rank on its own. Under GPipe the
+    middle stages are twins in a hybrid whose attention blocks fall alike in them (FSDP), and with CP and
+    documents; not where one holds attention and the other not, nor where FSDP reshards after each forward,
+    nor under 1F1B (a stage's warm-up, so its step's peak, depends on its place)."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    steps = []
+    monkeypatch.setattr(rank, "_step_runner", lambda *a, _f=rank._step_runner: steps.append(a[0]) or _f(*a))
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    def model(name, **fields):
+        (tmp_path / name).write_text(json.dumps({"model_type": "gla", "num_hidden_layers": 6, **fields}))
+        return ["--titan_ext.hf_config", str(tmp_path / name), "--parallelism.pipeline_parallel_degree", "4"]
+
+    fsdp = ["--parallelism.data_parallel_shard_degree", "2"]
+    gpipe = ["--parallelism.pipeline_parallel_schedule", "GPipe"]  # every stage in the same order
+    attention = {"num_heads": 4, "num_kv_heads": 2}
+    for world, flags, stepped, compared in [
+        (8, [*model("alike.json", attn={"layers": [1, 3], **attention}), *fsdp, *gpipe], 3, True),
+        (8, [*model("alike.json", attn={"layers": [1, 3], **attention}), *fsdp], 4, True),  # 1F1B: peaks differ
+        (8, [*model("unlike.json", attn={"layers": [2], **attention}), *fsdp, *gpipe], 4, True),
+        (8, [*model("gla.json"), "--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree",
+             "2", "--titan_ext.document_mask", *gpipe], 3, True),
+        (8, [*model("gla.json"), *fsdp, *gpipe, "--parallelism.fsdp_reshard_after_forward", "always"], 4, False),
+    ]:
+        steps.clear()
+        reused = rank.plan_layout(job_config_of(argv(flags)), world)
+        assert len(steps) == stepped, flags
+        if stepped == 3:
+            assert fields(reused)[1][2:] == fields(reused)[2][2:], flags  # the twins
+        if compared:
+            assert fields(reused) == fields(rank.plan_layout(job_config_of(argv(flags)), world, reuse=False)), flags
 
 
 def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_verified():
     from titan_ext.planner import job_config_of
-    from titan_ext.planner.rank import _planned_microbatches
+    from titan_ext.planner.rank import _stepped_microbatches
 
-    def counts(batch, pp=2, schedule="1F1B", extrapolate=None):
-        return _planned_microbatches(job_config_of(argv([
+    def count(batch, pp=2, schedule="1F1B", extrapolate=None):
+        return _stepped_microbatches(job_config_of(argv([
             "--parallelism.pipeline_parallel_degree", str(pp), "--training.local_batch_size", str(batch),
             "--parallelism.pipeline_parallel_schedule", schedule])), extrapolate)
 
-    assert counts(16) == (2, 3) and counts(16, 4) == (4, 5) and counts(16, schedule="Interleaved1F1B") == (2, 3)
-    assert counts(16, 8) is None  # 8 and 9 microbatches cost more than 16
-    assert counts(4) is None and counts(4, extrapolate=True) == (2, 3) and counts(3, extrapolate=True) is None
-    assert counts(16, extrapolate=False) is None and counts(16, pp=1) is None
-    assert counts(16, schedule="ZBVZeroBubble") is None  # not verified
+    assert count(16) == 3 and count(16, 4) == 5 and count(16, 8) == 9 and count(16, schedule="Interleaved1F1B") == 3
+    assert count(8, 8) is None  # as many as the job's own
+    assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
+    assert count(16, schedule="ZBVZeroBubble") is None  # not verified

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -53,6 +54,13 @@ class StepPeak(Pausable):
         """(allocation number, +bytes) at each allocation, (allocation number, -bytes) at its storage's release."""
         self._live: dict[int, tuple[int, int, weakref.ref]] = {}
         """storage address -> (allocation number, bytes, a weak reference that reports its release)."""
+        self.tag_of = lambda tensor: None
+        """What each allocated tensor is tagged with as it is made (a pipelined step's microbatch: ``planner.rank``)."""
+        self._tags: dict[int, object] = {}
+        self.inherited = lambda tag: True
+        """Whether a tensor computed from tensors tagged ``tag`` only, outside any tag, takes it."""
+        self.last_tagged: dict[object, int] = {}
+        """Tag -> the number of the last allocation ``tag_of`` tagged with it (while its microbatch runs)."""
         peak = self
 
         class Mode(compat.torch_dispatch_mode()):
@@ -61,21 +69,37 @@ class StepPeak(Pausable):
                     return NotImplemented  # DTensor first: its local tensors' allocations come back here
                 out = func(*args, **(kwargs or {}))
                 if not peak._paused:
+                    # a view or an in-place result of a tensor made before the step is no allocation either
+                    inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                              if isinstance(t, torch.Tensor)}
                     for tensor in torch.utils._pytree.tree_leaves(out):
-                        if isinstance(tensor, torch.Tensor):
-                            peak._allocated(tensor)
+                        if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
+                            peak._allocated(tensor, inputs)
                 return out
 
         self._mode = Mode()
 
-    def _allocated(self, tensor: torch.Tensor) -> None:
+    def _allocated(self, tensor: torch.Tensor, inputs=()) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live:  # a view, or an operator that wrote in place
             return
         number, size = len(self.events), storage.nbytes()
+        self._tags[number] = self._tag(tensor, inputs, number)
         self._live[key] = (number, size, weakref.ref(storage, lambda _, key=key: self._released(key)))
         self.events.append((number, size))
+
+    def _tag(self, tensor, inputs, number: int) -> object:
+        """``tag_of(tensor)``, or where that is None the one tag of the inputs' allocations (a tensor computed
+        from one microbatch's after its microbatch, as a pipeline schedule's losses are scaled at the step's end)."""
+        tag = self.tag_of(tensor)
+        if tag is not None:
+            self.last_tagged[tag] = number
+        else:
+            tags = {self._tags[self._live[key][0]] for key in inputs if key in self._live}
+            tags = {tag for tag in tags if tag is not None and self.inherited(tag)}
+            tag = tags.pop() if len(tags) == 1 else None
+        return tag
 
     def _released(self, key: int) -> None:
         number, size, _ = self._live.pop(key)
@@ -92,18 +116,42 @@ class StepPeak(Pausable):
 
     def peak_bytes(self, kept: list[torch.Tensor] = ()) -> int:
         """The largest sum of live bytes, less the allocations that ``kept`` (the gradients) still hold."""
+        return self._peak(kept)[0]
+
+    def peak_event(self, kept: list[torch.Tensor] = ()) -> int:
+        """The last event at which the live bytes were ``peak_bytes(kept)``."""
+        return self._peak(kept)[1]
+
+    def held(self, index: int, kept: list[torch.Tensor] = ()) -> dict[object, dict[int, int]]:
+        """Tag -> {allocation number: bytes} of its allocations live just after event ``index`` (less ``kept``'s)."""
+        left_out, sizes = self._left_out(kept), Counter()
+        for number, size in self.events[: index + 1]:
+            if number not in left_out:
+                sizes[number] += size
+        held: dict[object, dict[int, int]] = {}
+        for number, size in sizes.items():
+            if size:
+                held.setdefault(self._tags.get(number), {})[number] = size
+        return held
+
+    def _left_out(self, kept) -> set[int]:
         left_out = set()
         for tensor in kept:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             held = self._live.get(local.untyped_storage()._cdata)
             if held is not None:
                 left_out.add(held[0])
-        now = peak = 0
-        for number, size in self.events:
+        return left_out
+
+    def _peak(self, kept) -> tuple[int, int]:
+        left_out = self._left_out(kept)
+        now = peak = at = 0
+        for index, (number, size) in enumerate(self.events):
             if number not in left_out:
                 now += size
-                peak = max(peak, now)
-        return peak
+                if now >= peak:
+                    peak, at = now, index
+        return peak, at
 
     def __enter__(self):
         resize, peak = torch.UntypedStorage.resize_, self

@@ -37,6 +37,9 @@ class RankPlan:
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
     parallel_dims: object
+    microbatch: tuple | None = None
+    """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
+    saved, issued and added to the step's peak, (bytes, collectives, peak bytes)."""
 
     @property
     def total_bytes(self) -> int:
@@ -86,9 +89,31 @@ def fake_group(world: int, rank: int):
             dist.destroy_process_group()
 
 
-def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None) -> RankPlan:
+class StagesSeen:
+    """The pipeline stages of one layout planned so far, at one microbatch count (``plan_layout`` plans its
+    ranks in pipeline order): the shapes each sent its next stage in the first step's setup, which is what
+    that stage's rank receives in a real run (so a later rank builds no other rank's stages to learn its
+    input), each stepped interior stage's plan by its structure and input (``_twin_key``), and the job's
+    checks, plan and whole meta model, the same for every rank (each copies its stages out of the model)."""
+
+    def __init__(self):
+        self.built: tuple | None = None
+        """(the job config, its model args, their JobPlan, the whole model on the meta device), from the layout's
+        first rank."""
+        self.sent: dict = {}
+        """stage index -> the ``_StageForwardMeta`` it sent the next stage."""
+        self.stepped: list = []
+        """(twin key, the RankPlan stepped for it, what its stage sent)."""
+
+
+def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
+              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
+
+    ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
+    interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
+    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued.
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -103,10 +128,15 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             dims.build_mesh()
             spec = registry.get_train_spec(job_config.model.name)
             model_args = spec.model_args[job_config.model.flavor]
-            plan = _job_plan(job_config, dims, model_args)
-            with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
-                model = spec.model_cls(model_args)
-            build_model_converters(job_config, dims).convert(model)
+            if seen is not None and seen.built and seen.built[0] is job_config:
+                model_args, plan, model = seen.built[1:]  # an earlier rank's: pipelined ranks copy their stages out
+            else:
+                plan = _job_plan(job_config, dims, model_args)
+                with torch.device("meta"), utils.set_default_dtype(TORCH_DTYPE_MAP[job_config.training.dtype]):
+                    model = spec.model_cls(model_args)
+                build_model_converters(job_config, dims).convert(model)
+                if seen is not None and dims.pp_enabled:
+                    seen.built = (job_config, model_args, plan, model)
             loss_fn = _raising(spec.build_loss_fn)(job_config, parallel_dims=dims)
         device = torch.device("cpu")
         parallelize = _raising(spec.parallelize_fn)
@@ -118,7 +148,14 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             else:
                 schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
             param_bytes = memory.param_bytes(parts)
-            neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize) if dims.pp_enabled else {}
+            seen = seen if seen is not None else StagesSeen()
+            stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
+            key = _twin_key(plan, schedule, parts, seen) if dims.pp_enabled else None
+            twin = next(((planned, sent) for k, planned, sent in seen.stepped if k == key), None) if key else None
+            if twin is not None:
+                seen.sent[stages[0]] = twin[1]
+                return replace(twin[0], rank=rank, stages=stages, parallel_dims=dims)
+            neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize, seen) if dims.pp_enabled else {}
         with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True), \
                 (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
             with phase("parallelize"):
@@ -129,21 +166,28 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
             recorder = collectives.Recorder(collectives.group_labels(dims))
             saved, peak = _SavedBytes(), memory.StepPeak()
+            microbatches = (_Microbatches(schedule, recorder, saved, peak, job_config.training.local_batch_size)
+                            if dims.pp_enabled and attribute else None)
             if dims.pp_enabled:
-                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp])
+                _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp],
+                                            seen.sent)
                 _first_step_setup_unrecorded(schedule, (recorder, saved, peak), phase)
             with phase("recorded step"), _whole_windows(), experts.evenly_routed([*parts, *neighbours.values()]), \
-                    peak, recorder, saved:
+                    peak, recorder, saved, microbatches or contextlib.nullcontext():
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
             peak_bytes = peak.peak_bytes(memory.gradients(parts))
+            middle = microbatches.middle(memory.gradients(parts)) if microbatches else None
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
                 with _UpdatesSkipped():
                     optimizers.step()
                 optimizer_bytes = memory.optimizer_bytes(optimizers)
-        stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
-        return RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, peak_bytes, recorded, plan, dims)
+        planned = RankPlan(rank, stages, param_bytes, grad_bytes, optimizer_bytes, saved_bytes, peak_bytes, recorded,
+                           plan, dims, middle)
+        if key is not None:
+            seen.stepped.append((key, planned, seen.sent.get(stages[0])))
+        return planned
 
 
 def _job_plan(job_config, dims, model_args=None):
@@ -167,14 +211,60 @@ PIPELINE_TORCH = "2.13"
 """The first torch whose pipeline stages take the metadata the planner hands them (``compat.pipeline_metadata``)."""
 
 
-def _other_stages(model, choice, dims, job_config, parallelize) -> dict:
+def _other_stages(model, choice, dims, job_config, parallelize, seen: StagesSeen) -> dict:
     """The stages before this rank's last one that other ranks run, built as they build them: a stage
-    on another rank tells this one its output's shape and dtype in the first step (torch's handshake)."""
+    on another rank tells this one its output's shape and dtype in the first step (torch's handshake).
+    None are built where every stage this rank hears from was planned before it (``seen.sent``: what it sent)."""
     from titan_ext.pipeline import stage_model
 
     local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
+    if all(index - 1 in local or index - 1 in seen.sent for index in local if index > 0):
+        return {}
     return {index: parallelize(stage_model(model, choice.stages[index]), dims, job_config)
             for index in range(max(local)) if index not in local}
+
+
+def _twin_key(plan, schedule, parts, seen: StagesSeen):
+    """What makes two pipeline ranks' plans equal, or None where the planner steps the rank whatever came
+    before: one interior stage (not the first, which embeds, nor the last, which computes the loss) of a
+    schedule of one stage per rank; the same input (what the previous stage sent: known, as the ranks are
+    planned in order) and the same modules (``_structure``: classes, settings, parameters, local bytes).
+    Such a stage runs the same forwards and backwards as its twin, only their order differs with its place
+    in 1F1B's warm-up, which changes no count where FSDP keeps the blocks gathered across the step's
+    microbatches (its default under PP). Where it reshards after each forward, when it gathers again
+    follows that order: no stage is taken for another's there (each is stepped). The step's peak follows
+    the order too (how many microbatches' activations are held at once): twins also run the same order,
+    GPipe's (every forward, then every backward) or 1F1B's as many warm-up forwards (``min(m, stages -
+    index)``: never, as titan_ext's checks ask 1F1B for m >= stages), any other schedule's never."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    inner = schedule._schedule
+    stages = list(getattr(inner, "_stages", None) or [inner._stage])
+    resharded = plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head)
+    if len(stages) != 1 or stages[0].is_first or stages[0].is_last or resharded:
+        return None
+    received = seen.sent.get(stages[0].stage_index - 1)
+    if isinstance(inner, ScheduleGPipe):
+        order = "all forwards, all backwards"
+    elif isinstance(inner, Schedule1F1B):
+        order = min(inner._n_microbatches, inner._num_stages - stages[0].stage_index)
+    else:
+        order = stages[0].stage_index
+    return None if received is None else (received, order, _structure(parts[0]))
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """A module tree without its names: each module's class and settings, and its own parameters' and
+    buffers' shapes, dtypes, placements and local bytes (a pipeline stage's blocks are named by their index
+    in the whole model)."""
+    from torch.distributed.tensor import DTensor
+
+    def tensors(items):
+        return tuple((type(t).__name__, tuple(t.shape), t.dtype, str(t.placements) if isinstance(t, DTensor) else "",
+                      memory.local_bytes(t), t.requires_grad) for _, t in items if t is not None)
+
+    return tuple((type(m).__qualname__, m.extra_repr(), tensors(m.named_parameters(recurse=False)),
+                  tensors(m.named_buffers(recurse=False))) for m in module.modules())
 
 
 @contextlib.contextmanager
@@ -213,15 +303,16 @@ def _whole_windows():
         yield
 
 
-def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor) -> None:
+def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor, sent: dict) -> None:
     """torch's schedule sets its stages up in its first step by messages between the ranks: a vote (whose
     result it reads with ``.item()``) on whether every stage was given its shapes, then each stage's output
     shapes and dtypes sent on as pickled objects, and its input gradients' sent back. On the fake group
     nothing arrives, so the planner answers for the other ranks: the vote as real runs decide it (no stage
     given shapes: inferred), a stage's input as the previous stages compute it from the microbatch
     (``neighbours`` and this rank's own; ``first_input``: the step's tokens as the first stage gets them, its
-    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. Only a first
-    step needs this, and the planner runs one (``_first_step_setup_unrecorded``)."""
+    piece of the sequence under CP), and its output gradients as the outputs' shapes and dtypes. A stage
+    planned before this rank (``sent``: stage -> what it sent on) answers for itself, and this rank's stages
+    add what they send. Only a first step needs this, and the planner runs one (``_first_step_setup_unrecorded``)."""
     meta = compat.pipeline_metadata()
     inner = schedule._schedule
     stages = list(getattr(inner, "_stages", None) or [inner._stage])
@@ -243,6 +334,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     def received(stage, source: int):
         if source > stage.stage_index:  # the next stage's input gradients: as this stage's outputs
             return meta._StageBackwardMeta(backward_metas=meta._derive_grad_metas(stage._stage_meta.outputs))
+        if source in sent:
+            return sent[source]
         hidden = microbatch["args"]
         with torch.no_grad():
             for index in range(source + 1):
@@ -255,7 +348,8 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     inner._warmup_p2p = vote
     schedule._warm_up = False  # titan_ext's gloo warm-up step (TokenMeanSchedule): values do not matter here
     for stage in stages:
-        stage._send_meta = lambda meta_, destination: None
+        stage._send_meta = lambda meta_, destination, stage=stage: (
+            sent.__setitem__(stage.stage_index, meta_) if destination > stage.stage_index else None)
         stage._recv_meta = lambda source, stage=stage: received(stage, source)
 
 
@@ -327,9 +421,10 @@ def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_
     )
     batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
     tokens = torch.zeros(batch, seq, dtype=torch.long)
+    labels = tokens.clone()  # the batch, as a real step's is, held before the step (not in its peak)
 
     def step():
-        trainer.forward_backward_step(input_dict={"input": tokens}, labels=tokens.clone(),
+        trainer.forward_backward_step(input_dict={"input": tokens}, labels=labels,
                                       global_valid_tokens=torch.tensor(float(tokens.numel())))
 
     step.tokens = tokens
@@ -354,7 +449,11 @@ class _SavedBytes(collectives.Pausable):
         if not self._paused and id(tensor) not in self._seen and not isinstance(base, torch.nn.Parameter):
             self._seen[id(tensor)] = tensor
             self.bytes += memory.local_bytes(tensor)
+            self.counted(memory.local_bytes(tensor))
         return tensor
+
+    def counted(self, nbytes: int) -> None:
+        """Told of each tensor's bytes as they are counted (``_Microbatches`` attributes them)."""
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -364,30 +463,169 @@ class _SavedBytes(collectives.Pausable):
         return self._hooks.__exit__(*exc)
 
 
-def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None):
-    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage.
+class _Microbatches:
+    """Which microbatch each collective a pipelined rank's step issues, and each byte it saves, belongs to:
+    those issued or saved while the stage runs a microbatch's forward, loss or backward, and its sends and
+    receives (each P2P op is made for one microbatch); the rest (the step's own: token counts, tied weights)
+    to none. ``middle()``: what a microbatch between the first and the last saved and issued, the same for
+    each such (checked) or ``_NotAffine``."""
+
+    def __init__(self, schedule, recorder, saved, peak: memory.StepPeak, batch: int):
+        self.current, self.tags, self.saved, self.unattributed, self.batch = None, [], Counter(), 0, batch
+        self.started = False
+        self.log, self._recorder, self._p2p, self._peak = recorder.log, recorder, None, peak
+        peak.tag_of, peak.inherited = self._tag, lambda tag: tag != "batch"  # a sum of the batch is no batch
+        record = recorder._record
+
+        def tagged(*args, **kwargs):
+            record(*args, **kwargs)
+            self.tags.append(self.current)
+
+        recorder._record = tagged
+        saved.counted = lambda nbytes: self.saved.update({self.current: nbytes})
+        inner = schedule._schedule
+        self.count = inner._n_microbatches
+        for stage in list(getattr(inner, "_stages", None) or [inner._stage]):
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._during(getattr(stage, name), 0))
+            for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
+                setattr(stage, name, self._stamped(getattr(stage, name)))
+        inner._maybe_compute_loss = self._during(inner._maybe_compute_loss, 3)
+        self.finished = -1
+        """The last of the step's peak's events once every microbatch is done (the schedule's sends waited for)."""
+
+        def step_microbatches(*args, _original=inner._step_microbatches, **kwargs):
+            out = _original(*args, **kwargs)
+            self.finished = len(peak.events) - 1
+            return out
+
+        inner._step_microbatches = step_microbatches
+
+    def _tag(self, tensor: torch.Tensor):
+        """The step's peak's tag of a tensor: its microbatch's, or before the first "batch" for one of the whole
+        batch (its first dimension the batch's: under CP the batch's piece of the sequence), a microbatch's
+        share each."""
+        if (self.current is None and not self.started and tensor.dim() and tensor.shape[0] == self.batch
+                and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()):  # not an expanded one
+            return "batch"
+        return self.current
+
+    def _during(self, method, position: int):
+        def run(*args, **kwargs):
+            outer, self.current, self.started = self.current, args[position], True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.current = outer
+
+        return run
+
+    @staticmethod
+    def _stamped(method):
+        def ops(index, *args, **kwargs):
+            made = method(index, *args, **kwargs)
+            for op in made:
+                op.planner_microbatch = index
+            return made
+
+        return ops
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        module = compat.pipeline_schedules_module()
+        original = module._batch_p2p
+
+        def batch(ops, *args, **kwargs):
+            first = len(self.log)
+            works = original(ops, *args, **kwargs)
+            if self._recorder._paused:  # the first step's setup
+                return works
+            kinds = ["send" if op.op in (dist.isend, dist.send) else "recv" for op in ops]
+            if [c.kind for c in self.log[first:]] != kinds:  # not one recorded op per P2P op, in order
+                self.unattributed += 1
+            else:
+                self.tags[first:] = [getattr(op, "planner_microbatch", None) for op in ops]
+            return works
+
+        self._p2p = mock.patch.object(module, "_batch_p2p", batch)
+        self._p2p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._p2p.__exit__(*exc)
+
+    def middle(self, kept) -> tuple:
+        """(bytes saved, collectives issued, bytes added to the step's peak) for one middle microbatch.
+
+        The step's peak at m microbatches: 1F1B keeps as many microbatches in flight whatever m, and what each
+        allocates that outlives the microbatches (the losses the schedule keeps) adds up, as do the step's
+        tensors of the whole batch (``_tag``): each further microbatch adds what a middle one holds once all
+        are done and a microbatch's share of those, where the peak comes after the middle ones ran (what they
+        keep adds up there too). A peak while they run is the same at any m where they keep nothing; where they
+        keep something it is not extrapolated (``_NotAffine``: a later point may peak at more microbatches)."""
+        if self.unattributed or len(self.tags) != len(self.log):
+            raise _NotAffine("P2P ops not recorded one by one")
+        middles = range(1, self.count - 1)
+        end = self._peak.held(self.finished, kept)
+        at = self._peak.peak_event(kept)
+        at_peak = self._peak.held(at, kept)
+        if not end.get("batch", {}).keys() <= at_peak.get("batch", {}).keys():
+            raise _NotAffine("the step's peak comes before the batch's tensors")
+        if at <= max(self._peak.last_tagged.get(index, -1) for index in middles):  # the peak while they run
+            if any(end.get(index) for index in middles):  # and what they keep adds up: it may peak later at more
+                raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
+        elif any(not end.get(index, {}).keys() <= at_peak.get(index, {}).keys() for index in middles):
+            raise _NotAffine("the step's peak comes before what a middle microbatch holds after the microbatches")
+        batch = sum(end.get("batch", {}).values())
+        if batch % self.count:
+            raise _NotAffine("the batch's tensors are not a whole number of microbatches'")
+        each = {index: (self.saved[index], tuple(c for c, tag in zip(self.log, self.tags) if tag == index),
+                        sum(end.get(index, {}).values()) + batch // self.count)
+                for index in middles}
+        if len({(nbytes, tuple(sorted(Counter(issued).items(), key=repr)), peak)
+                for nbytes, issued, peak in each.values()}) != 1:
+            raise _NotAffine("middle microbatches differ")
+        return each[1]
+
+
+def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
+                reuse: bool = True):
+    """One RankPlan per role: rank 0, and the first rank of each further pipeline stage, planned in pipeline
+    order: each rank learns its input's shapes from the stage before it, and a rank whose stage is an
+    interior twin of one stepped before takes that one's plan (``_twin_key``). ``reuse=False``: each rank
+    planned on its own (the other ranks' stages built, every rank stepped), for the tests.
 
     A pipelined rank steps every microbatch through its stages, and a fake step costs per operator whatever
     the shapes: its m microbatches cost m times one. Every microbatch has the same shapes and the schedule
-    is deterministic, so what a rank holds and issues is affine in m (``_affine``): the rank is planned at
-    the two smallest counts its schedule takes and extrapolated to the job's m (``extrapolate=None``: where
-    that is cheaper and the schedule is one ``tests/test_plan.py`` verifies it for; ``False``: never;
-    ``True``: wherever m exceeds the two counts, for the tests)."""
+    is deterministic: a microbatch between the first (which FSDP gathers the weights for) and the last
+    (whose backward reduces the gradients) saves and issues what any other such does. So the rank is
+    stepped with the fewest microbatches its schedule takes that have one in the middle, what each saves
+    and issues recorded on its own (``_Microbatches``), and extrapolated to the job's m by adding the
+    middle one's (``extrapolate=None``: where that is cheaper and the schedule is one ``tests/test_plan.py``
+    verifies it for; ``False``: never; ``True``: wherever m exceeds that count, for the tests)."""
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
-    counts = _planned_microbatches(job_config, extrapolate)
-    if counts is None:
-        return [plan_rank(job_config, world, rank, phases) for rank in ranks]
+    count = _stepped_microbatches(job_config, extrapolate)
+
+    def planned(job, attribute=False):
+        seen = StagesSeen()
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
+
+    if count is None:
+        return planned(job_config)
     plan = _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
+    if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
+        return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     try:
-        low, high = ([plan_rank(_with_microbatches(job_config, m), world, rank, phases) for rank in ranks] for m in counts)
-        return [_extrapolated(a, b, *counts, _microbatches(job_config), plan) for a, b in zip(low, high)]
+        return [_extrapolated(rank, count, _microbatches(job_config), plan)
+                for rank in planned(_with_microbatches(job_config, count), attribute=True)]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
-        return [plan_rank(job_config, world, rank, phases) for rank in ranks]
+        return planned(job_config)
 
 
 EXTRAPOLATED_SCHEDULES = {"1F1B", "Interleaved1F1B"}
-"""The schedules whose pipelined ranks are planned at two microbatch counts and extrapolated: those
+"""The schedules whose pipelined ranks are stepped with fewer microbatches and extrapolated: those
 ``tests/test_plan.py`` plans both ways and finds equal, field by field."""
 
 
@@ -395,19 +633,17 @@ def _microbatches(job_config) -> int:
     return job_config.training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size
 
 
-def _planned_microbatches(job_config, extrapolate: bool | None) -> tuple[int, int] | None:
-    """The two microbatch counts a pipelined rank is planned at, or None to step the job's own: p and p + 1 for
-    p ranks, the fewest that 1F1B (a microbatch per stage) and the interleaved schedules (whole rounds of p:
-    one round below 2p) take."""
+def _stepped_microbatches(job_config, extrapolate: bool | None) -> int | None:
+    """The microbatches a pipelined rank is stepped with, or None to step the job's own: p + 1 for p ranks
+    (1F1B takes a microbatch per stage, and with one more every stage runs a steady forward-backward pair,
+    as it does at more: the step's peak there) and at least 3 (one between the first and the last)."""
     p = job_config.parallelism
     if extrapolate is False or p.pipeline_parallel_degree <= 1 or p.pipeline_parallel_schedule not in EXTRAPOLATED_SCHEDULES:
         return None
     if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         return None  # refused by titan_ext's checks, in the full plan
-    low, high, m = p.pipeline_parallel_degree, p.pipeline_parallel_degree + 1, _microbatches(job_config)
-    if m <= high or (extrapolate is None and low + high >= m):
-        return None
-    return low, high
+    count = max(3, p.pipeline_parallel_degree + 1)
+    return count if count < _microbatches(job_config) else None
 
 
 def _with_microbatches(job_config, count: int):
@@ -419,30 +655,22 @@ def _with_microbatches(job_config, count: int):
 
 
 class _NotAffine(Exception):
-    """Two plans at m1 < m2 microbatches that no affine a + b·m fits with whole, non-negative values."""
+    """A rank's middle microbatches that did not save and issue the same, or a collective not attributed."""
 
 
-def _affine(low: int, high: int, m1: int, m2: int, m: int) -> int:
-    """f(m) for the f(m) = a + b·m through (m1, low) and (m2, high)."""
-    if (high - low) % (m2 - m1):
-        raise _NotAffine(f"{low} at {m1}, {high} at {m2}")
-    value = low + (high - low) // (m2 - m1) * (m - m1)
-    if value < 0:
-        raise _NotAffine(f"{low} at {m1}, {high} at {m2}: {value} at {m}")
-    return value
-
-
-def _extrapolated(low: RankPlan, high: RankPlan, m1: int, m2: int, m: int, plan) -> RankPlan:
-    """The rank at m microbatches from the rank at m1 and m2: the state it holds does not change with m; the
-    activations (summed over the microbatches), the step's peak and each collective's count (by kind, group and bytes) are
-    affine in m. The collectives are listed in the order they first came at m2, each repeated its count."""
-    for name in ("rank", "stages", "param_bytes", "grad_bytes", "optimizer_bytes"):
-        if getattr(low, name) != getattr(high, name):
-            raise _NotAffine(name)
-    before, after = Counter(low.collectives), Counter(high.collectives)
-    issued = [c for c in dict.fromkeys([*high.collectives, *low.collectives]) for _ in range(_affine(before[c], after[c], m1, m2, m))]
-    return replace(high, saved_bytes=_affine(low.saved_bytes, high.saved_bytes, m1, m2, m),
-                   peak_bytes=_affine(low.peak_bytes, high.peak_bytes, m1, m2, m), collectives=tuple(issued), plan=plan)
+def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
+    """The rank at m microbatches from its step with ``count``: the state it holds does not change with m;
+    the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
+    the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
+    came, each repeated its count."""
+    saved, issued, held = stepped.microbatch
+    counts = Counter(stepped.collectives)
+    for collective, n in Counter(issued).items():
+        counts[collective] += (m - count) * n
+    ordered = [c for c in dict.fromkeys(stepped.collectives) for _ in range(counts[c])]
+    return replace(stepped, saved_bytes=stepped.saved_bytes + (m - count) * saved,
+                   peak_bytes=stepped.peak_bytes + (m - count) * held, collectives=tuple(ordered), plan=plan,
+                   microbatch=None)
 
 
 def _checked_plan(job_config, world: int):

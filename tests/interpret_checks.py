@@ -289,6 +289,21 @@ def case_cp_kda():
     return {"cp2_kda": max(r["kda"] for r in results.values())}
 
 
+def packed_documents_on_both_paths(args) -> float:
+    """A whole model on fla's kernels vs titan_ext's portable ones, two rows of two packed documents each:
+    the worst relative difference of its logits and every gradient."""
+    ours = built(args, "portable")
+    theirs = built(args, "fla", like=ours)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(48).expand(2, 48).clone()
+    positions[:, 20:] -= 20  # a second document from token 20
+    outs = [model(tokens, document_positions=positions) for model in (ours, theirs)]
+    for out in outs:
+        out.float().sum().backward()
+    grads = [rel(p.grad, q.grad) for p, q in zip(theirs.parameters(), ours.parameters())]
+    return max(rel(outs[1].detach(), outs[0].detach()), *grads)
+
+
 def case_transformers_gated_deltanet():
     """Qwen3.5's Gated DeltaNet layer (titan_ext's forward) on fla's kernels vs titan_ext's portable ones, with
     packed documents (the convolution and the delta rule restart at ``cu_seq_lens_q``)."""
@@ -298,16 +313,7 @@ def case_transformers_gated_deltanet():
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                               layer_types=["linear_attention"])
-    ours = built(args, "portable")
-    theirs = built(args, "fla", like=ours)
-    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(48).expand(2, 48).clone()
-    positions[:, 20:] -= 20  # a second document from token 20
-    outs = [model(tokens, document_positions=positions) for model in (ours, theirs)]
-    for out in outs:
-        out.float().sum().backward()
-    grads = [rel(p.grad, q.grad) for p, q in zip(theirs.parameters(), ours.parameters())]
-    return max(rel(outs[1].detach(), outs[0].detach()), *grads)
+    return packed_documents_on_both_paths(args)
 
 
 def case_gla_hybrid():
@@ -315,16 +321,7 @@ def case_gla_hybrid():
     kernels vs titan_ext's portable ones, with packed documents: the whole model, as a hybrid trains."""
     args = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
     args.config["num_hidden_layers"] = 2
-    ours = built(args, "portable")
-    theirs = built(args, "fla", like=ours)
-    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(48).expand(2, 48).clone()
-    positions[:, 20:] -= 20  # a second document from token 20
-    outs = [model(tokens, document_positions=positions) for model in (ours, theirs)]
-    for out in outs:
-        out.float().sum().backward()
-    grads = [rel(p.grad, q.grad) for p, q in zip(theirs.parameters(), ours.parameters())]
-    return max(rel(outs[1].detach(), outs[0].detach()), *grads)
+    return packed_documents_on_both_paths(args)
 
 
 CASES = {

@@ -119,13 +119,46 @@ def test_gated_deltanet_layer_sends_its_state_map_and_conv_halo_once(cp_mesh, wi
     assert sent == (convs + [state]) * 2, sent
 
 
+MLA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+       "v_head_dim": 12, "first_k_dense_replace": 2, "vocab_size": 2048, "max_position_embeddings": 512}
+"""A dense DeepSeek-V3 (MLA in both layers: q and kv latents, interleaved rotary dims, values narrower than
+queries and keys), the integration matrix's ``hf_deepseek_v3``."""
+
+
+def test_mla_under_masked_cp_all_gathers_its_latents_not_its_keys_and_values(cp_mesh, monkeypatch):
+    """MLA with documents: one all-gather per layer of this rank's compressed keys and values (the latent's
+    ``kv_lora_rank`` dims and the rotary key every head shares, per token), which each rank expands to its
+    heads itself; never the heads' keys and values (here 4 x (16 + 8 + 12) dims per token, not 16 + 8). Its
+    backward: one reduce-scatter of the latents' gradients per layer."""
+    torch.manual_seed(0)
+    model = build_model(transformers_model("deepseek_v3", **MLA))
+    model.init_weights()
+    apply_cp(model, cp_mesh, CPChoice(2, 2, masked_attention="--titan_ext.document_mask"))
+    B, T = 2, 64
+    sent = []
+    gather = compat.all_gather_autograd
+    monkeypatch.setattr(compat, "all_gather_autograd", lambda t, group, **kw: sent.append(t.shape) or gather(t, group, **kw))
+    mine = torch.cat([torch.arange(p * 32, (p + 1) * 32) for p in piece_order(1, 2, 2)])  # rank 1's head-tail pieces
+    with CommDebugMode() as comm:
+        out = model(torch.randint(0, 2048, (B, T)), positions=mine.expand(B, T),
+                    document_positions=(torch.arange(2 * T) % 50).expand(B, 2 * T))
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    assert counts == {"c10d_functional.all_gather_into_tensor": 2}, counts  # one per layer, nothing else
+    assert sent == [(B, 1, T, 16 + 8)] * 2, sent
+    with CommDebugMode() as comm:
+        out.float().sum().backward()
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    assert counts == {"c10d_functional.reduce_scatter_tensor": 2}, counts
+
+
 CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 2, 1e-12), ("hf_llama+alltoall", 1, 1e-12),
          ("fla_transformer", 1, 1e-12), ("fla_transformer+alltoall", 2, 1e-12),
          ("fla_transformer+window", 2, 1e-12), ("fla_gated_deltanet", 2, 1e-12),
          ("fla_gla+docs", 2, 1e-5), ("fla_gated_deltanet+docs", 1, 1e-12), ("hf_llama+docs", 1, 1e-12),
          ("fla_transformer+docs", 2, 1e-12), ("fla_transformer+window+docs", 1, 1e-12),
          ("fla_gated_deltanet_hybrid", 2, 1e-12), ("fla_gla_hybrid+docs", 1, 1e-5), ("hf_qwen3_5", 2, 1e-6),
-         ("hf_qwen3_5+docs", 1, 1e-6)]
+         ("hf_qwen3_5+docs", 1, 1e-6), ("hf_deepseek_v3+docs", 2, 1e-12)]
 """(spec, pieces per rank, tolerance): GLA with short convolutions in fp32 (fla takes fp32 states);
 Gated DeltaNet (its q/k/v convolution fused), Llama and the fla transformer in fp64: torch's ring
 attention (rotating keys and values by all-gather, or ``+alltoall`` rank to rank), or with a sliding
@@ -167,6 +200,8 @@ def _compare(spec, pieces_per_rank, rank, mesh):
 
         args = copy.deepcopy(transformer_flavors["debugmodel"])
         args.config["window_size"] = 24 if "+window" in spec else None  # reaches across pieces of 40
+    elif name == "hf_deepseek_v3":
+        args = transformers_model("deepseek_v3", **MLA)
     elif name == "hf_qwen3_5":
         from test_hybrids import QWEN3_5
 

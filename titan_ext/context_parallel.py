@@ -27,6 +27,9 @@ read at each token's global position they restart the recurrent states, the
 convolutions' halos, the rotary positions and the attention at every document
 start, on whichever rank it falls (``models.packing.step_inputs``, ``state_passing.PieceLayout``).
 
+MLA (``models.mixers.mla``) where masked all-gathers its compressed keys and values (``kv_lora_rank`` latent
+dims and the shared rotary key per token) and each rank expands them to its own heads.
+
 Each layer takes its token mixer's path (``titan_ext.models.mixers``): ``cp_kernels`` (a recurrence:
 the global names it calls and each one's kind of recurrence) or ``cp_attention`` (fla's ``Attention``,
 or the attention registry a transformers attention module reads). A hybrid model runs both on one CP
@@ -125,6 +128,8 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
         bound_key = f"{key}:{path}"  # a mixer's bound classes see its own replacements only
         if mixer.cp_kernels:
             _bind_state_passing(module, mixer, layout, bound_key)
+        elif mixer.cp_attention == "transformers" and mixer.cp_latents and choice.masked_attention:
+            _bind_gathered_latents(module, mixer.cp_latents, layout, bound_key)
         elif mixer.cp_attention == "transformers":
             _bind_transformers_attention(module, layout, attend, bound_key)
         elif mixer.cp_attention == "fla":
@@ -226,7 +231,7 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
     masked (``choice.masked_attention``) all-gathered keys and values."""
     if choice.masked_attention:
         logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and "
-                    f"values ({choice.masked_attention}: masked beyond causality)")
+                    f"values, MLA's over all-gathered latents ({choice.masked_attention}: masked beyond causality)")
         return functools.partial(cp_attention.gathered_sdpa, layout=layout)
     from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
 
@@ -261,8 +266,9 @@ def one_head_dim(query, key, value, scale):
     return query, key, value, scale, v
 
 
-def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str) -> None:
-    """A transformers attention module reads ``attend`` from its modeling file's attention registry."""
+def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str, replacements={}) -> None:
+    """A transformers attention module reads ``attend`` from its modeling file's attention registry
+    (and calls ``replacements`` for its own methods)."""
     from titan_ext.kernels import binding
 
     def across_ranks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -271,12 +277,29 @@ def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str)
 
     cls = type(attention)
     registry = (cls.__module__, "ALL_ATTENTION_FUNCTIONS")  # the modeling file's attention registry
-    used = binding.bind(attention, {}, key=key, names={registry[0]: {registry[1]: cp_attention.OneAttention(across_ranks)}})
+    names = {registry[0]: {registry[1]: cp_attention.OneAttention(across_ranks)}}
+    used = binding.bind(attention, replacements, key=key, names=names)
     if registry not in used:  # the attention would stay local to each rank: wrong, and silent
         raise HostChanged(
             "transformers", f"{cls.__qualname__}.forward no longer reads {registry[1]} from {registry[0]}, "
             "where context parallelism puts its attention"
         )
+
+
+def _bind_gathered_latents(attention: nn.Module, method: str, layout, key: str) -> None:
+    """MLA where masked: its ``method`` (``expand_kv(latent, rotary_key)``) expands every rank's latents,
+    all-gathered (``cp_attention.gathered_latents``), into this rank's heads' keys and values over the whole
+    sequence, which its attention reads (``cp_attention.per_document_sdpa``); nothing else is sent."""
+    expand = getattr(type(attention), method, None)
+    if expand is None:  # the keys and values would be this rank's alone: wrong, and silent
+        raise HostChanged("transformers", f"{type(attention).__qualname__} no longer has {method}(latent, rotary_key), "
+                          "whose latents context parallelism all-gathers")
+
+    def expand_gathered(self, latent, rotary_key):
+        return expand(self, *cp_attention.gathered_latents(latent, rotary_key, layout))
+
+    attend = functools.partial(cp_attention.per_document_sdpa, layout=layout)
+    _bind_transformers_attention(attention, layout, attend, key, {expand: expand_gathered})
 
 
 _bindings = itertools.count()

@@ -1,6 +1,7 @@
 """What runs in every forward under context parallelism, once ``titan_ext.context_parallel`` has bound it:
 torch's ring attention as a module of its own, attention over all-gathered keys and values where a mask
-does more than causality, and fla's ``Attention.forward`` at the tokens' global positions."""
+does more than causality (for MLA, all-gathered latents expanded on each rank), and fla's
+``Attention.forward`` at the tokens' global positions."""
 
 from __future__ import annotations
 
@@ -51,12 +52,37 @@ def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = No
     ``window_size``), within each packed document (``per_document_sdpa``). K and V of the whole sequence are
     held for the duration of one layer's attention; no mask grows with the square of the sequence.
     """
-    keys = compat.all_gather_autograd(key.contiguous(), layout.group, dim=2)
-    values = compat.all_gather_autograd(value.contiguous(), layout.group, dim=2)
-    if layout.per_rank > 1:  # gathered in rank order: put the pieces in sequence order
-        slots = in_sequence_order(layout.world, layout.per_rank)
-        keys, values = (torch.cat([x.chunk(len(slots), dim=2)[s] for s in slots], dim=2) for x in (keys, values))
+    keys, values = (gathered_sequence(x, layout) for x in (key, value))
     return per_document_sdpa(query, keys, values, layout, scale, window, dropout)
+
+
+def gathered_sequence(x, layout, dim: int = 2):
+    """Every rank's pieces of ``x`` (sequence along ``dim``) in sequence order: an all-gather whose backward
+    sums each piece's gradient over the ranks and hands it back to its rank (a reduce-scatter)."""
+    whole = compat.all_gather_autograd(x.contiguous(), layout.group, dim=dim)
+    if layout.per_rank == 1:
+        return whole
+    slots = in_sequence_order(layout.world, layout.per_rank)  # gathered in rank order
+    return torch.cat([whole.chunk(len(slots), dim=dim)[s] for s in slots], dim=dim)
+
+
+def gathered_latents(latent, rotary_key, layout):
+    """MLA's compressed keys and values of the whole sequence (``[B, 1, T, kv_lora_rank]`` and the rotary key
+    every head shares, ``[B, 1, T, qk_rope_head_dim]``, from this rank's ``T_local``), in one all-gather: each
+    rank then expands them to its heads' keys and values (``kv_b_proj``), which would be
+    ``heads * (qk_nope + qk_rope + v)`` dims per token to send instead of ``kv_lora_rank + qk_rope``.
+
+    Under TP the latent is a replicated DTensor (its norm's output); its local tensor is gathered and placed
+    back, so the TP ranks' gradients for it are still summed where it meets the colwise ``kv_b_proj``."""
+    from torch.distributed.tensor import DTensor
+
+    local = latent.to_local() if isinstance(latent, DTensor) else latent
+    rank = local.shape[-1]
+    whole = gathered_sequence(torch.cat([local, rotary_key], dim=-1), layout)
+    nope, rotary = whole.split([rank, whole.shape[-1] - rank], dim=-1)
+    if isinstance(latent, DTensor):
+        nope = DTensor.from_local(nope, latent.device_mesh, latent.placements, run_check=False)
+    return nope, rotary
 
 
 QUERY_BLOCK = 1024

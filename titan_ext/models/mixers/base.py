@@ -37,6 +37,10 @@ class Mixer:
     """Context parallelism for softmax attention (torch's ring, or all-gathered keys and values where
     masked): ``"fla"`` (fla's ``Attention``) or ``"transformers"`` (through the attention registry its
     modeling file reads)."""
+    cp_latents: ClassVar[str] = ""
+    """Where a ``transformers`` attention expands compressed keys and values into its heads' (MLA's
+    ``expand_kv(latent, rotary_key)``): where the attention is masked under CP, each rank all-gathers
+    that method's inputs and expands them itself, rather than all-gathering the keys and values."""
 
     def flops_per_token(self, config, layer: int, seq_len: int) -> int | None:
         """Training FLOPs per token of this layer's mixing beyond its projections; None if unknown."""

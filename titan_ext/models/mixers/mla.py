@@ -22,11 +22,12 @@ class TransformersMLA(TransformersAttention):
     """transformers' MLA module (``self_attn``), through its modeling file's attention registry like any
     transformers attention: heads split after the latent projections under TP
     (``model_plans.mixers.transformers_mla``); under CP torch's ring (values padded to the query-key head
-    dim, which the ring's kernels need: ``context_parallel.one_head_dim``) or all-gathered keys and values
-    where masked; per-document attention."""
+    dim, which the ring's kernels need: ``context_parallel.one_head_dim``) or, where masked, the compressed
+    keys and values all-gathered and expanded to this rank's heads on each rank; per-document attention."""
 
     name = "transformers mla"
     tp_plan = "transformers_mla"
+    cp_latents = "expand_kv"
 
     def flops_per_token(self, config, layer, seq_len):
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim

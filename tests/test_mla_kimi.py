@@ -1,7 +1,7 @@
 """Multi-head latent attention and transformers' Kimi Linear: layer map, portable KDA, documents, refusals.
 
 Their parallelisms run end to end in the integration matrix (``hf_deepseek_v3``: TP2;
-``hf_kimi_linear``: FSDP2, EP2, PP2, HF export/import; ``hf_kimi_linear_dense``: TP2, CP2 with and
+``hf_kimi_linear``: FSDP2, EP2, EP2 x TP2 x FSDP2, PP2, HF export/import; ``hf_kimi_linear_dense``: TP2, CP2 with and
 without documents)."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_kimi_linear_documents_each_run_alone():
 
 def test_moe_ffns_under_tp_need_expert_parallelism_and_deepseek_moe_is_refused_in_one_line():
     """Kimi Linear's MoE FFNs split under TP with EP over the TP ranks (KimiLinearTPPlan; the run:
-    ``hf_kimi_linear/ep2_tp2``), refused without EP; DeepSeek-V3's MoE FFNs are refused either way."""
+    ``hf_kimi_linear/ep2_tp2_fsdp2``), refused without EP; DeepSeek-V3's MoE FFNs are refused either way."""
     from model_plans import TPOptions, validate_tp
 
     from titan_ext.tensor_parallel import plan_class

@@ -71,8 +71,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``ep2_tp2_fsdp2`` (4 ranks with validation, KimiLinearTPPlan: the router replicated, the shared experts
-  split by TP, the routed ones by EP over the TP ranks and FSDP over ``efsdp``; it replaced the 2-rank ``ep2_tp2``:
-  22.5 s against 18.6 s on this machine under load) and ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
+  split by TP, the routed ones by EP over the TP ranks and FSDP over ``efsdp``; 14.9 s) and ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
   ``hf_kimi_linear_dense`` (2 layers, dense FFNs: TP without EP) in ``tp2`` (KDA's and
   MLA's heads split), ``cp2`` (state passing with the convolution's halo, ring attention with values padded to
   the query-key head dim) and ``cp2_docs`` (MLA's latents all-gathered, expanded on each rank); ``hf_deepseek_v3`` (a dense DeepSeek-V3: q and kv latents,
@@ -88,16 +87,17 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
-  experts), ``ep2_hsdp2x2`` (EP with HSDP, with validation: the experts' FSDP over ``dp_replicate`` x ``efsdp``;
-  it replaced this spec's ``ep2_tp2_fsdp2``, which ``hf_moe_bias`` and ``hf_kimi_linear`` run: 8.0 s against
-  16.2 s under load) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  experts) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
   each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
   not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_qwen2_moe`` (a shared expert
   whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
   (2.3 s; its seed and single process 0.7 s); ``hf_moe_bias`` (torchtitan's
   auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
-  ``ep2_tp2_fsdp2`` (EP x TP with validation, torchtitan's ETP=1: the EP mesh spans the TP ranks, which share the
-  tokens).
+  ``ep2_hsdp2x2`` (EP with HSDP, with validation: the experts' FSDP over ``dp_replicate`` x ``efsdp``, the bias's
+  counts summed over both) and ``ep2_tp2`` (the TP ranks share the tokens, torchtitan's ETP=1). EP x TP x FSDP on
+  4 ranks is Kimi Linear's (``hf_kimi_linear``). Kimi's ``ep2_tp2_fsdp2`` and these two rows (14.9 + 5.9 s of
+  4-rank and 3.4 s of 2-rank jobs) replaced ``ep2_tp2_fsdp2`` of ``hf_qwen3_moe`` and ``hf_moe_bias`` and
+  ``ep2_tp2`` of ``hf_kimi_linear`` (12.0 + 9.1 s and 12.8 s), measured in one launch each, back to back.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
   (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
@@ -285,13 +285,13 @@ SPECS = {
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf",
-                               "ep2_hsdp2x2", "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
+                               "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
     # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
     "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                                hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
-    # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x TP x FSDP
+    # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
-                        hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_tp2_fsdp2")),
+                        hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -397,9 +397,9 @@ ROWS = {
     "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
-    "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_moe_bias", "hf_kimi_linear")),
+    "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_kimi_linear",)),
     # EP with HSDP: the experts sharded over efsdp and replicated over dp_replicate, the rest over both dims
-    "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
+    "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), validation=True, specs=("hf_moe_bias",)),
     # EP beyond the TP ranks (EP4 x TP2 on 4 ranks: the expert mesh spans both TP pairs, 2 experts per rank);
     # opt-in: the CI's EP x TP row covers the same code with EP = TP
     "ep4_tp2": Row(4, (*parallel(shard=2, tp=2), "--parallelism.expert_parallel_degree", "4"), opt_in=True,
@@ -409,7 +409,7 @@ ROWS = {
     # EP x TP on 2 ranks: Qwen3-Next's TP (its shared expert a dense FFN inside the MoE block, the routed experts
     # split by EP over the TP ranks)
     # (its grad norms differ from one process by 8.9e-6, as its cp2 row's do: CP_RTOL)
-    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe"),
+    "ep2_tp2": Row(2, (*parallel(tp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_qwen2_moe", "hf_moe_bias"),
                    spec_rtol=CP_RTOL),
     # EP x CP: the EP mesh spans the CP ranks (torchtitan's ep within dp_shard x cp), each dispatching the tokens of
     # its own sequence pieces (routing is per token)

@@ -113,11 +113,11 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
     "--parallelism.expert_parallel_degree 2": "matrix:hf_qwen3_moe/ep2_resume",  # its first job: EP2 x FSDP2
     "torchrun --nproc_per_node=4 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
-    "--parallelism.expert_parallel_degree 2 --parallelism.tensor_parallel_degree 2": "matrix:hf_moe_bias/ep2_tp2_fsdp2",
+    "--parallelism.expert_parallel_degree 2 --parallelism.tensor_parallel_degree 2": "matrix:hf_kimi_linear/ep2_tp2_fsdp2",  # that layout
     "torchrun --nproc_per_node=4 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
-    "--parallelism.expert_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2": "matrix:hf_qwen3_moe/ep2_hsdp2x2",
+    "--parallelism.expert_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2": "matrix:hf_moe_bias/ep2_hsdp2x2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
-    "--titan_ext.moe_balance bias": "matrix:hf_moe_bias/ep2_tp2_fsdp2",
+    "--titan_ext.moe_balance bias": "matrix:hf_moe_bias/ep2_hsdp2x2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single ep2_cp2": "matrix:hf_qwen3_next/ep2_cp2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single ep2_tp2": "matrix:hf_qwen3_next/ep2_tp2",
     "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "

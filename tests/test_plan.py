@@ -450,3 +450,24 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(8, 8) is None  # as many as the job's own
     assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
+
+def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
+    """Masked attention under CP is planned (each fake row one document of whole windows); MLA's sends what a
+    real step's does (``tests/test_context_parallel.py``): per layer one all-gather of its compressed latents
+    (``kv_lora_rank`` + ``qk_rope_head_dim`` per token), not the heads' keys and values, and in the backward
+    one reduce-scatter of their gradients."""
+    from integration_matrix import TINY_DEEPSEEK_V3
+
+    from titan_ext.planner import job_config_of, prepare
+    from titan_ext.planner.collectives import summary
+    from titan_ext.planner.rank import plan_rank
+
+    prepare()
+    (tmp_path / "mla.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
+    argv = ["--job.config_file", str(REPO / "train_configs" / "debug_llama.toml"), "--model.name", "hf",
+            "--titan_ext.hf_config", str(tmp_path / "mla.json"), "--titan_ext.document_mask",
+            "--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]
+    planned = plan_rank(job_config_of(argv), 4, 0)
+    latents = 4 * 128 * (16 + 8) * 4  # the whole buffer: batch 4, 128 tokens, fp32
+    rows = [row for row in summary(list(planned.collectives)) if row[1] == "cp"]
+    assert rows == [("all_gather", "cp", 2, 2, 2 * latents), ("reduce_scatter", "cp", 2, 2, 2 * latents)], rows

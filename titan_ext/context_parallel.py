@@ -298,7 +298,9 @@ def _bind_gathered_latents(attention: nn.Module, method: str, layout, key: str) 
     def expand_gathered(self, latent, rotary_key):
         return expand(self, *cp_attention.gathered_latents(latent, rotary_key, layout))
 
-    attend = functools.partial(cp_attention.per_document_sdpa, layout=layout)
+    def attend(query, key, value, scale=None, dropout=0.0):  # the keys and values are the whole sequence's
+        return cp_attention.per_document_sdpa(query, key, value, layout, scale, dropout=dropout)
+
     _bind_transformers_attention(attention, layout, attend, key, {expand: expand_gathered})
 
 

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import os
 import time
+import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -172,7 +173,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp],
                                             seen.sent)
                 _first_step_setup_unrecorded(schedule, (recorder, saved, peak), phase)
-            with phase("recorded step"), _whole_windows(), experts.evenly_routed([*parts, *neighbours.values()]), \
+            with phase("recorded step"), _whole_windows(), _documents_as_whole_rows(), experts.evenly_routed([*parts, *neighbours.values()]), \
                     peak, recorder, saved, microbatches or contextlib.nullcontext():
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
@@ -301,6 +302,36 @@ def _whole_windows():
         return
     with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
         yield
+
+
+@contextlib.contextmanager
+def _documents_as_whole_rows():
+    """Masked attention under CP (``kernels.cp_attention.per_document_sdpa``: document masking, a sliding window)
+    chooses its SDPA calls from the step's global positions and documents, which fake tensors do not hold. The
+    fake batch holds whole windows: each row is planned as one document at the positions of this rank's pieces
+    (``state_passing.piece_order``), the calls a real step of whole windows makes."""
+    from titan_ext.kernels import cp_attention
+    from titan_ext.kernels.state_passing import piece_order
+
+    attend = cp_attention.per_document_sdpa
+
+    def planned(query, keys, values, layout, scale=None, window=None, dropout=0.0):
+        size = query.shape[2] // layout.per_rank
+        pieces = piece_order(layout.rank, layout.world, layout.per_rank)
+        positions = [g for piece in pieces for g in range(piece * size, (piece + 1) * size)]
+        rows = types.SimpleNamespace(positions=_Rows([positions] * query.shape[0]),
+                                     document_positions=_Rows([list(range(keys.shape[2]))] * query.shape[0]))
+        return attend(query, keys, values, rows, scale, window, dropout)
+
+    with mock.patch.object(cp_attention, "per_document_sdpa", planned):
+        yield
+
+
+class _Rows(list):
+    """Rows of positions read as ``per_document_sdpa`` reads a tensor's (``.tolist()``)."""
+
+    def tolist(self) -> list:
+        return list(self)
 
 
 def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.Tensor, sent: dict) -> None:

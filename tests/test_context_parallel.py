@@ -166,7 +166,7 @@ window or ``+docs`` (packed documents, document masking on both sides) all-gathe
 ``_hybrid``: layer 1 is fla's softmax Attention (fla's ``attn`` config), on the same CP mesh as layer 0's
 state passing; ``hf_qwen3_5``: transformers' Gated DeltaNet (layer 0) and gated attention (layer 1), in fp64 but
 for its RMSNorms, which compute in fp32 (their weights' gradients, summed over other tokens per rank, differ
-by ~1e-7; every other gradient by 1e-12).
+by ~1e-7; every other gradient by 1e-12); ``hf_deepseek_v3+docs``: MLA's latents all-gathered and expanded on each rank.
 Each spec runs with contiguous pieces (1 per rank) and head-tail ones (2) in one case or another."""
 
 DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]

@@ -152,9 +152,8 @@ def parallelism(**degrees):
      "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1"),
     (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
     (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
-    (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
-    (dict(context_parallel_degree=2, expert_parallel_degree=2),  # EP x CP trains without it (hf_qwen3_next/ep2_cp2)
-     "--parallelism.context_parallel_degree=2: the router's balancing loss"),
+    (dict(pipeline_parallel_degree=2, context_parallel_degree=2),
+     "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
 ])  # fmt: skip
 def test_moe_refusals(degrees, phrase):
     with pytest.raises(ConfigError, match=phrase):
@@ -162,14 +161,52 @@ def test_moe_refusals(degrees, phrase):
 
 
 def test_pipeline_parallel_without_the_balancing_loss():
-    """PP (and CP) run a MoE model whose config turns the balancing loss off, and record no routers (a stage
+    """PP runs a MoE model whose config turns the balancing loss off, and records no routers (a stage
     without the loss would keep them forever)."""
     model = meta_model(args(router_aux_loss_coef=0.0))
     pp = parallelism(pipeline_parallel_degree=2, expert_parallel_degree=2)
     moe.check_moe(model, pp)
-    moe.check_moe(model, parallelism(context_parallel_degree=2))  # nor CP: routing is per token
     assert not moe.moe_choice(model, pp).record_routers
     assert moe.moe_choice(model, parallelism(expert_parallel_degree=2)).record_routers
+
+
+@pytest.mark.parametrize("degrees", [dict(context_parallel_degree=2),
+                                     dict(context_parallel_degree=2, expert_parallel_degree=2)])
+def test_context_parallel_with_the_balancing_loss(degrees):
+    """CP trains with the balancing loss (the CP ranks count each sequence together: the next test; end to
+    end in hf_qwen3_next's cp2 and ep2_cp2 rows) and records the routers."""
+    model = meta_model(args())
+    moe.check_moe(model, parallelism(**degrees))
+    assert moe.moe_choice(model, parallelism(**degrees)).record_routers
+
+
+def test_balance_loss_under_cp_adds_up_to_the_whole_sequences(monkeypatch):
+    """Two CP ranks holding head-tail pieces of each sequence (some labels ignored): their terms add up to
+    the whole batch's, and so do their gradients. The CP all-reduce is played here by summing what each
+    rank would send (a first pass records it)."""
+    torch.manual_seed(2)
+    batch, seq, experts = 2, 16, 8
+    logits = [torch.randn(batch * seq, experts, requires_grad=True) for _ in range(3)]
+    labels = torch.randint(0, 5, (batch, seq))
+    labels[0, 3:9] = -100
+    quarters = torch.arange(seq).view(4, seq // 4)
+    pieces = [torch.cat([quarters[0], quarters[3]]), torch.cat([quarters[1], quarters[2]])]  # head-tail
+
+    def rank_loss(rank):
+        local = [x.view(batch, seq, experts)[:, pieces[rank]].reshape(-1, experts) for x in logits]
+        return moe.balance_loss_sum(local, labels[:, pieces[rank]], experts, 2, cp_group="cp")[0]
+
+    sent = {}
+    monkeypatch.setattr(moe.dist, "all_reduce", lambda t, group: sent.setdefault(len(sent), t.clone()))
+    rank_loss(0), rank_loss(1)
+    calls = iter([1, 0])
+    monkeypatch.setattr(moe.dist, "all_reduce", lambda t, group: t.add_(sent[next(calls)]))
+    split = rank_loss(0) + rank_loss(1)
+    split_grads = torch.autograd.grad(split, logits)
+    whole = moe.balance_loss_sum(logits, labels, experts, 2)[0]
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=0)
+    for a, b in zip(split_grads, torch.autograd.grad(whole, logits)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():

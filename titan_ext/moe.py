@@ -10,9 +10,12 @@ loss adds the balancing term (``with_balance_loss``).
 The term is counted per token, as torchtitan's cross entropy is (a sum the trainer divides by the global
 count of valid tokens): over one sequence the model's own formula (``load_balancing_loss_func`` with the
 valid labels as its mask: expert shares and mean router probabilities over all MoE layers), weighted by the
-sequence's valid tokens. A sequence's term needs nothing from other ranks or micro-batches, so the loss is
-the same under FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is the model's
-own loss exactly.
+sequence's valid tokens. A sequence's term needs nothing from other sequences, so the loss is the same under
+FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is the model's own loss exactly.
+Under CP each rank holds pieces of every sequence: the ranks sum each sequence's expert assignments and valid
+tokens (no gradient flows through them), and each rank's term is its own tokens' share of the probability
+sum, which is linear, so the ranks' terms add up to the whole sequence's loss and its gradient, as the cross
+entropy's do.
 """
 
 from __future__ import annotations
@@ -114,13 +117,6 @@ def check_moe(model: nn.Module, job_config) -> None:
             f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) needs every MoE layer's router logits on the "
             "stage that computes the loss, which titan_ext does not carry across stages yet; train without PP, or "
             "set router_aux_loss_coef to 0 in the config.json to train without the balancing loss"
-        )
-    if p.context_parallel_degree > 1 and getattr(model.config, "router_aux_loss_coef", 0):  # routing is per token
-        raise ConfigError(
-            f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss "
-            f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) counts expert shares per whole sequence, which "
-            "titan_ext does not gather across CP ranks yet; set it to 1, or set router_aux_loss_coef to 0 in the "
-            "config.json to train without the balancing loss"
         )
 
 
@@ -326,6 +322,8 @@ class RouterRecords:
 
     def __init__(self) -> None:
         self.choice: MoEChoice | None = None
+        self.cp_group: dist.ProcessGroup | None = None
+        """The context-parallel ranks holding pieces of the same sequences (None: no CP)."""
         self.hooks: list = []
         self.logits: list[torch.Tensor] = []
         self.reset_step()
@@ -357,24 +355,29 @@ class RouterRecords:
 RECORDS = RouterRecords()
 
 
-def apply_router_records(model: nn.Module, choice: MoEChoice | None) -> None:
-    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model). The routers
-    of an earlier model (an earlier job in this process) record no more."""
+def apply_router_records(model: nn.Module, choice: MoEChoice | None,
+                         cp_group: dist.ProcessGroup | None = None) -> None:
+    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model; ``cp_group``:
+    the CP ranks, whose pieces of each sequence the loss counts together). The routers of an earlier model (an
+    earlier job in this process) record no more."""
     for hook in RECORDS.hooks:
         hook.remove()
     RECORDS.__init__()
-    RECORDS.choice = choice
+    RECORDS.choice, RECORDS.cp_group = choice, cp_group
     if choice is not None and choice.record_routers:
         RECORDS.hooks = [block.gate.register_forward_hook(RECORDS.record) for block in moe_blocks(model)]
 
 
-def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int):
+def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int,
+                     cp_group: dist.ProcessGroup | None = None):
     """(sum over sequences of valid tokens x the model's balancing loss of that sequence, per-(layer, expert)
-    routed-token counts).
+    routed-token counts), of this rank's tokens.
 
     ``router_logits``: per MoE layer ``[batch * seq, experts]``; ``labels``: ``[batch, seq]``. Per sequence,
     ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert e and ``P_e`` the mean
-    router probability, both over the sequence's valid tokens and all MoE layers.
+    router probability, both over the sequence's valid tokens and all MoE layers. Under CP (``cp_group``)
+    ``labels`` hold this rank's pieces of the sequences: ``f_e`` and the valid tokens are summed over the CP
+    ranks, and the result is this rank's tokens' part of the loss (the parts add up to it).
     """
     batch, seq = labels.shape
     valid = (labels != IGNORE_INDEX).to(torch.float32)  # [B, S]
@@ -388,7 +391,11 @@ def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, nu
             chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, dim=-1).indices, 1.0)  # [B, S, E]
             counts.append(chosen.sum((0, 1)))  # every routed token
             assigned += (chosen * valid[..., None]).sum(1)
-    share = assigned / (layers * valid.sum(-1).clamp_min(1)[:, None])  # [B, E]
+    sequence = torch.cat([assigned, valid.sum(-1, keepdim=True)], dim=-1)  # [B, E + 1]: no gradient
+    if cp_group is not None:
+        dist.all_reduce(sequence, group=cp_group)  # the whole sequences' assignments and valid tokens
+    assigned, tokens = sequence.split([num_experts, 1], dim=-1)
+    share = assigned / (layers * tokens.clamp_min(1))  # [B, E]
     loss = num_experts * (valid[..., None] * share[:, None, :] * probs_sum / layers).sum()
     return loss, torch.stack(counts)
 
@@ -406,7 +413,7 @@ def with_balance_loss(build_loss_fn):
             logits, choice = RECORDS.take(), RECORDS.choice
             if not logits or choice is None:
                 return loss
-            balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
+            balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k, RECORDS.cp_group)
             if torch.is_grad_enabled():  # training, not validation: this step's metrics
                 RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts)
             if not choice.aux_loss_coef:

@@ -220,7 +220,7 @@ TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_s
 # Qwen3-Next: the same layers with a MoE FFN (4 experts, 2 per token, and a shared expert), experts FSDP-sharded.
 TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-                   "router_aux_loss_coef": 0.01}  # the balancing loss on: its cp2 and ep2_cp2 rows count it over CP
+                   "router_aux_loss_coef": 0.01}  # the balancing loss counted over CP (cp2, ep2_cp2) and PP (pp2)
 
 # Qwen2-MoE: a shared expert whose linears its HF plan leaves out (they take its dense FFN's entries under TP).
 TINY_QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -268,7 +268,7 @@ SPECS = {
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "cp2", "ep2_cp2", "ep2_tp2")),
+                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
                          rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
@@ -281,11 +281,8 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf",
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2",
                                "ep2_tp2_fsdp2", "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
-    # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
-    "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
-                               hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x TP x FSDP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_tp2_fsdp2")),
@@ -391,7 +388,8 @@ ROWS = {
     "ac_full": Row(1, (*parallel(), *AC, "full")),
     # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
-    "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
+    # EP x PP x FSDP: the stages carry their routers' statistics to the balancing loss on the last stage
+    "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_qwen3_moe",)),
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
     "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
@@ -816,7 +814,14 @@ def job_error(matrix: Matrix, job: Job) -> str:
 
 
 def series(metrics: list[dict]) -> dict[str, list[float]]:
-    return {"loss": [m["loss_metrics/global_avg_loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
+    """Loss and grad norm; for a MoE model its balancing loss (per token) and how unevenly the experts were used
+    (max / mean tokens per expert: the counts themselves grow with the data-parallel ranks' duplicate batches)."""
+    compared = {"loss": [m["loss_metrics/global_avg_loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
+    if metrics and all("moe/aux_loss" in m for m in metrics):
+        compared["moe/aux_loss"] = [m["moe/aux_loss"] for m in metrics]
+    if metrics and all("moe/tokens_per_expert_max" in m for m in metrics):
+        compared["moe/max_over_mean"] = [m["moe/tokens_per_expert_max"] / m["moe/tokens_per_expert_mean"] for m in metrics]
+    return compared
 
 
 def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RTOL) -> tuple[float, str]:
@@ -828,9 +833,11 @@ def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RT
     if not all(s in by_step for s in steps):
         return math.inf, "the reference run is incomplete"
     diffs = []
-    want = series([by_step[s] for s in steps])
-    for what, values in series(run).items():
-        for step, x, y in zip(steps, values, want[what]):
+    want, got = series([by_step[s] for s in steps]), series(run)
+    if missing := sorted(set(want) - set(got)):
+        return math.inf, f"no {', '.join(missing)} logged (the reference logs it)"
+    for what, values in got.items():
+        for step, x, y in zip(steps, values, want.get(what, values)):
             rel = abs(x - y) / max(abs(x), abs(y), 1e-30)
             diffs.append((math.inf if math.isnan(rel) else rel, f"{what} at step {step}: {x!r} vs {y!r}"))
     worst, detail = max(diffs, key=lambda d: d[0])  # the first of the worst

@@ -63,7 +63,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   kernels, gated attention at layer 1) in ``single``, ``tp2`` (heads split; sequence and loss parallel),
   ``pp2``, ``hf`` (export and import), ``cp2`` (state passing, the convolution's halo and ring attention on
   one CP mesh) and ``cp2_docs`` (document resets on both sides, all-gathered attention, with AC and compile).
-  ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
+  ``hf_qwen3_next``: the same layers with a MoE FFN and its balancing loss (counted over the CP ranks and carried
+  across pipeline stages; experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
   in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
   shared expert split by TP, 2.8 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
@@ -88,9 +89,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
   experts), ``ep2_tp2_fsdp2`` (EP x TP with validation, torchtitan's ETP=1: the EP mesh spans the TP ranks, which
-  share the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
-  each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
-  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_qwen2_moe`` (a shared expert
+  share the tokens), ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  each read their own documents) and ``ep2_pp2`` (EP2 x PP2 x FSDP2: the stages carry their routers' statistics to
+  the balancing loss on the last stage); ``hf_qwen2_moe`` (a shared expert
   whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
   (2.3 s; its seed and single process 0.7 s); ``hf_moe_bias`` (torchtitan's
   auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in

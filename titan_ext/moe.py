@@ -15,7 +15,8 @@ FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is t
 Under CP each rank holds pieces of every sequence: the ranks sum each sequence's expert assignments and valid
 tokens (no gradient flows through them), and each rank's term is its own tokens' share of the probability
 sum, which is linear, so the ranks' terms add up to the whole sequence's loss and its gradient, as the cross
-entropy's do.
+entropy's do. Under PP the stages before the last carry their routers' statistics to the loss with their hidden
+states, and the gradient comes back the same way (``apply_router_records``).
 """
 
 from __future__ import annotations

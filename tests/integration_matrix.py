@@ -63,7 +63,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   kernels, gated attention at layer 1) in ``single``, ``tp2`` (heads split; sequence and loss parallel),
   ``pp2``, ``hf`` (export and import), ``cp2`` (state passing, the convolution's halo and ring attention on
   one CP mesh) and ``cp2_docs`` (document resets on both sides, all-gathered attention, with AC and compile).
-  ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
+  ``hf_qwen3_next``: the same layers with a MoE FFN and its balancing loss (counted over the CP ranks and carried
+  across pipeline stages; experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
   in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
   shared expert split by TP, 2.8 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
@@ -87,9 +88,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
-  experts) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
-  each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
-  not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_qwen2_moe`` (a shared expert
+  experts), ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  each read their own documents) and ``ep2_pp2`` (EP2 x PP2 x FSDP2: the stages carry their routers' statistics to
+  the balancing loss on the last stage); ``hf_qwen2_moe`` (a shared expert
   whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
   (2.3 s; its seed and single process 0.7 s); ``hf_moe_bias`` (torchtitan's
   auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
@@ -223,7 +224,7 @@ TINY_QWEN3_5 = {"model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_s
 # Qwen3-Next: the same layers with a MoE FFN (4 experts, 2 per token, and a shared expert), experts FSDP-sharded.
 TINY_QWEN3_NEXT = {**TINY_QWEN3_5, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-                   "router_aux_loss_coef": 0.0}  # its pp2 row: PP runs a MoE model only without the balancing loss
+                   "router_aux_loss_coef": 0.01}  # the balancing loss counted over CP (cp2, ep2_cp2) and PP (pp2)
 
 # Qwen2-MoE: a shared expert whose linears its HF plan leaves out (they take its dense FFN's entries under TP).
 TINY_QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -284,11 +285,8 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf",
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2",
                                "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
-    # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
-    "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
-                               hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2")),
@@ -394,7 +392,8 @@ ROWS = {
     "ac_full": Row(1, (*parallel(), *AC, "full")),
     # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
-    "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_moe_noaux",)),
+    # EP x PP x FSDP: the stages carry their routers' statistics to the balancing loss on the last stage
+    "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_qwen3_moe",)),
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
     "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_kimi_linear",)),
@@ -821,7 +820,14 @@ def job_error(matrix: Matrix, job: Job) -> str:
 
 
 def series(metrics: list[dict]) -> dict[str, list[float]]:
-    return {"loss": [m["loss_metrics/global_avg_loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
+    """Loss and grad norm; for a MoE model its balancing loss (per token) and how unevenly the experts were used
+    (max / mean tokens per expert: the counts themselves grow with the data-parallel ranks' duplicate batches)."""
+    compared = {"loss": [m["loss_metrics/global_avg_loss"] for m in metrics], "grad_norm": [m["grad_norm"] for m in metrics]}
+    if metrics and all("moe/aux_loss" in m for m in metrics):
+        compared["moe/aux_loss"] = [m["moe/aux_loss"] for m in metrics]
+    if metrics and all("moe/tokens_per_expert_max" in m for m in metrics):
+        compared["moe/max_over_mean"] = [m["moe/tokens_per_expert_max"] / m["moe/tokens_per_expert_mean"] for m in metrics]
+    return compared
 
 
 def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RTOL) -> tuple[float, str]:
@@ -833,9 +839,11 @@ def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RT
     if not all(s in by_step for s in steps):
         return math.inf, "the reference run is incomplete"
     diffs = []
-    want = series([by_step[s] for s in steps])
-    for what, values in series(run).items():
-        for step, x, y in zip(steps, values, want[what]):
+    want, got = series([by_step[s] for s in steps]), series(run)
+    if missing := sorted(set(want) - set(got)):
+        return math.inf, f"no {', '.join(missing)} logged (the reference logs it)"
+    for what, values in got.items():
+        for step, x, y in zip(steps, values, want.get(what, values)):
             rel = abs(x - y) / max(abs(x), abs(y), 1e-30)
             diffs.append((math.inf if math.isnan(rel) else rel, f"{what} at step {step}: {x!r} vs {y!r}"))
     worst, detail = max(diffs, key=lambda d: d[0])  # the first of the worst

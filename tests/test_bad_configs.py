@@ -226,7 +226,11 @@ CASES = {
         [*GLA, *TP2, "--parallelism.expert_tensor_parallel_degree", "2"], 2,
         "--parallelism.expert_tensor_parallel_degree=2 needs --parallelism.expert_parallel_degree > 1",
     ),
-    "pp with a moe model": ([*generic("hf", "qwen3_moe.json"), *PP2], 2, "the router's balancing loss (router_aux_loss_coef=0.01) needs every MoE layer's router logits"),
+    "pp x tp with a moe model's balancing loss": (
+        [*generic("hf", "qwen3_moe.json"), *PP2, "--parallelism.tensor_parallel_degree", "2",
+         "--parallelism.expert_parallel_degree", "2"], 4,
+        "the routers' statistics that stages carry for the balancing loss are whole sequences",
+    ),
     "tp for a model with no plan": (
         [*generic("hf", "opt.json"), *TP2], 2, "no tensor-parallel plan for model_type 'opt'"
     ),

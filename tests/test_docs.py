@@ -118,6 +118,8 @@ RUN_BY = {
     "--parallelism.expert_parallel_degree 2 --parallelism.data_parallel_replicate_degree 2": "matrix:hf_moe_bias/ep2_hsdp2x2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
     "--titan_ext.moe_balance bias": "matrix:hf_moe_bias/ep2_hsdp2x2",
+    "python tests/integration_matrix.py --spec hf_qwen3_next --rows single cp2 ep2_cp2 pp2": "matrix:hf_qwen3_next/pp2",
+    "python tests/integration_matrix.py --spec hf_qwen3_moe --rows single ep2_pp2": "matrix:hf_qwen3_moe/ep2_pp2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single ep2_cp2": "matrix:hf_qwen3_next/ep2_cp2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single ep2_tp2": "matrix:hf_qwen3_next/ep2_tp2",
     "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "

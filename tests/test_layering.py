@@ -87,7 +87,7 @@ def test_no_import_cycle():
 def test_the_finder_sees_a_cycle_made_inside_functions():
     graph = import_graph()
     graph["titan_ext.job_plan"] = graph["titan_ext.job_plan"] | {"titan_ext.pipeline"}  # pipeline imports job_plan
-    assert ["titan_ext.job_plan", "titan_ext.pipeline"] in cycles(graph)
+    assert any({"titan_ext.job_plan", "titan_ext.pipeline"} <= set(cycle) for cycle in cycles(graph))
     assert "titan_ext.job_plan" in import_graph()["titan_ext.pipeline"]  # an import the finder must see
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from titan_ext import moe
 from titan_ext.errors import ConfigError
-from titan_ext.models.adapter import meta_model
+from titan_ext.models.adapter import build_model, meta_model
 from titan_ext.models.args import HFModelArgs, idle_expert_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,9 +103,13 @@ def test_recompute_in_backward_records_nothing():
     model = real_model()
     moe.apply_router_records(model, moe.moe_choice(model))
     block = model.model.layers[0].mlp
-    x = torch.randn(1, 4, 64, requires_grad=True)
-    checkpoint(block, x, use_reentrant=False).sum().backward()
-    assert len(moe.RECORDS.logits) == 1
+    forward = block.forward
+    block.forward = lambda x: checkpoint(forward, x, use_reentrant=False)
+    tokens = torch.randint(0, 2048, (1, 8))
+    model(tokens).logits.sum().backward()  # layer 0's block routes again in here
+    moe.RECORDS.take()
+    model(tokens)
+    assert len(moe.RECORDS.take()[0]) == 2  # the next forward's loss sees its 2 MoE layers only
 
 
 def test_a_forward_without_its_loss_is_an_error():
@@ -114,7 +118,7 @@ def test_a_forward_without_its_loss_is_an_error():
     tokens = torch.randint(0, 2048, (1, 8))
     model(tokens)
     model(tokens)
-    with pytest.raises(RuntimeError, match="4 router outputs reached the loss, the model has 2 MoE blocks"):
+    with pytest.raises(RuntimeError, match="2 forwards of a MoE model reached one loss"):
         moe.RECORDS.take()
 
 
@@ -141,35 +145,65 @@ def test_flops_count_active_experts():
     assert dense_flops - sparse_flops == 6 * experts * 6 // 8
 
 
-def parallelism(**degrees):
+def parallelism(disable_sequence_parallel=False, **degrees):
     base = dict(expert_parallel_degree=1, expert_tensor_parallel_degree=1, pipeline_parallel_degree=1,
                 context_parallel_degree=1, tensor_parallel_degree=1)
-    return SimpleNamespace(parallelism=SimpleNamespace(**{**base, **degrees}))
+    return SimpleNamespace(parallelism=SimpleNamespace(**{**base, **degrees}),
+                           titan_ext=SimpleNamespace(disable_sequence_parallel=disable_sequence_parallel))
 
 
 @pytest.mark.parametrize("degrees, phrase", [
     (dict(expert_parallel_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
      "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1"),
     (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
-    (dict(pipeline_parallel_degree=2), "--parallelism.pipeline_parallel_degree=2: the router's balancing loss"),
-    (dict(context_parallel_degree=2), "--parallelism.context_parallel_degree=2: the router's balancing loss"),
-    (dict(context_parallel_degree=2, expert_parallel_degree=2),  # EP x CP trains without it (hf_qwen3_next/ep2_cp2)
-     "--parallelism.context_parallel_degree=2: the router's balancing loss"),
+    (dict(pipeline_parallel_degree=2, tensor_parallel_degree=2),
+     "--parallelism.pipeline_parallel_degree=2 with --parallelism.tensor_parallel_degree=2: the routers' statistics"),
 ])  # fmt: skip
 def test_moe_refusals(degrees, phrase):
     with pytest.raises(ConfigError, match=phrase):
         moe.check_moe(meta_model(args()), parallelism(**degrees))
 
 
-def test_pipeline_parallel_without_the_balancing_loss():
-    """PP (and CP) run a MoE model whose config turns the balancing loss off, and record no routers (a stage
-    without the loss would keep them forever)."""
-    model = meta_model(args(router_aux_loss_coef=0.0))
-    pp = parallelism(pipeline_parallel_degree=2, expert_parallel_degree=2)
-    moe.check_moe(model, pp)
-    moe.check_moe(model, parallelism(context_parallel_degree=2))  # nor CP: routing is per token
-    assert not moe.moe_choice(model, pp).record_routers
-    assert moe.moe_choice(model, parallelism(expert_parallel_degree=2)).record_routers
+@pytest.mark.parametrize("degrees", [dict(context_parallel_degree=2),
+                                     dict(context_parallel_degree=2, expert_parallel_degree=2),
+                                     dict(pipeline_parallel_degree=2, expert_parallel_degree=2),
+                                     dict(pipeline_parallel_degree=2, tensor_parallel_degree=2,
+                                          disable_sequence_parallel=True)])
+def test_cp_and_pp_with_the_balancing_loss(degrees):
+    """CP and PP train with the balancing loss (the CP ranks count each sequence together, the stages carry
+    their routers' statistics: the tests below; end to end in hf_qwen3_next's cp2, ep2_cp2 and pp2 rows)."""
+    model = meta_model(args())
+    moe.check_moe(model, parallelism(**degrees))
+    assert moe.moe_choice(model, parallelism(**degrees)).record_routers
+
+
+def test_balance_loss_under_cp_adds_up_to_the_whole_sequences(monkeypatch):
+    """Two CP ranks holding head-tail pieces of each sequence (some labels ignored): their terms add up to
+    the whole batch's, and so do their gradients. The CP all-reduce is played here by summing what each
+    rank would send (a first pass records it)."""
+    torch.manual_seed(2)
+    batch, seq, experts = 2, 16, 8
+    logits = [torch.randn(batch * seq, experts, requires_grad=True) for _ in range(3)]
+    labels = torch.randint(0, 5, (batch, seq))
+    labels[0, 3:9] = -100
+    quarters = torch.arange(seq).view(4, seq // 4)
+    pieces = [torch.cat([quarters[0], quarters[3]]), torch.cat([quarters[1], quarters[2]])]  # head-tail
+
+    def rank_loss(rank):
+        local = [x.view(batch, seq, experts)[:, pieces[rank]].reshape(-1, experts) for x in logits]
+        return moe.balance_loss_sum(local, labels[:, pieces[rank]], experts, 2, cp_group="cp")[0]
+
+    sent = {}
+    monkeypatch.setattr(moe.dist, "all_reduce", lambda t, group: sent.setdefault(len(sent), t.clone()))
+    rank_loss(0), rank_loss(1)
+    calls = iter([1, 0])
+    monkeypatch.setattr(moe.dist, "all_reduce", lambda t, group: t.add_(sent[next(calls)]))
+    split = rank_loss(0) + rank_loss(1)
+    split_grads = torch.autograd.grad(split, logits)
+    whole = moe.balance_loss_sum(logits, labels, experts, 2)[0]
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=0)
+    for a, b in zip(split_grads, torch.autograd.grad(whole, logits)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
 def test_expert_parallel_on_a_dense_model_is_refused():
@@ -378,3 +412,56 @@ def test_grouped_gemm_equals_a_loop_over_experts(counts, grouped, monkeypatch):
     mine = outputs_and_grads(lambda: moe._local_experts(act, rows, counts, gate_up, down))
     for got, expected in zip(mine, outputs_and_grads(loop)):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_pipeline_stages_carry_the_balancing_loss_and_its_gradient():
+    """Three stages (each with a MoE layer) chained as PP chains them: the last stage's loss, and every
+    parameter's gradient (the first stage's router among them), equal the whole model's; each stage counts
+    its own MoE layer's tokens per expert."""
+    torch.manual_seed(0)
+    a = args(num_hidden_layers=3)
+    whole = build_model(a)
+    whole.init_weights()
+    from titan_ext.pipeline import stage_model
+
+    stages = [stage_model(whole, names) for names in (("model.embed_tokens", "model.layers.0"), ("model.layers.1",),
+                                                      ("model.layers.2", "model.norm", "lm_head"))]
+    tokens = torch.randint(0, 2048, (2, 12))
+    labels = torch.randint(0, 2048, (2, 12))
+    labels[1, :5] = -100
+    loss_fn = moe.with_balance_loss(lambda job_config: cross_entropy_sum)(None)
+
+    def run(parts):
+        choice = moe.moe_choice(whole)
+        for part in parts:
+            moe.apply_router_records(part, choice)
+        hidden = tokens
+        for part in parts:
+            hidden = part(hidden)
+        loss = loss_fn(hidden, labels)
+        loss.backward()
+        return loss, moe.RECORDS.stats
+
+    split, split_stats = run(stages)
+    whole_loss, whole_stats = run([whole])
+    assert split.dtype == whole_loss.dtype and split - cross_entropy_sum(whole(tokens), labels) > 0.01  # a real term
+    torch.testing.assert_close(split, whole_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(split_stats, whole_stats, rtol=1e-6, atol=0)
+    grads = {name: param.grad for stage in stages for name, param in stage.named_parameters()}
+    for name, param in whole.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert whole.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_statistics_travel_exactly_beside_bf16_hidden_states():
+    """Beside bf16 hidden states the float32 statistics travel as their bits (a cast would round them), and
+    their gradient comes back the same way."""
+    statistics = torch.rand(2, 3, 16, dtype=torch.float64).float().requires_grad_()
+    packed = moe._pack(statistics, torch.bfloat16)
+    assert packed.dtype == torch.bfloat16 and packed.shape[-1] == moe._statistics_width(8, torch.bfloat16) == 32
+    hidden = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    received = moe._unpack(torch.cat([hidden, packed], dim=-1)[..., 4:])
+    assert torch.equal(received, statistics)
+    weights = torch.randn(2, 3, 16)
+    (received * weights).sum().backward()
+    assert torch.equal(statistics.grad, weights)

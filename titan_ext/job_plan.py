@@ -97,11 +97,13 @@ class MoEChoice:
     ep: int = 1
     """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
     record_routers: bool = True
-    """Router logits kept for the balancing loss and the routing metrics (not under PP, which runs without
-    the balancing loss, nor with ``balance`` "bias")."""
+    """Router logits kept for the balancing loss and the routing metrics (not with ``balance`` "bias")."""
     balance: str = "aux_loss"
     """``[titan_ext] moe_balance``: "aux_loss" (the router's balancing loss, as the model was trained) or "bias"
     (torchtitan's auxiliary-loss-free balancing: a per-expert routing bias, titan_ext.moe.apply_expert_bias)."""
+    moe_layers: tuple[int, ...] = ()
+    """The whole model's decoder layers holding a MoE block: the balancing loss pools them, and pipeline stages
+    count their tokens per expert in these slots."""
 
 
 @dataclass(frozen=True)

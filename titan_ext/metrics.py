@@ -67,7 +67,8 @@ def _with_moe_metrics(log, parallel_dims, rank0: bool):
 
     def log_step(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         batch_mesh = parallel_dims.get_optional_mesh("loss")
-        routing = moe.step_metrics(batch_mesh.get_group() if batch_mesh is not None else None)
+        pp_group = parallel_dims.get_mesh("pp").get_group() if parallel_dims.pp_enabled else None
+        routing = moe.step_metrics(batch_mesh.get_group() if batch_mesh is not None else None, pp_group)
         log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **routing})
         if routing and rank0:
             logger.info("  ".join(f"{name}: {value:.6g}" for name, value in routing.items()))

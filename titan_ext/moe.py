@@ -10,9 +10,13 @@ loss adds the balancing term (``with_balance_loss``).
 The term is counted per token, as torchtitan's cross entropy is (a sum the trainer divides by the global
 count of valid tokens): over one sequence the model's own formula (``load_balancing_loss_func`` with the
 valid labels as its mask: expert shares and mean router probabilities over all MoE layers), weighted by the
-sequence's valid tokens. A sequence's term needs nothing from other ranks or micro-batches, so the loss is
-the same under FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is the model's
-own loss exactly.
+sequence's valid tokens. A sequence's term needs nothing from other sequences, so the loss is the same under
+FSDP/HSDP/DDP and with gradient accumulation; for one sequence per batch it is the model's own loss exactly.
+Under CP each rank holds pieces of every sequence: the ranks sum each sequence's expert assignments and valid
+tokens (no gradient flows through them), and each rank's term is its own tokens' share of the probability
+sum, which is linear, so the ranks' terms add up to the whole sequence's loss and its gradient, as the cross
+entropy's do. Under PP the stages before the last carry their routers' statistics to the loss with their hidden
+states, and the gradient comes back the same way (``apply_router_records``).
 """
 
 from __future__ import annotations
@@ -55,9 +59,8 @@ def balance_option(job_config) -> str:
 
 
 def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
-    """From the meta model: None for a dense model. Under PP (without the balancing loss, ``check_moe``) the
-    routers are not recorded: a stage without the loss would keep them forever; with the routing bias the
-    loss needs no logits and the routers count their own tokens."""
+    """From the meta model: None for a dense model. With the routing bias the loss needs no router logits and
+    the routers count their own tokens."""
     blocks = moe_blocks(model)
     if not blocks:
         return None
@@ -66,12 +69,12 @@ def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
     coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if balance == "aux_loss" else 0.0
     p = job_config.parallelism if job_config is not None else None
     return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k,
-                     ep=p.expert_parallel_degree if p else 1, balance=balance,
-                     record_routers=balance == "aux_loss" and not (p and p.pipeline_parallel_degree > 1))
+                     ep=p.expert_parallel_degree if p else 1, balance=balance, record_routers=balance == "aux_loss",
+                     moe_layers=tuple(moe_layer_indices(model)))
 
 
 def check_moe(model: nn.Module, job_config) -> None:
-    """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow."""
+    """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow yet."""
     p = job_config.parallelism
     blocks = moe_blocks(model)
     balance = balance_option(job_config)
@@ -108,19 +111,13 @@ def check_moe(model: nn.Module, job_config) -> None:
         return
     if p.expert_parallel_degree > 1:
         _check_ep(blocks, p)
-    if p.pipeline_parallel_degree > 1 and balance == "aux_loss" and getattr(model.config, "router_aux_loss_coef", 0):
+    sequence_parallel = not getattr(getattr(job_config, "titan_ext", None), "disable_sequence_parallel", False)
+    if p.pipeline_parallel_degree > 1 and p.tensor_parallel_degree > 1 and sequence_parallel and balance == "aux_loss":
         raise ConfigError(
-            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: the router's balancing loss "
-            f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) needs every MoE layer's router logits on the "
-            "stage that computes the loss, which titan_ext does not carry across stages yet; train without PP, or "
-            "set router_aux_loss_coef to 0 in the config.json to train without the balancing loss"
-        )
-    if p.context_parallel_degree > 1 and getattr(model.config, "router_aux_loss_coef", 0):  # routing is per token
-        raise ConfigError(
-            f"--parallelism.context_parallel_degree={p.context_parallel_degree}: the router's balancing loss "
-            f"(router_aux_loss_coef={model.config.router_aux_loss_coef}) counts expert shares per whole sequence, which "
-            "titan_ext does not gather across CP ranks yet; set it to 1, or set router_aux_loss_coef to 0 in the "
-            "config.json to train without the balancing loss"
+            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} with "
+            f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}: the routers' statistics that stages "
+            "carry for the balancing loss are whole sequences, and sequence parallel sends each TP rank a piece; "
+            "add --titan_ext.disable_sequence_parallel, or train with moe_balance='bias' or without PP"
         )
 
 
@@ -317,85 +314,190 @@ def with_expert_bias_update(build_optimizers):
     return build
 
 
-# ---------------------------------------------------------------- the routers' logits, forward to loss
+# ---------------------------------------------------------------- the routers' statistics, forward to loss
 
 
 class RouterRecords:
-    """The router logits of the forward in flight, taken by the loss that follows it; this step's statistics
-    for the metrics. One per process: torchtitan builds the loss without the model."""
+    """What the loss takes from the forward before it (the last stage's router logits, and the statistics that
+    earlier pipeline stages carried), and this step's statistics for the metrics. One per process: torchtitan
+    builds the loss without the model."""
 
     def __init__(self) -> None:
         self.choice: MoEChoice | None = None
-        self.hooks: list = []
-        self.logits: list[torch.Tensor] = []
+        self.cp_group: dist.ProcessGroup | None = None
+        """The context-parallel ranks holding pieces of the same sequences (None: no CP)."""
+        self.pending: list[tuple[list[torch.Tensor], torch.Tensor | None, list[int]]] = []
+        """Per forward of the model's last part: its routers' logits, the carried statistics, its MoE layers' slots."""
         self.reset_step()
 
     def reset_step(self) -> None:
         self.stats: torch.Tensor | None = None
-        """On the loss's device: [balancing loss sum, valid tokens, routed tokens per (MoE layer, expert)...]."""
+        """[balancing loss sum, valid tokens, routed tokens per (MoE layer of the whole model, expert)...]."""
 
-    def add_step(self, balance: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> None:
-        stats = torch.cat([balance.detach().double().view(1), tokens.double().view(1), counts.double().flatten()])
+    def add_step(self, balance: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor,
+                 slots: list[int] | None = None) -> None:
+        """``counts``: ``[MoE layers here, experts]``; ``slots``: their places among the whole model's MoE
+        layers (None: all of them), so that pipeline stages fill disjoint slots of one vector."""
+        layers = counts.new_zeros(len(self.choice.moe_layers), self.choice.num_experts, dtype=torch.float64)
+        layers[slots if slots is not None else slice(None)] = counts.double()
+        stats = torch.cat([balance.detach().double().view(1), tokens.double().view(1), layers.flatten()])
         self.stats = stats if self.stats is None else self.stats + stats
 
-    def record(self, module, inputs, output) -> None:
-        # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
-        if not compat.in_backward():
-            logits = output[0]  # under TP a replicated DTensor (model_plans' router): the same on every TP rank
-            self.logits.append(logits.to_local() if isinstance(logits, DTensor) else logits)
-
-    def take(self) -> list[torch.Tensor]:
-        taken, self.logits = self.logits, []
-        if taken and len(taken) != len(self.hooks):  # a forward without its loss: its logits would join another batch's
+    def take(self) -> tuple[list[torch.Tensor], torch.Tensor | None, list[int]] | None:
+        taken, self.pending = self.pending, []
+        if len(taken) > 1:  # a forward without its loss: its routing would join another batch's
             raise RuntimeError(
-                f"titan_ext: {len(taken)} router outputs reached the loss, the model has {len(self.hooks)} MoE blocks; "
-                "every forward of a MoE model must be followed by its loss"
+                f"titan_ext: {len(taken)} forwards of a MoE model reached one loss; every forward of a MoE model "
+                "must be followed by its loss"
             )
-        return taken
+        return taken[0] if taken else None
 
 
 RECORDS = RouterRecords()
 
 
-def apply_router_records(model: nn.Module, choice: MoEChoice | None) -> None:
-    """Keep every router's logits for the loss (``choice`` from the job plan; None: a dense model). The routers
-    of an earlier model (an earlier job in this process) record no more."""
-    for hook in RECORDS.hooks:
-        hook.remove()
+def moe_layer_indices(model: nn.Module) -> list[int]:
+    """The decoder layers (their indices in the whole model, also in a pipeline stage) holding a MoE block."""
+    return [int(name) for name, layer in model.get_decoder().layers.named_children() if moe_blocks(layer)]
+
+
+def apply_router_records(model: nn.Module, choice: MoEChoice | None,
+                         cp_group: dist.ProcessGroup | None = None) -> None:
+    """Keep the routers' logits of each forward of ``model`` (the whole model, or one pipeline stage) for the
+    loss (``choice`` from the job plan; None: a dense model; ``cp_group``: the CP ranks, whose pieces of each
+    sequence the loss counts together).
+
+    Under PP the loss runs on the last stage, and the balancing loss pools every MoE layer: each stage before
+    it adds its routers' per-token statistics (probability sums, with their gradient, and top-k counts) to
+    those it received and sends them on with its hidden states (``_stage_end``); the last stage hands its
+    routers' logits and the received statistics to the loss. The gradient of the loss then flows back to
+    every stage's routers through the same sends, as the hidden states' does."""
+    for handle in getattr(model, "_router_record_hooks", ()):
+        handle.remove()
     RECORDS.__init__()
-    RECORDS.choice = choice
-    if choice is not None and choice.record_routers:
-        RECORDS.hooks = [block.gate.register_forward_hook(RECORDS.record) for block in moe_blocks(model)]
+    RECORDS.choice, RECORDS.cp_group = choice, cp_group
+    if choice is None or not choice.record_routers:
+        return
+    logits: list[torch.Tensor] = []
+    carried: list[torch.Tensor] = []
+    slots = [choice.moe_layers.index(i) for i in moe_layer_indices(model)]
+    hooks = [block.gate.register_forward_hook(functools.partial(_record, logits)) for block in moe_blocks(model)]
+    if getattr(model, "takes_hidden_states", False):  # a pipeline stage after the first
+        hooks.append(model.register_forward_pre_hook(functools.partial(_receive_statistics, choice, carried)))
+    hooks.append(model.register_forward_hook(functools.partial(_stage_end, choice, logits, carried, slots)))
+    model._router_record_hooks = hooks
 
 
-def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int):
+def _record(logits: list[torch.Tensor], module, inputs, output) -> None:
+    # A block recomputed by activation checkpointing during backward routes again: that is no new forward.
+    if not compat.in_backward():
+        router_logits = output[0]  # under TP a replicated DTensor (model_plans' router): the same on every TP rank
+        logits.append(router_logits.to_local() if isinstance(router_logits, DTensor) else router_logits)
+
+
+def _statistics_width(num_experts: int, dtype: torch.dtype) -> int:
+    """Channels the carried statistics (2 x experts, float32) take beside hidden states of ``dtype``."""
+    return 2 * num_experts * 4 // dtype.itemsize if dtype.itemsize < 4 else 2 * num_experts
+
+
+class _Reinterpret(torch.autograd.Function):
+    """The float32 statistics as the bits of a narrower hidden dtype (bf16: 2 channels each), and their
+    gradient back the same way: exact, where a cast to bf16 would round the probability sums."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return x.contiguous().view(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous().view(ctx.dtype), None
+
+
+def _pack(statistics: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return statistics.to(dtype) if dtype.itemsize >= 4 else _Reinterpret.apply(statistics, dtype)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    return packed.float() if packed.dtype.itemsize >= 4 else _Reinterpret.apply(packed, torch.float32)
+
+
+def _receive_statistics(choice: MoEChoice, carried: list, module, args):
+    """A later stage's input: the previous stage's hidden states, then its statistics' channels."""
+    packed = args[0]
+    width = _statistics_width(choice.num_experts, packed.dtype)
+    carried.append(_unpack(packed[..., -width:]))
+    return (packed[..., :-width].contiguous(), *args[1:])
+
+
+def _stage_end(choice: MoEChoice, logits: list, carried: list, slots: list[int], module, args, output):
+    """The last part hands its routers' logits (and what it received) to the loss; an earlier stage sends its
+    statistics on beside its hidden states."""
+    own, received = logits[:], carried.pop() if carried else None
+    logits.clear()
+    if module.get_output_embeddings() is not None:  # the model's last part: the loss follows
+        RECORDS.pending.append((own, received, slots))
+        return output
+    statistics, counts = routed_statistics(own, choice.num_experts, choice.top_k, output.shape[:2], output.device)
+    if received is not None:
+        statistics = statistics + received
+    if torch.is_grad_enabled():  # training, not validation: this step's metrics (the routing counts)
+        zero = counts.new_zeros(())
+        RECORDS.add_step(zero, zero, counts, slots)
+    return torch.cat([output, _pack(statistics, output.dtype)], dim=-1)
+
+
+def routed_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k: int, shape, device) -> tuple:
+    """(per token ``[*shape, 2 * experts]``: the router probabilities summed over ``router_logits``' layers,
+    then their top-k assignments counted; per layer ``[layers, experts]``: the tokens routed to each expert).
+    Only the probabilities carry a gradient."""
+    probs_sum, chosen_sum, counts = 0, 0, []  # one layer at a time: no [layers, tokens, E] tensor
+    for logits in router_logits:
+        probs = F.softmax(logits.float(), dim=-1).view(*shape, num_experts)
+        probs_sum = probs_sum + probs
+        with torch.no_grad():
+            chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, dim=-1).indices, 1.0)
+            chosen_sum = chosen_sum + chosen
+            counts.append(chosen.flatten(0, -2).sum(0))
+    if not router_logits:  # a pipeline stage without MoE layers
+        return torch.zeros(*shape, 2 * num_experts, device=device), torch.zeros(0, num_experts, device=device)
+    return torch.cat([probs_sum, chosen_sum], dim=-1), torch.stack(counts)
+
+
+def balance_loss_sum(router_logits: list[torch.Tensor], labels: torch.Tensor, num_experts: int, top_k: int,
+                     cp_group: dist.ProcessGroup | None = None, layers: int | None = None,
+                     carried: torch.Tensor | None = None):
     """(sum over sequences of valid tokens x the model's balancing loss of that sequence, per-(layer, expert)
-    routed-token counts).
+    routed-token counts of ``router_logits``), of this rank's tokens.
 
     ``router_logits``: per MoE layer ``[batch * seq, experts]``; ``labels``: ``[batch, seq]``. Per sequence,
     ``E * sum_e f_e * P_e`` with ``f_e`` the share of top-k assignments to expert e and ``P_e`` the mean
-    router probability, both over the sequence's valid tokens and all MoE layers.
+    router probability, both over the sequence's valid tokens and all ``layers`` MoE layers (default: those
+    of ``router_logits``; under PP the earlier stages' come as ``carried``, ``routed_statistics`` summed).
+    Under CP (``cp_group``) ``labels`` hold this rank's pieces of the sequences: ``f_e`` and the valid tokens
+    are summed over the CP ranks, and the result is this rank's tokens' part of the loss (the parts add up to
+    it, and so do their gradients: the loss is linear in the probabilities).
     """
     batch, seq = labels.shape
     valid = (labels != IGNORE_INDEX).to(torch.float32)  # [B, S]
-    layers = len(router_logits)
-    probs_sum, counts = 0, []  # one layer at a time: no [layers, B, S, E] tensor
-    assigned = torch.zeros(batch, num_experts, device=labels.device)  # valid top-k assignments per sequence
-    for logits in router_logits:
-        probs = F.softmax(logits.float(), dim=-1).view(batch, seq, num_experts)
-        probs_sum = probs_sum + probs
-        with torch.no_grad():
-            chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, dim=-1).indices, 1.0)  # [B, S, E]
-            counts.append(chosen.sum((0, 1)))  # every routed token
-            assigned += (chosen * valid[..., None]).sum(1)
-    share = assigned / (layers * valid.sum(-1).clamp_min(1)[:, None])  # [B, E]
+    layers = layers or len(router_logits)
+    statistics, counts = routed_statistics(router_logits, num_experts, top_k, (batch, seq), labels.device)
+    if carried is not None:
+        statistics = statistics.to(carried.device) + carried
+    probs_sum, chosen = statistics.split(num_experts, dim=-1)
+    assigned = (chosen.detach() * valid[..., None]).sum(1)  # valid top-k assignments per sequence
+    sequence = torch.cat([assigned, valid.sum(-1, keepdim=True)], dim=-1)  # [B, E + 1]: no gradient
+    if cp_group is not None:
+        dist.all_reduce(sequence, group=cp_group)  # the whole sequences' assignments and valid tokens
+    assigned, tokens = sequence.split([num_experts, 1], dim=-1)
+    share = assigned / (layers * tokens.clamp_min(1))  # [B, E]
     loss = num_experts * (valid[..., None] * share[:, None, :] * probs_sum / layers).sum()
-    return loss, torch.stack(counts)
+    return loss, counts
 
 
 def with_balance_loss(build_loss_fn):
     """Wrap a train spec's ``build_loss_fn``: the built loss adds ``router_aux_loss_coef`` x the balancing
-    term (a per-token sum, as the cross entropy is) of the routers that ran since the last loss."""
+    term (a per-token sum, as the cross entropy is) of the model's forward before it."""
 
     @functools.wraps(build_loss_fn)
     def build(job_config, **kwargs):
@@ -403,12 +505,14 @@ def with_balance_loss(build_loss_fn):
 
         def loss_with_balance(pred, labels):
             loss = loss_fn(pred, labels)
-            logits, choice = RECORDS.take(), RECORDS.choice
-            if not logits or choice is None:
+            taken, choice = RECORDS.take(), RECORDS.choice
+            if taken is None or choice is None:
                 return loss
-            balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k)
+            logits, carried, slots = taken
+            balance, counts = balance_loss_sum(logits, labels, choice.num_experts, choice.top_k, RECORDS.cp_group,
+                                               len(choice.moe_layers), carried)
             if torch.is_grad_enabled():  # training, not validation: this step's metrics
-                RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts)
+                RECORDS.add_step(balance, (labels != IGNORE_INDEX).sum(), counts, slots)
             if not choice.aux_loss_coef:
                 return loss
             balance = choice.aux_loss_coef * balance.to(loss.dtype)
@@ -424,14 +528,16 @@ def with_balance_loss(build_loss_fn):
 # ---------------------------------------------------------------- metrics
 
 
-def step_metrics(group: dist.ProcessGroup | None) -> dict[str, float]:
+def step_metrics(group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """The balancing loss (per valid token, over the global batch) and tokens per expert (max and mean over MoE
-    layers and experts) of the steps since the last log, summed over the ranks of ``group`` (the batch's)."""
+    layers and experts) of the steps since the last log, summed over the ranks of ``group`` (the batch's) and
+    of ``pp_group`` (the pipeline's: each stage counts its own MoE layers, the last one the loss)."""
     stats = RECORDS.stats
     if RECORDS.choice is None or stats is None:
         return {}
-    if group is not None and dist.is_initialized():
-        dist.all_reduce(stats, group=group)
+    for ranks in (group, pp_group):
+        if ranks is not None and dist.is_initialized():
+            dist.all_reduce(stats, group=ranks)
     RECORDS.reset_step()
     stats = stats.cpu()
     counts = stats[2:]

@@ -30,7 +30,8 @@ logger = logging.getLogger()
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     plan = plan_of(model)  # the model's args carry the job plan
-    apply_router_records(model, plan.moe)  # for the routers' balancing loss
+    cp_group = parallel_dims.get_mesh("cp").get_group() if plan.cp is not None else None
+    apply_router_records(model, plan.moe, cp_group)  # for the routers' balancing loss
     if plan.moe is not None and plan.moe.balance == "bias":
         apply_expert_bias(model)
     if plan.float8 is not None and plan.float8.high_precision:

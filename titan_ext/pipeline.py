@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext import host_patches
+from titan_ext import host_patches, moe
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import PPChoice, plan_of
 
@@ -483,6 +483,7 @@ class TokenMeanSchedule:
 
     def loss_fn(self, pred, labels):
         if self._warming_up:
+            moe.RECORDS.take()  # what the forward left for the MoE balancing loss, dropped with the loss
             return pred.sum() * 0  # a loss for the schedule's backward, kept from the non-finite guard
         if self._tokens is None:  # validation: the sum, as the validator expects
             return self._loss_fn(pred, labels)
@@ -502,8 +503,9 @@ class TokenMeanSchedule:
             self._tied.sync()
         if self._warm_up:  # once, on gloo: see the class docstring
             self._warm_up, self._warming_up = False, True
+            routing = moe.RECORDS.stats  # a MoE model's routing counts: the warm-up's are not a step's
             self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
-            self._warming_up = False
+            self._warming_up, moe.RECORDS.stats = False, routing
             for part in self._parts:
                 part.zero_grad(set_to_none=True)
         result = self._schedule.step(*args, target=target, losses=losses, **kwargs)

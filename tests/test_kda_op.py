@@ -169,3 +169,21 @@ def test_cuda_kimi_linear_call_matches_fla_chunk_kda():
         outs.append([o, ht] + [x.grad for x in xs])
     torch.testing.assert_close(outs[1][:2], outs[0][:2], rtol=0, atol=0)
     torch.testing.assert_close(outs[1][2:], outs[0][2:], rtol=1e-2, atol=1e-2)
+
+
+def test_forward_and_backward_trace_as_two_ops_on_fake_tensors():
+    """What compile and the planner see: the wrapper, its checks and autograd trace on fake tensors into the
+    two ops (no fla Function, nothing data-dependent)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k, v, g, beta, A_log, dt_bias, h0):
+        o, ht = kda_op.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                 output_final_state=True, **FLA_MIXER)
+        return torch.autograd.grad(o.float().sum() + ht.sum(), (q, k, v, g, beta, A_log, dt_bias, h0))
+
+    shapes = ((2, 70, 2, 16), (2, 70, 2, 16), (2, 70, 2, 32), (2, 70, 2, 16), (2, 70, 2), (2,), (32,), (2, 2, 32, 16))
+    inputs = [torch.zeros(s, dtype=torch.bfloat16 if i < 5 else torch.float32, requires_grad=True)
+              for i, s in enumerate(shapes)]
+    graph = make_fx(step, tracing_mode="fake")(*inputs)  # fake copies of the inputs: no kernel runs
+    called = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert called.count(FWD) == 1 and called.count(BWD) == 1, called

@@ -166,6 +166,8 @@ def case_kda_op():
     forward must not run again in backward's recompute; as Kimi Linear calls it (gate and beta outside, a
     K-first state, rows, a scale); grouped values with the lower-bounded gate, 2 * sigmoid(beta), chunk 32.
     And torch's checks of the op's registration (schema, autograd, fake). ~8 s of CPU."""
+    from types import SimpleNamespace
+
     import fla.ops.kda as fla_kda
     from torch.nn import Module
     from torchtitan.config.job_config import ActivationCheckpoint
@@ -174,7 +176,8 @@ def case_kda_op():
     from titan_ext.activation_checkpoint import ac_choice, wrap_block
     from titan_ext.kernels import kda_op
 
-    T, H, K, V = 20, 1, 16, 16  # two packed sequences of 7 and 13 tokens: one chunk each
+    T, H, K, V = 20, 1, 16, 16
+    two_sequences = torch.tensor([0, 7, T])  # packed: 7 and 13 tokens, one chunk each
     fla_mixer = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                      state_v_first=True, output_final_state=True)
     ident, third = (lambda x: x), (lambda x: x / 3)
@@ -189,18 +192,17 @@ def case_kda_op():
 
     class Core(Module):  # one block whose only op is the KDA call, checkpointed as a training job does
         def forward(self, *x):
-            return kda_op.chunk_kda(*x[:5], A_log=x[5], dt_bias=x[6], initial_state=x[7], cu_seqlens=CU_SMALL,
+            return kda_op.chunk_kda(*x[:5], A_log=x[5], dt_bias=x[6], initial_state=x[7], cu_seqlens=two_sequences,
                                     **fla_mixer)
 
-    CU_SMALL = torch.tensor([0, 7, T])
-    choice = ac_choice(type("Job", (), {"activation_checkpoint": ActivationCheckpoint(
-        mode="selective", selective_ac_option="op")}))
+    choice = ac_choice(SimpleNamespace(activation_checkpoint=ActivationCheckpoint(mode="selective",
+                                                                                  selective_ac_option="op")))
     block = wrap_block(Core(), 0, choice, base_fqn="layers.0")
     drivers, runs = compat.fla_kda_drivers(), []
     forward = drivers.chunk_kda_fwd
     drivers.chunk_kda_fwd = lambda *a, **kw: runs.append(1) or forward(*a, **kw)
     try:
-        sac = compare(call(fla_kda.chunk_kda, cu_seqlens=CU_SMALL, **fla_mixer), lambda *x: block(*x),
+        sac = compare(call(fla_kda.chunk_kda, cu_seqlens=two_sequences, **fla_mixer), lambda *x: block(*x),
                       inputs(1, states=2))
     finally:
         drivers.chunk_kda_fwd = forward
@@ -217,8 +219,8 @@ def case_kda_op():
     gva = compare(call(fla_kda.chunk_kda, **bounded), call(kda_op.chunk_kda, **bounded), inputs(1, HV=2))
 
     q, k, v, g, beta, A_log, dt_bias, h0 = inputs(1, states=2)
-    op_args = (q, k, v, g, beta, A_log, dt_bias, 0.25, h0, True, True, True, True, False, False, None, True, CU_SMALL,
-               None, 64)
+    op_args = (q, k, v, g, beta, A_log, dt_bias, 0.25, h0, True, True, True, True, False, False, None, True,
+               two_sequences, None, 64)
     checks = torch.library.opcheck(torch.ops.titan_ext.chunk_kda_fwd.default, op_args,
                                    test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert set(checks.values()) == {"SUCCESS"}, checks

@@ -9,8 +9,8 @@ machine has Python 3.12 and torch 2.11 but not torchtitan, fla or torchao: fetch
         python3 bench/gpu_proof.py --out $OUT tests train:gla_340M train:gla_340M
 
 Stages run in the order given:
-  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA op, SDPA on CUDA),
-                with the GLA op's gradient difference from fla's chunk_gla
+  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA and KDA ops, SDPA on
+                CUDA), with the ops' gradient differences from fla's chunk_gla and chunk_kda
   train:CONFIG  ``--steps`` steps of train_configs/CONFIG.toml through torchrun on one GPU, compiled,
                 with TORCH_LOGS=recompiles and (on CUDA) the profiler on the last step: seconds from
                 launch to step 1, loss first/last, median tokens/s, peak memory, recompiles, and the kernels
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py"]
+CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py"]
 STEP_ONE = re.compile(r"step:\s*1\s")
 
 
@@ -119,7 +119,7 @@ def tests(out: Path) -> dict:
     code, _, seconds = run_logged(command, out / "tests.log")
     lines = (out / "tests.log").read_text().strip().splitlines()
     figures = [line for line in lines if "bit for bit" in line and line.startswith("cuda")]
-    return {"stage": "tests", "exit": code, "seconds": round(seconds, 1), "summary": lines[-1:], "gla_op": figures}
+    return {"stage": "tests", "exit": code, "seconds": round(seconds, 1), "summary": lines[-1:], "ops": figures}
 
 
 def bench(out: Path) -> dict:

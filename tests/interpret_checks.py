@@ -159,6 +159,74 @@ def case_kimi_kda():
                    [q, k, v, g, beta], use_qk_l2norm_in_kernel=True, cu_seq_lens_q=documents)
 
 
+def case_kda_op():
+    """fla's ``chunk_kda`` as titan_ext's torch ops (``kernels.kda_op``, the CUDA path's KDA) against fla's
+    ``chunk_kda`` as shipped, bit for bit (the same kernels): as KimiDeltaAttention calls it (gates, norms and
+    sigmoid(beta) in the kernel, packed, initial and final states) under op-level selective AC, where its
+    forward must not run again in backward's recompute; as Kimi Linear calls it (gate and beta outside, a
+    K-first state, rows, a scale); grouped values with the lower-bounded gate, 2 * sigmoid(beta), chunk 32.
+    And torch's checks of the op's registration (schema, autograd, fake). ~8 s of CPU."""
+    from types import SimpleNamespace
+
+    import fla.ops.kda as fla_kda
+    from torch.nn import Module
+    from torchtitan.config.job_config import ActivationCheckpoint
+
+    from titan_ext import compat
+    from titan_ext.activation_checkpoint import ac_choice, wrap_block
+    from titan_ext.kernels import kda_op
+
+    T, H, K, V = 20, 1, 16, 16
+    two_sequences = torch.tensor([0, 7, T])  # packed: 7 and 13 tokens, one chunk each
+    fla_mixer = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                     state_v_first=True, output_final_state=True)
+    ident, third = (lambda x: x), (lambda x: x / 3)
+
+    def inputs(B, HV=H, states=None, v_first=True):
+        state = (states or B, HV, V, K) if v_first else (states or B, HV, K, V)
+        return leaves(((B, T, H, K), ident), ((B, T, H, K), ident), ((B, T, HV, V), ident), ((B, T, HV, K), ident),
+                      ((B, T, HV), ident), ((HV,), third), ((HV * K,), ident), (state, third))
+
+    def call(kernel, **fixed):
+        return lambda *x, **kw: kernel(*x[:5], A_log=x[5], dt_bias=x[6], initial_state=x[7], **fixed, **kw)
+
+    class Core(Module):  # one block whose only op is the KDA call, checkpointed as a training job does
+        def forward(self, *x):
+            return kda_op.chunk_kda(*x[:5], A_log=x[5], dt_bias=x[6], initial_state=x[7], cu_seqlens=two_sequences,
+                                    **fla_mixer)
+
+    choice = ac_choice(SimpleNamespace(activation_checkpoint=ActivationCheckpoint(mode="selective",
+                                                                                  selective_ac_option="op")))
+    block = wrap_block(Core(), 0, choice, base_fqn="layers.0")
+    drivers, runs = compat.fla_kda_drivers(), []
+    forward = drivers.chunk_kda_fwd
+    drivers.chunk_kda_fwd = lambda *a, **kw: runs.append(1) or forward(*a, **kw)
+    try:
+        sac = compare(call(fla_kda.chunk_kda, cu_seqlens=two_sequences, **fla_mixer), lambda *x: block(*x),
+                      inputs(1, states=2))
+    finally:
+        drivers.chunk_kda_fwd = forward
+    assert len(runs) == 1, f"op SAC ran fla's KDA forward {len(runs)} times (once in forward, 0 in backward expected)"
+
+    kimi = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, scale=0.3)
+    q, k, v, g, beta, _, _, h0 = inputs(2, v_first=False)
+    g, beta = (-F.softplus(g)).detach().requires_grad_(), beta.sigmoid().detach().requires_grad_()
+    rows = compare(lambda *x, **kw: fla_kda.chunk_kda(*x[:5], initial_state=x[5], **kw),
+                   lambda *x, **kw: kda_op.chunk_kda(*x[:5], initial_state=x[5], **kw), [q, k, v, g, beta, h0], **kimi)
+
+    # (safe_gate's kernel does not run under the interpreter; the op hands fla the flag as it gets it)
+    bounded = dict(fla_mixer, lower_bound=-5.0, allow_neg_eigval=True, chunk_size=32)
+    gva = compare(call(fla_kda.chunk_kda, **bounded), call(kda_op.chunk_kda, **bounded), inputs(1, HV=2))
+
+    q, k, v, g, beta, A_log, dt_bias, h0 = inputs(1, states=2)
+    op_args = (q, k, v, g, beta, A_log, dt_bias, 0.25, h0, True, True, True, True, False, False, None, True,
+               two_sequences, None, 64)
+    checks = torch.library.opcheck(torch.ops.titan_ext.chunk_kda_fwd.default, op_args,
+                                   test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+    return {"kda_op_sac": sac, "kda_op_rows": rows, "kda_op_gva": gva}
+
+
 def case_causal_conv1d(packed: bool):
     from fla.modules.causal_conv1d.ops import causal_conv1d as shipped
 
@@ -340,6 +408,7 @@ CASES = {
     "cp": (case_cp, 1e-4),
     "tp": (case_tp, 1e-4),
     "gla_hybrid": (case_gla_hybrid, 1e-4),  # the whole hybrid model, with documents (~7 s)
+    "kda_op": (case_kda_op, 0.0),  # the same kernels on the same inputs: bit for bit
 }
 OPT_IN = {
     "chunk_kda": (lambda: case_kda("chunk_kda", False), 1e-4),

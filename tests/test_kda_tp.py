@@ -16,7 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model_plans import KDATPPlan, TPOptions, apply_tp, get_tp_plan, validate_tp
 from titan_ext import kernels
-from titan_ext.kernels import tp_local
+from titan_ext.kernels import kda_op, tp_local
 
 TP = 2
 VOCAB = 128
@@ -93,15 +93,16 @@ def test_every_parameter_becomes_a_global_dtensor_and_trains(mesh, name):
 
 
 def test_fla_path_gives_fla_kernels_local_shards():
-    """On CUDA fla's own KDA kernels run, called with each DTensor argument's local shard."""
+    """On CUDA fla's own KDA kernels run, called with each DTensor argument's local shard (``chunk_kda`` through
+    titan_ext's torch ops around fla's drivers, ``kda_op``)."""
     from fla.models import KDAForCausalLM
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     fla_path = kernels.replacements("fla")
-    for fla_fn in (chunk_kda, fused_recurrent_kda):
-        assert fla_path[fla_fn].__wrapped__ is fla_fn
+    assert fla_path[fused_recurrent_kda].__wrapped__ is fused_recurrent_kda
+    assert fla_path[chunk_kda].__wrapped__ is kda_op._through_ops
     attn = kernels.bind(KDAForCausalLM(kda_config()), "fla").model.layers[0].attn
-    assert attn.forward.__globals__["chunk_kda"] is tp_local.chunk_kda
+    assert attn.forward.__globals__["chunk_kda"] is kda_op.chunk_kda
     assert attn.forward.__globals__["fused_recurrent_kda"] is tp_local.fused_recurrent_kda
 
 

@@ -54,7 +54,7 @@ def test_every_replacement_resolves_for_both_paths():
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from titan_ext.kernels import layer_cache, rotary, tp_local, transformers_gated_deltanet, transformers_kda
+    from titan_ext.kernels import kda_op, layer_cache, rotary, tp_local, transformers_gated_deltanet, transformers_kda
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
@@ -66,7 +66,7 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
         fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: tp_local.chunk_gated_delta_rule,
         fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule: tp_local.fused_recurrent_gated_delta_rule,
-        fla.ops.kda.chunk.chunk_kda: tp_local.chunk_kda,
+        fla.ops.kda.chunk.chunk_kda: kda_op.chunk_kda,
         fla.ops.kda.fused_recurrent.fused_recurrent_kda: tp_local.fused_recurrent_kda,
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,

@@ -28,8 +28,11 @@ output plus fla's fp32 intra-chunk matrix ``A`` (``[B, T, H, chunk]``).
 
 The portable Gated DeltaNet and KDA cores are one op each the same way
 (``titan_ext::delta_rule_fwd``, ``titan_ext.kernels.delta_rule_op``; counted in
-``tests/test_delta_rule_sac.py``); fla's ``chunk_gated_delta_rule`` and
-``chunk_kda`` on CUDA stay autograd Functions, rerun in the recompute.
+``tests/test_delta_rule_sac.py``), and so is fla's ``chunk_kda`` on CUDA
+(``titan_ext::chunk_kda_fwd``, ``titan_ext.kernels.kda_op``: fla's drivers inside;
+counted under Triton's interpreter, ``tests/interpret_checks.py`` ``kda_op``).
+fla's ``chunk_gated_delta_rule`` on CUDA stays an autograd Function, rerun in
+the recompute.
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ MODES = ("none", "full", "selective", "memory_budget")
 
 def op_sac_save_list() -> set:
     """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA and
-    delta-rule (Gated DeltaNet, KDA) cores."""
-    from titan_ext.kernels import delta_rule_op, gla_op
+    delta-rule (Gated DeltaNet, KDA) cores, and fla's KDA (CUDA)."""
+    from titan_ext.kernels import delta_rule_op, gla_op, kda_op
 
-    return compat.torchtitan_ac().op_sac_save_list | gla_op.SAVE_LIST | delta_rule_op.SAVE_LIST
+    return compat.torchtitan_ac().op_sac_save_list | gla_op.SAVE_LIST | delta_rule_op.SAVE_LIST | kda_op.SAVE_LIST
 
 
 def layer_frequency(option: str) -> int | None:

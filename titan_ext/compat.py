@@ -65,6 +65,22 @@ def fla_gla_drivers() -> types.SimpleNamespace:
     return types.SimpleNamespace(**vars(drivers), **vars(helpers), **vars(guard))
 
 
+@functools.cache
+def fla_kda_drivers() -> types.SimpleNamespace:
+    """fla's KDA forward/backward drivers and the in-kernel L2 norm and ``sigmoid(beta)`` around them (what
+    ``ChunkKDAFunction`` runs), with their helpers."""
+    parts = (
+        _lookup("flash-linear-attention", "fla.ops.kda.chunk_fwd", "chunk_kda_fwd"),
+        _lookup("flash-linear-attention", "fla.ops.kda.chunk_bwd", "chunk_kda_bwd"),
+        _lookup("flash-linear-attention", "fla.modules.norm.l2norm", "l2norm_fwd", "l2norm_bwd"),
+        _lookup("flash-linear-attention", "fla.ops.common.gate", "fused_beta_sigmoid_fwd", "fused_beta_sigmoid_bwd"),
+        _lookup("flash-linear-attention", "fla.ops.utils", "prepare_chunk_indices"),
+        _lookup("flash-linear-attention", "fla.utils", "input_guard"),
+        _lookup("flash-linear-attention", "fla.ops.kda.chunk", "chunk_kda"),
+    )
+    return types.SimpleNamespace(**{name: value for part in parts for name, value in vars(part).items()})
+
+
 def metrics_rank(parallel_dims, job_config) -> int:
     """The rank torchtitan's metrics logger writes from (the last pipeline stage's first rank under PP)."""
     return _lookup("torchtitan", "torchtitan.components.metrics", "_get_metrics_rank")._get_metrics_rank(

@@ -6,9 +6,10 @@ frame and reuses it for every block: with ``inline_inbuilt_nn_modules`` (on
 by default since torch 2.5) a block's parameters are graph inputs and
 attributes it never reads in control flow (fla's integer ``layer_idx``:
 only consulted when a KV cache is passed) install no guard. fla's
-``chunk_gla`` sits behind ``torch.compiler.disable``; titan_ext's models run
-it as torch ops (``titan_ext.kernels.gla_op``), so the GLA core stays inside
-the block's graph instead of splitting it. A graph break elsewhere in a block
+``chunk_gla`` and ``chunk_kda`` sit behind ``torch.compiler.disable``;
+titan_ext's models run them as torch ops (``titan_ext.kernels.gla_op``,
+``kda_op``), so the GLA and KDA cores stay inside the block's graph instead
+of splitting it. A graph break elsewhere in a block
 still compiles once for all blocks (``tests/test_ac_compile.py`` forces one).
 
 A hybrid's blocks differ in their token mixer (``titan_ext.models.mixers``): one shared frame would

@@ -491,7 +491,11 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
         "titan_ext.kernels.tp_local:fused_recurrent_gated_delta_rule", _TP_LOCAL, ("fla",),
     ),
-    Kernel("fla.ops.kda.chunk:chunk_kda", "titan_ext.kernels.tp_local:chunk_kda", _TP_LOCAL, ("fla",)),
+    Kernel(
+        "fla.ops.kda.chunk:chunk_kda", "titan_ext.kernels.kda_op:chunk_kda",
+        "KDA's training kernel as torch ops around fla's own drivers: op-level SAC can save it and compile keeps it "
+        "in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); " + _TP_LOCAL, ("fla",),
+    ),
     Kernel(
         "fla.ops.kda.fused_recurrent:fused_recurrent_kda", "titan_ext.kernels.tp_local:fused_recurrent_kda", _TP_LOCAL,
         ("fla",),

@@ -3,9 +3,10 @@
 The table is ``titan_ext.host_patches.MODEL_KERNELS``. A job picks a kernel
 path once (``titan_ext.job.JobPlan.kernel_path``):
 
-* ``fla`` (CUDA): fla's kernels as shipped, except ``chunk_gla``, which runs
-  as torch ops around fla's own drivers (``gla_op``: op-level SAC and compile),
-  and the rotary cache check (``rotary``: no graph break under compile);
+* ``fla`` (CUDA): fla's kernels as shipped, except ``chunk_gla`` and ``chunk_kda``,
+  which run as torch ops around fla's own drivers (``gla_op``, ``kda_op``:
+  op-level SAC and compile), and the rotary cache check (``rotary``: no graph
+  break under compile);
 * ``portable`` (anything else): every Triton entry point a GLA, Gated DeltaNet or transformer
   model reaches runs torch code (``gla``, ``norms``, ``activations``, ...):
   plain differentiable ops, so autograd, DTensor and compile just work.

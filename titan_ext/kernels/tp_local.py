@@ -10,7 +10,8 @@ shard: ``to_local()`` is differentiable and its gradient comes back as the
 same shard. Without TP nothing is a DTensor and every call passes through.
 
 The portable kernels call ``local`` themselves; on the ``fla`` (CUDA) path
-the wrappers below give fla's own functions local shards, unchanged otherwise.
+the wrappers below give fla's own functions local shards, unchanged otherwise
+(fla's ``chunk_kda`` runs as torch ops, ``kda_op``, which takes local shards the same way).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
-from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -69,7 +69,6 @@ causal_conv1d = with_local_args(fla_causal_conv1d)
 causal_conv1d_update = with_local_args(fla_causal_conv1d_update)
 chunk_gated_delta_rule = with_local_args(fla_chunk_gated_delta_rule)
 fused_recurrent_gated_delta_rule = with_local_args(fla_fused_recurrent_gated_delta_rule)
-chunk_kda = with_local_args(fla_chunk_kda)
 fused_recurrent_kda = with_local_args(fla_fused_recurrent_kda)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from titan_ext.kernels import conv, kda
+from titan_ext.kernels import conv, kda, kda_op
 from titan_ext.kernels.tp_local import local
 
 PROJECTIONS = 3
@@ -44,10 +44,8 @@ def chunk_kda(q, k, v, g=None, beta=None, cu_seq_lens_q=None, cu_seqlens=None, *
 
 
 def fla_chunk_kda(q, k, v, g=None, beta=None, cu_seq_lens_q=None, cu_seqlens=None, **kwargs):
-    """fla's ``chunk_kda`` (CUDA), documents from ``cu_seq_lens_q``."""
-    from fla.ops.kda import chunk_kda as kernel
-
-    return rows_as_packed(kernel, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **kwargs)
+    """fla's ``chunk_kda`` (CUDA; as torch ops around fla's drivers, ``kda_op``), documents from ``cu_seq_lens_q``."""
+    return rows_as_packed(kda_op.chunk_kda, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **kwargs)
 
 
 def _bounds(cu_seq_lens_q, cu_seqlens, q):

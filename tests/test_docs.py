@@ -188,7 +188,7 @@ RUN_BY = {
     "train_configs/debug_gla.toml --titan_ext.kernels fla --parallelism.tensor_parallel_degree 2 "
     "--parallelism.data_parallel_shard_degree 1 --training.steps 3": "matrix:fla_gla/interpret_tp2",
     "python -m pytest -q tests/test_interpret.py": "ci",
-    "python -m pytest -q -rs tests/test_gla_op.py tests/test_sdpa_fallback.py": "ci",  # they skip without CUDA
+    "python -m pytest -q -rs tests/test_gla_op.py tests/test_kda_op.py tests/test_sdpa_fallback.py": "ci",  # they skip without CUDA
     "python bench/bench_train.py": "gpu",
     "python bench/bench_train.py --cpu-tiny": "test:tests/test_bench.py::test_bench_cpu_tiny_prints_six_finite_rows",
     "python bench/gpu_proof.py --out proof tests train:gla_340M bench": "gpu",

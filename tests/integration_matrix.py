@@ -117,8 +117,9 @@ process), then 2-process jobs (two lanes), then 4-process jobs; each lane takes
 the next row when it is free, the costliest (``Row.cost``) first. The table
 gives each row's seconds (its jobs', rank 0). In the test suite the launch
 starts with the session's first test and runs beside the other tests, which
-mostly keep one core busy; the matrix's tests run last and wait for it
-(``tests/conftest.py``, ``matrix_launch``). The whole matrix takes ~3.7 min there
+mostly keep one core busy, at a lower priority (nice 10), so that what is left
+at the end is the matrix, which keeps both cores busy; the matrix's tests run
+last and wait for it (``tests/conftest.py``, ``matrix_launch``). The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
@@ -756,8 +757,8 @@ def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:
             "units": [[job.__dict__ for job in jobs] for _, jobs in sorted(work, key=lambda w: -w[0])]}
 
 
-def launch(matrix: Matrix) -> subprocess.Popen:
-    """Start the matrix's one torchrun launch (its output: ``driver.log``)."""
+def launch(matrix: Matrix, niceness: int = 0) -> subprocess.Popen:
+    """Start the matrix's one torchrun launch (its output: ``driver.log``), its processes at ``niceness``."""
     matrix.write_inputs()
     nproc = max(2, *(ROWS[row].world for row in matrix.rows))
     plan_path = matrix.root / "plan.json"
@@ -771,7 +772,8 @@ def launch(matrix: Matrix) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,
            "TRITON_INTERPRET": "1"}
     with open(matrix.root / "driver.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -993,11 +995,11 @@ class Launch:
             stop(self.proc)
 
 
-def start_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> Launch:
+def start_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500, niceness: int = 0) -> Launch:
     """Start the launch that runs ``rows`` of ``specs``; it runs in the background until ``Launch.results``."""
     matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
     begin = time.monotonic()
-    return Launch(matrix, specs, rows, timeout, launch(matrix) if matrix.rows else None, begin)
+    return Launch(matrix, specs, rows, timeout, launch(matrix, niceness) if matrix.rows else None, begin)
 
 
 def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> tuple[list[Result], float]:

@@ -45,6 +45,7 @@ def cp_mesh():
 MATRIX_TESTS = "test_integration_matrix.py"
 
 
+@pytest.hookimpl(trylast=True)  # after any plugin's reordering (--ff, ...)
 def pytest_collection_modifyitems(items):
     """The integration matrix's tests last: its launch (``matrix_launch``) runs while the others do."""
     items.sort(key=lambda item: item.path.name == MATRIX_TESTS)

@@ -40,3 +40,33 @@ def cp_mesh():
         yield init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     finally:
         dist.destroy_process_group()
+
+
+MATRIX_TESTS = "test_integration_matrix.py"
+
+
+@pytest.hookimpl(trylast=True)  # after any plugin's reordering (--ff, ...)
+def pytest_collection_modifyitems(items):
+    """The integration matrix's tests last: its launch (``matrix_launch``) runs while the others do."""
+    items.sort(key=lambda item: item.path.name == MATRIX_TESTS)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def matrix_launch(request, tmp_path_factory):
+    """The integration matrix's one launch, started with the session's first test when the session reads it
+    (the ``matrix`` fixture), and read by its tests, which run last. On the 2-core CI machine most other tests
+    keep one core busy (one process, or one waiting on a child): the matrix's processes use the other one
+    instead of running alone after them (``tests/integration_matrix.py``, Budget). Its processes run at a lower
+    priority (nice 10): the tests keep their core, and the matrix, which keeps both busy on its own, is what
+    is left at the end. (Not lower: a test's multi-rank launch must not stall a matrix job past its 60 s
+    collective timeout.)"""
+    if not any("matrix" in item.fixturenames for item in request.session.items):
+        yield None
+        return
+    from integration_matrix import ALL_ROWS, SPECS, start_matrix
+
+    launch = start_matrix(tmp_path_factory.mktemp("matrix"), list(SPECS), ALL_ROWS, niceness=10)
+    try:
+        yield launch
+    finally:
+        launch.stop()  # the session ended before its tests read it (-x, an interrupt): no workers left behind

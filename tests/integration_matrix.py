@@ -119,7 +119,11 @@ The whole matrix is ONE ``torchrun --nproc_per_node=4`` launch of
 first the seed checkpoints and every 1-process job (four lanes of one
 process), then 2-process jobs (two lanes), then 4-process jobs; each lane takes
 the next row when it is free, the costliest (``Row.cost``) first. The table
-gives each row's seconds (its jobs', rank 0). The whole matrix takes ~3.7 min there
+gives each row's seconds (its jobs', rank 0). In the test suite the launch
+starts with the session's first test and runs beside the other tests, which
+mostly keep one core busy, at a lower priority (nice 10), so that what is left
+at the end is the matrix, which keeps both cores busy; the matrix's tests run
+last and wait for it (``tests/conftest.py``, ``matrix_launch``). The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
@@ -675,9 +679,11 @@ class Matrix:
             hf_folder = self.hf_export_folder(spec, variant, row)
             return [export, self.job(spec, variant, row, r.world, *r.flags, "--checkpoint.enable",
                                      "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path",
-                                     str(hf_folder), "--checkpoint.interval", "1000")]
+                                     str(hf_folder), "--checkpoint.load_only")]
         env = (*r.env, ("MATRIX_ALLOW_RECOMPILES", "1")) if SPECS[spec].recompiles else r.env
-        return [self.job(spec, variant, row, r.world, *train, env=env)]
+        # torchtitan saves a full checkpoint at the last step: nothing reads this job's (but nan_stop's)
+        no_save = () if r.kind == "fails" else ("--checkpoint.load_only",)
+        return [self.job(spec, variant, row, r.world, *train, *no_save, env=env)]
 
     @property
     def readme_folder(self) -> Path:
@@ -755,8 +761,8 @@ def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:
             "units": [[job.__dict__ for job in jobs] for _, jobs in sorted(work, key=lambda w: -w[0])]}
 
 
-def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
-    """One torchrun launch for the whole matrix; returns (exit code, seconds)."""
+def launch(matrix: Matrix, niceness: int = 0) -> subprocess.Popen:
+    """Start the matrix's one torchrun launch (its output: ``driver.log``), its processes at ``niceness``."""
     matrix.write_inputs()
     nproc = max(2, *(ROWS[row].world for row in matrix.rows))
     plan_path = matrix.root / "plan.json"
@@ -769,13 +775,21 @@ def launch(matrix: Matrix, timeout: float) -> tuple[int, float]:
     # when fla is imported, so for the whole launch); the others run titan_ext's portable kernels, no Triton.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path,
            "TRITON_INTERPRET": "1"}
-    begin = time.monotonic()
     with open(matrix.root / "driver.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=(lambda: os.nice(niceness)) if niceness else None)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a launch: torchrun stops its workers on SIGTERM (they run in sessions of their own, so killing
+    torchrun alone would leave them running)."""
+    if proc.poll() is None:
+        proc.terminate()
         try:
-            code = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            proc.wait(60)
         except subprocess.TimeoutExpired:
-            code = -1
-    return code, time.monotonic() - begin
+            proc.kill()
+            proc.wait()
 
 
 # ---------------------------------------------------------------- evaluation
@@ -956,21 +970,54 @@ def row_seconds(matrix: Matrix, spec: str, row: str) -> float | None:
     return sum(json.loads(path.read_text()).get("seconds", 0.0) for path in paths if path.exists())
 
 
+@dataclass
+class Launch:
+    """A matrix launch under way (``start_matrix``); ``results`` waits for it."""
+
+    matrix: Matrix
+    specs: list[str]
+    rows: list[str]
+    timeout: float
+    proc: subprocess.Popen | None
+    begin: float
+
+    def results(self) -> tuple[list[Result], float]:
+        """One Result per spec x row, unsupported rows listed with the reason; and the launch's seconds."""
+        code = 0
+        if self.proc is not None:
+            try:
+                code = self.proc.wait(max(0.0, self.begin + self.timeout - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stop(self.proc)
+                code = -1
+        seconds = time.monotonic() - self.begin if self.proc is not None else 0.0
+        matrix, results = self.matrix, []
+        for spec in self.specs:
+            for row in self.rows:
+                if row in UNSUPPORTED:
+                    status = "unsupported" if applies(spec, row) else "n/a"
+                    results.append(Result(spec, row, status, None, UNSUPPORTED[row]))
+                else:
+                    results.append(replace(evaluate(matrix, spec, row), seconds=row_seconds(matrix, spec, row)))
+        if code != 0 and all(r.status in ("ok", "unsupported", "n/a") for r in results):
+            results.append(Result("-", "driver", "ERROR", None, f"exit {code}; see {matrix.root}/driver.log"))
+        return results, seconds
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def start_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500, niceness: int = 0) -> Launch:
+    """Start the launch that runs ``rows`` of ``specs``; it runs in the background until ``Launch.results``."""
+    matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
+    begin = time.monotonic()
+    return Launch(matrix, specs, rows, timeout, launch(matrix, niceness) if matrix.rows else None, begin)
+
+
 def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> tuple[list[Result], float]:
     """Run ``rows`` of ``specs``; one Result per spec x row, unsupported rows listed with the reason."""
-    matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
-    code, seconds = launch(matrix, timeout) if matrix.rows else (0, 0.0)
-    results = []
-    for spec in specs:
-        for row in rows:
-            if row in UNSUPPORTED:
-                status = "unsupported" if applies(spec, row) else "n/a"
-                results.append(Result(spec, row, status, None, UNSUPPORTED[row]))
-            else:
-                results.append(replace(evaluate(matrix, spec, row), seconds=row_seconds(matrix, spec, row)))
-    if code != 0 and all(r.status in ("ok", "unsupported", "n/a") for r in results):
-        results.append(Result("-", "driver", "ERROR", None, f"exit {code}; see {root}/driver.log"))
-    return results, seconds
+    return start_matrix(root, specs, rows, timeout).results()
 
 
 ALL_ROWS = [*(row for row in ROWS if not ROWS[row].opt_in), *(row for row in UNSUPPORTED if row not in ROWS)]

@@ -1,23 +1,28 @@
 """The integration matrix (``tests/integration_matrix.py``): run once per session, one test per spec x row.
 
+Its launch starts with the session's first test and runs in the background (``conftest.matrix_launch``); these
+tests run last and wait for it.
+
 Rows that cannot run on CPU are reported as skipped, with the reason.
 """
 
 import math
+import time
 
 import pytest
-from integration_matrix import ALL_ROWS, RTOL, SPECS, Matrix, applies, compare, run_matrix, table
+from integration_matrix import ALL_ROWS, RTOL, SPECS, Matrix, applies, compare, table
 
 
 @pytest.fixture(scope="module")
-def matrix_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("matrix")
+def matrix_root(matrix_launch):
+    return matrix_launch.matrix.root
 
 
 @pytest.fixture(scope="module")
-def matrix(matrix_root):
-    results, seconds = run_matrix(matrix_root, list(SPECS), ALL_ROWS)
-    print(f"\n{table(results)}\nmatrix: {seconds:.0f} s")
+def matrix(matrix_launch):
+    waited = time.monotonic()
+    results, seconds = matrix_launch.results()
+    print(f"\n{table(results)}\nmatrix: {seconds:.0f} s since it started, {time.monotonic() - waited:.0f} s of them waited for")
     return {(r.spec, r.row): r for r in results}
 
 

@@ -228,12 +228,14 @@ TINY_QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_si
                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "vocab_size": 2048,
                   "max_position_embeddings": 512}
 
-# Multi-head latent attention: a dense DeepSeek-V3 (q and kv latents, interleaved rotary dims, value heads
-# narrower than query-key heads) under TP2 and CP2 (ring attention; all-gathered with documents).
+# Multi-head latent attention: DeepSeek-V3 (q and kv latents, interleaved rotary dims, value heads narrower than
+# query-key heads; a dense layer, then a MoE layer: grouped routing, a shared expert) under TP2 (heads split, each
+# expert's intermediate dim split).
 TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
-                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 2,
-                    "vocab_size": 2048, "max_position_embeddings": 512}
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 1,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "n_group": 2, "topk_group": 1, "vocab_size": 2048, "max_position_embeddings": 512}
 # transformers' Kimi Linear: KDA (titan_ext's portable kernel on the CPU) then MLA, MoE FFNs (4 experts): the
 # shipped debug TOML (3 KDA layers to 1 MLA, train_configs/kimi_linear_debug.json); 2 layers with dense FFNs for
 # its TP and CP rows without EP (titan_ext refuses TP of MoE FFNs without EP: model_plans.validate).
@@ -268,12 +270,12 @@ SPECS = {
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2")),
+                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
                          rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "ep2_tp2", "ep2_cp2")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2", "ep2_cp2")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),

@@ -146,13 +146,8 @@ def _check_stacked(blocks: list[nn.Module], option: str) -> None:
 
 
 def _check_ep(blocks: list[nn.Module], p) -> None:
-    ep, etp, tp = p.expert_parallel_degree, p.expert_tensor_parallel_degree, p.tensor_parallel_degree
+    ep = p.expert_parallel_degree  # ETP other than 1 or the TP degree: refused with the degrees (titan_ext.validate)
     option = f"--parallelism.expert_parallel_degree={ep}"
-    if etp not in (1, tp):
-        raise ConfigError(
-            f"--parallelism.expert_tensor_parallel_degree={etp}: torchtitan splits experts over TP either not at all "
-            f"(1: the TP ranks share the tokens) or over all the TP ranks (the TP degree, {tp}); set it to 1 or {tp}"
-        )
     _check_stacked(blocks, option)
     for block in blocks:
         if block.experts.num_experts % ep:
@@ -212,7 +207,7 @@ def apply_expert_tp(model: nn.Module, mesh) -> None:
     for block in moe_blocks(model):
         experts = block.experts
         _place(experts, mesh, {"gate_up_proj": [*outer, compat.strided_shard(1, 2)], "down_proj": [*outer, Shard(2)]})
-        _parallel_experts(experts, mesh["ep"].get_group() if ep else None, mesh[mesh.mesh_dim_names[-1]],
+        _parallel_experts(experts, mesh["ep"].get_group() if ep else None, mesh["etp"] if ep else mesh,
                           split_intermediate=True)
     where = f"EP={mesh['ep'].size()} x ETP={mesh['etp'].size()}" if ep else f"TP={mesh.size()}"
     logger.info(f"Split the experts' intermediate dims ({where}) in {len(moe_blocks(model))} MoE blocks")

@@ -285,7 +285,7 @@ SPECS = {
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf",
-                               "ep2_tp2_fsdp2", "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
+                               "ep2_tp2_fsdp2", "ep2_tp2_etp2", "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
     # PP of a MoE model runs without the balancing loss (router_aux_loss_coef 0: titan_ext refuses PP with it)
     "hf_moe_noaux": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                                hf_config={**TINY_QWEN3_MOE, "router_aux_loss_coef": 0.0}, rows=("single", "ep2_pp2")),
@@ -398,6 +398,10 @@ ROWS = {
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
     "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_qwen3_moe",)),
+    # torchtitan's ETP=TP: experts split over the EP ranks (the data-parallel ones) and each expert's intermediate
+    # dim over the TP ranks, every TP rank dispatching all its tokens over its EP group
+    "ep2_tp2_etp2": Row(4, (*parallel(shard=2, tp=2), *EP2, "--parallelism.expert_tensor_parallel_degree", "2"),
+                        specs=("hf_qwen3_moe",)),
     # EP beyond the TP ranks (EP4 x TP2 on 4 ranks: the expert mesh spans both TP pairs, 2 experts per rank);
     # opt-in: the CI's EP x TP row covers the same code with EP = TP
     "ep4_tp2": Row(4, (*parallel(shard=2, tp=2), "--parallelism.expert_parallel_degree", "4"), opt_in=True,

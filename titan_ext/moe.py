@@ -243,18 +243,19 @@ def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     zeros elsewhere; with the intermediate dims split (``apply_expert_tp``) this TP rank's partial sum."""
     if self.tp_mesh is None:
         return _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights)
-
-    def share_gradient(x):  # every TP rank's share feeds this input: the ranks' gradients are summed
-        return DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
-
+    hidden_states, top_k_weights = (share_gradient(x, self.tp_mesh) for x in (hidden_states, top_k_weights))
     if self.split_intermediate:
         compute = _dispatch_and_combine if self.ep_group is not None else _combine_locally
-        return compute(self, share_gradient(hidden_states), top_k_index, share_gradient(top_k_weights))
+        return compute(self, hidden_states, top_k_index, top_k_weights)
     rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
     mine = rows.tensor_split(self.tp_mesh.size())[self.tp_mesh.get_local_rank()]
-    out = _dispatch_and_combine(self, share_gradient(hidden_states)[mine], top_k_index[mine],
-                                share_gradient(top_k_weights)[mine])
+    out = _dispatch_and_combine(self, hidden_states[mine], top_k_index[mine], top_k_weights[mine])
     return hidden_states.new_zeros(hidden_states.shape).index_copy(0, mine, out)
+
+
+def share_gradient(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    """``x`` as it is, its gradient summed over ``tp_mesh`` (every TP rank's share, or partial sum, reads it)."""
+    return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
 def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):

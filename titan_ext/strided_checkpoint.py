@@ -7,6 +7,10 @@ each rank's shard of a DTensor as one box: it saves such a parameter, and its op
 chunks ("has overlapping chunks"). Here such a DTensor is described as boxes of its local rows (one per
 piece and leading index: contiguous views, read and written in place), the checkpoint the full ``[E, 2I, H]``
 tensor as one process saves it. Any other DTensor is left to torch (``host_patches.STRIDED_CHECKPOINT``).
+
+torch's safetensors writer (HF exports) names each rank's chunks by the tensor's name, one chunk per rank: for an
+HF export or import such a tensor is handed over with one box per rank (``one_box``, its strided shard moved to
+dim 0) and laid out again after an import (``laid_out_as``), one tensor at a time.
 """
 
 from __future__ import annotations
@@ -101,3 +105,26 @@ def get_tensor_shard(original):
         return original(self, index) if box is None else box
 
     return __get_tensor_shard__
+
+
+def is_strided(value) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) and _layout(value) is not None
+
+
+def one_box(value):
+    """``value`` (``is_strided``) with one box per rank: its strided mesh dim shards dim 0 instead (its full
+    tensor gathered once, transiently)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dim = _layout(value)[0]
+    placements = [Shard(0) if compat.is_strided_shard(p) and p.dim == dim else p for p in value.placements]
+    return distribute_tensor(value.full_tensor(), value.device_mesh, placements)
+
+
+def laid_out_as(value, like):
+    """``value`` (as ``one_box`` hands it over) in ``like``'s layout."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.full_tensor(), like.device_mesh, like.placements)

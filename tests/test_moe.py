@@ -232,16 +232,6 @@ def _expert_parallel_rank(rank, mesh):
     }
 
 
-def test_expert_parallel_experts_equal_the_models_own():
-    """EP2: each rank holds 4 experts, computes them for both ranks' tokens (all-to-all there and back): outputs,
-    input gradients and its experts' gradients equal transformers' experts over all tokens on one process."""
-    from helpers import on_forked_ranks
-
-    for rank, diffs in on_forked_ranks(2, _expert_parallel_rank).items():
-        assert diffs.pop("local experts") == 4
-        assert max(diffs.values()) < 1e-5, (rank, diffs)
-
-
 def _split_intermediate_rank(folder, rank, mesh):
     """Rank ``rank`` of 2 under TP without EP: every token, every expert, its half of each expert's intermediate
     dim; then the packed gate_up_proj through DCP both ways (titan_ext.strided_checkpoint)."""
@@ -311,13 +301,24 @@ def _split_intermediate_rank(folder, rank, mesh):
     return diffs
 
 
-def test_experts_split_over_tp_equal_the_models_own_and_checkpoint_whole(tmp_path):
-    """TP2 without EP (torchtitan's TP of the experts): each rank holds gate rows r and up rows r of the packed
-    gate_up_proj and columns r of down_proj; the ranks' partial sums equal transformers' experts, the inputs'
-    gradients are whole on each rank, and DCP saves the full tensor (an HF export too) and loads one saved whole."""
+def _ep_and_split_rank(folder, rank, mesh):
+    return {**{f"ep: {k}": v for k, v in _expert_parallel_rank(rank, mesh).items()},
+            **{f"tp: {k}": v for k, v in _split_intermediate_rank(folder, rank, mesh).items()}}
+
+
+def test_experts_split_by_ep_or_over_tp_equal_the_models_own(tmp_path):
+    """On 2 forked ranks (one launch for both):
+
+    - EP2: each rank holds 4 experts, computes them for both ranks' tokens (all-to-all there and back): outputs,
+      input gradients and its experts' gradients equal transformers' experts over all tokens on one process.
+    - TP2 without EP (torchtitan's TP of the experts): each rank holds gate rows r and up rows r of the packed
+      gate_up_proj and columns r of down_proj; the ranks' partial sums equal transformers' experts, the inputs'
+      gradients are whole on each rank, and DCP saves the full tensor (an HF export too) and loads one saved whole.
+    """
     from helpers import on_forked_ranks
 
-    for rank, diffs in on_forked_ranks(2, functools.partial(_split_intermediate_rank, str(tmp_path))).items():
+    for rank, diffs in on_forked_ranks(2, functools.partial(_ep_and_split_rank, str(tmp_path))).items():
+        assert diffs.pop("ep: local experts") == 4
         assert max(diffs.values()) < 1e-5, (rank, {k: v for k, v in diffs.items() if v >= 1e-5})
 
 

@@ -1,5 +1,6 @@
 """Mixture-of-experts models: the routers' load-balancing loss as the model was trained, its metrics, expert
-parallelism, and the parallelisms titan_ext cannot combine with them yet, refused in one line.
+parallelism, the experts' tensor parallelism, and the parallelisms titan_ext cannot combine with them yet,
+refused in one line.
 
 transformers' MoE blocks hold a router (``gate``: ``router_logits, scores, indices = gate(x)``) and one
 ``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch

@@ -66,17 +66,20 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``hf_qwen3_next``: the same layers with a MoE FFN (experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
   in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
   shared expert split by TP, 2.8 s; in ``docs_tp2`` TP without EP, each expert's intermediate dim split over the
-  TP ranks, with document masking: the Gated DeltaNet state and convolution reset at each document). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
+  TP ranks, with document masking: the Gated DeltaNet state and convolution reset at each document; 6.1 s, its
+  documents' seed and single process 2.5 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
-  routed expert's intermediate dim split over TP), ``ep2_tp2`` (the same with the routed experts split by
+  routed expert's intermediate dim split over TP; 22.5 s in a loaded launch, where the dense spec's tp2 it replaced took
+  9.4 s), ``ep2_tp2`` (the same with the routed experts split by
   EP over the TP ranks; 3.6 s, 7.7 s under load) and ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
   ``hf_kimi_linear_dense`` (2 layers, dense FFNs) in ``cp2`` (state passing with the convolution's halo, ring
   attention with values padded to the query-key head dim) and ``cp2_docs``; ``hf_deepseek_v3`` (q and kv
-  latents, rotary dims; a dense layer, then a MoE layer with grouped routing and a shared expert) in ``tp2``.
+  latents, rotary dims; a dense layer, then a MoE layer with grouped routing and a shared expert) in ``tp2``
+  (12.1 s).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -89,7 +92,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
   experts), ``ep2_tp2_fsdp2`` (EP x TP with validation, torchtitan's ETP=1: the EP mesh spans the TP ranks, which
-  share the tokens) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  share the tokens), ``ep2_tp2_etp2`` (torchtitan's ETP=TP: the experts split over the EP ranks and each expert's
+  intermediate dim over the TP ranks, with FSDP2; 7.9 s) and ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
   each read their own documents); ``hf_moe_noaux`` (the same without the balancing loss, which titan_ext does
   not carry across pipeline stages) in ``ep2_pp2`` (EP2 x PP2 x FSDP2); ``hf_qwen2_moe`` (a shared expert
   whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``

@@ -73,8 +73,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
-  routed expert's intermediate dim split over TP; 22.5 s in a loaded launch, where the dense spec's tp2 it replaced took
-  9.4 s), ``ep2_tp2`` (the same with the routed experts split by
+  routed expert's intermediate dim split over TP; 5.8 s, 22.5 s in a loaded launch where the dense spec's tp2 it
+  replaced took 9.4 s), ``ep2_tp2`` (the same with the routed experts split by
   EP over the TP ranks; 3.6 s, 7.7 s under load) and ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
   ``hf_kimi_linear_dense`` (2 layers, dense FFNs) in ``cp2`` (state passing with the convolution's halo, ring
   attention with values padded to the query-key head dim) and ``cp2_docs``; ``hf_deepseek_v3`` (q and kv

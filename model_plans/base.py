@@ -10,7 +10,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torch.distributed.tensor.placement_types import Placement
 
 from model_plans.styles import (
-    Composed, LocalShare, MoEBlockParallel, NormParallel, PlaceParameters, ScalesShares, float8_styles,
+    Composed, LocalShare, MoEBlockParallel, NormParallel, PlacedElsewhere, PlaceParameters, ScalesShares, float8_styles,
 )
 
 Plan = dict[str, "ParallelStyle | IfPresent"]
@@ -36,8 +36,10 @@ class TPOptions:
     """The loss runs the head on its weight's vocabulary shard (titan_ext's chunked loss): the plan places the
     head's weight (``Shard(0)``) and lays out neither its input nor its output."""
     expert_parallel: bool = False
-    """MoE blocks' experts are placed by expert parallelism over the TP ranks' shares of the tokens (titan_ext.moe,
-    torchtitan's ETP=1): a plan lays out the block around them. Without it a plan with stacked experts is an error."""
+    """MoE blocks' experts are placed by expert parallelism (titan_ext.moe; over the TP ranks' shares of the
+    tokens with torchtitan's ETP=1, their intermediate dims split over TP with ETP=TP); without it, each expert's
+    intermediate dim is split over the TP ranks (titan_ext.moe.apply_expert_tp). Either way a plan lays out
+    the block around them and names the experts ``experts_placed``."""
 
 
 class TPPlan:
@@ -170,6 +172,12 @@ class TPPlan:
                 SwiGLULinearParallel(output_layouts=self.activation, use_local_output=self.local_residual)
             ),
         }
+
+
+def experts_placed(options: TPOptions) -> PlacedElsewhere:
+    """A MoE block's stacked experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``): titan_ext.moe places
+    them before TP, by expert parallelism or by splitting each expert's intermediate dim over the TP ranks."""
+    return PlacedElsewhere("expert parallelism" if options.expert_parallel else "each expert's intermediate dim over TP")
 
 
 def with_layer_mixers(plan_cls: type[TPPlan], layer_mixers: dict[int, Callable[[TPPlan], Plan]]) -> type[TPPlan]:

@@ -1,10 +1,11 @@
-"""transformers' ``DeepseekV3ForCausalLM`` (HF names): multi-head latent attention, a dense gated MLP
-(its MoE layers have no TP entries: ``validate_tp`` names them)."""
+"""transformers' ``DeepseekV3ForCausalLM`` (HF names): multi-head latent attention, dense gated MLPs in the first
+``first_k_dense_replace`` layers and MoE blocks after them (laid out as Kimi Linear's, ``dense_or_moe_plan``)."""
 
 from __future__ import annotations
 
 from model_plans import mixers
 from model_plans.base import Plan, TPPlan
+from model_plans.kimi_linear import dense_or_moe_plan
 from model_plans.registry import register_tp_plan
 
 
@@ -16,3 +17,6 @@ class DeepseekV3TPPlan(TPPlan):
 
     def attn_plan(self) -> Plan:
         return mixers.transformers_mla(self)
+
+    def mlp_plan(self) -> Plan:
+        return dense_or_moe_plan(self)

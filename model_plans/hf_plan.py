@@ -18,10 +18,11 @@ the Megatron minimum:
   dimension (-2), so the forward needs no collective and DTensor sums the weight's gradient
   (partial per rank) over the TP ranks: the same all-reduce, derived rather than hooked.
 - ``moe_tp_experts`` on a MoE block's stacked experts (with ``packed_colwise``/``rowwise`` on their weights) ->
-  the experts placed by expert parallelism over the TP ranks' token shares (``TPOptions.expert_parallel``,
-  torchtitan's ETP=1; without EP a ``ValueError``), the block around them ``self.moe_block()`` (input gathered,
-  output reduced from the ranks' shares) and its router ``self.router()`` (replicated). HF splits each
-  expert's rows instead, which the packed ``[gate; up]`` rows of ``gate_up_proj`` make a strided layout.
+  the experts placed by ``titan_ext.moe`` (``experts_placed``): without EP each expert's intermediate dim split
+  over the TP ranks as HF splits it (the gate rows and the up rows of the packed ``gate_up_proj`` each split
+  alike), under EP by expert parallelism (over the TP ranks' token shares with torchtitan's ETP=1, split over
+  TP too with ETP=TP); the block around them ``self.moe_block()`` (input gathered, output reduced from the
+  ranks' partial sums) and its router ``self.router()`` (replicated).
   A shared expert in the block (Qwen3-Next's ``shared_expert``, its linears in the HF plan; Qwen2-MoE's, whose
   linears take the plan's dense-FFN entries ``mlp.gate_proj``...) is a dense FFN on the block's gathered input: ``colwise`` as above, its ``rowwise`` output ``self.shared_out_proj()`` (this
   rank's partial share, summed with the routed experts' by the block); a one-output linear beside it that the
@@ -52,8 +53,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from model_plans.base import IfPresent, Plan, TPPlan
-from model_plans.styles import NormParallel, PlacedElsewhere
+from model_plans.base import IfPresent, Plan, TPPlan, experts_placed
+from model_plans.styles import NormParallel
 
 _TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts")
 """The block strategies with a titan_ext counterpart (see the module docstring)."""
@@ -89,12 +90,7 @@ class HFTPPlan(TPPlan):
         plan = {}
         for module, entry in self.entries:
             if entry.role == "experts":
-                if not self.options.expert_parallel:
-                    raise ValueError(
-                        f"{self.model_type}: the stacked experts {self.layers}.*.{module} are split by expert "
-                        "parallelism over the TP ranks, not by TP alone; add expert parallelism"
-                    )
-                plan[module] = PlacedElsewhere("expert parallelism")
+                plan[module] = experts_placed(self.options)
                 continue
             style = self._style(module, entry)
             plan[module] = IfPresent(style) if module in self.optional else style

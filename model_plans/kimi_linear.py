@@ -1,10 +1,10 @@
 """transformers' ``KimiLinearForCausalLM`` (HF names): MLA layers, KDA layers (``layer_mixers``), dense gated
 MLPs and MoE blocks (``mlp_layer_types`` ``sparse``).
 
-A MoE block (``KimiLinearMoE``) is laid out as the translated HF plans lay out theirs (``model_plans.hf_plan``,
-torchtitan's ETP=1): its input gathered, its stacked ``experts`` placed by expert parallelism over the TP ranks'
-token shares (``TPOptions.expert_parallel``; without EP ``validate_tp`` refuses the MoE layers), its router
-(``gate``) replicated, its ``shared_experts`` a dense FFN split by TP whose output is this rank's partial share.
+A MoE block (``KimiLinearMoE``, DeepSeek-V3's layout) is laid out as the translated HF plans lay out theirs
+(``model_plans.hf_plan``): its input gathered, its stacked ``experts`` placed by ``titan_ext.moe``
+(``experts_placed``: each expert's intermediate dim split over TP, or expert parallelism), its router (``gate``)
+replicated, its ``shared_experts`` a dense FFN split by TP whose output is this rank's partial share.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from model_plans import mixers
-from model_plans.base import IfPresent, Plan, TPPlan
+from model_plans.base import IfPresent, Plan, TPPlan, experts_placed
 from model_plans.registry import register_tp_plan
-from model_plans.styles import Composed, PlacedElsewhere
+from model_plans.styles import Composed
 
 
 class ReplicatedBuffers(ParallelStyle):
@@ -61,15 +61,19 @@ class KimiLinearTPPlan(TPPlan):
         return mixers.transformers_mla(self)
 
     def mlp_plan(self) -> Plan:
-        dense = super().mlp_plan()
-        plan = {
-            "mlp": DenseOrMoE(dense["mlp"], self.moe_block()),
-            **{path: s if isinstance(s, IfPresent) else IfPresent(s) for path, s in dense.items() if path != "mlp"},
-            "mlp.gate": IfPresent(Composed(self.router(), ReplicatedBuffers())),
-            "mlp.shared_experts.gate_proj": IfPresent(self.colwise()),
-            "mlp.shared_experts.up_proj": IfPresent(self.colwise()),
-            "mlp.shared_experts.down_proj": IfPresent(self.shared_out_proj()),
-        }
-        if self.options.expert_parallel:  # without EP validate_tp refuses MoE layers
-            plan["mlp.experts"] = IfPresent(PlacedElsewhere("expert parallelism"))
-        return plan
+        return dense_or_moe_plan(self)
+
+
+def dense_or_moe_plan(plan: TPPlan) -> Plan:
+    """The ``mlp`` of DeepSeek-V3's and Kimi Linear's layers: a gated MLP or a MoE block (a grouped router with
+    a score-correction bias, stacked experts, shared experts)."""
+    dense = TPPlan.mlp_plan(plan)
+    return {
+        "mlp": DenseOrMoE(dense["mlp"], plan.moe_block()),
+        **{path: s if isinstance(s, IfPresent) else IfPresent(s) for path, s in dense.items() if path != "mlp"},
+        "mlp.gate": IfPresent(Composed(plan.router(), ReplicatedBuffers())),
+        "mlp.shared_experts.gate_proj": IfPresent(plan.colwise()),
+        "mlp.shared_experts.up_proj": IfPresent(plan.colwise()),
+        "mlp.shared_experts.down_proj": IfPresent(plan.shared_out_proj()),
+        "mlp.experts": IfPresent(experts_placed(plan.options)),
+    }

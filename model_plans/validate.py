@@ -45,19 +45,11 @@ def _split_size(style, module: nn.Module) -> tuple[str, int] | None:
     return None
 
 
-def _unsupported(config, expert_parallel: bool) -> list[tuple[str, object, str]]:
-    """(field, value, fix) for features the shipped plans do not shard (``expert_parallel``: EP on)."""
+def _unsupported(config) -> list[tuple[str, object, str]]:
+    """(field, value, fix) for features the shipped plans do not shard."""
     found = []
     if getattr(config, "attnres_block_size", None) is not None:
         found.append(("attnres_block_size", config.attnres_block_size, "set it to null (attention residuals are not sharded)"))
-    if "sparse" in (getattr(config, "mlp_layer_types", None) or ()) and not expert_parallel:  # Kimi Linear
-        found.append(("mlp_layer_types", config.mlp_layer_types,
-                      "its MoE FFNs split under TP only with their experts split by expert parallelism over the TP "
-                      "ranks; add --parallelism.expert_parallel_degree (e.g. equal to the TP degree)"))
-    if config.model_type == "deepseek_v3" and config.first_k_dense_replace < config.num_hidden_layers:
-        found.append(("first_k_dense_replace", config.first_k_dense_replace,
-                      "no shipped plan shards DeepSeek-V3's MoE FFNs under TP (with or without expert parallelism); "
-                      "set the TP degree to 1 and split the experts with --parallelism.expert_parallel_degree"))
     return found
 
 
@@ -87,7 +79,7 @@ def validate_tp(model: nn.Module, plan: TPPlan, tp_degree: int, seq_len: int | N
     if tp_degree <= 1:
         return
     config = model.config
-    for name, value, fix in _unsupported(config, plan.options.expert_parallel):
+    for name, value, fix in _unsupported(config):
         raise ValueError(f"{name}={value} is not supported with {DEGREE}={tp_degree}; {fix}")
     for name, value in _heads(config):
         if value % tp_degree:

@@ -66,17 +66,22 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   ``hf_qwen3_next``: the same layers with a MoE FFN and its balancing loss (counted over the CP ranks and carried
   across pipeline stages; experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
   in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
-  shared expert split by TP, 2.8 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
+  shared expert split by TP, 2.8 s; in ``docs_tp2`` TP without EP, each expert's intermediate dim split over the
+  TP ranks, with document masking: the Gated DeltaNet state and convolution reset at each document; 6.1 s, its
+  documents' seed and single process 2.5 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
-  import), ``ep2_tp2_fsdp2`` (4 ranks with validation, KimiLinearTPPlan: the router replicated, the shared experts
-  split by TP, the routed ones by EP over the TP ranks and FSDP over ``efsdp``; 14.9 s) and ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
-  ``hf_kimi_linear_dense`` (2 layers, dense FFNs: TP without EP) in ``tp2`` (KDA's and
-  MLA's heads split), ``cp2`` (state passing with the convolution's halo, ring attention with values padded to
-  the query-key head dim) and ``cp2_docs`` (MLA's latents all-gathered, expanded on each rank); ``hf_deepseek_v3`` (a dense DeepSeek-V3: q and kv latents,
-  rotary dims) in ``tp2``.
+  import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
+  routed expert's intermediate dim split over TP; 5.8 s, 22.5 s in a loaded launch where the dense spec's tp2 it
+  replaced took 9.4 s), ``ep2_tp2_fsdp2`` (4 ranks with validation, KimiLinearTPPlan: the router replicated, the
+  shared experts split by TP, the routed ones by EP over the TP ranks and FSDP over ``efsdp``; 14.9 s) and
+  ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
+  ``hf_kimi_linear_dense`` (2 layers, dense FFNs) in ``cp2`` (state passing with the convolution's halo, ring
+  attention with values padded to the query-key head dim) and ``cp2_docs`` (MLA's latents all-gathered, expanded
+  on each rank); ``hf_deepseek_v3`` (q and kv latents, rotary dims; a dense layer, then a MoE layer with grouped
+  routing and a shared expert) in ``tp2`` (12.1 s).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
   and ``pp2``.
@@ -88,7 +93,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
   routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
-  experts), ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
+  experts), ``ep2_tp2_etp2`` (torchtitan's ETP=TP: the experts split over the EP ranks and each expert's
+  intermediate dim over the TP ranks, with FSDP2; 7.9 s), ``tp2_hf`` (TP2 without EP, each expert's intermediate
+  dim split: HF export and import, 2.7 s; a resumed TP2 run, checked once by hand, equalled the uninterrupted one),
+  ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
   each read their own documents) and ``ep2_pp2`` (EP2 x PP2 x FSDP2: the stages carry their routers' statistics to
   the balancing loss on the last stage); ``hf_qwen2_moe`` (a shared expert
   whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
@@ -236,15 +244,17 @@ TINY_QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_si
                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "vocab_size": 2048,
                   "max_position_embeddings": 512}
 
-# Multi-head latent attention: a dense DeepSeek-V3 (q and kv latents, interleaved rotary dims, value heads
-# narrower than query-key heads) under TP2 and CP2 (ring attention; all-gathered with documents).
+# Multi-head latent attention: DeepSeek-V3 (q and kv latents, interleaved rotary dims, value heads narrower than
+# query-key heads; a dense layer, then a MoE layer: grouped routing, a shared expert) under TP2 (heads split, each
+# expert's intermediate dim split).
 TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
-                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 2,
-                    "vocab_size": 2048, "max_position_embeddings": 512}
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 1,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                    "n_group": 2, "topk_group": 1, "vocab_size": 2048, "max_position_embeddings": 512}
 # transformers' Kimi Linear: KDA (titan_ext's portable kernel on the CPU) then MLA, MoE FFNs (4 experts): the
 # shipped debug TOML (3 KDA layers to 1 MLA, train_configs/kimi_linear_debug.json); 2 layers with dense FFNs for
-# its TP and CP rows without EP (titan_ext refuses TP of MoE FFNs without EP: model_plans.validate).
+# its CP rows without EP.
 TINY_KIMI_LINEAR_DENSE = {"model_type": "kimi_linear", "hidden_size": 64, "intermediate_size": 128,
                           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
                           "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "linear_num_heads": 4,
@@ -276,21 +286,21 @@ SPECS = {
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2")),
+                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
                          rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "ep2_tp2_fsdp2", "ep2_cp2")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
-                                 rows=("single", "tp2", "cp2", "cp2_docs")),
+                                 rows=("single", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2",
-                               "ep2_tp2_docs", "ep4_tp2", "compile_aot_eager")),
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_tp2_etp2",
+                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2")),
@@ -403,6 +413,10 @@ ROWS = {
     "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_kimi_linear",)),
     # EP with HSDP: the experts sharded over efsdp and replicated over dp_replicate, the rest over both dims
     "ep2_hsdp2x2": Row(4, (*parallel(shard=2, replicate=2), *EP2), validation=True, specs=("hf_moe_bias",)),
+    # torchtitan's ETP=TP: experts split over the EP ranks (the data-parallel ones) and each expert's intermediate
+    # dim over the TP ranks, every TP rank dispatching all its tokens over its EP group
+    "ep2_tp2_etp2": Row(4, (*parallel(shard=2, tp=2), *EP2, "--parallelism.expert_tensor_parallel_degree", "2"),
+                        specs=("hf_qwen3_moe",)),
     # EP beyond the TP ranks (EP4 x TP2 on 4 ranks: the expert mesh spans both TP pairs, 2 experts per rank);
     # opt-in: the CI's EP x TP row covers the same code with EP = TP
     "ep4_tp2": Row(4, (*parallel(shard=2, tp=2), "--parallelism.expert_parallel_degree", "4"), opt_in=True,
@@ -419,6 +433,8 @@ ROWS = {
     "ep2_cp2": Row(2, (*parallel(cp=2), *EP2), rtol=TP_RTOL, specs=("hf_qwen3_next", "hf_kimi_linear"),
                    spec_rtol=CP_RTOL),
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
+    # TP without EP: HF export and import of the experts split over TP (the packed gate_up_proj whole in the file)
+    "tp2_hf": Row(2, parallel(tp=2), kind="hf", rtol=TP_RTOL, specs=("hf_qwen3_moe",)),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).

@@ -210,14 +210,6 @@ CASES = {
     ),
     # mixture of experts: what titan_ext cannot split is refused, never ignored
     "ep on a dense model": ([*GLA, "--parallelism.expert_parallel_degree", "2"], 2, "this model has no experts"),
-    "ep with etp": (
-        [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
-         "2", "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_tensor_parallel_degree", "2"], 4,
-        "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1",
-    ),
-    "tp of experts without ep": (
-        [*generic("hf", "qwen3_moe.json"), *TP2], 2, "are split by expert parallelism over the TP ranks, not by TP alone",
-    ),
     "ep that does not divide the experts": (
         [*generic("hf", "qwen3_moe.json"), "--parallelism.expert_parallel_degree", "3",
          "--parallelism.data_parallel_shard_degree", "3"], 3, "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts",

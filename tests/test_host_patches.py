@@ -78,7 +78,7 @@ def test_import_does_not_import_fla_or_transformers():
 
 
 def test_every_row_says_why_and_for_which_versions():
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD):
+    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD, *host_patches.STRIDED_CHECKPOINT):
         owner, name = patch.owner_and_name()  # the target exists in the installed version
         assert hasattr(owner, name), patch.target
         assert patch.why and patch.checked, patch.target
@@ -119,7 +119,7 @@ def test_an_instance_row_changes_one_object_of_its_class_only():
 def test_undo_restores_every_original():
     originals = {}
     host_patches.undo()  # whatever earlier tests left
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE):
+    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.STRIDED_CHECKPOINT):
         owner, name = patch.owner_and_name()
         originals[patch.target] = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
     filters = list(warnings.filters)
@@ -128,13 +128,14 @@ def test_undo_restores_every_original():
     host_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
     host_patches.apply_pipeline()
     host_patches.apply_pipeline()
+    host_patches.apply_strided_checkpoint()
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
     assert tools_utils.device_type == "cpu" and len(warnings.filters) > len(filters)
     assert dist_utils.clip_grad_norm_ is not originals["torchtitan.distributed.utils:clip_grad_norm_"]
     host_patches.undo()
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE):
+    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.STRIDED_CHECKPOINT):
         owner, name = patch.owner_and_name()
         now = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
         assert now is originals[patch.target], patch.target

@@ -96,7 +96,7 @@ def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gate
     assert not any(name.startswith("linear_attn") for name in plan.block_plan(1))
     validate_tp(model, plan, 2, 80)
     # Qwen3-Next: its shared expert a dense FFN inside the MoE block (partial shares, the gate replicated), its
-    # routed experts placed by EP (matrix hf_qwen3_next/ep2_tp2); TP alone is refused
+    # routed experts placed by EP (matrix hf_qwen3_next/ep2_tp2) or split over TP (hf_qwen3_next/docs_tp2)
     next_model = meta_model(transformers_model("qwen3_next", **QWEN3_NEXT))
     next_plan = plan_class(next_model, 2)(TPOptions(expert_parallel=True))
     moe = {name: repr(style).partition("(")[0] for name, style in next_plan.block_plan(1).items() if name.startswith("mlp")}
@@ -104,8 +104,7 @@ def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gate
                    "mlp.shared_expert.gate_proj": "ColwiseParallel", "mlp.shared_expert.up_proj": "ColwiseParallel",
                    "mlp.shared_expert.down_proj": "Composed", "mlp.shared_expert_gate": "ScalesShares"}, moe
     validate_tp(next_model, next_plan, 2, 80)
-    with pytest.raises(ValueError, match="split by expert parallelism over the TP ranks, not by TP alone"):
-        plan_class(next_model, 2)(TPOptions()).block_plan(1)
+    validate_tp(next_model, plan_class(next_model, 2)(TPOptions()), 2, 80)
     odd = meta_model(transformers_model("qwen3_5_text", **{**QWEN3_5, "linear_num_key_heads": 1}))
     with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by --parallelism.tensor_parallel_degree=2"):
         validate_tp(odd, plan_class(odd, 2)(TPOptions()), 2, 80)

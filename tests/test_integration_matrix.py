@@ -58,16 +58,18 @@ def test_compare_flags_what_differs(run, problem):
     assert (problem in detail) if problem else (detail == "" and rel <= RTOL), (rel, detail)
 
 
-@pytest.mark.parametrize("spec", ["fla_gla", "fla_transformer", "hf_llama", "hf_kimi_linear"])
-def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec):
-    """The ``hf`` row's export, as a user loads it: model and tokenizer from the folder, then ``generate``."""
+@pytest.mark.parametrize("spec, row", [("fla_gla", "hf"), ("fla_transformer", "hf"), ("hf_llama", "hf"),
+                                       ("hf_kimi_linear", "hf"), ("hf_qwen3_moe", "tp2_hf")])
+def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec, row):
+    """An ``hf`` row's export, as a user loads it: model and tokenizer from the folder, then ``generate``
+    (``tp2_hf``: exported under TP2 with each expert's intermediate dim split, the packed gate_up_proj whole)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from titan_ext import kernels
 
-    assert matrix[spec, "hf"].status == "ok", matrix[spec, "hf"].detail
-    folder = Matrix(matrix_root, [spec], ["hf"]).hf_export_folder(spec, "base")
+    assert matrix[spec, row].status == "ok", matrix[spec, row].detail
+    folder = Matrix(matrix_root, [spec], [row]).hf_export_folder(spec, "base", row)
     # fla's Triton kernels need a GPU: fla models, and Kimi Linear whose KDA layers call them, load through
     # titan_ext.kernels, as docs/gpu.md says
     load = kernels.from_pretrained if spec.startswith("fla_") or spec == "hf_kimi_linear" else AutoModelForCausalLM.from_pretrained

@@ -97,9 +97,10 @@ def test_kimi_linear_documents_each_run_alone():
         torch.set_default_dtype(torch.float32)
 
 
-def test_moe_ffns_under_tp_need_expert_parallelism_and_deepseek_moe_is_refused_in_one_line():
-    """Kimi Linear's MoE FFNs split under TP with EP over the TP ranks (KimiLinearTPPlan; the run:
-    ``hf_kimi_linear/ep2_tp2_fsdp2``), refused without EP; DeepSeek-V3's MoE FFNs are refused either way."""
+def test_moe_ffns_of_kimi_and_deepseek_split_under_tp_with_or_without_ep():
+    """Kimi Linear's and DeepSeek-V3's MoE FFNs under TP: every parameter covered (router, shared experts, the
+    experts placed by titan_ext.moe: split over TP, or by EP); the runs: ``hf_kimi_linear/tp2``, ``ep2_tp2_fsdp2``,
+    ``hf_deepseek_v3/tp2``."""
     from model_plans import TPOptions, validate_tp
 
     from titan_ext.tensor_parallel import plan_class
@@ -109,27 +110,21 @@ def test_moe_ffns_under_tp_need_expert_parallelism_and_deepseek_moe_is_refused_i
         validate_tp(model, plan_class(model, 2)(TPOptions(expert_parallel=expert_parallel)), 2)
 
     moe = kimi(mlp_layer_types=["dense", "sparse"], num_experts=4, num_experts_per_token=2, moe_intermediate_size=16)
-    with pytest.raises(ValueError, match=r"^mlp_layer_types=\['dense', 'sparse'\] is not supported with "
-                                         r"--parallelism.tensor_parallel_degree=2; its MoE FFNs split under TP only with "
-                                         r"their experts split by expert parallelism .* add "
-                                         r"--parallelism.expert_parallel_degree"):
-        check(moe)
-    check(moe, expert_parallel=True)  # every parameter covered: router, shared experts, experts (by EP)
-    check(kimi())  # dense: MLA and KDA layers split
     deepseek = transformers_model("deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
                                   kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6,
                                   n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                                   first_k_dense_replace=1, vocab_size=128)
     for expert_parallel in (False, True):
-        with pytest.raises(ValueError, match=r"^first_k_dense_replace=1 is not supported with .*no shipped plan shards "
-                                             "DeepSeek-V3's MoE FFNs under TP"):
-            check(deepseek, expert_parallel)
+        check(moe, expert_parallel)
+        check(deepseek, expert_parallel)
+    check(kimi())  # dense: MLA and KDA layers split
 
 
 def test_kimi_mlp_entry_lays_out_moe_blocks_and_dense_mlps_each_their_way():
     """One ``mlp`` entry for both kinds of layer: a MoE block (``experts``) takes ``moe_block`` (input gathered,
-    output summed from the ranks' shares), a dense MLP only the gather; experts placed by EP only with EP on."""
+    output summed from the ranks' shares), a dense MLP only the gather; experts placed by titan_ext.moe (split
+    over TP, or by EP)."""
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
@@ -155,7 +150,8 @@ def test_kimi_mlp_entry_lays_out_moe_blocks_and_dense_mlps_each_their_way():
     assert applied == ["moe", "dense"]
     plan = KimiLinearTPPlan(TPOptions(expert_parallel=True)).block_plan(1)
     assert isinstance(plan["mlp"].moe, MoEBlockParallel) and isinstance(plan["mlp"].dense, PrepareModuleInput)
-    assert "mlp.experts" not in KimiLinearTPPlan(TPOptions()).block_plan(1)
+    by = {ep: KimiLinearTPPlan(TPOptions(expert_parallel=ep)).block_plan(1)["mlp.experts"].style.by for ep in (False, True)}
+    assert by == {False: "each expert's intermediate dim over TP", True: "expert parallelism"}
 
 
 def test_kimi_linear_cp_pieces_shorter_than_its_convolution_are_refused(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ expert parallelism (with TP: the TP ranks share the tokens) and what it refuses 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -153,8 +154,10 @@ def parallelism(disable_sequence_parallel=False, **degrees):
 
 
 @pytest.mark.parametrize("degrees, phrase", [
-    (dict(expert_parallel_degree=2, tensor_parallel_degree=2, expert_tensor_parallel_degree=2),
-     "--parallelism.expert_tensor_parallel_degree=2: titan_ext runs EP x TP as torchtitan's ETP=1"),
+    (dict(tensor_parallel_degree=3),  # TP without EP splits each expert's intermediate dim (32)
+     "--parallelism.tensor_parallel_degree=3 does not divide the experts' intermediate size"),
+    (dict(expert_parallel_degree=2, tensor_parallel_degree=3, expert_tensor_parallel_degree=3),
+     "--parallelism.tensor_parallel_degree=3 does not divide the experts' intermediate size"),
     (dict(expert_parallel_degree=3), "--parallelism.expert_parallel_degree=3 does not divide the model's 8 experts"),
     (dict(pipeline_parallel_degree=2, tensor_parallel_degree=2),
      "--parallelism.pipeline_parallel_degree=2 with --parallelism.tensor_parallel_degree=2: the routers' statistics"),
@@ -214,18 +217,26 @@ def test_expert_parallel_on_a_dense_model_is_refused():
     moe.check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
 
 
-def test_tensor_parallel_splits_experts_only_with_expert_parallelism():
-    """The translated HF plan places a MoE block's experts by EP (torchtitan's ETP=1); TP alone is refused."""
+def test_tensor_parallel_leaves_the_experts_to_titan_ext_moe():
+    """The translated HF plan lays out a MoE block around its experts, which titan_ext.moe places: split over
+    TP without EP, by EP with it."""
     from model_plans import TPOptions
     from model_plans.hf_plan import hf_plan_class
-    from model_plans.styles import MoEBlockParallel, PlacedElsewhere
+    from model_plans.styles import MoEBlockParallel
 
     plan_cls = hf_plan_class(meta_model(args()))
-    with pytest.raises(ValueError, match="are split by expert parallelism over the TP ranks, not by TP alone"):
-        plan_cls(TPOptions()).block_plan(0)
-    plan = plan_cls(TPOptions(expert_parallel=True)).block_plan(0)
-    assert isinstance(plan["mlp"], MoEBlockParallel) and isinstance(plan["mlp.experts"], PlacedElsewhere)
-    assert "mlp.gate" in plan
+    for expert_parallel, by in ((False, "each expert's intermediate dim over TP"), (True, "expert parallelism")):
+        plan = plan_cls(TPOptions(expert_parallel=expert_parallel)).block_plan(0)
+        assert isinstance(plan["mlp"], MoEBlockParallel) and plan["mlp.experts"].by == by
+        assert "mlp.gate" in plan
+
+
+def test_tp_and_etp_choose_how_the_experts_split():
+    choice = lambda **degrees: moe.moe_choice(meta_model(args()), parallelism(**degrees))  # noqa: E731
+    assert choice(tensor_parallel_degree=2).split_intermediate  # torchtitan's ep=1, tp>1
+    assert not choice(tensor_parallel_degree=2, expert_parallel_degree=2).split_intermediate  # ETP=1
+    assert choice(tensor_parallel_degree=2, expert_parallel_degree=2, expert_tensor_parallel_degree=2).split_intermediate
+    assert not choice(expert_parallel_degree=2).split_intermediate
 
 
 def _expert_parallel_rank(rank, mesh):
@@ -255,14 +266,94 @@ def _expert_parallel_rank(rank, mesh):
     }
 
 
-def test_expert_parallel_experts_equal_the_models_own():
-    """EP2: each rank holds 4 experts, computes them for both ranks' tokens (all-to-all there and back): outputs,
-    input gradients and its experts' gradients equal transformers' experts over all tokens on one process."""
+def _split_intermediate_rank(folder, rank, mesh):
+    """Rank ``rank`` of 2 under TP without EP: every token, every expert, its half of each expert's intermediate
+    dim; then the packed gate_up_proj through DCP both ways (titan_ext.strided_checkpoint)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    block = real_model().model.layers[0].mlp
+    reference = copy.deepcopy(block.experts)
+    torch.manual_seed(1)
+    x = torch.randn(24, 64)
+    _, weights, index = block.gate(x)
+    cotangent = torch.randn(24, 64)
+    moe.apply_expert_tp(block, mesh)
+    x_mine, weights_mine = x.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    partial = block.experts(x_mine, index, weights_mine)
+    (partial * cotangent).sum().backward()
+    out = partial.detach().clone()
+    dist.all_reduce(out)
+    x_all, weights_all = x.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    expected = reference(x_all, index, weights_all)
+    (expected * cotangent).sum().backward()
+    half = reference.gate_up_proj.shape[1] // 4  # this rank's gate rows r and up rows r (16 of 32 each)
+    rows = torch.cat([torch.arange(half) + rank * half, torch.arange(half) + 2 * half + rank * half])
+    gate_up = block.experts.gate_up_proj
+    diffs = {
+        "output": (out - expected).abs().max().item(),
+        "input grad": (x_mine.grad - x_all.grad).abs().max().item(),
+        "weights grad": (weights_mine.grad - weights_all.grad).abs().max().item(),
+        "local gate_up": (gate_up.to_local() - reference.gate_up_proj[:, rows]).abs().max().item(),
+        "gate_up grad": (gate_up.grad.to_local() - reference.gate_up_proj.grad[:, rows]).abs().max().item(),
+        "down grad": (block.experts.down_proj.grad.to_local()
+                      - reference.down_proj.grad[..., rank * half:(rank + 1) * half]).abs().max().item(),
+        "full tensor": (gate_up.full_tensor() - reference.gate_up_proj).abs().max().item(),
+    }
+    saved = block.experts.state_dict()  # what torchtitan's checkpointer saves: the full [E, 2I, H] tensor
+    dcp.save(saved, checkpoint_id=f"{folder}/split")
+    whole = {name: torch.zeros_like(value) for name, value in reference.state_dict().items()}
+    dcp.load(whole, checkpoint_id=f"{folder}/split")
+    diffs["saved"] = max((whole[n] - v).abs().max().item() for n, v in reference.state_dict().items())
+    if rank == 0:
+        dcp.save({name: 2 * value.detach() for name, value in reference.state_dict().items()},
+                 checkpoint_id=f"{folder}/whole", no_dist=True)
+    dist.barrier()
+    dcp.load(saved, checkpoint_id=f"{folder}/whole")  # read in place, as torchtitan loads a seed checkpoint
+    diffs["loaded"] = (gate_up.full_tensor() - 2 * reference.gate_up_proj).abs().max().item()
+    # an HF export as torchtitan writes one (--checkpoint.last_save_in_hf: the adapter's to_hf, one consolidated
+    # safetensors file), and its import (to_hf, the safetensors reader, from_hf, load_state_dict)
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+    from titan_ext.checkpoint import HFStateDictAdapter
+
+    adapter = HFStateDictAdapter(None, None)
+    dcp.save(adapter.to_hf(saved), storage_writer=HuggingFaceStorageWriter(path=f"{folder}/hf", save_distributed=True,
+                                                                           enable_consolidation=True))
+    dist.barrier()
+    exported = load_file(next(Path(folder, "hf").glob("*.safetensors")))
+    assert sorted(exported) == ["down_proj", "gate_up_proj"], sorted(exported)
+    diffs["exported"] = max((exported[n] - 2 * v).abs().max().item() for n, v in reference.state_dict().items())
+    with torch.no_grad():
+        gate_up.zero_()
+    hf_state_dict = adapter.to_hf(block.experts.state_dict())
+    dcp.load(hf_state_dict, storage_reader=HuggingFaceStorageReader(path=f"{folder}/hf"))
+    block.experts.load_state_dict(adapter.from_hf(hf_state_dict))
+    diffs["imported"] = (gate_up.full_tensor() - 2 * reference.gate_up_proj).abs().max().item()
+    return diffs
+
+
+def _ep_and_split_rank(folder, rank, mesh):
+    return {**{f"ep: {k}": v for k, v in _expert_parallel_rank(rank, mesh).items()},
+            **{f"tp: {k}": v for k, v in _split_intermediate_rank(folder, rank, mesh).items()}}
+
+
+def test_experts_split_by_ep_or_over_tp_equal_the_models_own(tmp_path):
+    """On 2 forked ranks (one launch for both):
+
+    - EP2: each rank holds 4 experts, computes them for both ranks' tokens (all-to-all there and back): outputs,
+      input gradients and its experts' gradients equal transformers' experts over all tokens on one process.
+    - TP2 without EP (torchtitan's TP of the experts): each rank holds gate rows r and up rows r of the packed
+      gate_up_proj and columns r of down_proj; the ranks' partial sums equal transformers' experts, the inputs'
+      gradients are whole on each rank, and DCP saves the full tensor (an HF export too) and loads one saved whole.
+    """
     from helpers import on_forked_ranks
 
-    for rank, diffs in on_forked_ranks(2, _expert_parallel_rank).items():
-        assert diffs.pop("local experts") == 4
-        assert max(diffs.values()) < 1e-5, (rank, diffs)
+    for rank, diffs in on_forked_ranks(2, functools.partial(_ep_and_split_rank, str(tmp_path))).items():
+        assert diffs.pop("ep: local experts") == 4
+        assert max(diffs.values()) < 1e-5, (rank, {k: v for k, v in diffs.items() if v >= 1e-5})
 
 
 # ---------------------------------------------------------------- auxiliary-loss-free balancing (moe_balance = "bias")

@@ -22,6 +22,7 @@ from typing import Any
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
+from titan_ext import strided_checkpoint
 from titan_ext.errors import ConfigError
 from titan_ext.models.args import BOOKKEEPING
 
@@ -48,11 +49,16 @@ class HFStateDictAdapter(StateDictAdapter):
         self.model_args = model_args
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return dict(state_dict)
+        # experts split over TP (a strided layout) go over as one box per rank (titan_ext.strided_checkpoint)
+        self.strided = {key: value for key, value in state_dict.items() if strided_checkpoint.is_strided(value)}
+        return {key: strided_checkpoint.one_box(value) if key in self.strided else value
+                for key, value in state_dict.items()}
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         # A tied head shares the embedding's tensor, so loading the embedding loads both.
-        return dict(hf_state_dict)
+        strided = getattr(self, "strided", {})
+        return {key: strided_checkpoint.laid_out_as(value, strided[key]) if key in strided else value
+                for key, value in hf_state_dict.items()}
 
     def hf_config(self):
         return checkpoint_config(self.model_args)

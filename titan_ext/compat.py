@@ -192,6 +192,50 @@ def once_per_run(fn) -> None:
         fn()
 
 
+def strided_shard(dim: int, split_factor: int):
+    """torch's ``_StridedShard`` placement: rank r holds shard r of each of ``split_factor`` equal pieces of ``dim``
+    (``torch.distributed.tensor.placement_types``, private)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def is_shard(placement) -> bool:
+    """``Shard`` or ``_StridedShard`` (either splits its dim)."""
+    from torch.distributed.tensor import Shard
+
+    return isinstance(placement, Shard) or is_strided_shard(placement)
+
+
+def shard_on_view(placement, dim: int, split: bool):
+    """``placement`` on a view that splits ``dim`` into (split factor, rest): the strided shard being split
+    (``split``) becomes a ``Shard`` of the rest; placements of later dims move one dim on."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if split:
+        return Shard(dim + 1)
+    if not is_shard(placement) or placement.dim < dim:
+        return placement
+    if is_strided_shard(placement):
+        return _StridedShard(placement.dim + 1, split_factor=placement.split_factor)
+    return Shard(placement.dim + 1)
+
+
+def dtensor_local_box(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offsets) of this rank's shard (``torch.distributed.tensor._utils``, private)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(sizes), tuple(offsets)
+
+
 def all_gather_autograd(tensor, group, dim: int = 0):
     """An all-gather along ``dim`` whose backward sums each slice's gradient over the ranks
     (``torch.distributed._functional_collectives``: traceable by dynamo, runs on gloo and NCCL)."""

@@ -387,6 +387,29 @@ PIPELINE: tuple[Patch, ...] = (
 """A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.pipeline``)."""
 
 
+def _strided_checkpoint(name: str):
+    def new(original):
+        return resolve(f"titan_ext.strided_checkpoint:{name}")(original)
+
+    return new
+
+
+STRIDED_CHECKPOINT: tuple[Patch, ...] = tuple(
+    Patch(
+        f"torch.distributed.tensor:DTensor.{method}",
+        "DCP describes each rank's shard of a DTensor as one box, which a _StridedShard that no later placement "
+        "refines is not (each expert's [gate; up] rows split over TP): saved as overlapping chunks. Such a "
+        "DTensor's local rows become boxes of the full tensor; any other DTensor as torch has it "
+        "(titan_ext.strided_checkpoint)",
+        TORCH, _strided_checkpoint(replacement),
+    )
+    for method, replacement in (("__create_write_items__", "create_write_items"),
+                                ("__create_chunk_list__", "create_chunk_list"),
+                                ("__get_tensor_shard__", "get_tensor_shard"))
+)
+"""A job that splits its experts' intermediate dims over TP (``titan_ext.moe.apply_expert_tp``)."""
+
+
 def _sdpa_for_flash_attn(name: str):
     def new(original):
         return resolve(f"titan_ext.kernels.sdpa_attention:{name}") if original is None else original
@@ -599,6 +622,14 @@ def apply_pipeline() -> None:
         return
     _applied.add("pipeline")
     apply(PIPELINE)
+
+
+def apply_strided_checkpoint() -> None:
+    """``STRIDED_CHECKPOINT``, once per process."""
+    if "strided_checkpoint" in _applied:
+        return
+    _applied.add("strided_checkpoint")
+    apply(STRIDED_CHECKPOINT)
 
 
 def apply_job() -> None:

@@ -96,6 +96,9 @@ class MoEChoice:
     top_k: int
     ep: int = 1
     """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
+    split_intermediate: bool = False
+    """Each expert's intermediate dim split over the TP ranks (titan_ext.moe.apply_expert_tp): TP without EP, or
+    ``expert_tensor_parallel_degree`` equal to the TP degree (torchtitan's ETP=TP)."""
     record_routers: bool = True
     """Router logits kept for the balancing loss and the routing metrics (not with ``balance`` "bias")."""
     balance: str = "aux_loss"

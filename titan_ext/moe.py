@@ -1,5 +1,6 @@
 """Mixture-of-experts models: the routers' load-balancing loss as the model was trained, its metrics, expert
-parallelism, and the parallelisms titan_ext cannot combine with them yet, refused in one line.
+parallelism, the experts' tensor parallelism, and the parallelisms titan_ext cannot combine with them yet,
+refused in one line.
 
 transformers' MoE blocks hold a router (``gate``: ``router_logits, scores, indices = gate(x)``) and one
 ``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch
@@ -69,7 +70,8 @@ def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
     coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if balance == "aux_loss" else 0.0
     p = job_config.parallelism if job_config is not None else None
     return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k,
-                     ep=p.expert_parallel_degree if p else 1, balance=balance, record_routers=balance == "aux_loss",
+                     ep=p.expert_parallel_degree if p else 1, split_intermediate=bool(p) and splits_intermediate(p),
+                     balance=balance, record_routers=balance == "aux_loss",
                      moe_layers=tuple(moe_layer_indices(model)))
 
 
@@ -111,6 +113,8 @@ def check_moe(model: nn.Module, job_config) -> None:
         return
     if p.expert_parallel_degree > 1:
         _check_ep(blocks, p)
+    if splits_intermediate(p):
+        _check_split_intermediate(blocks, p)
     sequence_parallel = not getattr(getattr(job_config, "titan_ext", None), "disable_sequence_parallel", False)
     if p.pipeline_parallel_degree > 1 and p.tensor_parallel_degree > 1 and sequence_parallel and balance == "aux_loss":
         raise ConfigError(
@@ -121,15 +125,14 @@ def check_moe(model: nn.Module, job_config) -> None:
         )
 
 
-def _check_ep(blocks: list[nn.Module], p) -> None:
-    ep = p.expert_parallel_degree
-    option = f"--parallelism.expert_parallel_degree={ep}"
-    if p.expert_tensor_parallel_degree > 1:
-        raise ConfigError(
-            f"--parallelism.expert_tensor_parallel_degree={p.expert_tensor_parallel_degree}: titan_ext runs EP x TP "
-            "as torchtitan's ETP=1 (the TP ranks share the tokens, each expert whole on its EP rank); ETP=TP would "
-            "split gate_up_proj's packed [gate; up] rows, which titan_ext does not; set it to 1"
-        )
+def splits_intermediate(p) -> bool:
+    """Whether each expert's intermediate dim is split over the TP ranks: torchtitan's TP of the experts, under
+    TP without EP and under EP with ``expert_tensor_parallel_degree`` equal to the TP degree (ETP=TP)."""
+    tp = p.tensor_parallel_degree
+    return tp > 1 and (p.expert_parallel_degree == 1 or p.expert_tensor_parallel_degree == tp)
+
+
+def _check_stacked(blocks: list[nn.Module], option: str) -> None:
     for block in blocks:
         experts = block.experts
         names = sorted(name for name, _ in experts.named_parameters())
@@ -138,8 +141,27 @@ def _check_ep(blocks: list[nn.Module], p) -> None:
                 f"{option}: titan_ext splits experts of stacked gate_up_proj/down_proj weights; "
                 f"{type(experts).__name__} holds {names}; set it to 1"
             )
-        if experts.num_experts % ep:
-            raise ConfigError(f"{option} does not divide the model's {experts.num_experts} experts; pick a divisor")
+
+
+def _check_ep(blocks: list[nn.Module], p) -> None:
+    ep = p.expert_parallel_degree  # ETP other than 1 or the TP degree: refused with the degrees (titan_ext.validate)
+    option = f"--parallelism.expert_parallel_degree={ep}"
+    _check_stacked(blocks, option)
+    for block in blocks:
+        if block.experts.num_experts % ep:
+            raise ConfigError(f"{option} does not divide the model's {block.experts.num_experts} experts; pick a divisor")
+
+
+def _check_split_intermediate(blocks: list[nn.Module], p) -> None:
+    tp = p.tensor_parallel_degree
+    option = f"--parallelism.tensor_parallel_degree={tp}"
+    _check_stacked(blocks, option)
+    intermediate = blocks[0].experts.gate_up_proj.shape[1] // 2
+    if intermediate % tp:
+        raise ConfigError(
+            f"{option} does not divide the experts' intermediate size ({intermediate}, moe_intermediate_size), "
+            "which TP splits; pick a degree that divides it"
+        )
 
 
 # ---------------------------------------------------------------- expert parallelism
@@ -153,16 +175,52 @@ def apply_ep(model: nn.Module, ep_mesh, tp_mesh=None) -> None:
     Under TP (``tp_mesh``; torchtitan's ETP=1, the EP mesh spanning the TP ranks) every TP rank holds all of
     its batch's tokens (the block gathers them, ``model_plans``' ``moe_block``) and dispatches its share of them
     (a TP rank's slice of the flattened tokens); the block sums the shares."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Shard
 
     for block in moe_blocks(model):
-        experts = block.experts
-        for name, param in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
-        experts.__class__ = _expert_parallel_class(type(experts))
-        experts.ep_group = ep_mesh.get_group()
-        experts.tp_mesh = tp_mesh
+        _place(block.experts, ep_mesh, {"gate_up_proj": [Shard(0)], "down_proj": [Shard(0)]})
+        _parallel_experts(block.experts, ep_mesh.get_group(), tp_mesh, split_intermediate=False)
     logger.info(f"Applied expert parallelism (EP={ep_mesh.size()}) to {len(moe_blocks(model))} MoE blocks")
+
+
+def apply_expert_tp(model: nn.Module, mesh) -> None:
+    """torchtitan's TP of the experts: each expert's intermediate dim split over the TP ranks, on the tokens
+    every TP rank holds whole (the block gathers them, ``model_plans``' ``moe_block``): ``gate_up_proj``'s gate
+    rows and its up rows each split alike (rank r holds gate rows r and up rows r: ``act(gate) * up`` stays
+    local), ``down_proj`` split on its input dim, each rank's output a partial sum that the block reduces.
+
+    ``mesh``: the TP mesh (TP without EP), or the ``("ep", "etp")`` mesh (torchtitan's ETP=TP): the experts
+    then split over the EP ranks too, each TP rank dispatching all its tokens over its EP group. The packed
+    ``[gate; up]`` rows are laid out as a ``_StridedShard`` (the full tensor, checkpoints and HF exports
+    unchanged), which DCP cannot describe as one box per rank: ``titan_ext.strided_checkpoint`` gives it its
+    boxes."""
+    from torch.distributed.tensor import Shard
+
+    from titan_ext import host_patches
+
+    host_patches.apply_strided_checkpoint()
+
+    ep = mesh.ndim == 2
+    outer = [Shard(0)] if ep else []
+    for block in moe_blocks(model):
+        experts = block.experts
+        _place(experts, mesh, {"gate_up_proj": [*outer, compat.strided_shard(1, 2)], "down_proj": [*outer, Shard(2)]})
+        _parallel_experts(experts, mesh["ep"].get_group() if ep else None, mesh["etp"] if ep else mesh,
+                          split_intermediate=True)
+    where = f"EP={mesh['ep'].size()} x ETP={mesh['etp'].size()}" if ep else f"TP={mesh.size()}"
+    logger.info(f"Split the experts' intermediate dims ({where}) in {len(moe_blocks(model))} MoE blocks")
+
+
+def _place(experts: nn.Module, mesh, placements: dict) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, param in list(experts.named_parameters(recurse=False)):
+        experts.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, placements[name])))
+
+
+def _parallel_experts(experts: nn.Module, ep_group, tp_mesh, split_intermediate: bool) -> None:
+    experts.__class__ = _expert_parallel_class(type(experts))
+    experts.ep_group, experts.tp_mesh, experts.split_intermediate = ep_group, tp_mesh, split_intermediate
 
 
 @functools.cache
@@ -179,19 +237,23 @@ def _inverse(permutation: torch.Tensor) -> torch.Tensor:
 
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     """``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, as the model's own
-    forward computes it, with this rank's experts only; under TP this TP rank's share of the tokens, zeros
-    elsewhere."""
+    forward computes it, with this rank's experts only; under TP (ETP=1) this TP rank's share of the tokens,
+    zeros elsewhere; with the intermediate dims split (``apply_expert_tp``) this TP rank's partial sum."""
     if self.tp_mesh is None:
         return _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights)
-
-    def share_gradient(x):  # every TP rank's share feeds this input: the ranks' gradients are summed
-        return DTensor.from_local(x, self.tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
-
+    hidden_states, top_k_weights = (share_gradient(x, self.tp_mesh) for x in (hidden_states, top_k_weights))
+    if self.split_intermediate:
+        compute = _dispatch_and_combine if self.ep_group is not None else _combine_locally
+        return compute(self, hidden_states, top_k_index, top_k_weights)
     rows = torch.arange(hidden_states.shape[0], device=hidden_states.device)
     mine = rows.tensor_split(self.tp_mesh.size())[self.tp_mesh.get_local_rank()]
-    out = _dispatch_and_combine(self, share_gradient(hidden_states)[mine], top_k_index[mine],
-                                share_gradient(top_k_weights)[mine])
+    out = _dispatch_and_combine(self, hidden_states[mine], top_k_index[mine], top_k_weights[mine])
     return hidden_states.new_zeros(hidden_states.shape).index_copy(0, mine, out)
+
+
+def share_gradient(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    """``x`` as it is, its gradient summed over ``tp_mesh`` (every TP rank's share, or partial sum, reads it)."""
+    return DTensor.from_local(x, tp_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
 def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):
@@ -213,6 +275,18 @@ def _dispatch_and_combine(self, hidden_states, top_k_index, top_k_weights):
     computed = _local_experts(self.act_fn, routed, received_counts.sum(0), gate_up, down)[_inverse(regroup)]
     returned = compat.all_to_all_autograd(computed, send, receive, group)[_inverse(order)]
     weighted = returned.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(-2).to(hidden_states.dtype)
+
+
+def _combine_locally(self, hidden_states, top_k_index, top_k_weights):
+    """The model's experts forward on this rank's local weights (every expert; under TP its intermediate share)."""
+    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    computed = _local_experts(self.act_fn, hidden_states[order // k], counts, gate_up, down)[_inverse(order)]
+    weighted = computed.view(*top_k_index.shape, -1) * top_k_weights.unsqueeze(-1)
     return weighted.sum(-2).to(hidden_states.dtype)
 
 

@@ -23,7 +23,7 @@ from titan_ext.float8 import keep_high_precision
 from titan_ext.documents import apply_document_attention
 from titan_ext.job_plan import plan_of
 from titan_ext.loss import apply_chunked_loss
-from titan_ext.moe import apply_ep, apply_expert_bias, apply_router_records, moe_blocks
+from titan_ext.moe import apply_ep, apply_expert_bias, apply_expert_tp, apply_router_records, moe_blocks
 
 logger = logging.getLogger()
 
@@ -36,7 +36,9 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         apply_expert_bias(model)
     if plan.float8 is not None and plan.float8.high_precision:
         keep_high_precision(model, plan.float8.high_precision)
-    if plan.moe is not None and plan.moe.ep > 1:
+    if plan.moe is not None and plan.moe.split_intermediate:  # TP without EP, or ETP=TP
+        apply_expert_tp(model, parallel_dims.get_mesh(["ep", "etp"] if plan.moe.ep > 1 else "tp"))
+    elif plan.moe is not None and plan.moe.ep > 1:
         apply_ep(model, parallel_dims.get_mesh("ep"), parallel_dims.get_mesh("tp") if plan.tp is not None else None)
     if plan.loss is not None:
         apply_chunked_loss(model, plan.loss)

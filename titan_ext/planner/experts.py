@@ -17,6 +17,7 @@ import types
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_ext import compat
 
@@ -33,7 +34,7 @@ def evenly_routed(model_parts):
 
     swapped = [block.experts for part in model_parts for block in moe.moe_blocks(part)]
     for experts in swapped:
-        forward = _expert_parallel_forward if hasattr(experts, "ep_group") else _forward
+        forward = _parallel_forward if hasattr(experts, "ep_group") else _forward
         experts.forward = types.MethodType(forward, experts)
     try:
         yield
@@ -57,8 +58,22 @@ def _computed(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down
     return torch.cat(outputs)
 
 
+def _parallel_forward(self, hidden_states, top_k_index, top_k_weights):
+    """``titan_ext.moe``'s forward: with each expert's intermediate dim split over TP (``split_intermediate``)
+    the inputs' gradients summed over the TP ranks (an all-reduce each in backward) and this rank's share of
+    every expert computed on its local weights; with expert parallelism its experts' slots exchanged."""
+    from titan_ext.moe import share_gradient
+
+    if self.split_intermediate:
+        hidden_states, top_k_weights = (share_gradient(x, self.tp_mesh) for x in (hidden_states, top_k_weights))
+    if self.ep_group is None:
+        return _forward(self, hidden_states, top_k_index, top_k_weights)
+    return _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
 def _forward(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' experts loop (``Qwen3MoeExperts.forward``) over every expert, each with its share."""
+    """transformers' experts loop (``Qwen3MoeExperts.forward``) over every expert, each with its share (of a
+    split expert, this rank's local weights)."""
     final = torch.zeros_like(hidden_states)
     tokens, k = top_k_index.shape
     with torch.no_grad():  # the model's expert mask (its size counts; its values would pick the rows)
@@ -67,7 +82,8 @@ def _forward(self, hidden_states, top_k_index, top_k_weights):
     counts = shares(tokens * k, self.num_experts)
     slots = torch.arange(tokens * k, device=hidden_states.device)  # expert by expert
     token_idx, top_k_pos = slots % tokens, slots // tokens
-    out = _computed(hidden_states[token_idx], counts, self.gate_up_proj, self.down_proj, self.act_fn)
+    gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
+    out = _computed(hidden_states[token_idx], counts, gate_up, down, self.act_fn)
     final.index_add_(0, token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(final.dtype))
     return final
 

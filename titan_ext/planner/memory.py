@@ -43,10 +43,12 @@ class StepPeak(Pausable):
 
     Every tensor an operator allocates inside ``with peak:`` is counted from its allocation until its storage
     is freed (a weak reference on the storage: what autograd saves, the transients of backward such as the
-    logits' gradient, FSDP's gathered weights, the collectives' buffers), each storage once; ``peak_bytes``
-    leaves out the storages that end the step as the parameters' gradients (the gradients' own column). Memory
-    held before the step (parameters, optimizer state, the batch) is not in it; nor is the allocator's
-    fragmentation, nor kernels' workspaces that never reach torch's dispatcher."""
+    logits' gradient, FSDP's gathered weights, the collectives' buffers), each storage once. The gradients are
+    such tensors: each counted from the operator of backward that computes it when autograd reaches its
+    parameter (autograd keeps that output as ``.grad``), FSDP's unsharded one until its reduce-scatter frees
+    it, then the sharded one to the step's end (``step_peak_bytes``). Memory held before the step (parameters,
+    optimizer state, the batch) is not in it; nor is the allocator's fragmentation, nor kernels' workspaces
+    that never reach torch's dispatcher."""
 
     def __init__(self):
         self._paused = False
@@ -172,3 +174,17 @@ class StepPeak(Pausable):
 
 def gradients(model_parts) -> list[torch.Tensor]:
     return [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+
+
+def held_through(model_parts, passes: int) -> list[torch.Tensor]:
+    """The gradients a pass of the step holds from its start: none where the step is one pass (torchtitan's
+    ``zero_grad`` freed them); every one where it accumulates several (from the second pass on)."""
+    return gradients(model_parts) if passes > 1 else []
+
+
+def step_peak_bytes(peak: StepPeak, model_parts, passes: int = 1) -> int:
+    """The step's peak after its forward and backward under ``peak``: one pass's own tensors with the
+    gradients where backward allocates them; an accumulating step's later passes run beside every gradient
+    (each later pass's new gradient, added in place and freed, is left out: one parameter's at a time)."""
+    held = held_through(model_parts, passes)
+    return peak.peak_bytes(held) + sum(local_bytes(g) for g in held)

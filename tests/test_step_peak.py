@@ -94,6 +94,18 @@ def test_an_accumulating_steps_later_passes_hold_every_gradient():
         assert memory.step_peak_bytes(peak, [model], passes=2) > memory.step_peak_bytes(peak, [model], passes=1)
 
 
+def test_a_storage_freed_and_regathered_by_resizing_is_followed():
+    """FSDP's gathered weights: their storage resized to 0 after use and back before the next (no operator)."""
+    from titan_ext.planner import memory
+
+    with memory.StepPeak() as peak:
+        gathered = torch.empty(1024)  # 4 KiB
+        gathered.untyped_storage().resize_(0)
+        torch.empty(512)  # 2 KiB, freed at once
+        gathered.untyped_storage().resize_(4096)
+    assert peak.peak_bytes() == 4096 and [size for _, size in peak.events] == [4096, -4096, 2048, -2048, 4096]
+
+
 QWEN3_TINY = dict(
     model_type="qwen3", vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
     num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False, max_position_embeddings=64,

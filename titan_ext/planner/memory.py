@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_ext import compat
+from titan_ext import compat, host_patches
 from titan_ext.planner.collectives import Pausable
 
 GIB, MIB = 2**30, 2**20
@@ -109,7 +109,7 @@ class StepPeak(Pausable):
 
     def _resized(self, storage) -> None:
         """FSDP frees a gathered weight's memory by resizing its storage to 0 and gathers into it again by
-        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees)."""
+        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees: ``storage_resized``)."""
         held = self._live.get(storage._cdata)
         if held is not None and held[1] != storage.nbytes():
             number, size, ref = held
@@ -156,20 +156,26 @@ class StepPeak(Pausable):
         return peak, at
 
     def __enter__(self):
-        resize, peak = torch.UntypedStorage.resize_, self
-
-        def resized(storage, size):
-            out = resize(storage, size)
-            peak._resized(storage)
-            return out
-
-        self._resize, torch.UntypedStorage.resize_ = resize, resized
+        self._resizes = host_patches.scoped((host_patches.STORAGE_RESIZES,))
+        self._resizes.__enter__()
+        _counting.append(self)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        _counting.remove(self)
+        self._resizes.__exit__(None, None, None)
         return self._mode.__exit__(*exc)
+
+
+_counting: list[StepPeak] = []
+"""The step peaks inside their ``with``."""
+
+
+def storage_resized(storage) -> None:
+    """What ``UntypedStorage.resize_`` tells inside a step peak's ``with`` (``host_patches.STORAGE_RESIZES``)."""
+    for peak in _counting:
+        peak._resized(storage)
 
 
 def gradients(model_parts) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 
-from titan_ext import compat
+from titan_ext import compat, host_patches
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
 from titan_ext.planner import collectives, estimates, experts, memory
@@ -294,15 +294,13 @@ def _schedules_as_on_a_real_group():
 
 @contextlib.contextmanager
 def _whole_windows():
-    """The fake batch holds whole windows, no packed documents: transformers finds none in a real batch's
-    position ids, and skips its ``T x T`` mask for SDPA's causal flag; on fake tensors it cannot read them and
-    would build the mask (8192 tokens: 256 MiB per layer) that the real step never holds."""
+    """The fake batch holds whole windows, no packed documents (``host_patches.WHOLE_WINDOWS``)."""
     try:
-        masking = compat.transformers_masking_module()
+        compat.transformers_masking_module()
     except compat.CompatError:  # no transformers model to plan
         yield
         return
-    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+    with host_patches.scoped((host_patches.WHOLE_WINDOWS,)):
         yield
 
 

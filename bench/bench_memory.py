@@ -14,8 +14,9 @@ block to the system, so resident memory follows what torch holds):
   are against no masking, as a share of that step's.
 
 Beside each measured case, the planner's figure for the same job (``python -m titan_ext.plan``'s step peak: the
-most the step's own tensors hold at once, planned on fake tensors, in a process of its own) and its ratio to the
-measured step peak above what the process held before the step (model, gradients, the process itself).
+most the step's own tensors hold at once, the gradients from where backward computes each, planned on fake
+tensors, in a process of its own) and its ratio to the measured step peak above what the process held before
+the step (the model, the process itself; the step allocates its gradients, as after torchtitan's ``zero_grad``).
 
 A case whose estimated need exceeds the memory available now is skipped and says so (the full loss at 32k
 tokens needs ~80 GB). One step per case, no warm-up: times include first-call costs, the same for every case.
@@ -160,8 +161,6 @@ def plan_case(case: str, tokens: int) -> dict:
             return {"planned_peak": None}
         prepare()
         planned = plan_rank(job_config_of(flags), 1)
-    # the measured step's peak lies between the planner's step peak (gradients left out) and that peak with every
-    # gradient the step allocates held at once (the planner's grads column): it does not time the gradients
     return {"planned_peak": planned.peak_bytes, "planned_grads": planned.grad_bytes, "planned_saved": planned.saved_bytes}
 
 
@@ -232,19 +231,18 @@ def report(results: list[dict]) -> None:
 
 
 def planner_report(results: list[dict]) -> None:
-    print("\nThe planner (python -m titan_ext.plan, one rank) vs the measured step peak above what was held before it:")
-    print("its step peak (gradients left out), and that peak with every gradient held at once (+ grads)")
-    print(f"{'tokens':>7}  {'case':18} {'planned GiB':>12} {'+ grads GiB':>12} {'measured GiB':>13} {'ratios':>14}")
+    print("\nThe planner (python -m titan_ext.plan, one rank) vs the measured step peak above what was held before it")
+    print("(both with the gradients the step allocates; grads: the planner's gradient bytes, all held at the step's end)")
+    print(f"{'tokens':>7}  {'case':18} {'planned GiB':>12} {'grads GiB':>10} {'measured GiB':>13} {'planned/measured':>17}")
     for r in results:
         if "skipped" in r:
             continue
         planned, measured = r.get("planned_peak"), r["step_peak"]
         if planned is None:
-            print(f"{r['tokens']:>7}  {r['case']:18} {'-':>12} {'-':>12} {measured / GIB:>13.3f}  (no job builds this mask)")
+            print(f"{r['tokens']:>7}  {r['case']:18} {'-':>12} {'-':>10} {measured / GIB:>13.3f}  (no job builds this mask)")
             continue
-        with_grads = planned + r["planned_grads"]
-        print(f"{r['tokens']:>7}  {r['case']:18} {planned / GIB:>12.3f} {with_grads / GIB:>12.3f} {measured / GIB:>13.3f} "
-              f"{planned / measured:>6.3f}-{with_grads / measured:.3f}")
+        print(f"{r['tokens']:>7}  {r['case']:18} {planned / GIB:>12.3f} {r['planned_grads'] / GIB:>10.3f} "
+              f"{measured / GIB:>13.3f} {planned / measured:>17.3f}")
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def _recorded(self, **kwargs):
     with peak, recorder:
         loss = _forward_backward_step(self, **kwargs)
     held["grad_bytes"] = memory.grad_bytes(self.model_parts)
-    held["peak_bytes"] = peak.peak_bytes(memory.gradients(self.model_parts))
+    held["peak_bytes"] = memory.step_peak_bytes(peak, self.model_parts, self.gradient_accumulation_steps)
     held["collectives"] = collectives.summary(recorder.log)
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{dist.get_rank()}.json").write_text(json.dumps(held))

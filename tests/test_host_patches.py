@@ -78,7 +78,8 @@ def test_import_does_not_import_fla_or_transformers():
 
 
 def test_every_row_says_why_and_for_which_versions():
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD, *host_patches.STRIDED_CHECKPOINT):
+    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD, *host_patches.STRIDED_CHECKPOINT,
+                  *host_patches.PLANNER):
         owner, name = patch.owner_and_name()  # the target exists in the installed version
         assert hasattr(owner, name), patch.target
         assert patch.why and patch.checked, patch.target
@@ -150,6 +151,23 @@ def test_build_patches_last_only_while_building():
     with host_patches.building():
         assert attn.flash_attn_func is not None
     assert attn.flash_attn_func is before
+
+
+def test_the_planners_rows_last_only_inside_its_blocks():
+    """``PLANNER``: torch's storage resize (a method the class inherits) and transformers' packed-sequence finder,
+    changed inside a step peak's ``with`` and a planned step's, each as shipped after."""
+    import torch
+    import transformers.masking_utils as masking
+
+    from titan_ext.planner import memory, rank
+
+    finder, inherited = masking.find_packed_sequence_indices, torch.UntypedStorage.resize_
+    with memory.StepPeak():
+        assert torch.UntypedStorage.resize_ is not inherited
+    with rank._whole_windows():
+        assert masking.find_packed_sequence_indices(torch.arange(4)[None]) is None
+    assert masking.find_packed_sequence_indices is finder and torch.UntypedStorage.resize_ is inherited
+    assert "resize_" not in vars(torch.UntypedStorage)
 
 
 @pytest.mark.parametrize("path", kernels.PATHS)

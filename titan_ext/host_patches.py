@@ -15,6 +15,8 @@
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
 * ``BUILD``: only while titan_ext builds one of its own models (``building()``).
+* ``PLANNER``: only inside the planner's blocks (``scoped()``): a step peak's ``with``
+  (``planner.memory.StepPeak``) and a planned step's (``planner.rank``).
 * ``MODEL_KERNELS``: not a change to any library: titan_ext's own model
   instances call these instead of fla's kernels (``titan_ext.kernels.bind``:
   the modules get subclasses whose methods see other globals). fla's modules
@@ -75,8 +77,12 @@ class Patch:
         return owner_and_name(self.target)
 
     def apply(self) -> Callable[[], None]:
-        """Rebind the target; returns the undo (restores the original object)."""
+        """Rebind the target; returns the undo (restores the original object, or a method the class
+        inherits by deleting the class's own)."""
         owner, name = self.owner_and_name()
+        if isinstance(owner, type) and name not in vars(owner):
+            setattr(owner, name, self.new(getattr(owner, name)))
+            return lambda: delattr(owner, name)
         original = resolve(self.target)
         setattr(owner, name, self.new(original))
         return lambda: setattr(owner, name, original)
@@ -427,6 +433,40 @@ BUILD: tuple[Patch, ...] = (
 )
 
 
+def _resizes_told(original):
+    """``resize_`` that then tells the step peaks inside their ``with`` (``planner.memory.storage_resized``)."""
+    told = resolve("titan_ext.planner.memory:storage_resized")
+
+    def resize_(storage, size):
+        out = original(storage, size)
+        told(storage)
+        return out
+
+    return resize_
+
+
+def _no_packed_sequences(_original):
+    return lambda position_ids: None
+
+
+STORAGE_RESIZES = Patch(
+    "torch:UntypedStorage.resize_",
+    "FSDP frees a gathered weight's memory by resizing its storage to 0 and gathers into it again by resizing it "
+    "back, which no operator dispatch sees: the step's peak (planner.memory.StepPeak, planned and real steps "
+    "alike) follows each resize",
+    TORCH, _resizes_told,
+)
+WHOLE_WINDOWS = Patch(
+    "transformers.masking_utils:find_packed_sequence_indices",
+    "the planner's fake batch holds whole windows, no packed documents: transformers finds none in a real batch's "
+    "position ids and skips its T x T mask for SDPA's causal flag; on fake tensors it cannot read them and would "
+    "build the mask (8192 tokens: 256 MiB per layer) that the real step never holds (planner.rank)",
+    "transformers 5.17-5.24", _no_packed_sequences,
+)
+PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS)
+"""The planner's, each inside its own blocks only (``scoped``)."""
+
+
 @dataclass(frozen=True)
 class Kernel:
     """An fla kernel (or a transformers function calling one) and what titan_ext's own models call instead
@@ -668,11 +708,18 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def building(patches: tuple[Patch, ...] = BUILD) -> Iterator[None]:
-    """``BUILD`` rows while titan_ext constructs a model; restored right after."""
+def scoped(patches: tuple[Patch, ...]) -> Iterator[None]:
+    """Rows applied for one ``with`` block; restored right after, last first."""
     undos = [patch.apply() for patch in patches]
     try:
         yield
     finally:
         for undo_one in reversed(undos):
             undo_one()
+
+
+@contextlib.contextmanager
+def building(patches: tuple[Patch, ...] = BUILD) -> Iterator[None]:
+    """``BUILD`` rows while titan_ext constructs a model; restored right after."""
+    with scoped(patches):
+        yield

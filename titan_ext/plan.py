@@ -57,9 +57,10 @@ def describe(planned, job_config, link_gbps: float) -> str:
         "  weights excepted; under AC what checkpointed blocks keep), recorded under FakeTensorMode.",
         "  step peak: the most the step's own tensors held at once, each from its allocation to its release:",
         "  the saved tensors and backward's transients (the logits' gradient, a loss chunk, the recomputed",
-        "  block under AC), FSDP's gathered weights, the collectives' buffers; gradients excepted. Not counted:",
-        "  the allocator's fragmentation and caching, kernels' workspaces, the process's own memory.",
-        "  total: params + grads + optimizer + step peak (a bound: it counts every gradient at the peak).",
+        "  block under AC), FSDP's gathered weights, the collectives' buffers, and the gradients from where",
+        "  backward computes each (FSDP's unsharded ones until their reduce-scatter). Not counted: the",
+        "  allocator's fragmentation and caching, kernels' workspaces, the process's own memory.",
+        "  total: params + optimizer + step peak (the gradients are in the step peak).",
         *(["  under PP: saved is summed over all the step's microbatches, as if all were in flight (a bound); the",
            "  step peak follows the schedule, which frees each microbatch's at its backward"]
           if first.plan.pp else []),

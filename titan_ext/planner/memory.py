@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_ext import compat
+from titan_ext import compat, host_patches
 from titan_ext.planner.collectives import Pausable
 
 GIB, MIB = 2**30, 2**20
@@ -43,10 +43,12 @@ class StepPeak(Pausable):
 
     Every tensor an operator allocates inside ``with peak:`` is counted from its allocation until its storage
     is freed (a weak reference on the storage: what autograd saves, the transients of backward such as the
-    logits' gradient, FSDP's gathered weights, the collectives' buffers), each storage once; ``peak_bytes``
-    leaves out the storages that end the step as the parameters' gradients (the gradients' own column). Memory
-    held before the step (parameters, optimizer state, the batch) is not in it; nor is the allocator's
-    fragmentation, nor kernels' workspaces that never reach torch's dispatcher."""
+    logits' gradient, FSDP's gathered weights, the collectives' buffers), each storage once. The gradients are
+    such tensors: each counted from the operator of backward that computes it when autograd reaches its
+    parameter (autograd keeps that output as ``.grad``), FSDP's unsharded one until its reduce-scatter frees
+    it, then the sharded one to the step's end (``step_peak_bytes``). Memory held before the step (parameters,
+    optimizer state, the batch) is not in it; nor is the allocator's fragmentation, nor kernels' workspaces
+    that never reach torch's dispatcher."""
 
     def __init__(self):
         self._paused = False
@@ -107,7 +109,7 @@ class StepPeak(Pausable):
 
     def _resized(self, storage) -> None:
         """FSDP frees a gathered weight's memory by resizing its storage to 0 and gathers into it again by
-        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees)."""
+        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees: ``storage_resized``)."""
         held = self._live.get(storage._cdata)
         if held is not None and held[1] != storage.nbytes():
             number, size, ref = held
@@ -154,21 +156,41 @@ class StepPeak(Pausable):
         return peak, at
 
     def __enter__(self):
-        resize, peak = torch.UntypedStorage.resize_, self
-
-        def resized(storage, size):
-            out = resize(storage, size)
-            peak._resized(storage)
-            return out
-
-        self._resize, torch.UntypedStorage.resize_ = resize, resized
+        self._resizes = host_patches.scoped((host_patches.STORAGE_RESIZES,))
+        self._resizes.__enter__()
+        _counting.append(self)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        _counting.remove(self)
+        self._resizes.__exit__(None, None, None)
         return self._mode.__exit__(*exc)
+
+
+_counting: list[StepPeak] = []
+"""The step peaks inside their ``with``."""
+
+
+def storage_resized(storage) -> None:
+    """What ``UntypedStorage.resize_`` tells inside a step peak's ``with`` (``host_patches.STORAGE_RESIZES``)."""
+    for peak in _counting:
+        peak._resized(storage)
 
 
 def gradients(model_parts) -> list[torch.Tensor]:
     return [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+
+
+def held_through(model_parts, passes: int) -> list[torch.Tensor]:
+    """The gradients a pass of the step holds from its start: none where the step is one pass (torchtitan's
+    ``zero_grad`` freed them); every one where it accumulates several (from the second pass on)."""
+    return gradients(model_parts) if passes > 1 else []
+
+
+def step_peak_bytes(peak: StepPeak, model_parts, passes: int = 1) -> int:
+    """The step's peak after its forward and backward under ``peak``: one pass's own tensors with the
+    gradients where backward allocates them; an accumulating step's later passes run beside every gradient
+    (each later pass's new gradient, added in place and freed, is left out: one parameter's at a time)."""
+    held = held_through(model_parts, passes)
+    return peak.peak_bytes(held) + sum(local_bytes(g) for g in held)

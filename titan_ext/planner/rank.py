@@ -14,10 +14,10 @@ from unittest import mock
 
 import torch
 
-from titan_ext import compat
+from titan_ext import compat, host_patches
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
-from titan_ext.planner import collectives, experts, memory
+from titan_ext.planner import collectives, estimates, experts, memory
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class RankPlan:
     checkpointed blocks keep)."""
     peak_bytes: int
     """The most bytes the step's own tensors held at once (``memory.StepPeak``): the saved activations with
-    backward's transients, FSDP's gathered weights and the collectives' buffers; gradients excepted."""
+    backward's transients, FSDP's gathered weights, the collectives' buffers, and the gradients from where
+    backward allocates each (``memory.step_peak_bytes``)."""
     collectives: tuple[collectives.Collective, ...]
     plan: object
     """titan_ext's ``JobPlan`` for the job."""
@@ -44,8 +45,9 @@ class RankPlan:
 
     @property
     def total_bytes(self) -> int:
-        """What the rank needs: its state, and the step's peak on top (a bound: the gradients are all counted)."""
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.peak_bytes
+        """What the rank needs: the state it holds across steps, and the step's peak on top (which holds the
+        gradients: all of them at its end, where the optimizer steps)."""
+        return self.param_bytes + self.optimizer_bytes + self.peak_bytes
 
 
 class Phases:
@@ -177,8 +179,9 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                     peak, recorder, saved, microbatches or contextlib.nullcontext():
                 step()
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
-            peak_bytes = peak.peak_bytes(memory.gradients(parts))
-            middle = microbatches.middle(memory.gradients(parts)) if microbatches else None
+            passes = estimates.accumulation_steps(job_config, dims)
+            peak_bytes = memory.step_peak_bytes(peak, parts, passes)
+            middle = microbatches.middle(memory.held_through(parts, passes)) if microbatches else None
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
                 with _UpdatesSkipped():
@@ -292,15 +295,13 @@ def _schedules_as_on_a_real_group():
 
 @contextlib.contextmanager
 def _whole_windows():
-    """The fake batch holds whole windows, no packed documents: transformers finds none in a real batch's
-    position ids, and skips its ``T x T`` mask for SDPA's causal flag; on fake tensors it cannot read them and
-    would build the mask (8192 tokens: 256 MiB per layer) that the real step never holds."""
+    """The fake batch holds whole windows, no packed documents (``host_patches.WHOLE_WINDOWS``)."""
     try:
-        masking = compat.transformers_masking_module()
+        compat.transformers_masking_module()
     except compat.CompatError:  # no transformers model to plan
         yield
         return
-    with mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None):
+    with host_patches.scoped((host_patches.WHOLE_WINDOWS,)):
         yield
 
 

@@ -450,3 +450,82 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(8, 8) is None  # as many as the job's own
     assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
+
+def test_a_model_of_identical_blocks_planned_with_2_and_3_blocks_per_stage_equals_its_full_plan(tmp_path, monkeypatch):
+    """Field by field, exactly: an 8-block debug GLA planned with 2 and 3 blocks per pipeline stage (or in the
+    model) and extrapolated to its own count equals it planned in full, under FSDP, CP x TP and PP x FSDP
+    with full AC (stages of 4 blocks, microbatches extrapolated too)."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    lines = []
+    monkeypatch.setattr(rank, "_block_line", lambda *a, _f=rank._block_line: lines.append(_f(*a)) or lines[-1])
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    (tmp_path / "gla8.json").write_text(json.dumps({"model_type": "gla", "num_hidden_layers": 8}))
+    model = ["--titan_ext.hf_config", str(tmp_path / "gla8.json")]
+    for flags, ranks in [
+        (["--parallelism.data_parallel_shard_degree", "4"], 1),
+        (["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2",
+          "--parallelism.tensor_parallel_degree", "2"], 1),
+        (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+          "--activation_checkpoint.mode", "full"], 2),
+    ]:
+        before = len(lines)
+        reduced = rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=True)
+        assert len(lines) == before + ranks, flags  # every rank extrapolated
+        assert fields(reduced) == fields(rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=False)), flags
+
+
+def test_only_a_model_of_identical_blocks_is_planned_with_fewer():
+    from types import SimpleNamespace
+
+    from torchtitan.protocols import train_spec as registry
+
+    from titan_ext.planner.rank import _blocks_alike, _fewer_blocks
+
+    flavors = registry.get_train_spec("fla_gla").model_args
+    every = SimpleNamespace(ac=SimpleNamespace(every=None))
+    assert _blocks_alike(flavors["debugmodel"], every)
+    assert not _blocks_alike(flavors["debugmodel_hybrid"], every)  # attention among the GLA layers
+    assert not _blocks_alike(flavors["debugmodel"], SimpleNamespace(ac=SimpleNamespace(every=2)))  # AC every 2nd block
+    stages = (("model.embeddings", "model.layers.0", "model.layers.1", "model.layers.2"),
+              ("model.layers.3", "model.layers.4", "model.norm", "lm_head"))
+    indices = [[None, 0, 1, 2], [3, 4, None, None]]
+    assert _fewer_blocks(stages, indices, 2) == [["model.embeddings", "model.layers.0", "model.layers.1"],
+                                                 ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+
+
+MOE = ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml")]
+
+
+def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
+    """The debug Qwen3-MoE's 2-rank sweep with EP 2 (the degrees tried at 1,024 ranks are 8 and 64): its EP
+    layouts are listed, planned with their all-to-alls on the EP ranks, and equal each planned alone."""
+    from titan_ext.planner import job_config_of, layouts, prepare, rank
+
+    prepare()
+    assert layouts.experts_of(MOE) == 8 and layouts.experts_of(argv([])) == 0
+    names = {layout.name() for layout in layouts.candidates(1024, 128) if layout.ep > 1}
+    assert {"fsdp 1024, experts over ep 8", "fsdp 1024, experts over ep 64", "pp 8 x fsdp 16 x tp 8, experts over ep 64"} <= names
+    assert not {layout for layout in layouts.candidates(1024, 0) if layout.ep > 1}
+    monkeypatch.setattr(layouts, "EXPERT_DEGREES", (2,))
+    everything = layouts.candidates
+    monkeypatch.setattr(layouts, "candidates", lambda world, experts: [
+        layout for layout in everything(world, experts) if layout.ep > 1 or layout.name() == "fsdp 2"])
+    result = layouts.plan_sweep(MOE, 2, 50.0)
+    planned = {layout.name(): plans for layout, plans in result.planned.items()}
+    assert {"fsdp 2", "fsdp 2, experts over ep 2", "tp 2, experts over ep 2"} <= set(planned)
+    assert "cp 2, experts over ep 2" in {layout.name() for layout, _ in result.skipped}  # the balancing loss under CP
+    assert not any(c.kind == "all_to_all" for c in planned["fsdp 2"][0].collectives)
+    for layout, plans in result.planned.items():
+        if layout.ep > 1:
+            assert any(c.kind == "all_to_all" and "ep" in c.group.split("+") for c in plans[0].collectives)
+            alone = rank.plan_layout(job_config_of([*MOE, *layout.flags()]), 2)
+            assert [(r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes, r.collectives)
+                    for r in plans] == [(r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                                         r.collectives) for r in alone], layout.name()

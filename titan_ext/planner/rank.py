@@ -127,7 +127,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             dims = parallel_dims_of(job_config, world)
             dims.build_mesh()
             spec = registry.get_train_spec(job_config.model.name)
-            model_args = spec.model_args[job_config.model.flavor]
+            model_args = copy.deepcopy(spec.model_args[job_config.model.flavor])
             if seen is not None and seen.built and seen.built[0] is job_config:
                 model_args, plan, model = seen.built[1:]  # an earlier rank's: pipelined ranks copy their stages out
             else:
@@ -194,8 +194,8 @@ def _job_plan(job_config, dims, model_args=None):
     """What torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)."""
     from torchtitan.protocols import train_spec as registry
 
-    if model_args is None:
-        model_args = registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    if model_args is None:  # a copy: the flavor's registered args stay as the train spec has them for later jobs
+        model_args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
     _raising(type(model_args).update_from_config)(model_args, job_config)
     plan = plan_of(model_args)
     if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
@@ -590,7 +590,7 @@ class _Microbatches:
 
 
 def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
-                reuse: bool = True):
+                reuse: bool = True, blocks: bool | None = None):
     """One RankPlan per role: rank 0, and the first rank of each further pipeline stage, planned in pipeline
     order: each rank learns its input's shapes from the stage before it, and a rank whose stage is an
     interior twin of one stepped before takes that one's plan (``_twin_key``). ``reuse=False``: each rank
@@ -603,7 +603,15 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     stepped with the fewest microbatches its schedule takes that have one in the middle, what each saves
     and issues recorded on its own (``_Microbatches``), and extrapolated to the job's m by adding the
     middle one's (``extrapolate=None``: where that is cheaper and the schedule is one ``tests/test_plan.py``
-    verifies it for; ``False``: never; ``True``: wherever m exceeds that count, for the tests)."""
+    verifies it for; ``False``: never; ``True``: wherever m exceeds that count, for the tests).
+
+    ``blocks``: a model of identical blocks is planned with 2 and 3 blocks per pipeline stage and
+    extrapolated to its own (``_blocks_extrapolated``; None: where that is cheaper, True: wherever it
+    applies, for the tests, False: never)."""
+    if blocks is not False:
+        found = _blocks_extrapolated(job_config, world, phases, extrapolate, reuse, blocks is True)
+        if found is not None:
+            return found
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
     count = _stepped_microbatches(job_config, extrapolate)
@@ -673,9 +681,133 @@ def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
                    microbatch=None)
 
 
-def _checked_plan(job_config, world: int):
-    """titan_ext's checks of the job, and its ``JobPlan``, as ``plan_rank`` builds them (nothing built)."""
+def _checked_plan(job_config, world: int, model_args=None):
+    """titan_ext's checks of the job, and its ``JobPlan``, as ``plan_rank`` builds them (nothing built);
+    ``model_args``: the args to update (the flavor's, copied, if None)."""
     with fake_group(world, 0):
         dims = parallel_dims_of(job_config, world)
         dims.build_mesh()
-        return _job_plan(job_config, dims)
+        return _job_plan(job_config, dims, model_args)
+
+
+BLOCK_POINTS = (2, 3)
+"""Blocks per pipeline stage (or in the model, without PP) of the two smaller models a model of identical
+blocks is planned with (``_blocks_extrapolated``): two, so that a stage's first block (which takes the
+embedding's output) and its last (before the norm, or the next stage) are both there in each."""
+
+
+def _blocks_extrapolated(job_config, world: int, phases, extrapolate, reuse, forced: bool):
+    """A model whose blocks are all alike (``_blocks_alike``) planned with ``BLOCK_POINTS`` blocks per stage
+    (each stage keeps its first ones, and its embedding, norm or head) and each rank's figures extrapolated to
+    its stage's own count k: every block adds the same parameters, gradients, optimizer state, saved
+    activations and collectives, and, where the step's peak comes after the blocks' forwards (their saved
+    tensors all held), the same bytes to the peak: f(k) = f(2) + (k - 2) (f(3) - f(2)). ``tests/test_plan.py``
+    plans layouts of each kind both ways and finds every field equal. None where it does not apply (a hybrid,
+    AC every Nth block, several stages per rank), where it is not cheaper (unless ``forced``), or where a
+    count would go negative: the layout is then planned in full."""
+    from torchtitan.protocols import train_spec as registry
+
+    if getattr(getattr(job_config, "titan_ext", None), "hf_config", None) is None:
+        return None
+    model_args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
+    plan = _checked_plan(job_config, world, model_args)  # the job's own refusals first
+    if not _blocks_alike(model_args, plan):
+        return None
+    if plan.pp is None:
+        counts, names = [model_args.to_hf_config().num_hidden_layers], None
+    else:
+        if len(plan.pp.stages) != plan.pp.degree:
+            return None  # several stages per rank: their counts differ
+        names = [[_block_index(name) for name in stage] for stage in plan.pp.stages]
+        counts = [sum(index is not None for index in stage) for stage in names]
+    low, high = BLOCK_POINTS
+    cost = sum(k + 1 for k in counts)  # a stage's blocks and one block's worth for its embedding, head, loss, step
+    if not forced and sum(min(k, low) + min(k, high) + 2 for k in counts) >= cost:
+        return None
+    if all(k <= low for k in counts):
+        return None
+    import json
+    import tempfile
+
+    config = model_args.to_hf_config()
+    small = []
+    with tempfile.TemporaryDirectory(prefix="titan_ext_plan_") as folder:
+        for point in BLOCK_POINTS:
+            job = copy.deepcopy(job_config)
+            fields = {"model_type": model_args.model_type, **model_args.architecture(),
+                      "num_hidden_layers": sum(min(k, point) for k in counts)}
+            if isinstance(getattr(config, "layer_types", None), list):
+                fields["layer_types"] = config.layer_types[: fields["num_hidden_layers"]]
+            path = os.path.join(folder, f"{point}.json")
+            with open(path, "w") as f:
+                json.dump(fields, f)
+            job.titan_ext.hf_config = path
+            if names is not None:
+                job.parallelism.module_fqns_per_model_part = _fewer_blocks(plan.pp.stages, names, point)
+            try:
+                small.append(plan_layout(job, world, phases, extrapolate, reuse, blocks=False))
+            except ConfigError:
+                return None  # a check the smaller model does not pass: planned in full
+    ks = counts if plan.pp is not None else counts * len(small[0])
+    out = []
+    for two, three, k in zip(*small, ks):
+        found = _block_line(two, three, k - low)
+        if found is None:
+            return None
+        out.append(replace(found, plan=plan))
+    return out
+
+
+def _blocks_alike(model_args, plan) -> bool:
+    """Every block the same module: one token mixer throughout, every FFN alike (no dense layers among MoE
+    ones), and AC the same for each (not every Nth)."""
+    config = model_args.to_hf_config()
+    if len({type(m) for m in model_args.arch.layer_mixers(config)}) != 1:
+        return False
+    if len(set(getattr(config, "layer_types", None) or [None])) != 1 or getattr(config, "attn", None):
+        return False
+    if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", 1) or 1) > 1:
+        return False
+    if getattr(config, "first_k_dense_replace", 0):
+        return False
+    return plan.ac is None or plan.ac.every is None
+
+
+def _block_index(name: str) -> int | None:
+    """A stage's module FQN that names a block (``model.layers.7``): its index."""
+    last = name.rsplit(".", 1)[-1]
+    return int(last) if last.isdigit() else None
+
+
+def _fewer_blocks(stages, indices, point: int) -> list[list[str]]:
+    """The stages with their first ``point`` blocks each, renumbered in order; their other modules kept."""
+    out, number = [], 0
+    for stage, found in zip(stages, indices):
+        kept, blocks = [], 0
+        for name, index in zip(stage, found):
+            if index is None:
+                kept.append(name)
+            elif blocks < point:
+                kept.append(f"{name.rsplit('.', 1)[0]}.{number}")
+                blocks, number = blocks + 1, number + 1
+        out.append(kept)
+    return out
+
+
+def _block_line(two: RankPlan, three: RankPlan, more: int) -> RankPlan | None:
+    """``two`` plus ``more`` times what a block added from ``two`` to ``three``; None where a count goes
+    negative. The collectives in the order they first came, each repeated its count."""
+    assert (two.rank, two.stages) == (three.rank, three.stages)
+    low, high = Counter(two.collectives), Counter(three.collectives)
+    counts = {c: low[c] + more * (high[c] - low[c]) for c in {*low, *high}}
+    if any(n < 0 for n in counts.values()):
+        return None
+    ordered = [c for c in dict.fromkeys([*three.collectives, *two.collectives]) for _ in range(counts[c])]
+
+    def line(name):
+        return getattr(two, name) + more * (getattr(three, name) - getattr(two, name))
+
+    figures = {name: line(name) for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "peak_bytes")}
+    if any(v < 0 for v in figures.values()):
+        return None
+    return replace(two, **figures, collectives=tuple(ordered), microbatch=None)

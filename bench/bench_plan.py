@@ -60,6 +60,8 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
         finally:
             layouts.candidates = original
         seconds = {layout.name(): s for layout, s in result.seconds.items()}
+        if hasattr(result, "cpu_seconds"):  # plan_layout may call itself (a model planned with fewer blocks)
+            cpu_each = [result.cpu_seconds[layout] for layout in chosen]
     else:
         for layout in chosen:
             begin = time.monotonic()

@@ -105,6 +105,8 @@ class Sweep:
     planned: dict = field(default_factory=dict)
     skipped: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
+    cpu_seconds: dict = field(default_factory=dict)
+    """This process's CPU seconds per layout (the machine may be shared: wall seconds then say little)."""
 
 
 def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progress=None) -> Sweep:
@@ -118,7 +120,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
     result, layouts = Sweep(world), candidates(world, experts_of(argv))
     for number, layout in enumerate(layouts, 1):
         job_config = job_config_of([*argv, *layout.flags()])
-        begin = time.monotonic()
+        begin, cpu = time.monotonic(), time.process_time()
         try:
             planned = plan_layout(job_config, world, phases)
         except ConfigError as error:
@@ -131,7 +133,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
             passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
             result.rows.append((layout, peak, estimates.step_seconds(planned, link_gbps, passes),
                                 estimates.bubble(planned[0].plan, job_config)))
-        result.seconds[layout] = time.monotonic() - begin
+        result.seconds[layout], result.cpu_seconds[layout] = time.monotonic() - begin, time.process_time() - cpu
         if progress is not None:
             done = f"peak {result.rows[-1][1] / GIB:.3f} GiB" if layout in result.planned else "skipped"
             progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s)")

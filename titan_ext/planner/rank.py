@@ -152,6 +152,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
             key = _twin_key(plan, schedule, parts, seen) if dims.pp_enabled else None
             twin = next(((planned, sent) for k, planned, sent in seen.stepped if k == key), None) if key else None
+            if twin is None and key is not None:
+                twin = _deeper_twin(key, seen)
             if twin is not None:
                 seen.sent[stages[0]] = twin[1]
                 return replace(twin[0], rank=rank, stages=stages, parallel_dims=dims)
@@ -251,6 +253,25 @@ def _twin_key(plan, schedule, parts, seen: StagesSeen):
     else:
         order = stages[0].stage_index
     return None if received is None else (received, order, _structure(parts[0]))
+
+
+def _deeper_twin(key, seen: StagesSeen):
+    """An interior 1F1B stage whose twins differ only in their warm-up depth (``_twin_key``'s order): two
+    stepped before at depths a and b that hold, save and issue the same, differing only in the step's peak,
+    give this one's: the peak comes in the steady phase, with as many microbatches' activations in flight
+    as the depth, so each further microbatch of depth adds the same. ``tests/test_plan.py`` plans 8 stages
+    both ways. None where there are not two such, or they differ otherwise."""
+    received, depth, structure = key
+    found = [(k[1], planned, sent) for k, planned, sent in seen.stepped
+             if isinstance(k[1], int) and (k[0], k[2]) == (received, structure)]
+    if not isinstance(depth, int) or len(found) < 2:
+        return None
+    (a, one, sent), (b, other, _) = found[-2:]
+    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives", "microbatch")
+    if a == b or any(getattr(one, name) != getattr(other, name) for name in same):
+        return None
+    step, rest = divmod(one.peak_bytes - other.peak_bytes, a - b)
+    return None if rest else (replace(one, peak_bytes=one.peak_bytes + (depth - a) * step), sent)
 
 
 def _structure(module: torch.nn.Module) -> tuple:

@@ -136,7 +136,8 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
         result.seconds[layout], result.cpu_seconds[layout] = time.monotonic() - begin, time.process_time() - cpu
         if progress is not None:
             done = f"peak {result.rows[-1][1] / GIB:.3f} GiB" if layout in result.planned else "skipped"
-            progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s)")
+            progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s, "
+                     f"{result.cpu_seconds[layout]:.1f} CPU s)")
     return result
 
 

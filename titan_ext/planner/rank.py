@@ -629,8 +629,9 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     ``blocks``: a model of identical blocks is planned with 2 and 3 blocks per pipeline stage and
     extrapolated to its own (``_blocks_extrapolated``; None: where that is cheaper, True: wherever it
     applies, for the tests, False: never)."""
+    checked = None
     if blocks is not False:
-        found = _blocks_extrapolated(job_config, world, phases, extrapolate, reuse, blocks is True)
+        found, checked = _blocks_extrapolated(job_config, world, phases, extrapolate, reuse, blocks is True)
         if found is not None:
             return found
     pp = job_config.parallelism.pipeline_parallel_degree
@@ -643,7 +644,7 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
 
     if count is None:
         return planned(job_config)
-    plan = _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
+    plan = checked or _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     try:
@@ -725,28 +726,27 @@ def _blocks_extrapolated(job_config, world: int, phases, extrapolate, reuse, for
     tensors all held), the same bytes to the peak: f(k) = f(2) + (k - 2) (f(3) - f(2)). ``tests/test_plan.py``
     plans layouts of each kind both ways and finds every field equal. None where it does not apply (a hybrid,
     AC every Nth block, several stages per rank), where it is not cheaper (unless ``forced``), or where a
-    count would go negative: the layout is then planned in full."""
+    count would go negative: the layout is then planned in full. Returned with the job's checked plan (None
+    without a ``[titan_ext]`` section), which the full planning reuses."""
     from torchtitan.protocols import train_spec as registry
 
     if getattr(getattr(job_config, "titan_ext", None), "hf_config", None) is None:
-        return None
+        return None, None
     model_args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
     plan = _checked_plan(job_config, world, model_args)  # the job's own refusals first
     if not _blocks_alike(model_args, plan):
-        return None
+        return None, plan
     if plan.pp is None:
         counts, names = [model_args.to_hf_config().num_hidden_layers], None
     else:
         if len(plan.pp.stages) != plan.pp.degree:
-            return None  # several stages per rank: their counts differ
+            return None, plan  # several stages per rank: their counts differ
         names = [[_block_index(name) for name in stage] for stage in plan.pp.stages]
         counts = [sum(index is not None for index in stage) for stage in names]
     low, high = BLOCK_POINTS
     cost = sum(k + 1 for k in counts)  # a stage's blocks and one block's worth for its embedding, head, loss, step
-    if not forced and sum(min(k, low) + min(k, high) + 2 for k in counts) >= cost:
-        return None
-    if all(k <= low for k in counts):
-        return None
+    if all(k <= low for k in counts) or (not forced and sum(min(k, low) + min(k, high) + 2 for k in counts) >= cost):
+        return None, plan
     import json
     import tempfile
 
@@ -768,15 +768,15 @@ def _blocks_extrapolated(job_config, world: int, phases, extrapolate, reuse, for
             try:
                 small.append(plan_layout(job, world, phases, extrapolate, reuse, blocks=False))
             except ConfigError:
-                return None  # a check the smaller model does not pass: planned in full
+                return None, plan  # a check the smaller model does not pass: planned in full
     ks = counts if plan.pp is not None else counts * len(small[0])
     out = []
     for two, three, k in zip(*small, ks):
         found = _block_line(two, three, k - low)
         if found is None:
-            return None
+            return None, plan
         out.append(replace(found, plan=plan))
-    return out
+    return out, plan
 
 
 def _blocks_alike(model_args, plan) -> bool:

@@ -554,3 +554,26 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
     assert len(steps) == 5  # stages 0, 1 (two blocks), 2, 3 and 7
     assert len({r.peak_bytes for r in reused[2:7]}) == 5  # each depth its own peak
     assert fields(reused) == fields(rank.plan_layout(job_config_of(flags), 8, reuse=False))
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
+def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_once_one_more_microbatch_agrees(monkeypatch):
+    """Field by field, exactly: PP 2 x CP 2 with 16 microbatches (the first stage's peak comes while the middle
+    microbatches run, and they keep tensors): stepped with 3, checked against 4, extrapolated to 16, equal to
+    each rank stepped with all 16 on its own."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    extrapolated = []
+    monkeypatch.setattr(rank, "_extrapolated", lambda *a, _f=rank._extrapolated: extrapolated.append(a[1:3]) or _f(*a))
+    flags = argv(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "16"])
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
+    assert (3, 4) in extrapolated and extrapolated[-2:] == [(3, 16), (3, 16)]  # checked with 4, then extrapolated
+    assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))

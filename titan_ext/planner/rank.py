@@ -39,7 +39,8 @@ class RankPlan:
     parallel_dims: object
     microbatch: tuple | None = None
     """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
-    saved, issued and added to the step's peak, (bytes, collectives, peak bytes)."""
+    saved, issued and added to the step's peak, (bytes, collectives, peak bytes, whether that growth of the
+    peak holds without stepping one more microbatch to see: False where the peak comes while they run)."""
 
     @property
     def total_bytes(self) -> int:
@@ -593,9 +594,10 @@ class _Microbatches:
         at_peak = self._peak.held(at, kept)
         if not end.get("batch", {}).keys() <= at_peak.get("batch", {}).keys():
             raise _NotAffine("the step's peak comes before the batch's tensors")
+        verified = True
         if at <= max(self._peak.last_tagged.get(index, -1) for index in middles):  # the peak while they run
-            if any(end.get(index) for index in middles):  # and what they keep adds up: it may peak later at more
-                raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
+            # and what they keep adds up: it may peak later at more (``plan_layout`` steps one more to see)
+            verified = not any(end.get(index) for index in middles)
         elif any(not end.get(index, {}).keys() <= at_peak.get(index, {}).keys() for index in middles):
             raise _NotAffine("the step's peak comes before what a middle microbatch holds after the microbatches")
         batch = sum(end.get("batch", {}).values())
@@ -607,7 +609,7 @@ class _Microbatches:
         if len({(nbytes, tuple(sorted(Counter(issued).items(), key=repr)), peak)
                 for nbytes, issued, peak in each.values()}) != 1:
             raise _NotAffine("middle microbatches differ")
-        return each[1]
+        return (*each[1], verified)
 
 
 def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
@@ -647,9 +649,17 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     plan = checked or _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
+    m = _microbatches(job_config)
     try:
-        return [_extrapolated(rank, count, _microbatches(job_config), plan)
-                for rank in planned(_with_microbatches(job_config, count), attribute=True)]
+        stepped = planned(_with_microbatches(job_config, count), attribute=True)
+        if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to
+            if 2 * count + 1 >= m:
+                raise _NotAffine("no cheaper to verify than to step in full")
+            more = planned(_with_microbatches(job_config, count + 1), attribute=True)
+            if any(_figures(_extrapolated(one, count, count + 1, plan)) != _figures(_extrapolated(two, count + 1, count + 1, plan))
+                   or one.microbatch != two.microbatch for one, two in zip(stepped, more)):
+                raise _NotAffine("one more microbatch adds another peak than the middle one holds")
+        return [_extrapolated(rank, count, m, plan) for rank in stepped]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
         return planned(job_config)
 
@@ -684,6 +694,11 @@ def _with_microbatches(job_config, count: int):
     return small
 
 
+def _figures(planned: RankPlan) -> tuple:
+    return (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes, planned.saved_bytes, planned.peak_bytes,
+            Counter(planned.collectives))
+
+
 class _NotAffine(Exception):
     """A rank's middle microbatches that did not save and issue the same, or a collective not attributed."""
 
@@ -693,7 +708,7 @@ def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
     the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
     the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
     came, each repeated its count."""
-    saved, issued, held = stepped.microbatch
+    saved, issued, held, _ = stepped.microbatch
     counts = Counter(stepped.collectives)
     for collective, n in Counter(issued).items():
         counts[collective] += (m - count) * n

@@ -108,13 +108,15 @@ class StagesSeen:
 
 
 def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
-              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
+              seen: StagesSeen | None = None, attribute: bool = False, checkable: bool = False) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
     ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
     interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
-    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued.
+    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued;
+    ``checkable``: also where its peak's growth needs a step with one more microbatch to be trusted (else
+    ``_NotAffine`` at once: the layout is stepped in full).
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -181,6 +183,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
             peak_bytes = peak.peak_bytes(memory.gradients(parts))
             middle = microbatches.middle(memory.gradients(parts)) if microbatches else None
+            if middle is not None and not middle[3] and not checkable:
+                raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
                 with _UpdatesSkipped():
@@ -639,10 +643,11 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
     count = _stepped_microbatches(job_config, extrapolate)
+    checkable = False
 
     def planned(job, attribute=False):
         seen = StagesSeen()
-        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute, checkable) for rank in ranks]
 
     if count is None:
         return planned(job_config)
@@ -650,11 +655,10 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     m = _microbatches(job_config)
+    checkable = 2 * count + 1 < m  # a step with count + 1 to check the peak's growth is cheaper than one with m
     try:
         stepped = planned(_with_microbatches(job_config, count), attribute=True)
         if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to
-            if 2 * count + 1 >= m:
-                raise _NotAffine("no cheaper to verify than to step in full")
             more = planned(_with_microbatches(job_config, count + 1), attribute=True)
             if any(_figures(_extrapolated(one, count, count + 1, plan)) != _figures(_extrapolated(two, count + 1, count + 1, plan))
                    or one.microbatch != two.microbatch for one, two in zip(stepped, more)):

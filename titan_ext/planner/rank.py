@@ -655,7 +655,9 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     m = _microbatches(job_config)
-    checkable = 2 * count + 1 < m  # a step with count + 1 to check the peak's growth is cheaper than one with m
+    # a step with count + 1 to check the peak's growth, where cheaper than one with m and where it agrees: under
+    # CP (the first stage keeps its pieces of the sequence); under TP one more microbatch peaks higher still
+    checkable = 2 * count + 1 < m and job_config.parallelism.context_parallel_degree > 1
     try:
         stepped = planned(_with_microbatches(job_config, count), attribute=True)
         if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to

@@ -37,7 +37,9 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
     from titan_ext.planner import layouts, rank
 
     imported = time.monotonic() - wall
-    chosen = [layout for layout in layouts.candidates(world) if names is None or layout.name() in names]
+    experts = layouts.experts_of(argv) if hasattr(layouts, "experts_of") else 0
+    chosen = [layout for layout in (layouts.candidates(world, experts) if experts else layouts.candidates(world))
+              if names is None or layout.name() in names]
     seconds, phases, cpu_each = {}, None, []
     planned = rank.plan_layout
 
@@ -51,13 +53,15 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
     rank.plan_layout = timed
     if hasattr(layouts, "plan_sweep"):
         phases = rank.Phases()
-        original, layouts.candidates = layouts.candidates, lambda world: chosen
+        original, layouts.candidates = layouts.candidates, lambda world, *more: chosen
         try:
             result = layouts.plan_sweep(argv, world, 50.0, phases=phases,
                                         progress=lambda line: print(line, file=sys.stderr, flush=True))
         finally:
             layouts.candidates = original
         seconds = {layout.name(): s for layout, s in result.seconds.items()}
+        if hasattr(result, "cpu_seconds"):  # plan_layout may call itself (a model planned with fewer blocks)
+            cpu_each = [result.cpu_seconds[layout] for layout in chosen]
     else:
         for layout in chosen:
             begin = time.monotonic()

@@ -180,6 +180,9 @@ RUN_BY = {
     "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full "
     "--world 1024 --sweep --memory-gib 80":
         "test:tests/test_plan.py::test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_rest",
+    "python -m titan_ext.plan --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
+    "--titan_ext.hf_config train_configs/qwen3_30b_a3b.json --world 1024 --sweep --memory-gib 80":
+        "test:tests/test_plan.py::test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own",
     "python bench/bench_plan.py": "gpu",
     "python bench/bench_plan.py --baseline /path/to/old/checkout": "gpu",
     "python bench/bench_plan.py --sample 1 --baseline /path/to/old/checkout": "gpu",

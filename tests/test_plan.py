@@ -473,5 +473,134 @@ def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_lay
             "--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]
     planned = plan_rank(job_config_of(argv), 4, 0)
     latents = 4 * 128 * (16 + 8) * 4  # the whole buffer: batch 4, 128 tokens, fp32
-    rows = [row for row in summary(list(planned.collectives)) if row[1] == "cp"]
+    rows = [row for row in summary(list(planned.collectives))  # (the MoE layer's balancing loss all-reduces too)
+            if row[1] == "cp" and row[0] in ("all_gather", "reduce_scatter")]
     assert rows == [("all_gather", "cp", 2, 2, 2 * latents), ("reduce_scatter", "cp", 2, 2, 2 * latents)], rows
+
+
+def test_a_model_of_identical_blocks_planned_with_2_and_3_blocks_per_stage_equals_its_full_plan(tmp_path, monkeypatch):
+    """Field by field, exactly: an 8-block debug GLA planned with 2 and 3 blocks per pipeline stage (or in the
+    model) and extrapolated to its own count equals it planned in full, under FSDP, CP x TP and PP x FSDP
+    with full AC (stages of 4 blocks, microbatches extrapolated too)."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    lines = []
+    monkeypatch.setattr(rank, "_block_line", lambda *a, _f=rank._block_line: lines.append(_f(*a)) or lines[-1])
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    (tmp_path / "gla8.json").write_text(json.dumps({"model_type": "gla", "num_hidden_layers": 8}))
+    model = ["--titan_ext.hf_config", str(tmp_path / "gla8.json")]
+    for flags, ranks in [
+        (["--parallelism.data_parallel_shard_degree", "4"], 1),
+        (["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2",
+          "--parallelism.tensor_parallel_degree", "2"], 1),
+        (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+          "--activation_checkpoint.mode", "full"], 2),
+    ]:
+        before = len(lines)
+        reduced = rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=True)
+        assert len(lines) == before + ranks, flags  # every rank extrapolated
+        assert fields(reduced) == fields(rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=False)), flags
+
+
+def test_only_a_model_of_identical_blocks_is_planned_with_fewer():
+    from types import SimpleNamespace
+
+    from torchtitan.protocols import train_spec as registry
+
+    from titan_ext.planner.rank import _blocks_alike, _fewer_blocks
+
+    flavors = registry.get_train_spec("fla_gla").model_args
+    every = SimpleNamespace(ac=SimpleNamespace(every=None))
+    assert _blocks_alike(flavors["debugmodel"], every)
+    assert not _blocks_alike(flavors["debugmodel_hybrid"], every)  # attention among the GLA layers
+    assert not _blocks_alike(flavors["debugmodel"], SimpleNamespace(ac=SimpleNamespace(every=2)))  # AC every 2nd block
+    stages = (("model.embeddings", "model.layers.0", "model.layers.1", "model.layers.2"),
+              ("model.layers.3", "model.layers.4", "model.norm", "lm_head"))
+    indices = [[None, 0, 1, 2], [3, 4, None, None]]
+    assert _fewer_blocks(stages, indices, 2) == [["model.embeddings", "model.layers.0", "model.layers.1"],
+                                                 ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
+
+
+MOE = ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml")]
+
+
+def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
+    """The debug Qwen3-MoE's 2-rank sweep with EP 2 (the degrees tried at 1,024 ranks are 8 and 64): its EP
+    layouts are listed, planned with their all-to-alls on the EP ranks, and equal each planned alone."""
+    from titan_ext.planner import job_config_of, layouts, prepare, rank
+
+    prepare()
+    assert layouts.experts_of(MOE) == 8 and layouts.experts_of(argv([])) == 0
+    names = {layout.name() for layout in layouts.candidates(1024, 128) if layout.ep > 1}
+    assert {"fsdp 1024, experts over ep 8", "fsdp 1024, experts over ep 64", "pp 8 x fsdp 16 x tp 8, experts over ep 64"} <= names
+    assert not {layout for layout in layouts.candidates(1024, 0) if layout.ep > 1}
+    monkeypatch.setattr(layouts, "EXPERT_DEGREES", (2,))
+    everything = layouts.candidates
+    monkeypatch.setattr(layouts, "candidates", lambda world, experts: [
+        layout for layout in everything(world, experts) if layout.ep > 1 or layout.name() == "fsdp 2"])
+    result = layouts.plan_sweep(MOE, 2, 50.0)
+    planned = {layout.name(): plans for layout, plans in result.planned.items()}
+    assert {"fsdp 2", "fsdp 2, experts over ep 2", "tp 2, experts over ep 2"} <= set(planned)
+    assert "cp 2, experts over ep 2" in {layout.name() for layout, _ in result.skipped}  # the balancing loss under CP
+    assert not any(c.kind == "all_to_all" for c in planned["fsdp 2"][0].collectives)
+    for layout, plans in result.planned.items():
+        if layout.ep > 1:
+            assert any(c.kind == "all_to_all" and "ep" in c.group.split("+") for c in plans[0].collectives)
+            alone = rank.plan_layout(job_config_of([*MOE, *layout.flags()]), 2)
+            assert [(r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes, r.collectives)
+                    for r in plans] == [(r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                                         r.collectives) for r in alone], layout.name()
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
+def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_path, monkeypatch):
+    """Field by field, exactly: an 8-block debug GLA in 8 stages under 1F1B (16 microbatches, stepped with 9):
+    stages 2 and 3 (a block each) are stepped, 4 to 6 take their figures with the step's peak extrapolated
+    by their warm-up depth, and every rank equals it planned on its own."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    steps = []
+    monkeypatch.setattr(rank, "_step_runner", lambda *a, _f=rank._step_runner: steps.append(a[0]) or _f(*a))
+    (tmp_path / "gla8.json").write_text(json.dumps({"model_type": "gla", "num_hidden_layers": 8}))
+    flags = argv(["--titan_ext.hf_config", str(tmp_path / "gla8.json"), "--parallelism.data_parallel_shard_degree", "1",
+                  "--parallelism.pipeline_parallel_degree", "8", "--training.local_batch_size", "16"])
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    reused = rank.plan_layout(job_config_of(flags), 8)
+    assert len(steps) == 5  # stages 0, 1 (two blocks), 2, 3 and 7
+    assert len({r.peak_bytes for r in reused[2:7]}) == 5  # each depth its own peak
+    assert fields(reused) == fields(rank.plan_layout(job_config_of(flags), 8, reuse=False))
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
+def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_once_one_more_microbatch_agrees(monkeypatch):
+    """Field by field, exactly: PP 2 x CP 2 with 16 microbatches (the first stage's peak comes while the middle
+    microbatches run, and they keep tensors): stepped with 3, checked against 4, extrapolated to 16, equal to
+    each rank stepped with all 16 on its own."""
+    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner.collectives import summary
+
+    prepare()
+    extrapolated = []
+    monkeypatch.setattr(rank, "_extrapolated", lambda *a, _f=rank._extrapolated: extrapolated.append(a[1:3]) or _f(*a))
+    flags = argv(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "16"])
+
+    def fields(planned):
+        return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
+                 summary(list(r.collectives)), r.plan] for r in planned]
+
+    planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
+    assert (3, 4) in extrapolated and extrapolated[-2:] == [(3, 16), (3, 16)]  # checked with 4, then extrapolated
+    assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))

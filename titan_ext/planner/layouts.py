@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
 NODE = 8
 """Ranks per node: TP and CP stay inside one (tp x cp <= 8), as their collectives are on every block's path."""
 PIPELINE_DEGREES = (1, 2, 4, 8)
+EXPERT_DEGREES = (8, 64)
+"""EP degrees tried for a mixture-of-experts model (besides none): its experts over a node's ranks, or over
+eight nodes'; each where it divides the experts and torchtitan's EP region (fsdp x cp x tp: ETP 1)."""
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,7 @@ class Layout:
     shard: int
     cp: int
     tp: int
+    ep: int = 1
 
     def flags(self) -> list[str]:
         return [
@@ -25,16 +30,20 @@ class Layout:
             "--parallelism.data_parallel_shard_degree", str(self.shard),
             "--parallelism.context_parallel_degree", str(self.cp),
             "--parallelism.tensor_parallel_degree", str(self.tp),
+            "--parallelism.expert_parallel_degree", str(self.ep),
         ]
 
     def name(self) -> str:
         parts = [("pp", self.pp), ("dp_replicate", self.replicate), ("fsdp", self.shard), ("cp", self.cp), ("tp", self.tp)]
-        return " x ".join(f"{n} {d}" for n, d in parts if d > 1) or "1 rank"
+        name = " x ".join(f"{n} {d}" for n, d in parts if d > 1) or "1 rank"
+        return name + (f", experts over ep {self.ep}" if self.ep > 1 else "")
 
 
-def candidates(world: int) -> list[Layout]:
+def candidates(world: int, experts: int = 0) -> list[Layout]:
     """TP and CP inside a node (tp x cp <= NODE), PP in PIPELINE_DEGREES, and the data-parallel ranks either
-    all FSDP or HSDP sharded within a node (shard = NODE / (tp x cp)) and replicated across nodes."""
+    all FSDP or HSDP sharded within a node (shard = NODE / (tp x cp)) and replicated across nodes. A model of
+    ``experts`` experts also has each of these with EXPERT_DEGREES that torchtitan's mesh takes: EP over
+    ranks of fsdp x cp x tp (ETP 1: the TP ranks share the tokens), dividing the experts."""
     found = []
     for tp in (1, 2, 4, 8):
         for cp in (1, 2, 4, 8):
@@ -46,8 +55,28 @@ def candidates(world: int) -> list[Layout]:
                 in_node = NODE // (tp * cp)
                 if data % in_node == 0 and data > in_node:
                     splits.add((data // in_node, in_node))
-                found += [Layout(pp, replicate, shard, cp, tp) for replicate, shard in sorted(splits)]
+                for replicate, shard in sorted(splits):
+                    found += [Layout(pp, replicate, shard, cp, tp, ep) for ep in (1, *EXPERT_DEGREES)
+                              if ep == 1 or (experts and experts % ep == 0 and shard * cp * tp % ep == 0)]
     return found
+
+
+def experts_of(argv: list[str]) -> int:
+    """The routed experts of the job's model (0 for a dense one, or where its config cannot be read here:
+    planning each layout then says why)."""
+    from torchtitan.protocols import train_spec as registry
+
+    from titan_ext.planner import job_config_of
+
+    try:
+        job_config = job_config_of(argv)
+        args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
+        args.read_job_config(job_config)
+        config = args.to_hf_config()
+    except Exception:  # noqa: BLE001
+        return 0
+    return next((n for n in (getattr(config, name, None) for name in ("num_experts", "n_routed_experts", "num_local_experts"))
+                 if isinstance(n, int)), 0)
 
 
 def _ms(seconds: float) -> str:
@@ -59,6 +88,8 @@ def kind(layout: Layout) -> str:
     its stages; CP and TP add collectives on every block's path; FSDP/HSDP alone is the cheapest."""
     if layout.pp > 1:
         return "PP"
+    if layout.ep > 1:
+        return "EP"
     if layout.cp > 1:
         return "CP"
     return "FSDP/HSDP x TP" if layout.tp > 1 else "FSDP/HSDP"
@@ -74,6 +105,8 @@ class Sweep:
     planned: dict = field(default_factory=dict)
     skipped: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
+    cpu_seconds: dict = field(default_factory=dict)
+    """This process's CPU seconds per layout (the machine may be shared: wall seconds then say little)."""
 
 
 def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progress=None) -> Sweep:
@@ -84,10 +117,10 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
     from titan_ext.planner.memory import GIB
     from titan_ext.planner.rank import plan_layout
 
-    result, layouts = Sweep(world), candidates(world)
+    result, layouts = Sweep(world), candidates(world, experts_of(argv))
     for number, layout in enumerate(layouts, 1):
         job_config = job_config_of([*argv, *layout.flags()])
-        begin = time.monotonic()
+        begin, cpu = time.monotonic(), time.process_time()
         try:
             planned = plan_layout(job_config, world, phases)
         except ConfigError as error:
@@ -100,10 +133,11 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
             passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
             result.rows.append((layout, peak, estimates.step_seconds(planned, link_gbps, passes),
                                 estimates.bubble(planned[0].plan, job_config)))
-        result.seconds[layout] = time.monotonic() - begin
+        result.seconds[layout], result.cpu_seconds[layout] = time.monotonic() - begin, time.process_time() - cpu
         if progress is not None:
             done = f"peak {result.rows[-1][1] / GIB:.3f} GiB" if layout in result.planned else "skipped"
-            progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s)")
+            progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s, "
+                     f"{result.cpu_seconds[layout]:.1f} CPU s)")
     return result
 
 

@@ -41,7 +41,8 @@ class RankPlan:
     parallel_dims: object
     microbatch: tuple | None = None
     """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
-    saved, issued and added to the step's peak, (bytes, collectives, peak bytes)."""
+    saved, issued and added to the step's peak, (bytes, collectives, peak bytes, whether that growth of the
+    peak holds without stepping one more microbatch to see: False where the peak comes while they run)."""
 
     @property
     def total_bytes(self) -> int:
@@ -110,13 +111,15 @@ class StagesSeen:
 
 
 def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
-              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
+              seen: StagesSeen | None = None, attribute: bool = False, checkable: bool = False) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
     ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
     interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
-    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued.
+    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued;
+    ``checkable``: also where its peak's growth needs a step with one more microbatch to be trusted (else
+    ``_NotAffine`` at once: the layout is stepped in full).
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -130,7 +133,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             dims = parallel_dims_of(job_config, world)
             dims.build_mesh()
             spec = registry.get_train_spec(job_config.model.name)
-            model_args = spec.model_args[job_config.model.flavor]
+            model_args = copy.deepcopy(spec.model_args[job_config.model.flavor])
             if seen is not None and seen.built and seen.built[0] is job_config:
                 model_args, plan, model = seen.built[1:]  # an earlier rank's: pipelined ranks copy their stages out
             else:
@@ -155,6 +158,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             stages = tuple(plan.pp.stage_indices(dims.get_mesh("pp").get_local_rank())) if plan.pp else ()
             key = _twin_key(plan, schedule, parts, seen) if dims.pp_enabled else None
             twin = next(((planned, sent) for k, planned, sent in seen.stepped if k == key), None) if key else None
+            if twin is None and key is not None:
+                twin = _deeper_twin(key, seen)
             if twin is not None:
                 seen.sent[stages[0]] = twin[1]
                 return replace(twin[0], rank=rank, stages=stages, parallel_dims=dims)
@@ -182,6 +187,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             passes = estimates.accumulation_steps(job_config, dims)
             peak_bytes = memory.step_peak_bytes(peak, parts, passes)
             middle = microbatches.middle(memory.held_through(parts, passes)) if microbatches else None
+            if middle is not None and not middle[3] and not checkable:
+                raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
                 with _UpdatesSkipped():
@@ -198,8 +205,8 @@ def _job_plan(job_config, dims, model_args=None):
     """What torchtitan calls: the HF config, then titan_ext's checks and plan (carried by the args)."""
     from torchtitan.protocols import train_spec as registry
 
-    if model_args is None:
-        model_args = registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
+    if model_args is None:  # a copy: the flavor's registered args stay as the train spec has them for later jobs
+        model_args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
     _raising(type(model_args).update_from_config)(model_args, job_config)
     plan = plan_of(model_args)
     if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
@@ -255,6 +262,25 @@ def _twin_key(plan, schedule, parts, seen: StagesSeen):
     else:
         order = stages[0].stage_index
     return None if received is None else (received, order, _structure(parts[0]))
+
+
+def _deeper_twin(key, seen: StagesSeen):
+    """An interior 1F1B stage whose twins differ only in their warm-up depth (``_twin_key``'s order): two
+    stepped before at depths a and b that hold, save and issue the same, differing only in the step's peak,
+    give this one's: the peak comes in the steady phase, with as many microbatches' activations in flight
+    as the depth, so each further microbatch of depth adds the same. ``tests/test_plan.py`` plans 8 stages
+    both ways. None where there are not two such, or they differ otherwise."""
+    received, depth, structure = key
+    found = [(k[1], planned, sent) for k, planned, sent in seen.stepped
+             if isinstance(k[1], int) and (k[0], k[2]) == (received, structure)]
+    if not isinstance(depth, int) or len(found) < 2:
+        return None
+    (a, one, sent), (b, other, _) = found[-2:]
+    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives", "microbatch")
+    if a == b or any(getattr(one, name) != getattr(other, name) for name in same):
+        return None
+    step, rest = divmod(one.peak_bytes - other.peak_bytes, a - b)
+    return None if rest else (replace(one, peak_bytes=one.peak_bytes + (depth - a) * step), sent)
 
 
 def _structure(module: torch.nn.Module) -> tuple:
@@ -604,9 +630,10 @@ class _Microbatches:
         at_peak = self._peak.held(at, kept)
         if not end.get("batch", {}).keys() <= at_peak.get("batch", {}).keys():
             raise _NotAffine("the step's peak comes before the batch's tensors")
+        verified = True
         if at <= max(self._peak.last_tagged.get(index, -1) for index in middles):  # the peak while they run
-            if any(end.get(index) for index in middles):  # and what they keep adds up: it may peak later at more
-                raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
+            # and what they keep adds up: it may peak later at more (``plan_layout`` steps one more to see)
+            verified = not any(end.get(index) for index in middles)
         elif any(not end.get(index, {}).keys() <= at_peak.get(index, {}).keys() for index in middles):
             raise _NotAffine("the step's peak comes before what a middle microbatch holds after the microbatches")
         batch = sum(end.get("batch", {}).values())
@@ -618,11 +645,11 @@ class _Microbatches:
         if len({(nbytes, tuple(sorted(Counter(issued).items(), key=repr)), peak)
                 for nbytes, issued, peak in each.values()}) != 1:
             raise _NotAffine("middle microbatches differ")
-        return each[1]
+        return (*each[1], verified)
 
 
 def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
-                reuse: bool = True):
+                reuse: bool = True, blocks: bool | None = None):
     """One RankPlan per role: rank 0, and the first rank of each further pipeline stage, planned in pipeline
     order: each rank learns its input's shapes from the stage before it, and a rank whose stage is an
     interior twin of one stepped before takes that one's plan (``_twin_key``). ``reuse=False``: each rank
@@ -635,23 +662,42 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     stepped with the fewest microbatches its schedule takes that have one in the middle, what each saves
     and issues recorded on its own (``_Microbatches``), and extrapolated to the job's m by adding the
     middle one's (``extrapolate=None``: where that is cheaper and the schedule is one ``tests/test_plan.py``
-    verifies it for; ``False``: never; ``True``: wherever m exceeds that count, for the tests)."""
+    verifies it for; ``False``: never; ``True``: wherever m exceeds that count, for the tests).
+
+    ``blocks``: a model of identical blocks is planned with 2 and 3 blocks per pipeline stage and
+    extrapolated to its own (``_blocks_extrapolated``; None: where that is cheaper, True: wherever it
+    applies, for the tests, False: never)."""
+    checked = None
+    if blocks is not False:
+        found, checked = _blocks_extrapolated(job_config, world, phases, extrapolate, reuse, blocks is True)
+        if found is not None:
+            return found
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
     count = _stepped_microbatches(job_config, extrapolate)
+    checkable = False
 
     def planned(job, attribute=False):
         seen = StagesSeen()
-        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute, checkable) for rank in ranks]
 
     if count is None:
         return planned(job_config)
-    plan = _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
+    plan = checked or _checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
+    m = _microbatches(job_config)
+    # a step with count + 1 to check the peak's growth, where cheaper than one with m and where it agrees: under
+    # CP (the first stage keeps its pieces of the sequence); under TP one more microbatch peaks higher still
+    checkable = 2 * count + 1 < m and job_config.parallelism.context_parallel_degree > 1
     try:
-        return [_extrapolated(rank, count, _microbatches(job_config), plan)
-                for rank in planned(_with_microbatches(job_config, count), attribute=True)]
+        stepped = planned(_with_microbatches(job_config, count), attribute=True)
+        if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to
+            more = planned(_with_microbatches(job_config, count + 1), attribute=True)
+            if any(_figures(_extrapolated(one, count, count + 1, plan)) != _figures(_extrapolated(two, count + 1, count + 1, plan))
+                   or one.microbatch != two.microbatch for one, two in zip(stepped, more)):
+                raise _NotAffine("one more microbatch adds another peak than the middle one holds")
+        return [_extrapolated(rank, count, m, plan) for rank in stepped]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
         return planned(job_config)
 
@@ -686,6 +732,11 @@ def _with_microbatches(job_config, count: int):
     return small
 
 
+def _figures(planned: RankPlan) -> tuple:
+    return (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes, planned.saved_bytes, planned.peak_bytes,
+            Counter(planned.collectives))
+
+
 class _NotAffine(Exception):
     """A rank's middle microbatches that did not save and issue the same, or a collective not attributed."""
 
@@ -695,7 +746,7 @@ def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
     the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
     the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
     came, each repeated its count."""
-    saved, issued, held = stepped.microbatch
+    saved, issued, held, _ = stepped.microbatch
     counts = Counter(stepped.collectives)
     for collective, n in Counter(issued).items():
         counts[collective] += (m - count) * n
@@ -705,9 +756,132 @@ def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
                    microbatch=None)
 
 
-def _checked_plan(job_config, world: int):
-    """titan_ext's checks of the job, and its ``JobPlan``, as ``plan_rank`` builds them (nothing built)."""
+def _checked_plan(job_config, world: int, model_args=None):
+    """titan_ext's checks of the job, and its ``JobPlan``, as ``plan_rank`` builds them (nothing built);
+    ``model_args``: the args to update (the flavor's, copied, if None)."""
     with fake_group(world, 0):
         dims = parallel_dims_of(job_config, world)
         dims.build_mesh()
-        return _job_plan(job_config, dims)
+        return _job_plan(job_config, dims, model_args)
+
+
+BLOCK_POINTS = (2, 3)
+"""Blocks per pipeline stage (or in the model, without PP) of the two smaller models a model of identical
+blocks is planned with (``_blocks_extrapolated``): two, so that a stage's first block (which takes the
+embedding's output) and its last (before the norm, or the next stage) are both there in each."""
+
+
+def _blocks_extrapolated(job_config, world: int, phases, extrapolate, reuse, forced: bool):
+    """A model whose blocks are all alike (``_blocks_alike``) planned with ``BLOCK_POINTS`` blocks per stage
+    (each stage keeps its first ones, and its embedding, norm or head) and each rank's figures extrapolated to
+    its stage's own count k: every block adds the same parameters, gradients, optimizer state, saved
+    activations and collectives, and, where the step's peak comes after the blocks' forwards (their saved
+    tensors all held), the same bytes to the peak: f(k) = f(2) + (k - 2) (f(3) - f(2)). ``tests/test_plan.py``
+    plans layouts of each kind both ways and finds every field equal. None where it does not apply (a hybrid,
+    AC every Nth block, several stages per rank), where it is not cheaper (unless ``forced``), or where a
+    count would go negative: the layout is then planned in full. Returned with the job's checked plan (None
+    without a ``[titan_ext]`` section), which the full planning reuses."""
+    from torchtitan.protocols import train_spec as registry
+
+    if getattr(getattr(job_config, "titan_ext", None), "hf_config", None) is None:
+        return None, None
+    model_args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
+    plan = _checked_plan(job_config, world, model_args)  # the job's own refusals first
+    if not _blocks_alike(model_args, plan):
+        return None, plan
+    if plan.pp is None:
+        counts, names = [model_args.to_hf_config().num_hidden_layers], None
+    else:
+        if len(plan.pp.stages) != plan.pp.degree:
+            return None, plan  # several stages per rank: their counts differ
+        names = [[_block_index(name) for name in stage] for stage in plan.pp.stages]
+        counts = [sum(index is not None for index in stage) for stage in names]
+    low, high = BLOCK_POINTS
+    cost = sum(k + 1 for k in counts)  # a stage's blocks and one block's worth for its embedding, head, loss, step
+    if all(k <= low for k in counts) or (not forced and sum(min(k, low) + min(k, high) + 2 for k in counts) >= cost):
+        return None, plan
+    import json
+    import tempfile
+
+    config = model_args.to_hf_config()
+    small = []
+    with tempfile.TemporaryDirectory(prefix="titan_ext_plan_") as folder:
+        for point in BLOCK_POINTS:
+            job = copy.deepcopy(job_config)
+            fields = {"model_type": model_args.model_type, **model_args.architecture(),
+                      "num_hidden_layers": sum(min(k, point) for k in counts)}
+            if isinstance(getattr(config, "layer_types", None), list):
+                fields["layer_types"] = config.layer_types[: fields["num_hidden_layers"]]
+            path = os.path.join(folder, f"{point}.json")
+            with open(path, "w") as f:
+                json.dump(fields, f)
+            job.titan_ext.hf_config = path
+            if names is not None:
+                job.parallelism.module_fqns_per_model_part = _fewer_blocks(plan.pp.stages, names, point)
+            try:
+                small.append(plan_layout(job, world, phases, extrapolate, reuse, blocks=False))
+            except ConfigError:
+                return None, plan  # a check the smaller model does not pass: planned in full
+    ks = counts if plan.pp is not None else counts * len(small[0])
+    out = []
+    for two, three, k in zip(*small, ks):
+        found = _block_line(two, three, k - low)
+        if found is None:
+            return None, plan
+        out.append(replace(found, plan=plan))
+    return out, plan
+
+
+def _blocks_alike(model_args, plan) -> bool:
+    """Every block the same module: one token mixer throughout, every FFN alike (no dense layers among MoE
+    ones), and AC the same for each (not every Nth)."""
+    config = model_args.to_hf_config()
+    if len({type(m) for m in model_args.arch.layer_mixers(config)}) != 1:
+        return False
+    if len(set(getattr(config, "layer_types", None) or [None])) != 1 or getattr(config, "attn", None):
+        return False
+    if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", 1) or 1) > 1:
+        return False
+    if getattr(config, "first_k_dense_replace", 0):
+        return False
+    return plan.ac is None or plan.ac.every is None
+
+
+def _block_index(name: str) -> int | None:
+    """A stage's module FQN that names a block (``model.layers.7``): its index."""
+    last = name.rsplit(".", 1)[-1]
+    return int(last) if last.isdigit() else None
+
+
+def _fewer_blocks(stages, indices, point: int) -> list[list[str]]:
+    """The stages with their first ``point`` blocks each, renumbered in order; their other modules kept."""
+    out, number = [], 0
+    for stage, found in zip(stages, indices):
+        kept, blocks = [], 0
+        for name, index in zip(stage, found):
+            if index is None:
+                kept.append(name)
+            elif blocks < point:
+                kept.append(f"{name.rsplit('.', 1)[0]}.{number}")
+                blocks, number = blocks + 1, number + 1
+        out.append(kept)
+    return out
+
+
+def _block_line(two: RankPlan, three: RankPlan, more: int) -> RankPlan | None:
+    """``two`` plus ``more`` times what a block added from ``two`` to ``three``; None where a count goes
+    negative. The collectives in the order they first came, each repeated its count."""
+    assert (two.rank, two.stages) == (three.rank, three.stages)
+    low, high = Counter(two.collectives), Counter(three.collectives)
+    counts = {c: low[c] + more * (high[c] - low[c]) for c in {*low, *high}}
+    if any(n < 0 for n in counts.values()):
+        return None
+    ordered = [c for c in dict.fromkeys([*three.collectives, *two.collectives]) for _ in range(counts[c])]
+
+    def line(name):
+        return getattr(two, name) + more * (getattr(three, name) - getattr(two, name))
+
+    figures = {name: line(name) for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "peak_bytes")}
+    if any(v < 0 for v in figures.values()):
+        return None
+    return replace(two, **figures, collectives=tuple(ordered), microbatch=None)

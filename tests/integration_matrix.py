@@ -286,7 +286,7 @@ SPECS = {
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
                        rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
+                          rows=("single", "fsdp2", "pp2", "hf", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
                          rows=("single", "ep2_tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,

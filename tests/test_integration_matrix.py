@@ -59,7 +59,8 @@ def test_compare_flags_what_differs(run, problem):
 
 
 @pytest.mark.parametrize("spec, row", [("fla_gla", "hf"), ("fla_transformer", "hf"), ("hf_llama", "hf"),
-                                       ("hf_kimi_linear", "hf"), ("hf_qwen3_moe", "tp2_hf")])
+                                       ("hf_kimi_linear", "hf"), ("hf_qwen3_moe", "tp2_hf"),
+                                       ("hf_qwen3_5", "hf"), ("hf_qwen3_next", "hf")])
 def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec, row):
     """An ``hf`` row's export, as a user loads it: model and tokenizer from the folder, then ``generate``
     (``tp2_hf``: exported under TP2 with each expert's intermediate dim split, the packed gate_up_proj whole)."""
@@ -70,9 +71,11 @@ def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec
 
     assert matrix[spec, row].status == "ok", matrix[spec, row].detail
     folder = Matrix(matrix_root, [spec], [row]).hf_export_folder(spec, "base", row)
-    # fla's Triton kernels need a GPU: fla models, and Kimi Linear whose KDA layers call them, load through
-    # titan_ext.kernels, as docs/gpu.md says
-    load = kernels.from_pretrained if spec.startswith("fla_") or spec == "hf_kimi_linear" else AutoModelForCausalLM.from_pretrained
+    # fla's Triton kernels need a GPU: fla models, and the transformers models whose recurrent layers call them
+    # (Kimi Linear's KDA, Qwen3.5's and Qwen3-Next's Gated DeltaNet), load through titan_ext.kernels, as
+    # docs/gpu.md says
+    calls_fla = spec.startswith("fla_") or spec in ("hf_kimi_linear", "hf_qwen3_5", "hf_qwen3_next")
+    load = kernels.from_pretrained if calls_fla else AutoModelForCausalLM.from_pretrained
     model, info = load(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -193,3 +193,15 @@ def test_the_probes_leave_the_jobs_random_state_alone():
     host_checks.check_host(copy.deepcopy(llama_flavors["debugmodel"]))
     host_checks.check_host(copy.deepcopy(gla_flavors["debugmodel"]))
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_the_probe_of_a_real_config_warns_of_nothing(caplog):
+    """A real checkpoint's token ids (Qwen3's eos 151645) lie beyond the probe's 64-token vocabulary: the probe
+    drops them rather than have transformers warn on the job's (or the planner's) console."""
+    import logging
+
+    args = transformers_model("qwen3_moe", **{**QWEN3_MOE, "vocab_size": 151936}, eos_token_id=151645,
+                              bos_token_id=151643, pad_token_id=151643)
+    with caplog.at_level(logging.WARNING):
+        assert host_checks._tiny(args) is not None
+    assert not [r for r in caplog.records if "token_id" in r.getMessage()], caplog.text

@@ -261,6 +261,8 @@ def _tiny(model_args, layer: int = 0, **sizes):
     these sizes do not fit is not probed)."""
     config = model_args.to_hf_config()
     fields = {name: value for name, value in {**TINY, **sizes}.items() if hasattr(config, name)}
+    # the job's token ids lie beyond the tiny vocabulary (transformers warns of them): the probe reads none
+    fields.update({name: None for name in ("bos_token_id", "eos_token_id", "pad_token_id") if hasattr(config, name)})
     if isinstance(getattr(config, "layer_types", None), list):
         fields["layer_types"] = config.layer_types[layer:layer + 1]
     try:

@@ -161,13 +161,23 @@ def test_the_planners_rows_last_only_inside_its_blocks():
 
     from titan_ext.planner import memory, rank
 
+    import torch.distributed as dist
+    import torch.distributed.pipelining.schedules as schedules
+
     finder, inherited = masking.find_packed_sequence_indices, torch.UntypedStorage.resize_
+    p2p = schedules._batch_p2p
     with memory.StepPeak():
         assert torch.UntypedStorage.resize_ is not inherited
     with rank._whole_windows():
         assert masking.find_packed_sequence_indices(torch.arange(4)[None]) is None
+    with rank._schedules_as_on_a_real_group():
+        assert schedules.dist is not dist and schedules.dist.get_backend is not dist.get_backend
+    stepped = rank._Microbatches.__new__(rank._Microbatches)
+    with stepped:
+        assert schedules._batch_p2p is not p2p and rank._STEPPED == [stepped]
     assert masking.find_packed_sequence_indices is finder and torch.UntypedStorage.resize_ is inherited
     assert "resize_" not in vars(torch.UntypedStorage)
+    assert schedules.dist is dist and schedules._batch_p2p is p2p and rank._STEPPED == []
 
 
 @pytest.mark.parametrize("path", kernels.PATHS)

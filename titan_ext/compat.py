@@ -401,13 +401,6 @@ def clear_dtensor_sharding_cache() -> None:
     native()
 
 
-def pipeline_schedules_module() -> types.ModuleType:
-    """torch's pipeline schedules module, whose view of the process group's backend the planner adjusts."""
-    import torch.distributed.pipelining.schedules as schedules
-
-    return schedules
-
-
 def transformers_masking_module() -> types.ModuleType:
     """transformers' mask builders (``transformers.masking_utils``), whose ``find_packed_sequence_indices`` the
     planner answers for its fake batch of whole windows (on fake tensors it cannot read the position ids)."""

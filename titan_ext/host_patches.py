@@ -33,6 +33,7 @@ that ``undo()`` restores every original.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -463,7 +464,42 @@ WHOLE_WINDOWS = Patch(
     "build the mask (8192 tokens: 256 MiB per layer) that the real step never holds (planner.rank)",
     "transformers 5.17-5.24", _no_packed_sequences,
 )
-PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS)
+
+
+def _fake_group_read_as_gloo(original):
+    """``torch.distributed`` as the schedules module reads it, with a fake group's backend answered as gloo's."""
+
+    class RealLooking:
+        def __getattr__(self, name):
+            return getattr(original, name)
+
+        @staticmethod
+        def get_backend(group=None):
+            backend = original.get_backend(group)
+            return "gloo" if backend == "fake" else backend
+
+    return RealLooking()
+
+
+def _sends_told(original):
+    """``_batch_p2p`` through the planner's pipelined rank being stepped (``planner.rank.schedule_p2p``)."""
+    return functools.partial(resolve("titan_ext.planner.rank:schedule_p2p"), original)
+
+
+SCHEDULES_ON_A_FAKE_GROUP = Patch(
+    "torch.distributed.pipelining.schedules:dist",
+    "torch >= 2.15 refuses to build or first step a schedule whose stages infer their shapes on a fake group (its "
+    "own dry runs cannot answer the shape messages); the planner answers them, so while it plans a rank the "
+    "schedules module reads the fake group's backend as gloo's (planner.rank)",
+    TORCH, _fake_group_read_as_gloo,
+)
+SCHEDULE_SENDS = Patch(
+    "torch.distributed.pipelining.schedules:_batch_p2p",
+    "a pipelined rank planned with fewer microbatches is extrapolated per microbatch: each send and receive the "
+    "schedule posts is tagged with its microbatch (planner.rank._Microbatches)",
+    TORCH, _sends_told,
+)
+PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS)
 """The planner's, each inside its own blocks only (``scoped``)."""
 
 

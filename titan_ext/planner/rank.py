@@ -299,23 +299,9 @@ def _structure(module: torch.nn.Module) -> tuple:
 
 @contextlib.contextmanager
 def _schedules_as_on_a_real_group():
-    """torch >= 2.15 refuses to build or first step a schedule whose stages infer their shapes on a fake group:
-    its own dry runs cannot answer the shape messages. The planner answers them (``_stages_told_by_the_planner``),
-    so torch's schedules module sees the fake group's backend as gloo's while a rank is planned."""
-    import torch.distributed as dist
-
-    module = compat.pipeline_schedules_module()
-
-    class RealLooking:
-        def __getattr__(self, name):
-            return getattr(dist, name)
-
-        @staticmethod
-        def get_backend(group=None):
-            backend = dist.get_backend(group)
-            return "gloo" if backend == "fake" else backend
-
-    with mock.patch.object(module, "dist", RealLooking()):
+    """torch's schedules module reads the fake group as gloo while a rank is planned
+    (``host_patches.SCHEDULES_ON_A_FAKE_GROUP``)."""
+    with host_patches.scoped((host_patches.SCHEDULES_ON_A_FAKE_GROUP,)):
         yield
 
 
@@ -521,6 +507,17 @@ class _SavedBytes(collectives.Pausable):
         return self._hooks.__exit__(*exc)
 
 
+_STEPPED: list["_Microbatches"] = []
+"""The pipelined ranks being stepped (innermost last), told of the schedule's sends (``schedule_p2p``)."""
+
+
+def schedule_p2p(original, ops, *args, **kwargs):
+    """torch's ``_batch_p2p`` while the planner steps a pipelined rank (``host_patches.SCHEDULE_SENDS``)."""
+    if not _STEPPED:
+        return original(ops, *args, **kwargs)
+    return _STEPPED[-1].p2p(original, ops, *args, **kwargs)
+
+
 class _Microbatches:
     """Which microbatch each collective a pipelined rank's step issues, and each byte it saves, belongs to:
     those issued or saved while the stage runs a microbatch's forward, loss or backward, and its sends and
@@ -589,29 +586,29 @@ class _Microbatches:
         return ops
 
     def __enter__(self):
-        import torch.distributed as dist
-
-        module = compat.pipeline_schedules_module()
-        original = module._batch_p2p
-
-        def batch(ops, *args, **kwargs):
-            first = len(self.log)
-            works = original(ops, *args, **kwargs)
-            if self._recorder._paused:  # the first step's setup
-                return works
-            kinds = ["send" if op.op in (dist.isend, dist.send) else "recv" for op in ops]
-            if [c.kind for c in self.log[first:]] != kinds:  # not one recorded op per P2P op, in order
-                self.unattributed += 1
-            else:
-                self.tags[first:] = [getattr(op, "planner_microbatch", None) for op in ops]
-            return works
-
-        self._p2p = mock.patch.object(module, "_batch_p2p", batch)
+        _STEPPED.append(self)
+        self._p2p = host_patches.scoped((host_patches.SCHEDULE_SENDS,))
         self._p2p.__enter__()
         return self
 
     def __exit__(self, *exc):
+        _STEPPED.remove(self)
         return self._p2p.__exit__(*exc)
+
+    def p2p(self, original, ops, *args, **kwargs):
+        """torch's ``_batch_p2p``, each send and receive it posts tagged with its microbatch."""
+        import torch.distributed as dist
+
+        first = len(self.log)
+        works = original(ops, *args, **kwargs)
+        if self._recorder._paused:  # the first step's setup
+            return works
+        kinds = ["send" if op.op in (dist.isend, dist.send) else "recv" for op in ops]
+        if [c.kind for c in self.log[first:]] != kinds:  # not one recorded op per P2P op, in order
+            self.unattributed += 1
+        else:
+            self.tags[first:] = [getattr(op, "planner_microbatch", None) for op in ops]
+        return works
 
     def middle(self, kept) -> tuple:
         """(bytes saved, collectives issued, bytes added to the step's peak) for one middle microbatch.

@@ -174,8 +174,8 @@ SAVE_LIST = {torch.ops.titan_ext.chunk_gla_fwd.default}
 """What op-level SAC should keep of the GLA core: its forward's outputs (``o``, ``A``)."""
 
 
-def _check_inputs(q, k, v, g, initial_state, cu_seqlens) -> None:
-    """fla's own argument checks, so the op fails as ``chunk_gla`` would."""
+def check_packed_states(q, initial_state, cu_seqlens) -> None:
+    """fla's checks of packed rows and initial states, shared by its chunked kernels (GLA's, KDA's)."""
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {q.shape[0]}; flatten the inputs.")
@@ -185,6 +185,11 @@ def _check_inputs(q, k, v, g, initial_state, cu_seqlens) -> None:
             )
     if initial_state is not None and initial_state.dtype != _FP32:
         raise ValueError(f"initial_state must be float32, not {initial_state.dtype}.")
+
+
+def _check_inputs(q, k, v, g, initial_state, cu_seqlens) -> None:
+    """fla's own argument checks, so the op fails as ``chunk_gla`` would."""
+    check_packed_states(q, initial_state, cu_seqlens)
     if not q.shape == k.shape == g.shape:
         raise ValueError(f"q, k and g must have one shape; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}.")
     if v.shape[:3] != q.shape[:3]:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from titan_ext import compat
+from titan_ext.kernels.gla_op import check_packed_states
 from titan_ext.kernels.tp_local import with_local_args
 
 _FP32 = torch.float32
@@ -198,15 +199,7 @@ SAVE_LIST = {torch.ops.titan_ext.chunk_kda_fwd.default}
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, lower_bound, safe_gate,
            allow_neg_eigval, use_beta_sigmoid_in_kernel, chunk_size) -> None:
     """fla's argument checks, so the op refuses what ``chunk_kda`` refuses (as ValueError, with the fix)."""
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"With `cu_seqlens` the batch size must be 1, not {q.shape[0]}; flatten the inputs.")
-        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
-            raise ValueError(
-                f"Expected one initial state per sequence ({len(cu_seqlens) - 1}), got {initial_state.shape[0]}."
-            )
-    if initial_state is not None and initial_state.dtype != _FP32:
-        raise ValueError(f"initial_state must be float32, not {initial_state.dtype}.")
+    check_packed_states(q, initial_state, cu_seqlens)
     if use_gate_in_kernel and A_log is None and lower_bound is None:
         raise ValueError("use_gate_in_kernel=True needs A_log (or lower_bound for the sigmoid gate).")
     if chunk_size not in CHUNK_SIZES:

@@ -51,7 +51,9 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-OTHER_RANKS_WAIT_S = 10.0
+OTHER_RANKS_WAIT_S = 30.0
+"""How long a rank other than 0 waits for rank 0 to print its line first: 10 s was too short for a loaded
+CI machine (rank 0 still importing, the other rank spoke first, 2026-11-26)."""
 
 
 def exit_with(error: ConfigError) -> None:

@@ -299,7 +299,7 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "pp2_tp2", "ep2_tp2_etp2",
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2",
                                "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
@@ -408,6 +408,9 @@ ROWS = {
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
     # EP x PP x FSDP: the stages carry their routers' statistics to the balancing loss on the last stage
     "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_qwen3_moe",)),
+    # EP x PP x TP with sequence parallel: each TP rank sends its shard of the hidden states and the whole sequences'
+    # router statistics (folded into its shard's tokens' channels) to the balancing loss on the last stage
+    "ep2_pp2_tp2": Row(4, (*parallel(tp=2, pp=2), *EP2), rtol=TP_RTOL, validation=True, specs=("hf_qwen3_moe",)),
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
     "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_kimi_linear",)),

@@ -76,7 +76,7 @@ def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
 
 
 def check_moe(model: nn.Module, job_config) -> None:
-    """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow yet."""
+    """Expert parallelism and balancing options titan_ext cannot follow, refused in one line."""
     p = job_config.parallelism
     blocks = moe_blocks(model)
     balance = balance_option(job_config)
@@ -448,7 +448,8 @@ def apply_router_records(model: nn.Module, choice: MoEChoice | None,
     it adds its routers' per-token statistics (probability sums, with their gradient, and top-k counts) to
     those it received and sends them on with its hidden states (``_stage_end``); the last stage hands its
     routers' logits and the received statistics to the loss. The gradient of the loss then flows back to
-    every stage's routers through the same sends, as the hidden states' does."""
+    every stage's routers through the same sends, as the hidden states' does. Under sequence parallel each TP
+    rank sends the whole sequences' statistics, folded onto its shard of the tokens (``_stage_end``)."""
     for handle in getattr(model, "_router_record_hooks", ()):
         handle.remove()
     RECORDS.__init__()

@@ -97,13 +97,15 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   intermediate dim over the TP ranks, with FSDP2; 7.9 s), ``tp2_hf`` (TP2 without EP, each expert's intermediate
   dim split: HF export and import, 2.7 s; a resumed TP2 run, checked once by hand, equalled the uninterrupted one),
   ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
-  each read their own documents) and ``ep2_pp2`` (EP2 x PP2 x FSDP2: the stages carry their routers' statistics to
-  the balancing loss on the last stage); ``hf_qwen2_moe`` (a shared expert
+  each read their own documents), ``ep2_pp2`` (EP2 x PP2 x FSDP2: the stages carry their routers' statistics to
+  the balancing loss on the last stage) and ``ep2_pp2_tp2`` (EP2 x PP2 x TP2 with sequence parallel and validation:
+  each TP rank sends the whole sequences' statistics beside its shard of the hidden states; 6.0 s); ``hf_qwen2_moe`` (a shared expert
   whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
   (2.3 s; its seed and single process 0.7 s); ``hf_moe_bias`` (torchtitan's
   auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
   ``ep2_hsdp2x2`` (EP with HSDP, with validation: the experts' FSDP over ``dp_replicate`` x ``efsdp``, the bias's
-  counts summed over both) and ``ep2_tp2`` (the TP ranks share the tokens, torchtitan's ETP=1). EP x TP x FSDP on
+  counts summed over both), ``ep2_tp2`` (the TP ranks share the tokens, torchtitan's ETP=1) and ``pp2`` (each
+  stage's routers' bias from their own counts over the step's microbatches; 0.8 s). EP x TP x FSDP on
   4 ranks is Kimi Linear's (``hf_kimi_linear``). Kimi's ``ep2_tp2_fsdp2`` and these two rows (14.9 + 5.9 s of
   4-rank and 3.4 s of 2-rank jobs) replaced ``ep2_tp2_fsdp2`` of ``hf_qwen3_moe`` and ``hf_moe_bias`` and
   ``ep2_tp2`` of ``hf_kimi_linear`` (12.0 + 9.1 s and 12.8 s), measured in one launch each, back to back.
@@ -299,11 +301,11 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
                          recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
                          "every routing: dynamo recompiles those pieces once with a dynamic size",
-                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_tp2_etp2",
+                         rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2",
                                "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
-                        hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2")),
+                        hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -408,6 +410,9 @@ ROWS = {
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
     # EP x PP x FSDP: the stages carry their routers' statistics to the balancing loss on the last stage
     "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_qwen3_moe",)),
+    # EP x PP x TP with sequence parallel: each TP rank sends its shard of the hidden states and the whole sequences'
+    # router statistics (folded into its shard's tokens' channels) to the balancing loss on the last stage
+    "ep2_pp2_tp2": Row(4, (*parallel(tp=2, pp=2), *EP2), rtol=TP_RTOL, validation=True, specs=("hf_qwen3_moe",)),
     # EP x TP (torchtitan's ETP=1): the EP mesh spans the TP ranks, each dispatching its share of the tokens
     # (2D sums over 4 ranks: grad norms differ from one process by ~1e-5, as fsdp2_tp2's do)
     "ep2_tp2_fsdp2": Row(4, (*parallel(shard=2, tp=2), *EP2), validation=True, specs=("hf_kimi_linear",)),

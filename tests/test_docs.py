@@ -119,7 +119,8 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
     "--titan_ext.moe_balance bias": "matrix:hf_moe_bias/ep2_hsdp2x2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single cp2 ep2_cp2 pp2": "matrix:hf_qwen3_next/pp2",
-    "python tests/integration_matrix.py --spec hf_qwen3_moe --rows single ep2_pp2": "matrix:hf_qwen3_moe/ep2_pp2",
+    "python tests/integration_matrix.py --spec hf_qwen3_moe --rows single ep2_pp2 ep2_pp2_tp2":
+        "matrix:hf_qwen3_moe/ep2_pp2_tp2",
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_qwen3_moe.toml "
     "--parallelism.data_parallel_shard_degree 1 --parallelism.tensor_parallel_degree 2":
         "test:tests/test_plan.py::test_planned_ranks_equal_the_real_ranks",  # its tp2_moe layout runs it (2 steps)

@@ -76,7 +76,7 @@ def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
 
 
 def check_moe(model: nn.Module, job_config) -> None:
-    """Expert parallelism titan_ext does not have yet, and parallelisms the balancing loss cannot follow yet."""
+    """Expert parallelism and balancing options titan_ext cannot follow, refused in one line."""
     p = job_config.parallelism
     blocks = moe_blocks(model)
     balance = balance_option(job_config)
@@ -98,12 +98,6 @@ def check_moe(model: nn.Module, job_config) -> None:
             "has no routing bias among its weights, so the HF checkpoint would lose it; use torchtitan's (DCP) "
             "checkpoints with the bias, or moe_balance='aux_loss'"
         )
-    if balance == "bias" and p.pipeline_parallel_degree > 1:
-        raise ConfigError(
-            f"--titan_ext.moe_balance='bias' with --parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree}: "
-            "titan_ext has not tested the routing bias's update across pipeline stages yet; use moe_balance='aux_loss' "
-            "(with router_aux_loss_coef 0 under PP) or no PP"
-        )
     if p.expert_parallel_degree > 1 and not blocks:
         raise ConfigError(
             f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: this model has no experts (a dense "
@@ -115,14 +109,6 @@ def check_moe(model: nn.Module, job_config) -> None:
         _check_ep(blocks, p)
     if splits_intermediate(p):
         _check_split_intermediate(blocks, p)
-    sequence_parallel = not getattr(getattr(job_config, "titan_ext", None), "disable_sequence_parallel", False)
-    if p.pipeline_parallel_degree > 1 and p.tensor_parallel_degree > 1 and sequence_parallel and balance == "aux_loss":
-        raise ConfigError(
-            f"--parallelism.pipeline_parallel_degree={p.pipeline_parallel_degree} with "
-            f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree}: the routers' statistics that stages "
-            "carry for the balancing loss are whole sequences, and sequence parallel sends each TP rank a piece; "
-            "add --titan_ext.disable_sequence_parallel, or train with moe_balance='bias' or without PP"
-        )
 
 
 def splits_intermediate(p) -> bool:
@@ -343,8 +329,9 @@ def _biased_router_forward(self, hidden_states):
     weights = probs.gather(-1, index)
     if self.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    # training forwards only: not validation, nor a recompute in backward (activation checkpointing)
-    if torch.is_grad_enabled() and not compat.in_backward():
+    # training forwards only: not validation, nor a recompute in backward (activation checkpointing), nor torch's
+    # pipeline metadata inference (``RouterRecords.live``)
+    if torch.is_grad_enabled() and not compat.in_backward() and RECORDS.live:
         with torch.no_grad():
             self.tokens_per_expert += torch.bincount(index.flatten(), minlength=self.num_experts)
     return logits, weights.to(logits.dtype), index
@@ -354,12 +341,14 @@ def update_expert_bias(model_parts: list[nn.Module], group: dist.ProcessGroup | 
     """After a step's forwards and before its update (torchtitan's optimizer pre-hook, so once per step with
     gradient accumulation): each router's bias moves ``BIAS_RATE`` toward its under-used experts and away from
     its over-used ones (centered), from the tokens each expert got over the global batch (summed over
-    ``group``, the batch's ranks): the same bias on every rank."""
+    ``group``, the batch's ranks): the same bias on every rank. Under PP ``model_parts`` are this rank's
+    stages: each router's counts are its own stage's, over all the step's microbatches."""
     routers = [block.gate for part in model_parts for block in moe_blocks(part)]
     if not routers:
         return
-    counts = torch.stack([router.tokens_per_expert for router in routers])  # [MoE layers, experts]
-    RECORDS.add_step(counts.new_zeros(()), counts.new_zeros(()), counts)  # this rank's, summed over the ranks when logged
+    counts = torch.stack([router.tokens_per_expert for router in routers])  # [MoE layers here, experts]
+    slots = [RECORDS.choice.moe_layers.index(i) for part in model_parts for i in moe_layer_indices(part)]
+    RECORDS.add_step(counts.new_zeros(()), counts.new_zeros(()), counts, slots)  # summed over the ranks when logged
     if group is not None and dist.is_initialized():
         dist.all_reduce(counts, group=group)
     with torch.no_grad():
@@ -367,6 +356,16 @@ def update_expert_bias(model_parts: list[nn.Module], group: dist.ProcessGroup | 
             delta = BIAS_RATE * torch.sign(count.mean() - count)
             router.expert_bias += delta - delta.mean()
             router.tokens_per_expert.zero_()
+
+
+def tokens_counted(model_parts: list[nn.Module], counts: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The biased routers' token counts since the last update (none without the routing bias); given ``counts``
+    (an earlier return), they are set back to those (the pipeline's warm-up step on gloo counts for no step)."""
+    routers = [block.gate for part in model_parts for block in moe_blocks(part) if hasattr(block.gate, "expert_bias")]
+    with torch.no_grad():
+        for router, count in zip(routers, counts or ()):
+            router.tokens_per_expert.copy_(count)
+    return [router.tokens_per_expert.clone() for router in routers]
 
 
 def with_expert_bias_update(build_optimizers):
@@ -402,6 +401,10 @@ class RouterRecords:
         """The context-parallel ranks holding pieces of the same sequences (None: no CP)."""
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor | None, list[int]]] = []
         """Per forward of the model's last part: its routers' logits, the carried statistics, its MoE layers' slots."""
+        self.live = True
+        """Whether a forward now is a real one. Under PP (``titan_ext.pipeline``) only the schedule's forwards of
+        microbatches are: torch 2.13 first runs each stage once for its metadata inference, on uninitialized
+        receive buffers, and that forward must neither count its routing nor leave logits for a loss."""
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -445,7 +448,8 @@ def apply_router_records(model: nn.Module, choice: MoEChoice | None,
     it adds its routers' per-token statistics (probability sums, with their gradient, and top-k counts) to
     those it received and sends them on with its hidden states (``_stage_end``); the last stage hands its
     routers' logits and the received statistics to the loss. The gradient of the loss then flows back to
-    every stage's routers through the same sends, as the hidden states' does."""
+    every stage's routers through the same sends, as the hidden states' does. Under sequence parallel each TP
+    rank sends the whole sequences' statistics, folded onto its shard of the tokens (``_stage_end``)."""
     for handle in getattr(model, "_router_record_hooks", ()):
         handle.remove()
     RECORDS.__init__()
@@ -496,11 +500,21 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.float() if packed.dtype.itemsize >= 4 else _Reinterpret.apply(packed, torch.float32)
 
 
+def _sequence_shards(module) -> int:
+    """Under sequence parallel a stage's hidden states cross stages as this TP rank's sequence shard, one of
+    this many (``TitanCausalLM.residual_layout``); 1 without."""
+    layout = getattr(module, "residual_layout", None)
+    return layout[0].size() if layout is not None else 1
+
+
 def _receive_statistics(choice: MoEChoice, carried: list, module, args):
-    """A later stage's input: the previous stage's hidden states, then its statistics' channels."""
+    """A later stage's input: the previous stage's hidden states, then its statistics' channels (under sequence
+    parallel every TP rank's whole sequences' statistics, folded onto its shard of the tokens: ``_stage_end``)."""
     packed = args[0]
-    width = _statistics_width(choice.num_experts, packed.dtype)
-    carried.append(_unpack(packed[..., -width:]))
+    shards = _sequence_shards(module)
+    width = shards * _statistics_width(choice.num_experts, packed.dtype)
+    batch, tokens = packed.shape[:2]
+    carried.append(_unpack(packed[..., -width:]).reshape(batch, tokens * shards, 2 * choice.num_experts))
     return (packed[..., :-width].contiguous(), *args[1:])
 
 
@@ -510,15 +524,22 @@ def _stage_end(choice: MoEChoice, logits: list, carried: list, slots: list[int],
     own, received = logits[:], carried.pop() if carried else None
     logits.clear()
     if module.get_output_embeddings() is not None:  # the model's last part: the loss follows
-        RECORDS.pending.append((own, received, slots))
+        if RECORDS.live:
+            RECORDS.pending.append((own, received, slots))
         return output
-    statistics, counts = routed_statistics(own, choice.num_experts, choice.top_k, output.shape[:2], output.device)
+    (batch, tokens), shards = output.shape[:2], _sequence_shards(module)
+    statistics, counts = routed_statistics(own, choice.num_experts, choice.top_k, (batch, tokens * shards),
+                                           output.device)
     if received is not None:
         statistics = statistics + received
-    if torch.is_grad_enabled():  # training, not validation: this step's metrics (the routing counts)
+    if torch.is_grad_enabled() and RECORDS.live:  # training, not validation: this step's metrics (the routing counts)
         zero = counts.new_zeros(())
         RECORDS.add_step(zero, zero, counts, slots)
-    return torch.cat([output, _pack(statistics, output.dtype)], dim=-1)
+    # Under sequence parallel each TP rank sends its shard of the tokens [B, T/tp, D], and the statistics of the
+    # whole sequences [B, T, 2E] (the routers saw them gathered; the loss on every TP rank needs them whole, as
+    # without PP), folded into as many channels per sent token: [B, T/tp, tp x 2E].
+    folded = statistics.reshape(batch, tokens, shards * statistics.shape[-1])
+    return torch.cat([output, _pack(folded, output.dtype)], dim=-1)
 
 
 def routed_statistics(router_logits: list[torch.Tensor], num_experts: int, top_k: int, shape, device) -> tuple:

@@ -334,6 +334,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
         stages.append(MicroBatchStage(part, index, len(choice.stages), device, group=mesh.get_group()))
         parts.append(part)
         logger.info(f"PP: stage {index} of {len(choice.stages)} holds {list(choice.stages[index])}")
+    moe.RECORDS.live = False  # until a stage runs a microbatch (MicroBatchStage)
     from titan_ext.cpu_mode import on_gloo
 
     # the last stage's labels are this rank's piece of its batch: count them over data and context parallel ranks
@@ -504,8 +505,10 @@ class TokenMeanSchedule:
         if self._warm_up:  # once, on gloo: see the class docstring
             self._warm_up, self._warming_up = False, True
             routing = moe.RECORDS.stats  # a MoE model's routing counts: the warm-up's are not a step's
+            counted = moe.tokens_counted(self._parts)
             self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
             self._warming_up, moe.RECORDS.stats = False, routing
+            moe.tokens_counted(self._parts, counted)
             for part in self._parts:
                 part.zero_grad(set_to_none=True)
         result = self._schedule.step(*args, target=target, losses=losses, **kwargs)
@@ -556,7 +559,8 @@ class MicroBatchStage(PipelineStage):
     micro-batch's slice of torchtitan's kwargs). A stage runs several forwards before their backwards,
     and activation checkpointing recomputes blocks inside a backward: the layout keeps one record per
     micro-batch, and the stage selects it before each forward and backward (``PieceLayout.micro_batch``).
-    Without CP it is torch's stage.
+    Without CP it is torch's stage. For a MoE model it also marks the forwards of micro-batches as the ones
+    its routers record and count (``moe.RouterRecords.live``), not torch's metadata inference.
     """
 
     def _select(self, index: int) -> None:
@@ -566,7 +570,11 @@ class MicroBatchStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self._select(fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        moe.RECORDS.live = True  # a MoE model's routers record this forward, not torch's metadata inference
+        try:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            moe.RECORDS.live = False
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         self._select(bwd_chunk_id)

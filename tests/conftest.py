@@ -11,6 +11,11 @@ import pytest
 # forces CPU mode in every launched job too. The CUDA tests (test_gla_op, test_sdpa_fallback)
 # put their tensors on the GPU themselves and skip without one.
 os.environ.setdefault("TITAN_EXT_CPU", "1")
+# One intra-op thread in the suite's processes (pytest's and the scripts it starts; its torchrun launches set
+# their own): the tests' tensors are tiny, and on the 2-core CI machine a second thread mostly spin-waits
+# for the first while the matrix needs that core (bench_train.py --cpu-tiny: 26 CPU s on 2 threads, 13 on 1;
+# interpret_checks.py: 57 and 47, 2026-11-26).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

@@ -139,7 +139,23 @@ def run_phase(store: dist.Store, key: str, phase: dict, rank: int, root: Path) -
             run_job(store, key, job, ranks, rank, root)
 
 
+def keep_niceness_across_sessions() -> None:
+    """Give this process's autogroup its niceness (``nice 10`` from ``integration_matrix.launch``).
+
+    torchrun starts each worker in a session of its own; where the kernel groups tasks by session
+    (``/proc/sys/kernel/sched_autogroup_enabled``, on in the CI machine's kernel), a process's niceness
+    then only ranks it within its session, and each worker's session gets as much CPU as pytest's: the
+    tests ran on about 0.4 of a core beside the matrix's four workers, the matrix ended early and left
+    the tests alone on one core. The session's own niceness restores the order ``matrix_launch`` asks for.
+    Only a session leader does it (else it would lower its caller's session)."""
+    niceness = os.nice(0)
+    if niceness > 0 and os.getsid(0) == os.getpid():
+        with contextlib.suppress(OSError):  # no autogroups (kernel or sandbox): the niceness alone applies
+            Path("/proc/self/autogroup").write_text(str(niceness))
+
+
 def main(plan_path: str) -> None:
+    keep_niceness_across_sessions()
     plan = json.loads(Path(plan_path).read_text())
     root = Path(plan["root"])
     for module in ["torchtitan.train", *plan["preload"]]:  # before phase 0, where some processes idle

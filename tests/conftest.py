@@ -63,8 +63,8 @@ def matrix_launch(request, tmp_path_factory):
     (the ``matrix`` fixture), and read by its tests, which run last. On the 2-core CI machine most other tests
     keep one core busy (one process, or one waiting on a child): the matrix's processes use the other one
     instead of running alone after them (``tests/integration_matrix.py``, Budget). Its processes run at a lower
-    priority (nice 10, their sessions too: ``matrix_driver.keep_niceness_across_sessions``): the tests keep their core, and the matrix, which keeps both busy on its own, is what
-    is left at the end. (Not lower: a test's multi-rank launch must not stall a matrix job past its 60 s
+    priority (nice 10, their sessions too: ``matrix_driver.keep_niceness_across_sessions``): the tests keep
+    their core, and the matrix, which keeps both busy on its own, is what is left at the end. (Not lower: a test's multi-rank launch must not stall a matrix job past its 60 s
     collective timeout.)
 
     Test files with multi-rank jobs of their own run them in the same launch (``guest_runs``): a module's

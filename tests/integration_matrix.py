@@ -746,7 +746,8 @@ class Matrix:
         for spec, variant in self.variants():
             if variant != "base" or "single" not in self.rows:
                 units.append((1, 1, self.row_jobs(spec, "single", variant), False))
-        return units + [(world, cost, list(jobs), False) for guest in self.guests.values() for world, cost, jobs in guest.units]
+        guests = [(world, cost, list(jobs), False) for g in self.guests.values() for world, cost, jobs in g.units]
+        return units + guests
 
     def plan(self, nproc: int) -> dict:
         units = self.units()

@@ -11,6 +11,11 @@ import pytest
 # forces CPU mode in every launched job too. The CUDA tests (test_gla_op, test_sdpa_fallback)
 # put their tensors on the GPU themselves and skip without one.
 os.environ.setdefault("TITAN_EXT_CPU", "1")
+# One intra-op thread in the suite's processes (pytest's and the scripts it starts; its torchrun launches set
+# their own): the tests' tensors are tiny, and on the 2-core CI machine a second thread mostly spin-waits
+# for the first while the matrix needs that core (bench_train.py --cpu-tiny: 26 CPU s on 2 threads, 13 on 1;
+# interpret_checks.py: 57 and 47, 2026-11-26).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
@@ -47,8 +52,9 @@ MATRIX_TESTS = "test_integration_matrix.py"
 
 @pytest.hookimpl(trylast=True)  # after any plugin's reordering (--ff, ...)
 def pytest_collection_modifyitems(items):
-    """The integration matrix's tests last: its launch (``matrix_launch``) runs while the others do."""
-    items.sort(key=lambda item: item.path.name == MATRIX_TESTS)
+    """The integration matrix's tests last, and before them the tests that read jobs run inside its launch
+    (``guest_runs``): the launch (``matrix_launch``) runs while the others do."""
+    items.sort(key=lambda item: 2 if item.path.name == MATRIX_TESTS else "guest_runs" in item.fixturenames)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -57,16 +63,31 @@ def matrix_launch(request, tmp_path_factory):
     (the ``matrix`` fixture), and read by its tests, which run last. On the 2-core CI machine most other tests
     keep one core busy (one process, or one waiting on a child): the matrix's processes use the other one
     instead of running alone after them (``tests/integration_matrix.py``, Budget). Its processes run at a lower
-    priority (nice 10): the tests keep their core, and the matrix, which keeps both busy on its own, is what
-    is left at the end. (Not lower: a test's multi-rank launch must not stall a matrix job past its 60 s
-    collective timeout.)"""
-    if not any("matrix" in item.fixturenames for item in request.session.items):
+    priority (nice 10, their sessions too: ``matrix_driver.keep_niceness_across_sessions``): the tests keep
+    their core, and the matrix, which keeps both busy on its own, is what is left at the end. (Not lower: a test's multi-rank launch must not stall a matrix job past its 60 s
+    collective timeout.)
+
+    Test files with multi-rank jobs of their own run them in the same launch (``guest_runs``): a module's
+    ``matrix_guest(root)`` gives them (an ``integration_matrix.Guest``), when the session runs a test of it
+    that reads them."""
+    items = request.session.items
+    with_rows = any("matrix" in item.fixturenames for item in items)
+    guests = {item.module.__name__: item.module.matrix_guest for item in items if "guest_runs" in item.fixturenames}
+    if not with_rows and not guests:
         yield None
         return
     from integration_matrix import ALL_ROWS, SPECS, start_matrix
 
-    launch = start_matrix(tmp_path_factory.mktemp("matrix"), list(SPECS), ALL_ROWS, niceness=10)
+    root = tmp_path_factory.mktemp("matrix")
+    launch = start_matrix(root, list(SPECS), ALL_ROWS if with_rows else [], niceness=10,
+                          guests={name: guest(root / name) for name, guest in guests.items()})
     try:
         yield launch
     finally:
         launch.stop()  # the session ended before its tests read it (-x, an interrupt): no workers left behind
+
+
+@pytest.fixture(scope="module")
+def guest_runs(request, matrix_launch):
+    """The launch's root, once the jobs of this module's ``matrix_guest`` have finished in it."""
+    return matrix_launch.guest_finished(request.module.__name__)

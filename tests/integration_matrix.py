@@ -133,7 +133,9 @@ gives each row's seconds (its jobs', rank 0). In the test suite the launch
 starts with the session's first test and runs beside the other tests, which
 mostly keep one core busy, at a lower priority (nice 10), so that what is left
 at the end is the matrix, which keeps both cores busy; the matrix's tests run
-last and wait for it (``tests/conftest.py``, ``matrix_launch``). The whole matrix takes ~3.7 min there
+last and wait for it (``tests/conftest.py``, ``matrix_launch``). Other test files' multi-rank jobs join the
+launch (``Guest``: ``tests/test_plan.py``'s real runs, first in the 2- and 4-process phases), their processes'
+start-up paid once; the tests that read them run just before the matrix's. The whole matrix takes ~3.7 min there
 (on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
 and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
 the 4-process phase) it took 221 s again inside a whole-suite run, while other
@@ -156,7 +158,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -587,13 +589,23 @@ class Result:
     """The row's jobs' time (rank 0's, summed; not its seed's or reference's): what the row costs the matrix."""
 
 
+@dataclass(frozen=True)
+class Guest:
+    """Jobs of another test file run inside the matrix's launch, so that their processes' start-up is paid once
+    (``tests/conftest.py``, ``guest_runs``): units of (world, cost, jobs), and modules its jobs need imported."""
+
+    units: tuple[tuple[int, int, tuple[Job, ...]], ...]
+    preload: tuple[str, ...] = ()
+
+
 @dataclass
 class Matrix:
-    """The jobs of a selection of specs x rows, laid out under ``root``."""
+    """The jobs of a selection of specs x rows, laid out under ``root``, and the guests' jobs."""
 
     root: Path
     specs: list[str]
     rows: list[str]
+    guests: dict[str, Guest] = field(default_factory=dict)
 
     def applies(self, spec: str, row: str) -> bool:
         return applies(spec, row)
@@ -739,7 +751,8 @@ class Matrix:
         for spec, variant in self.variants():
             if variant != "base" or "single" not in self.rows:
                 units.append((1, 1, self.row_jobs(spec, "single", variant), False))
-        return units
+        guests = [(world, cost, list(jobs), False) for g in self.guests.values() for world, cost, jobs in g.units]
+        return units + guests
 
     def plan(self, nproc: int) -> dict:
         units = self.units()
@@ -750,7 +763,7 @@ class Matrix:
                 if work:
                     phases.append(phase(nproc, world, work))
         # Preload what every job imports (not titan_ext: each job's Trainer must import it to set up the job).
-        preload = ["fla.models", "transformers", "torchao.float8"]
+        preload = ["fla.models", "transformers", "torchao.float8", *(m for g in self.guests.values() for m in g.preload)]
         return {"name": self.root.name, "root": str(self.root), "preload": preload, "phases": phases}
 
     def write_inputs(self) -> None:
@@ -785,7 +798,7 @@ def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:
 def launch(matrix: Matrix, niceness: int = 0) -> subprocess.Popen:
     """Start the matrix's one torchrun launch (its output: ``driver.log``), its processes at ``niceness``."""
     matrix.write_inputs()
-    nproc = max(2, *(ROWS[row].world for row in matrix.rows))
+    nproc = max(2, *(ROWS[row].world for row in matrix.rows), *(unit[0] for unit in matrix.units()))
     plan_path = matrix.root / "plan.json"
     plan_path.write_text(json.dumps(matrix.plan(nproc), indent=1, default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -1024,16 +1037,29 @@ class Launch:
             results.append(Result("-", "driver", "ERROR", None, f"exit {code}; see {matrix.root}/driver.log"))
         return results, seconds
 
+    def guest_finished(self, name: str) -> Path:
+        """Wait until every rank of the guest's jobs has written its result (or the launch has ended); the
+        launch's root, where the results lie (``results/{job id}.rank{R}.json``, logs in ``logs/``)."""
+        jobs = [job for _, _, jobs in self.matrix.guests[name].units for job in jobs]
+        paths = [self.matrix.root / "results" / f"{job.id}.rank{rank}.json" for job in jobs for rank in range(job.world)]
+        while not all(path.exists() for path in paths) and self.proc.poll() is None:
+            if time.monotonic() > self.begin + self.timeout:
+                self.stop()
+            time.sleep(1)
+        return self.matrix.root
+
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc)
 
 
-def start_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500, niceness: int = 0) -> Launch:
-    """Start the launch that runs ``rows`` of ``specs``; it runs in the background until ``Launch.results``."""
-    matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED])
+def start_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500, niceness: int = 0,
+                 guests: dict[str, Guest] | None = None) -> Launch:
+    """Start the launch that runs ``rows`` of ``specs`` (and the ``guests``' jobs); it runs in the background
+    until ``Launch.results``."""
+    matrix = Matrix(root, specs, [row for row in rows if row not in UNSUPPORTED], guests or {})
     begin = time.monotonic()
-    return Launch(matrix, specs, rows, timeout, launch(matrix, niceness) if matrix.rows else None, begin)
+    return Launch(matrix, specs, rows, timeout, launch(matrix, niceness) if matrix.units() else None, begin)
 
 
 def run_matrix(root: Path, specs: list[str], rows: list[str], timeout: float = 1500) -> tuple[list[Result], float]:

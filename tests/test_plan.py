@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -54,29 +53,27 @@ def argv(flags: list[str], dump: Path | None = None) -> list[str]:
     return out + (["--job.dump_folder", str(dump)] if dump else [])
 
 
+def matrix_guest(root: Path):
+    """Every layout's real run, inside the suite's one matrix launch (``tests/conftest.py``, ``guest_runs``): the
+    2-rank layouts side by side, then the 4-rank ones. Each rank records its step 2 (``tests/record_step.py``)
+    in ``root/recorded/{layout}``."""
+    from integration_matrix import Guest, Job
+
+    units = [(world, 10, (Job(f"plan.{name}", world, tuple(argv(flags, root / name)),
+                              {"RECORD_STEP_DIR": str(root / "recorded" / name)}),))
+             for name, world, flags in LAYOUTS]
+    return Guest(tuple(units), preload=("record_step",))
+
+
 @pytest.fixture(scope="module")
-def real_runs(tmp_path_factory) -> Path:
-    """Every layout's real run in one 4-process launch (``tests/matrix_driver.py``): the 2-rank layouts side by
-    side, then the 4-rank ones. Each rank records its step 2 (``tests/record_step.py``)."""
-    root = tmp_path_factory.mktemp("plan_real")
-    for sub in ("logs", "results"):
-        (root / sub).mkdir()
-    phases = [{"lanes": [[0, 1], [2, 3]], "units": []}, {"lanes": [[0, 1, 2, 3]], "units": []}]
-    for name, world, flags in LAYOUTS:
-        job = {"id": name, "argv": argv(flags, root / name), "env": {"RECORD_STEP_DIR": str(root / "recorded" / name)}}
-        phases[world // 4]["units"].append([job])
-    plan = {"root": str(root), "name": "plan", "preload": ["titan_ext", "record_step"], "phases": phases}
-    (root / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "tests" / "matrix_driver.py"), str(root / "plan.json")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+def real_runs(guest_runs) -> Path:
     for name, world, _ in LAYOUTS:
         for rank in range(world):
-            result = json.loads((root / "results" / f"{name}.rank{rank}.json").read_text())
-            assert result["status"] == "ok", (root / "logs" / f"{name}.rank{rank}.log").read_text()[-4000:]
-    return root / "recorded"
+            result = guest_runs / "results" / f"plan.{name}.rank{rank}.json"
+            assert result.exists(), f"no result from {name} rank {rank}: {(guest_runs / 'driver.log').read_text()[-4000:]}"
+            log = guest_runs / "logs" / f"plan.{name}.rank{rank}.log"
+            assert json.loads(result.read_text())["status"] == "ok", log.read_text()[-4000:]
+    return guest_runs / __name__ / "recorded"  # matrix_guest's root
 
 
 @pytest.mark.parametrize("name,world,flags", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])

@@ -154,8 +154,9 @@ def test_build_patches_last_only_while_building():
 
 
 def test_the_planners_rows_last_only_inside_its_blocks():
-    """``PLANNER``: torch's storage resize (a method the class inherits) and transformers' packed-sequence finder,
-    changed inside a step peak's ``with`` and a planned step's, each as shipped after."""
+    """``PLANNER``: torch's storage resize (a method the class inherits), DTensor's shape inference and
+    transformers' packed-sequence finder, changed inside a step peak's ``with`` and a planned step's, each as
+    shipped after."""
     import torch
     import transformers.masking_utils as masking
 
@@ -164,10 +165,13 @@ def test_the_planners_rows_last_only_inside_its_blocks():
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
 
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
     finder, inherited = masking.find_packed_sequence_indices, torch.UntypedStorage.resize_
-    p2p = schedules._batch_p2p
+    p2p, infer = schedules._batch_p2p, ShardingPropagator._propagate_tensor_meta_non_cached
     with memory.StepPeak():
         assert torch.UntypedStorage.resize_ is not inherited
+        assert ShardingPropagator._propagate_tensor_meta_non_cached is not infer
     with rank._whole_windows():
         assert masking.find_packed_sequence_indices(torch.arange(4)[None]) is None
     with rank._schedules_as_on_a_real_group():
@@ -178,6 +182,7 @@ def test_the_planners_rows_last_only_inside_its_blocks():
     assert masking.find_packed_sequence_indices is finder and torch.UntypedStorage.resize_ is inherited
     assert "resize_" not in vars(torch.UntypedStorage)
     assert schedules.dist is dist and schedules._batch_p2p is p2p and rank._STEPPED == []
+    assert ShardingPropagator._propagate_tensor_meta_non_cached is infer
 
 
 @pytest.mark.parametrize("path", kernels.PATHS)

@@ -29,10 +29,18 @@ LAYOUTS = [
     # PP: each stage sends its routers' statistics (2 x experts float32 channels) beside its hidden states
     ("pp2_moe", 2, ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml"),
                     "--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
+    # PP x TP with sequence parallel: each TP rank sends its shard of the tokens, the whole sequences' statistics
+    # folded into its tokens' channels (2 TP ranks x 2 x experts)
+    ("pp2_tp2_moe", 4, ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml"),
+                        "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_degree", "2"]),
     # TP without EP: each expert's intermediate dim split over the TP ranks (evenly routed: no all-to-all)
     ("tp2_moe", 2, ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml"),
                     "--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
 ]
+TP_PEERS = {"pp2_tp2_moe"}
+"""Layouts whose odd ranks are the TP peers of the even ones before them: each pair planned once (its ranks'
+figures are the same), each real rank compared."""
 ROUTED = {"ep2_moe"}
 """Layouts whose ranks send as many bytes as their tokens' routing says: planned evenly routed, their
 all-to-alls' bytes summed over the ranks equal the real ranks' sum (every slot is sent and returned once)."""
@@ -90,7 +98,8 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     planned_all_to_all, real_all_to_all = 0, 0
     for rank in range(world):
         real = json.loads((real_runs / name / f"rank{rank}.json").read_text())
-        planned = plan_rank(job_config_of(argv(flags)), world, rank) if rank == 0 or name not in ROUTED else planned
+        again = rank == 0 or (name not in ROUTED and not (name in TP_PEERS and rank % 2))
+        planned = plan_rank(job_config_of(argv(flags)), world, rank) if again else planned
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == (
             real["param_bytes"], real["grad_bytes"], real["optimizer_bytes"]), f"rank {rank}"
         assert planned.stages == ((rank * 2 // world,) if name.startswith("pp2") else ())
@@ -102,13 +111,12 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
             rows, real["collectives"] = ([row[:4] if row[0] == "all_to_all" else row for row in table]
                                          for table in (rows, real["collectives"]))
         else:
-            # the same accounting of the real tensors: not equal, and the planner errs high (2026-11-26, before
-            # storage resizes were followed: fsdp2, pp2, pp2_fsdp2 within 4%, cp2_hybrid 1.054, tp2 1.147,
-            # fsdp2_tp2 1.167, the TP excess not explained yet; tp2_moe 1.206). bench/bench_memory.py compares the
-            # planner with the process's measured memory.
-            # pp2_moe's first stage: 0.873 (2026-11-26, 0.885 before the routers' records skipped torch's metadata
-            # inference), planned low, not explained yet; its last stage 1.000
-            high, low = 1.25 if name == "tp2_moe" else 1.2, 0.85 if name == "pp2_moe" else 0.95
+            # the same accounting of the real tensors: not equal (2026-11-26: fsdp2 1.025, tp2 0.995, pp2 0.990 and
+            # 1.000, fsdp2_tp2 1.010, pp2_fsdp2 0.990 and 1.000, cp2_hybrid 1.032, pp2_moe 0.984 and 1.000,
+            # pp2_tp2_moe 1.022 and 0.991, tp2_moe 1.037; under TP 1.15-1.52 while DTensor's shape inference on fake
+            # tensors was counted, pp2_moe's first stage 0.873 while the model's experts loop was planned without its
+            # weights' stacked-size gradients). bench/bench_memory.py compares the planner with the process's memory.
+            high, low = 1.1, 0.95
             assert low < planned.peak_bytes / real["peak_bytes"] < high, (rank, planned.peak_bytes, real["peak_bytes"])
         assert rows == real["collectives"], f"rank {rank}"
         if name.startswith("pp2"):  # the pipeline's own traffic: each microbatch's activations one way, their gradients back
@@ -116,6 +124,8 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
             assert kinds == {"send", "recv"}, real["collectives"]
         if name == "pp2_moe":  # each of 4 microbatches' sends: 128 tokens x (64 hidden + 2 x 8 experts) float32
             assert [row[3:] for row in rows if row[0] == "send"] == [[4, 4 * 128 * (64 + 2 * 8) * 4]]
+        if name == "pp2_tp2_moe":  # each TP rank's half of the 128 tokens x (64 hidden + 2 TP ranks x 2 x 8 experts)
+            assert [row[3:] for row in rows if row[0] == "send"] == [[4, 4 * 64 * (64 + 2 * 2 * 8) * 4]]
         if name == "cp2_hybrid":  # the attention layers' K/V (torch's ring) besides the GLA layers' states
             assert {row[0] for row in real["collectives"]} >= {"all_gather", "all_to_all", "reduce_scatter"}
     assert planned_all_to_all == real_all_to_all
@@ -166,6 +176,29 @@ def test_recorded_bytes_are_the_whole_buffer_for_c10d_and_functional_collectives
     kinds = ["all_gather", "reduce_scatter", "all_reduce"] * 2
     assert [(c.kind, c.group, c.ranks, c.bytes) for c in recorder.log] == [(k, "world", 4, 64) for k in kinds]
     assert [c.wire_bytes() for c in recorder.log[:3]] == [48, 48, 96]
+
+
+def test_a_step_peak_counts_no_dtensor_shape_inference():
+    """DTensor infers an op's global output shape on fake tensors of the global shapes where its cache does not
+    know the op yet, as in a planned step (a first one): no memory (``host_patches.SHAPE_INFERENCE``). The peak
+    of a DTensor op is its local result's 2 KiB, not the 8 KiB more of a global input and output."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from titan_ext import compat
+    from titan_ext.planner.memory import StepPeak
+
+    dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=0, world_size=2)
+    try:
+        x = DTensor.from_local(torch.zeros(8, 64), init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
+        compat.clear_dtensor_sharding_cache()
+        with StepPeak() as peak:
+            y = torch.sin(x)
+        assert y.to_local().shape == (8, 64) and peak.peak_bytes() == 8 * 64 * 4
+    finally:
+        dist.destroy_process_group()
+        compat.clear_dtensor_sharding_cache()
 
 
 def test_import_titan_ext_does_not_import_the_planner():

@@ -446,6 +446,17 @@ def _resizes_told(original):
     return resize_
 
 
+def _shapes_inferred_uncounted(original):
+    """DTensor's shape inference with the step peaks looking away (``planner.memory.uncounted``)."""
+    uncounted = resolve("titan_ext.planner.memory:uncounted")
+
+    def infer(self, op_schema):
+        with uncounted():
+            return original(self, op_schema)
+
+    return infer
+
+
 def _no_packed_sequences(_original):
     return lambda position_ids: None
 
@@ -456,6 +467,14 @@ STORAGE_RESIZES = Patch(
     "back, which no operator dispatch sees: the step's peak (planner.memory.StepPeak, planned and real steps "
     "alike) follows each resize",
     TORCH, _resizes_told,
+)
+SHAPE_INFERENCE = Patch(
+    "torch.distributed.tensor._sharding_prop:ShardingPropagator._propagate_tensor_meta_non_cached",
+    "DTensor infers an op's global output shape by running the op on fake tensors of the global shapes, where its "
+    "cache does not know the op's inputs yet: no memory, but the step's peak (planner.memory.StepPeak) would count "
+    "them (under TP an embedding's whole-vocabulary gradient, twice). A real run's step 2 finds its cache filled "
+    "by step 1; the planner's one step (a first one) does not: it counted 1.15-1.5x a TP rank's real peak",
+    TORCH, _shapes_inferred_uncounted,
 )
 WHOLE_WINDOWS = Patch(
     "transformers.masking_utils:find_packed_sequence_indices",
@@ -499,7 +518,7 @@ SCHEDULE_SENDS = Patch(
     "schedule posts is tagged with its microbatch (planner.rank._Microbatches)",
     TORCH, _sends_told,
 )
-PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS)
+PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS)
 """The planner's, each inside its own blocks only (``scoped``)."""
 
 

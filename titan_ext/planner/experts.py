@@ -12,6 +12,7 @@ results back) with these sizes. Only ``top_k`` experts' work per token is planne
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import torch
@@ -34,7 +35,10 @@ def evenly_routed(model_parts):
 
     swapped = [block.experts for part in model_parts for block in moe.moe_blocks(part)]
     for experts in swapped:
-        forward = _parallel_forward if hasattr(experts, "ep_group") else _forward
+        if hasattr(experts, "ep_group"):
+            forward = _parallel_forward
+        else:  # the model's own experts forward: its loop over the experts, or one of transformers' batched ones
+            forward = functools.partial(_forward, looped=_implementation(experts) == "eager")
         experts.forward = types.MethodType(forward, experts)
     try:
         yield
@@ -71,9 +75,24 @@ def _parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     return _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
-def _forward(self, hidden_states, top_k_index, top_k_weights):
+def _implementation(experts) -> str:
+    """The experts forward transformers dispatches the module to (``config._experts_implementation``: "eager"
+    is the model's loop over the experts; titan_ext's models get it, transformers' check for the others reading
+    the source of the class's module, which for titan_ext's classes is titan_ext's)."""
+    return getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager"
+
+
+def _forward(self, hidden_states, top_k_index, top_k_weights, looped: bool = False):
     """transformers' experts loop (``Qwen3MoeExperts.forward``) over every expert, each with its share (of a
-    split expert, this rank's local weights)."""
+    split expert, this rank's local weights).
+
+    ``looped``: the weights taken as the model's loop takes them, one expert's at a time (``gate_up_proj[e]``).
+    Each expert's gradient is then as large as the stacked weight (zeros but its slice: ``select_backward``),
+    and autograd sums them as backward reaches them, the last expert first: from the second one on it holds
+    the sum so far, the next one and their sum, three stacked-weight-sized tensors, the most while the other
+    experts' activations are still held. Evenly routed experts are computed in three batched matmuls per
+    weight, for the experts before the last two, the last but one, and the last: those sums come at the same
+    point of backward. Without it (titan_ext's grouped GEMM under TP), in one: a gradient of the whole weight."""
     final = torch.zeros_like(hidden_states)
     tokens, k = top_k_index.shape
     with torch.no_grad():  # the model's expert mask (its size counts; its values would pick the rows)
@@ -83,8 +102,17 @@ def _forward(self, hidden_states, top_k_index, top_k_weights):
     slots = torch.arange(tokens * k, device=hidden_states.device)  # expert by expert
     token_idx, top_k_pos = slots % tokens, slots // tokens
     gate_up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (self.gate_up_proj, self.down_proj))
-    out = _computed(hidden_states[token_idx], counts, gate_up, down, self.act_fn)
-    final.index_add_(0, token_idx, (out * top_k_weights[token_idx, top_k_pos, None]).to(final.dtype))
+    experts = len(counts)
+    if looped and experts > 1 and len(set(counts)) == 1:  # (uneven shares: ``_computed`` takes each expert's slice)
+        bounds = sorted({0, max(experts - 2, 1), experts - 1, experts})
+        groups = [(slice(a, b), slice(a * counts[0], b * counts[0])) for a, b in zip(bounds, bounds[1:])]
+    else:
+        groups = [(slice(None), slice(None))]
+    for chosen, rows in groups:
+        taken = (gate_up, down) if len(groups) == 1 else (gate_up[chosen], down[chosen])
+        index, position = token_idx[rows], top_k_pos[rows]
+        out = _computed(hidden_states[index], counts[chosen], *taken, self.act_fn)
+        final.index_add_(0, index, (out * top_k_weights[index, position, None]).to(final.dtype))
     return final
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 
@@ -156,7 +157,7 @@ class StepPeak(Pausable):
         return peak, at
 
     def __enter__(self):
-        self._resizes = host_patches.scoped((host_patches.STORAGE_RESIZES,))
+        self._resizes = host_patches.scoped((host_patches.STORAGE_RESIZES, host_patches.SHAPE_INFERENCE))
         self._resizes.__enter__()
         _counting.append(self)
         self._mode.__enter__()
@@ -176,6 +177,20 @@ def storage_resized(storage) -> None:
     """What ``UntypedStorage.resize_`` tells inside a step peak's ``with`` (``host_patches.STORAGE_RESIZES``)."""
     for peak in _counting:
         peak._resized(storage)
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Allocations the step peaks inside their ``with`` do not count: DTensor's shape inference on fake
+    tensors (``host_patches.SHAPE_INFERENCE``), which holds no memory."""
+    paused = [(peak, peak._paused) for peak in _counting]
+    for peak, _ in paused:
+        peak._paused = True
+    try:
+        yield
+    finally:
+        for peak, was in paused:
+            peak._paused = was
 
 
 def gradients(model_parts) -> list[torch.Tensor]:

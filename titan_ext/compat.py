@@ -372,10 +372,10 @@ def resolve_process_group(name: str):
 def fake_process_group() -> types.SimpleNamespace:
     """torch's fake backend (``init_process_group("fake", store=FakeStore())``: any world size in one process,
     collectives return without moving data; what torchtitan's ``--comm.mode fake_backend`` uses) and
-    ``FakeTensorMode`` (tensors with shapes and dtypes, no storage)."""
+    ``FakeTensorMode`` (tensors with shapes and dtypes, no storage: ``FakeTensor``)."""
     store = _lookup("torch", "torch.testing._internal.distributed.fake_pg", "FakeStore")
-    mode = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
-    return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode)
+    mode = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensor")
+    return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode, FakeTensor=mode.FakeTensor)
 
 
 def clear_dtensor_sharding_cache() -> None:

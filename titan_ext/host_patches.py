@@ -499,7 +499,57 @@ SCHEDULE_SENDS = Patch(
     "schedule posts is tagged with its microbatch (planner.rank._Microbatches)",
     TORCH, _sends_told,
 )
-PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS)
+
+
+class _FakeTensorKey:
+    """Marks a fake tensor's metadata in a fake-op cache key made by ``_compact_fake_cache_keys`` (no key torch
+    makes holds it, so the two kinds never match)."""
+
+
+def _compact_fake_cache_keys(original):
+    """``FakeTensorMode``'s cache key with each fake tensor's metadata as one tuple: what torch's key holds
+    (dtype, shape, strides, device, storage offset and bytes, requires_grad, the quantized, conjugate, negative
+    and inference flags; its memory format follows from the shape and strides), made in a fraction of the time
+    torch takes to flatten a dataclass of it field by field. Anything else (a dict, a symbolic shape, a sparse
+    tensor, another mode's tensor, a value of another type) is keyed, or refused, by torch's own code."""
+    import torch
+
+    from titan_ext import compat
+
+    fake, strided = compat.fake_process_group().FakeTensor, torch.strided
+    plain = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+    def prep_args_for_hash(mode, result, args, state, id_hashed_objects):
+        if isinstance(args, dict):
+            return original(mode, result, args, state, id_hashed_objects)
+        if isinstance(args, (list, tuple)):
+            result += (type(args), len(args))
+        for arg in args:
+            kind = type(arg)
+            if (kind is fake and arg.fake_mode is mode and arg.constant is None and arg.layout is strided
+                    and not arg._has_symbolic_sizes_strides):
+                result += (_FakeTensorKey, (arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                                            arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_quantized,
+                                            arg.is_conj(), arg.is_neg(), arg.is_inference()))
+            elif kind in plain:
+                result += (kind, arg)
+            elif kind in (list, tuple, torch.Size):
+                prep_args_for_hash(mode, result, arg, state, id_hashed_objects)
+            else:
+                original(mode, result, (arg,), state, id_hashed_objects)
+
+    return prep_args_for_hash
+
+
+FAKE_CACHE_KEYS = Patch(
+    "torch._subclasses.fake_tensor:FakeTensorMode._prep_args_for_hash",
+    "a planned step is one fake operator after another, nearly all answered from FakeTensorMode's cache, and torch "
+    "spent half of each answer building its key field by field: the planner keys each fake tensor by the same "
+    "metadata in one tuple (planner.rank)",
+    TORCH, _compact_fake_cache_keys,
+)
+PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS,
+                               FAKE_CACHE_KEYS)
 """The planner's, each inside its own blocks only (``scoped``)."""
 
 

@@ -164,7 +164,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 seen.sent[stages[0]] = twin[1]
                 return replace(twin[0], rank=rank, stages=stages, parallel_dims=dims)
             neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize, seen) if dims.pp_enabled else {}
-        with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True), \
+        with _fake_tensors(), \
                 (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
             with phase("parallelize"):
                 for part in [*parts, *neighbours.values()]:
@@ -295,6 +295,14 @@ def _structure(module: torch.nn.Module) -> tuple:
 
     return tuple((type(m).__qualname__, m.extra_repr(), tensors(m.named_parameters(recurse=False)),
                   tensors(m.named_buffers(recurse=False))) for m in module.modules())
+
+
+@contextlib.contextmanager
+def _fake_tensors():
+    """A planned rank's FakeTensorMode, its cache keyed the planner's faster way (``host_patches.FAKE_CACHE_KEYS``)."""
+    with host_patches.scoped((host_patches.FAKE_CACHE_KEYS,)), \
+            compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
+        yield
 
 
 @contextlib.contextmanager

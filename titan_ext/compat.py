@@ -364,6 +364,12 @@ def torch_dispatch_mode():
     return _lookup("torch", "torch.utils._python_dispatch", "TorchDispatchMode").TorchDispatchMode
 
 
+def current_dispatch_mode():
+    """The innermost torch dispatch mode in force, or None (``torch.utils._python_dispatch``): where the
+    planner's watchers join one mode instead of stacking their own."""
+    return _lookup("torch", "torch.utils._python_dispatch", "_get_current_dispatch_mode")._get_current_dispatch_mode()
+
+
 def resolve_process_group(name: str):
     """The process group a functional collective names (``torch._C._distributed_c10d``)."""
     return _lookup("torch", "torch._C._distributed_c10d", "_resolve_process_group")._resolve_process_group(name)

@@ -439,14 +439,17 @@ class _UpdatesSkipped(compat.torch_dispatch_mode()):
         return func(*args, **(kwargs or {}))
 
 
-class _ScalarsReadOne(compat.torch_dispatch_mode()):
+class _ScalarsReadOne(collectives.Watcher):
     """``.item()`` of a fake tensor reads 1: under PP, titan_ext's schedule reads the step's token count
     (it divides the loss, and scales no shape or collective)."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
-            return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
+    @staticmethod
+    def _one(args):
+        if getattr(args[0], "constant", None) is not None:
+            return collectives.NOT_ANSWERED
+        return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
+
+    answers = {torch.ops.aten._local_scalar_dense.default: _one}
 
 
 def _raising(hook):

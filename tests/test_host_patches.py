@@ -279,3 +279,35 @@ def test_document_positions_reach_every_pipeline_stage():
         Trainer.post_dataloading_process  # the class is untouched
     with pytest.raises(TypeError):
         host_patches.TRAINER_BATCH.apply(types.SimpleNamespace(), documents.to_every_stage)
+
+
+def test_the_planners_fake_cache_keys_tell_apart_exactly_what_torchs_do():
+    """``FAKE_CACHE_KEYS``: two calls of an operator share a cached fake answer under the planner's keys exactly
+    where they share one under torch's own: fake tensors differing in any metadata torch keys by, and values
+    of different types or containers."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState  # torch's own keys: tests only
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(4, 6)
+        complex_ = torch.empty(4, 6, dtype=torch.complex64)
+        with torch.inference_mode():
+            inference = torch.empty(4, 6)
+        tensors = [x, torch.empty(4, 6), torch.empty(4, 6, dtype=torch.bfloat16), torch.empty(6, 4).t(),
+                   torch.empty(5, 6)[1:], torch.empty(8, 6)[:4], torch.empty(4, 6, requires_grad=True), inference,
+                   complex_, complex_.conj(), torch._neg_view(complex_), torch.empty(4, 6, device="meta")]
+    calls = [(t,) for t in tensors] + [(x, 1), (x, 1.0), (x, True), (x, [x, x]), (x, (x, x)), (x, None), (x, [x])]
+
+    def keys():
+        return [mode._cache_key(_CacheKeyState(mode.shape_env), torch.ops.aten.add.Tensor, args, {}) for args in calls]
+
+    torchs, shipped = keys(), FakeTensorMode._prep_args_for_hash
+    with host_patches.scoped((host_patches.FAKE_CACHE_KEYS,)):
+        assert FakeTensorMode._prep_args_for_hash is not shipped
+        ours = keys()
+    assert FakeTensorMode._prep_args_for_hash is shipped
+    for i in range(len(calls)):
+        for j in range(len(calls)):
+            assert (ours[i] == ours[j]) == (torchs[i] == torchs[j]), (i, j)
+    assert len(set(ours)) == len(calls) - 1  # only x and a fresh tensor of its metadata share a key

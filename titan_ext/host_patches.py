@@ -512,10 +512,14 @@ def _compact_fake_cache_keys(original):
     and inference flags; its memory format follows from the shape and strides), made in a fraction of the time
     torch takes to flatten a dataclass of it field by field. Anything else (a dict, a symbolic shape, a sparse
     tensor, another mode's tensor, a value of another type) is keyed, or refused, by torch's own code."""
+    import inspect
+
     import torch
 
     from titan_ext import compat
 
+    if list(inspect.signature(original).parameters) != ["self", "result", "args", "state", "id_hashed_objects"]:
+        return original  # another torch's key builder, which this one calls: left as it is
     fake, strided = compat.fake_process_group().FakeTensor, torch.strided
     plain = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 

@@ -311,3 +311,32 @@ def test_the_planners_fake_cache_keys_tell_apart_exactly_what_torchs_do():
         for j in range(len(calls)):
             assert (ours[i] == ours[j]) == (torchs[i] == torchs[j]), (i, j)
     assert len(set(ours)) == len(calls) - 1  # only x and a fresh tensor of its metadata share a key
+
+
+def test_a_planned_ranks_mesh_has_the_groups_and_names_it_has_without_the_planners_row():
+    """``FAKE_GROUPS_OF_OTHER_RANKS``: inside the planner's fake group, a device mesh's groups without this rank
+    only take their names; this rank's groups are the same, with the same names, and so is every later group's
+    name."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_ext import compat
+    from titan_ext.planner import rank
+
+    def groups():
+        mesh = init_device_mesh("cpu", (4, 2, 8), mesh_dim_names=("dp", "cp", "tp"))
+        flat = mesh["dp", "cp"]._flatten("dp_cp")
+        return ([(g.group_name, dist.get_process_group_ranks(g)) for g in [*mesh.get_all_groups(), flat.get_group()]],
+                dist.new_group([20, 21]).group_name, c10d._world.group_count)
+
+    with rank.fake_group(64, 21):
+        assert c10d._new_group_with_tag.__module__ == "titan_ext.host_patches"
+        planned = groups()
+    assert c10d._new_group_with_tag.__module__ == "torch.distributed.distributed_c10d"  # restored
+    dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=21, world_size=64)
+    try:
+        shipped = groups()
+    finally:
+        dist.destroy_process_group()
+    assert planned == shipped and [len(ranks) for _, ranks in planned[0]] == [4, 2, 8, 8]

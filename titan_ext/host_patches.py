@@ -552,8 +552,48 @@ FAKE_CACHE_KEYS = Patch(
     "metadata in one tuple (planner.rank)",
     TORCH, _compact_fake_cache_keys,
 )
+
+
+def _other_ranks_groups_named_only(original):
+    """``new_group`` on the fake backend for a group without this rank: only the name it takes (the next
+    number, which the groups after it count on), and the non-member marker ``new_group`` returns. torch
+    registers nothing else for it, and on a real backend, or with a hashed name, it is called as shipped."""
+    import inspect
+
+    from titan_ext import compat
+
+    expected = ["ranks", "timeout", "backend", "backend_options", "pg_tag", "use_local_synchronization", "group_desc",
+                "device_id", "sort_ranks"]
+    if list(inspect.signature(original).parameters) != expected:
+        return original  # another torch's, whose arguments this does not know: left as it is
+    c10d = compat.c10d_groups()
+    world: list = [None, None]
+    """[the default group last seen, its rank where it is fake and without a barrier after each group, else None]"""
+
+    def new_group_with_tag(ranks=None, timeout=None, backend=None, backend_options=None, pg_tag=None,
+                           use_local_synchronization=False, group_desc=None, device_id=None, sort_ranks=True):
+        default = c10d.default_group()
+        if world[0] is not default:
+            fake = c10d.backend_of(default) == "fake" and not c10d.barrier_after_init()
+            world[:] = [default, default.rank() if fake else None]
+        if ranks is None or use_local_synchronization or world[1] is None or world[1] in ranks:
+            return original(ranks, timeout, backend, backend_options, pg_tag, use_local_synchronization, group_desc,
+                            device_id, sort_ranks)
+        c10d.group_name(sorted(ranks) if sort_ranks else ranks)
+        return c10d.non_member
+
+    return new_group_with_tag
+
+
+FAKE_GROUPS_OF_OTHER_RANKS = Patch(
+    "torch.distributed.distributed_c10d:_new_group_with_tag",
+    "a device mesh makes every subgroup of every dimension on every rank (511 of a dimension of 2's 512 groups at "
+    "1,024 ranks are without this rank), and half of a planned rank's mesh build was the bookkeeping of groups it is "
+    "not in: on the planner's fake group such a group only takes its name (planner.rank.fake_group)",
+    TORCH, _other_ranks_groups_named_only,
+)
 PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS,
-                               FAKE_CACHE_KEYS)
+                               FAKE_CACHE_KEYS, FAKE_GROUPS_OF_OTHER_RANKS)
 """The planner's, each inside its own blocks only (``scoped``)."""
 
 

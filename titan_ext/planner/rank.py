@@ -88,7 +88,8 @@ def fake_group(world: int, rank: int):
         compat.clear_dtensor_sharding_cache()  # another job's meshes, planned earlier in this process
         dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world)
         try:
-            yield
+            with host_patches.scoped((host_patches.FAKE_GROUPS_OF_OTHER_RANKS,)):
+                yield
         finally:
             dist.destroy_process_group()
 

@@ -163,6 +163,9 @@ def _watch_mode() -> type:
             self.recorders: list[Watcher] = []
             self.counters: list[Watcher] = []
             self.answers: dict = {}
+            self._plans: dict[int, tuple] = {}
+            """id(operator) -> (operator, its collective kind or None, its answer or None, whether the counters
+            see it): what this mode does with it, decided at its first dispatch while the watchers stay the same."""
 
         def join(self, watcher: Watcher) -> None:
             self.watchers.append(watcher)
@@ -178,6 +181,11 @@ def _watch_mode() -> type:
             overrides = lambda name: [w for w in self.watchers if getattr(type(w), name) is not getattr(Watcher, name)]
             self.recorders, self.counters = overrides("collective"), overrides("dispatched")
             self.answers = {op: answer for w in self.watchers for op, answer in w.answers.items()}
+            self._plans = {}
+
+        def _plan(self, func) -> tuple:
+            kind = _kind(str(func)) if self.recorders else None
+            return func, kind, self.answers.get(func), bool(self.counters) and _may_return_tensors(func)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             dtensor = _WITH_DTENSOR.get(types)
@@ -185,22 +193,22 @@ def _watch_mode() -> type:
                 dtensor = _WITH_DTENSOR[types] = any(issubclass(t, DTensor) for t in types)
             if dtensor:
                 return NotImplemented
+            plan = self._plans.get(id(func))
+            if plan is None or plan[0] is not func:
+                plan = self._plans[id(func)] = self._plan(func)
+            _, kind, answer, counted = plan
             kwargs = kwargs or {}
-            if self.recorders:
-                kind = _KIND_OF.get(func, _UNKNOWN)
-                if kind is _UNKNOWN:
-                    kind = _KIND_OF[func] = _kind(str(func))
-                if kind is not None:
-                    for recorder in self.recorders:
-                        if not recorder._paused:
-                            recorder.collective(str(func), kind, [*args, *kwargs.values()])
-            answer = self.answers.get(func) if self.answers else None
+            if kind is not None:
+                for recorder in self.recorders:
+                    if not recorder._paused:
+                        recorder.collective(str(func), kind, [*args, *kwargs.values()])
             out = answer(args) if answer is not None else NOT_ANSWERED
             if out is NOT_ANSWERED:
                 out = func(*args, **kwargs)
-            for counter in self.counters:
-                if not counter._paused:
-                    counter.dispatched(args, kwargs, out)
+            if counted:
+                for counter in self.counters:
+                    if not counter._paused:
+                        counter.dispatched(args, kwargs, out)
             return out
 
     return _Watch
@@ -208,9 +216,17 @@ def _watch_mode() -> type:
 
 _WITH_DTENSOR: dict[tuple, bool] = {}
 """The argument types an operator was dispatched with -> whether a DTensor is among them."""
-_KIND_OF: dict = {}
-"""operator -> its ``Collective.kind``, None for one that is no collective (``_kind``, once per operator)."""
-_UNKNOWN = object()
+
+
+def _may_return_tensors(func) -> bool:
+    """Whether an operator's schema lets it return a tensor: most dispatches of a fake step ask a tensor's
+    device or size (``prim.device``: C++ asks it of a fake tensor through the dispatcher), which allocate nothing."""
+    schema = getattr(func, "_schema", None)
+
+    def holds(kind) -> bool:
+        return kind.kind() in ("TensorType", "AnyType") or any(holds(inner) for inner in kind.containedTypes())
+
+    return schema is None or any(holds(ret.type) for ret in schema.returns)
 
 
 class Recorder(Watcher):

@@ -284,3 +284,64 @@ def test_document_positions_reach_every_pipeline_stage():
         Trainer.post_dataloading_process  # the class is untouched
     with pytest.raises(TypeError):
         host_patches.TRAINER_BATCH.apply(types.SimpleNamespace(), documents.to_every_stage)
+
+
+def test_the_planners_fake_cache_keys_tell_apart_exactly_what_torchs_do():
+    """``FAKE_CACHE_KEYS``: two calls of an operator share a cached fake answer under the planner's keys exactly
+    where they share one under torch's own: fake tensors differing in any metadata torch keys by, and values
+    of different types or containers."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState  # torch's own keys: tests only
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(4, 6)
+        complex_ = torch.empty(4, 6, dtype=torch.complex64)
+        with torch.inference_mode():
+            inference = torch.empty(4, 6)
+        tensors = [x, torch.empty(4, 6), torch.empty(4, 6, dtype=torch.bfloat16), torch.empty(6, 4).t(),
+                   torch.empty(5, 6)[1:], torch.empty(8, 6)[:4], torch.empty(4, 6, requires_grad=True), inference,
+                   complex_, complex_.conj(), torch._neg_view(complex_), torch.empty(4, 6, device="meta")]
+    calls = [(t,) for t in tensors] + [(x, 1), (x, 1.0), (x, True), (x, [x, x]), (x, (x, x)), (x, None), (x, [x])]
+
+    def keys():
+        return [mode._cache_key(_CacheKeyState(mode.shape_env), torch.ops.aten.add.Tensor, args, {}) for args in calls]
+
+    torchs, shipped = keys(), FakeTensorMode._prep_args_for_hash
+    with host_patches.scoped((host_patches.FAKE_CACHE_KEYS,)):
+        assert FakeTensorMode._prep_args_for_hash is not shipped
+        ours = keys()
+    assert FakeTensorMode._prep_args_for_hash is shipped
+    for i in range(len(calls)):
+        for j in range(len(calls)):
+            assert (ours[i] == ours[j]) == (torchs[i] == torchs[j]), (i, j)
+    assert len(set(ours)) == len(calls) - 1  # only x and a fresh tensor of its metadata share a key
+
+
+def test_a_planned_ranks_mesh_has_the_groups_and_names_it_has_without_the_planners_row():
+    """``FAKE_GROUPS_OF_OTHER_RANKS``: inside the planner's fake group, a device mesh's groups without this rank
+    only take their names; this rank's groups are the same, with the same names, and so is every later group's
+    name."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_ext import compat
+    from titan_ext.planner import rank
+
+    def groups():
+        mesh = init_device_mesh("cpu", (4, 2, 8), mesh_dim_names=("dp", "cp", "tp"))
+        flat = mesh["dp", "cp"]._flatten("dp_cp")
+        return ([(g.group_name, dist.get_process_group_ranks(g)) for g in [*mesh.get_all_groups(), flat.get_group()]],
+                dist.new_group([20, 21]).group_name, c10d._world.group_count)
+
+    with rank.fake_group(64, 21):
+        assert c10d._new_group_with_tag.__module__ == "titan_ext.host_patches"
+        planned = groups()
+    assert c10d._new_group_with_tag.__module__ == "torch.distributed.distributed_c10d"  # restored
+    dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=21, world_size=64)
+    try:
+        shipped = groups()
+    finally:
+        dist.destroy_process_group()
+    assert planned == shipped and [len(ranks) for _, ranks in planned[0]] == [4, 2, 8, 8]

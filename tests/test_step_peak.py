@@ -150,3 +150,28 @@ def test_a_planned_rank_peaks_as_its_step_run_for_real(tmp_path, _host_patches_u
     real, real_end = measured_peak(step)
     assert real_end == planned.grad_bytes
     assert abs(planned.peak_bytes / real - 1) < 0.05, (planned.peak_bytes, real)
+
+
+def test_the_planners_watchers_share_one_dispatch_mode():
+    """The recorder, the step peak and the PP step's ``.item()`` answer, entered one inside the other, see each
+    operator through one torch dispatch mode (``collectives.Watcher``); behind another mode, a mode of their own."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack
+
+    from titan_ext import compat
+    from titan_ext.planner import collectives, memory, rank
+
+    class Other(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
+        before = _len_torch_dispatch_stack()
+        with rank._ScalarsReadOne(), memory.StepPeak() as peak, collectives.Recorder({}) as recorder:
+            assert _len_torch_dispatch_stack() == before + 1
+            assert torch.ones(2).sum().item() == 1.0  # the fake tensor's value, read as one
+            with Other(), memory.StepPeak() as inner:
+                assert _len_torch_dispatch_stack() == before + 3
+                torch.empty(256)
+        assert _len_torch_dispatch_stack() == before
+    assert [size for _, size in peak.events if size > 0] == [8, 4, 1024] and recorder.log == []
+    assert [size for _, size in inner.events if size > 0] == [1024]

@@ -364,6 +364,25 @@ def torch_dispatch_mode():
     return _lookup("torch", "torch.utils._python_dispatch", "TorchDispatchMode").TorchDispatchMode
 
 
+def current_dispatch_mode():
+    """The innermost torch dispatch mode in force, or None (``torch.utils._python_dispatch``): where the
+    planner's watchers join one mode instead of stacking their own."""
+    return _lookup("torch", "torch.utils._python_dispatch", "_get_current_dispatch_mode")._get_current_dispatch_mode()
+
+
+def c10d_groups() -> types.SimpleNamespace:
+    """c10d's group bookkeeping (``torch.distributed.distributed_c10d``): the default group, a group's backend,
+    the next group name (a number), the marker of a group without this rank, and whether groups end with a
+    barrier (``TORCH_DIST_INIT_BARRIER``)."""
+    c10d = _lookup("torch", "torch.distributed.distributed_c10d", "_get_default_group", "get_backend",
+                   "_process_group_name", "GroupMember", "_is_barrier_after_init")
+    return types.SimpleNamespace(
+        default_group=c10d._get_default_group, backend_of=c10d.get_backend,
+        group_name=lambda ranks: c10d._process_group_name(ranks, use_hashed_name=False),
+        non_member=c10d.GroupMember.NON_GROUP_MEMBER, barrier_after_init=lambda: c10d._is_barrier_after_init() == 1,
+    )
+
+
 def resolve_process_group(name: str):
     """The process group a functional collective names (``torch._C._distributed_c10d``)."""
     return _lookup("torch", "torch._C._distributed_c10d", "_resolve_process_group")._resolve_process_group(name)
@@ -372,10 +391,10 @@ def resolve_process_group(name: str):
 def fake_process_group() -> types.SimpleNamespace:
     """torch's fake backend (``init_process_group("fake", store=FakeStore())``: any world size in one process,
     collectives return without moving data; what torchtitan's ``--comm.mode fake_backend`` uses) and
-    ``FakeTensorMode`` (tensors with shapes and dtypes, no storage)."""
+    ``FakeTensorMode`` (tensors with shapes and dtypes, no storage: ``FakeTensor``)."""
     store = _lookup("torch", "torch.testing._internal.distributed.fake_pg", "FakeStore")
-    mode = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode")
-    return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode)
+    mode = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensor")
+    return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode, FakeTensor=mode.FakeTensor)
 
 
 def clear_dtensor_sharding_cache() -> None:

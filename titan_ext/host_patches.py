@@ -518,7 +518,101 @@ SCHEDULE_SENDS = Patch(
     "schedule posts is tagged with its microbatch (planner.rank._Microbatches)",
     TORCH, _sends_told,
 )
-PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS)
+
+
+class _FakeTensorKey:
+    """Marks a fake tensor's metadata in a fake-op cache key made by ``_compact_fake_cache_keys`` (no key torch
+    makes holds it, so the two kinds never match)."""
+
+
+def _compact_fake_cache_keys(original):
+    """``FakeTensorMode``'s cache key with each fake tensor's metadata as one tuple: what torch's key holds
+    (dtype, shape, strides, device, storage offset and bytes, requires_grad, the quantized, conjugate, negative
+    and inference flags; its memory format follows from the shape and strides), made in a fraction of the time
+    torch takes to flatten a dataclass of it field by field. Anything else (a dict, a symbolic shape, a sparse
+    tensor, another mode's tensor, a value of another type) is keyed, or refused, by torch's own code."""
+    import inspect
+
+    import torch
+
+    from titan_ext import compat
+
+    if list(inspect.signature(original).parameters) != ["self", "result", "args", "state", "id_hashed_objects"]:
+        return original  # another torch's key builder, which this one calls: left as it is
+    fake, strided = compat.fake_process_group().FakeTensor, torch.strided
+    plain = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+    def prep_args_for_hash(mode, result, args, state, id_hashed_objects):
+        if isinstance(args, dict):
+            return original(mode, result, args, state, id_hashed_objects)
+        if isinstance(args, (list, tuple)):
+            result += (type(args), len(args))
+        for arg in args:
+            kind = type(arg)
+            if (kind is fake and arg.fake_mode is mode and arg.constant is None and arg.layout is strided
+                    and not arg._has_symbolic_sizes_strides):
+                result += (_FakeTensorKey, (arg.dtype, arg.shape, arg.stride(), arg.device, arg.storage_offset(),
+                                            arg.untyped_storage().nbytes(), arg.requires_grad, arg.is_quantized,
+                                            arg.is_conj(), arg.is_neg(), arg.is_inference()))
+            elif kind in plain:
+                result += (kind, arg)
+            elif kind in (list, tuple, torch.Size):
+                prep_args_for_hash(mode, result, arg, state, id_hashed_objects)
+            else:
+                original(mode, result, (arg,), state, id_hashed_objects)
+
+    return prep_args_for_hash
+
+
+FAKE_CACHE_KEYS = Patch(
+    "torch._subclasses.fake_tensor:FakeTensorMode._prep_args_for_hash",
+    "a planned step is one fake operator after another, nearly all answered from FakeTensorMode's cache, and torch "
+    "spent half of each answer building its key field by field: the planner keys each fake tensor by the same "
+    "metadata in one tuple (planner.rank)",
+    TORCH, _compact_fake_cache_keys,
+)
+
+
+def _other_ranks_groups_named_only(original):
+    """``new_group`` on the fake backend for a group without this rank: only the name it takes (the next
+    number, which the groups after it count on), and the non-member marker ``new_group`` returns. torch
+    registers nothing else for it, and on a real backend, or with a hashed name, it is called as shipped."""
+    import inspect
+
+    from titan_ext import compat
+
+    expected = ["ranks", "timeout", "backend", "backend_options", "pg_tag", "use_local_synchronization", "group_desc",
+                "device_id", "sort_ranks"]
+    if list(inspect.signature(original).parameters) != expected:
+        return original  # another torch's, whose arguments this does not know: left as it is
+    c10d = compat.c10d_groups()
+    world: list = [None, None]
+    """[the default group last seen, its rank where it is fake and without a barrier after each group, else None]"""
+
+    def new_group_with_tag(ranks=None, timeout=None, backend=None, backend_options=None, pg_tag=None,
+                           use_local_synchronization=False, group_desc=None, device_id=None, sort_ranks=True):
+        default = c10d.default_group()
+        if world[0] is not default:
+            fake = c10d.backend_of(default) == "fake" and not c10d.barrier_after_init()
+            world[:] = [default, default.rank() if fake else None]
+        if ranks is None or use_local_synchronization or world[1] is None or world[1] in ranks:
+            return original(ranks, timeout, backend, backend_options, pg_tag, use_local_synchronization, group_desc,
+                            device_id, sort_ranks)
+        c10d.group_name(sorted(ranks) if sort_ranks else ranks)
+        return c10d.non_member
+
+    return new_group_with_tag
+
+
+FAKE_GROUPS_OF_OTHER_RANKS = Patch(
+    "torch.distributed.distributed_c10d:_new_group_with_tag",
+    "a device mesh makes every subgroup of every dimension on every rank (511 of a dimension of 2's 512 groups at "
+    "1,024 ranks are without this rank), and half of a planned rank's mesh build was the bookkeeping of groups it is "
+    "not in: on the planner's fake group such a group only takes its name (planner.rank.fake_group)",
+    TORCH, _other_ranks_groups_named_only,
+)
+PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS,
+                               FAKE_CACHE_KEYS, FAKE_GROUPS_OF_OTHER_RANKS)
 """The planner's, each inside its own blocks only (``scoped``)."""
 
 

@@ -137,9 +137,12 @@ def unported(model: nn.Module) -> dict[str, str]:
     Decorated methods are read through (transformers >= 5.2x wraps each
     layer's ``forward`` in a checkpointing closure whose code names no kernel).
     """
-    found = {}
+    found, read = {}, set()
     for module in model.get_decoder().layers.modules():
         cls = type(module)
+        if cls in read:  # the blocks' modules share their classes: each class read once
+            continue
+        read.add(cls)
         for name in dir(cls):
             method = inspect.getattr_static(cls, name, None)
             if not isinstance(method, types.FunctionType):

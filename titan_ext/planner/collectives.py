@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -114,35 +115,132 @@ class Pausable:
             self._paused = False
 
 
-class Recorder(Pausable):
-    """Records every collective issued inside ``with recorder:`` (a torch dispatch mode)."""
+class Watcher(Pausable):
+    """What sees every operator inside its ``with`` (a recorder, a step peak, an answer to ``.item()``): all
+    watchers entered one inside the other share one torch dispatch mode (``_Watch``), so an operator reaches
+    Python once for all of them, not once for each. A subclass overrides what it needs: ``collective`` (before a
+    collective runs), ``dispatched`` (after any operator ran), ``answers`` (operators it answers instead)."""
+
+    answers: dict = {}
+    """operator -> ``answer(args)``: what the operator returns, or ``NOT_ANSWERED`` to run it."""
+
+    def collective(self, op_name: str, kind: str, args: list) -> None:
+        """A collective of ``kind`` about to run; ``args``: its positional and keyword arguments."""
+
+    def dispatched(self, args, kwargs, out) -> None:
+        """An operator that ran on ``args`` and ``kwargs`` and returned ``out``."""
+
+    def __enter__(self):
+        mode = compat.current_dispatch_mode()
+        if not isinstance(mode, _watch_mode()):  # another mode in between: a mode of their own
+            mode = _watch_mode()()
+            mode.__enter__()
+        mode.join(self)
+        self._watch = mode
+        return self
+
+    def __exit__(self, *exc):
+        mode, self._watch = self._watch, None
+        if mode.leave(self):
+            mode.__exit__(*exc)
+
+
+NOT_ANSWERED = object()
+
+
+@functools.cache
+def _watch_mode() -> type:
+    """``_Watch``: a class made on first use (torch's ``TorchDispatchMode``, through ``compat``)."""
+
+    class _Watch(compat.torch_dispatch_mode()):
+        """The watchers' one dispatch mode. Per operator: DTensor's go to DTensor first (what it runs on the local
+        tensors comes back here), a collective is told to the recorders, an answered operator is answered, and
+        what ran is told to those that watch every operator, each unless paused."""
+
+        def __init__(self):
+            super().__init__()
+            self.watchers: list[Watcher] = []
+            self.recorders: list[Watcher] = []
+            self.counters: list[Watcher] = []
+            self.answers: dict = {}
+            self._plans: dict[int, tuple] = {}
+            """id(operator) -> (operator, its collective kind or None, its answer or None, whether the counters
+            see it): what this mode does with it, decided at its first dispatch while the watchers stay the same."""
+
+        def join(self, watcher: Watcher) -> None:
+            self.watchers.append(watcher)
+            self._sort()
+
+        def leave(self, watcher: Watcher) -> bool:
+            """Whether no watcher is left (the mode's ``with`` ends)."""
+            self.watchers.remove(watcher)
+            self._sort()
+            return not self.watchers
+
+        def _sort(self) -> None:
+            overrides = lambda name: [w for w in self.watchers if getattr(type(w), name) is not getattr(Watcher, name)]
+            self.recorders, self.counters = overrides("collective"), overrides("dispatched")
+            self.answers = {op: answer for w in self.watchers for op, answer in w.answers.items()}
+            self._plans = {}
+
+        def _plan(self, func) -> tuple:
+            kind = _kind(str(func)) if self.recorders else None
+            return func, kind, self.answers.get(func), bool(self.counters) and _may_return_tensors(func)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dtensor = _WITH_DTENSOR.get(types)
+            if dtensor is None:
+                dtensor = _WITH_DTENSOR[types] = any(issubclass(t, DTensor) for t in types)
+            if dtensor:
+                return NotImplemented
+            plan = self._plans.get(id(func))
+            if plan is None or plan[0] is not func:
+                plan = self._plans[id(func)] = self._plan(func)
+            _, kind, answer, counted = plan
+            kwargs = kwargs or {}
+            if kind is not None:
+                for recorder in self.recorders:
+                    if not recorder._paused:
+                        recorder.collective(str(func), kind, [*args, *kwargs.values()])
+            out = answer(args) if answer is not None else NOT_ANSWERED
+            if out is NOT_ANSWERED:
+                out = func(*args, **kwargs)
+            if counted:
+                for counter in self.counters:
+                    if not counter._paused:
+                        counter.dispatched(args, kwargs, out)
+            return out
+
+    return _Watch
+
+
+_WITH_DTENSOR: dict[tuple, bool] = {}
+"""The argument types an operator was dispatched with -> whether a DTensor is among them."""
+
+
+def _may_return_tensors(func) -> bool:
+    """Whether an operator's schema lets it return a tensor: most dispatches of a fake step ask a tensor's
+    device or size (``prim.device``: C++ asks it of a fake tensor through the dispatcher), which allocate nothing."""
+    schema = getattr(func, "_schema", None)
+
+    def holds(kind) -> bool:
+        return kind.kind() in ("TensorType", "AnyType") or any(holds(inner) for inner in kind.containedTypes())
+
+    return schema is None or any(holds(ret.type) for ret in schema.returns)
+
+
+class Recorder(Watcher):
+    """Records every collective issued inside ``with recorder:``."""
 
     def __init__(self, labels: dict[str, str]):
         self.labels, self.log, self._paused = labels, [], False
-        recorder = self
 
-        class Mode(compat.torch_dispatch_mode()):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if any(issubclass(t, DTensor) for t in types):
-                    return NotImplemented  # DTensor first: what it issues inside (torch's ring attention) comes back here
-                kwargs = kwargs or {}
-                kind = None if recorder._paused else _kind(str(func))
-                if kind is not None:
-                    recorder._record(str(func), kind, list(args) + list(kwargs.values()))
-                return func(*args, **kwargs)
-
-        self._mode = Mode()
+    def collective(self, op_name: str, kind: str, args: list) -> None:
+        self._record(op_name, kind, args)
 
     def _record(self, op_name: str, kind: str, args: list) -> None:
         group, ranks = _group(args)
         self.log.append(Collective(kind, self.labels.get(group, f"group {group}"), ranks, _bytes(op_name, kind, args, ranks)))
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
 
 
 def summary(log: list[Collective]) -> list[tuple[str, str, int, int, int]]:

@@ -9,8 +9,8 @@ from collections import Counter
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_ext import compat, host_patches
-from titan_ext.planner.collectives import Pausable
+from titan_ext import host_patches
+from titan_ext.planner.collectives import Watcher
 
 GIB, MIB = 2**30, 2**20
 
@@ -39,8 +39,8 @@ def optimizer_bytes(optimizers) -> int:
     )
 
 
-class StepPeak(Pausable):
-    """The most bytes a step's own tensors hold at once (a torch dispatch mode, planned and real runs alike).
+class StepPeak(Watcher):
+    """The most bytes a step's own tensors hold at once (seeing each operator: planned and real runs alike).
 
     Every tensor an operator allocates inside ``with peak:`` is counted from its allocation until its storage
     is freed (a weak reference on the storage: what autograd saves, the transients of backward such as the
@@ -64,23 +64,27 @@ class StepPeak(Pausable):
         """Whether a tensor computed from tensors tagged ``tag`` only, outside any tag, takes it."""
         self.last_tagged: dict[object, int] = {}
         """Tag -> the number of the last allocation ``tag_of`` tagged with it (while its microbatch runs)."""
-        peak = self
 
-        class Mode(compat.torch_dispatch_mode()):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if any(issubclass(t, DTensor) for t in types):
-                    return NotImplemented  # DTensor first: its local tensors' allocations come back here
-                out = func(*args, **(kwargs or {}))
-                if not peak._paused:
-                    # a view or an in-place result of a tensor made before the step is no allocation either
-                    inputs = {t.untyped_storage()._cdata for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                              if isinstance(t, torch.Tensor)}
-                    for tensor in torch.utils._pytree.tree_leaves(out):
-                        if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
-                            peak._allocated(tensor, inputs)
-                return out
-
-        self._mode = Mode()
+    def dispatched(self, args, kwargs, out) -> None:
+        """Each tensor ``out`` holds in a storage neither live (a view, or an operator that wrote in place) nor an
+        input's (a view or an in-place result of a tensor made before the step) is an allocation."""
+        if isinstance(out, torch.Tensor):
+            outs = (out,)
+        elif isinstance(out, (list, tuple)):
+            outs = [t for t in _tensors(out)]
+        else:
+            return
+        inputs = None
+        for tensor in outs:
+            key = tensor.untyped_storage()._cdata
+            if key in self._live:
+                continue
+            if inputs is None:
+                inputs = {t.untyped_storage()._cdata for t in _tensors(args)}
+                if kwargs:
+                    inputs.update(t.untyped_storage()._cdata for t in _tensors(kwargs.values()))
+            if key not in inputs:
+                self._allocated(tensor, inputs)
 
     def _allocated(self, tensor: torch.Tensor, inputs=()) -> None:
         storage = tensor.untyped_storage()
@@ -160,13 +164,22 @@ class StepPeak(Pausable):
         self._resizes = host_patches.scoped((host_patches.STORAGE_RESIZES, host_patches.SHAPE_INFERENCE))
         self._resizes.__enter__()
         _counting.append(self)
-        self._mode.__enter__()
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc):
         _counting.remove(self)
         self._resizes.__exit__(None, None, None)
-        return self._mode.__exit__(*exc)
+        return super().__exit__(*exc)
+
+
+def _tensors(values):
+    """The tensors among ``values`` and in their lists and tuples (where an operator's arguments and results
+    hold them)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors(value)
 
 
 _counting: list[StepPeak] = []

@@ -88,7 +88,8 @@ def fake_group(world: int, rank: int):
         compat.clear_dtensor_sharding_cache()  # another job's meshes, planned earlier in this process
         dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world)
         try:
-            yield
+            with host_patches.scoped((host_patches.FAKE_GROUPS_OF_OTHER_RANKS,)):
+                yield
         finally:
             dist.destroy_process_group()
 
@@ -164,7 +165,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 seen.sent[stages[0]] = twin[1]
                 return replace(twin[0], rank=rank, stages=stages, parallel_dims=dims)
             neighbours = _other_stages(model, plan.pp, dims, job_config, parallelize, seen) if dims.pp_enabled else {}
-        with compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True), \
+        with _fake_tensors(), \
                 (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
             with phase("parallelize"):
                 for part in [*parts, *neighbours.values()]:
@@ -295,6 +296,14 @@ def _structure(module: torch.nn.Module) -> tuple:
 
     return tuple((type(m).__qualname__, m.extra_repr(), tensors(m.named_parameters(recurse=False)),
                   tensors(m.named_buffers(recurse=False))) for m in module.modules())
+
+
+@contextlib.contextmanager
+def _fake_tensors():
+    """A planned rank's FakeTensorMode, its cache keyed the planner's faster way (``host_patches.FAKE_CACHE_KEYS``)."""
+    with host_patches.scoped((host_patches.FAKE_CACHE_KEYS,)), \
+            compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
+        yield
 
 
 @contextlib.contextmanager
@@ -431,14 +440,17 @@ class _UpdatesSkipped(compat.torch_dispatch_mode()):
         return func(*args, **(kwargs or {}))
 
 
-class _ScalarsReadOne(compat.torch_dispatch_mode()):
+class _ScalarsReadOne(collectives.Watcher):
     """``.item()`` of a fake tensor reads 1: under PP, titan_ext's schedule reads the step's token count
     (it divides the loss, and scales no shape or collective)."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and getattr(args[0], "constant", None) is None:
-            return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
+    @staticmethod
+    def _one(args):
+        if getattr(args[0], "constant", None) is not None:
+            return collectives.NOT_ANSWERED
+        return True if args[0].dtype == torch.bool else 1.0 if args[0].is_floating_point() else 1
+
+    answers = {torch.ops.aten._local_scalar_dense.default: _one}
 
 
 def _raising(hook):

@@ -625,8 +625,11 @@ def test_the_experts_dispatch_to_transformers_grouped_gemm(base, overrides):
     and else loops over the experts ("eager": one Python step and one stacked-weight-sized gradient per expert)."""
     with torch.device("meta"):
         model = build_model(args(base, **overrides))
+    from titan_ext.planner import experts as planned
+
     assert moe.moe_blocks(model)
     assert model.config._experts_implementation == "grouped_mm"
+    assert {planned._implementation(block.experts) for block in moe.moe_blocks(model)} == {"grouped_mm"}  # planned so
 
 
 def test_grouped_experts_equal_the_models_loop(monkeypatch):

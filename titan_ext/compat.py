@@ -279,7 +279,8 @@ def experts_dispatch_of(hf_class: type) -> dict:
     transformers lets a model choose its experts forward (``grouped_mm`` by default) only when the source of
     the model class's module uses ``@use_experts_implementation`` (``_can_set_experts_implementation``, whose
     answer it caches on the class); a class made elsewhere (``adapter.titan_class``) would get its loop over
-    the experts ("eager"). Its experts module is the model's own, so the answer is the model class's."""
+    the experts ("eager"). Its experts module is the model's own, so the answer is the model class's (the
+    check and its cached attribute read in transformers 5.17 and 5.24)."""
     check = getattr(hf_class, "_can_set_experts_implementation", None)
     if check is None:
         raise CompatError(

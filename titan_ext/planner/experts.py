@@ -92,7 +92,8 @@ def _forward(self, hidden_states, top_k_index, top_k_weights, looped: bool = Fal
     the sum so far, the next one and their sum, three stacked-weight-sized tensors, the most while the other
     experts' activations are still held. Evenly routed experts are computed in three batched matmuls per
     weight, for the experts before the last two, the last but one, and the last: those sums come at the same
-    point of backward. Without it (transformers' grouped GEMM; titan_ext's under TP), in one: a gradient of the whole weight."""
+    point of backward. Without it (transformers' grouped GEMM; titan_ext's under TP), in one: a gradient of the
+    whole weight."""
     final = torch.zeros_like(hidden_states)
     tokens, k = top_k_index.shape
     with torch.no_grad():  # the model's expert mask (its size counts; its values would pick the rows)

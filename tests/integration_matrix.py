@@ -301,8 +301,6 @@ SPECS = {
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
-                         recompiles="transformers' expert loop takes each expert's tokens, a size that changes with "
-                         "every routing: dynamo recompiles those pieces once with a dynamic size",
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2",
                                "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP

@@ -605,3 +605,52 @@ def test_a_forward_outside_the_pipelines_microbatches_records_and_counts_nothing
         assert moe.RECORDS.take() is not None and gate.tokens_per_expert.sum() == 8 * 2
     finally:
         moe.RECORDS.live = True
+
+
+TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12, "first_k_dense_replace": 1,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "vocab_size": 2048}
+SHRUNK_QWEN3_NEXT = {"num_hidden_layers": 4, "hidden_size": 64, "num_experts": 8, "vocab_size": 2048}
+
+
+@pytest.mark.parametrize("base, overrides", [
+    (TINY, {}), (TINY_OLMOE, {}), (TINY_DEEPSEEK_V3, {}),
+    (json.loads((REPO / "train_configs" / "kimi_linear_debug.json").read_text()), {}),
+    (json.loads((REPO / "train_configs" / "qwen3_next_80b_a3b.json").read_text()), SHRUNK_QWEN3_NEXT),
+], ids=["qwen3_moe", "olmoe", "deepseek_v3", "kimi_linear", "qwen3_next"])
+def test_the_experts_dispatch_to_transformers_grouped_gemm(base, overrides):
+    """titan_ext's model classes (made in ``adapter.titan_class``) run their experts in transformers' grouped GEMMs
+    as the HF classes do: transformers allows it only for a class whose module's source it finds its decorator in,
+    and else loops over the experts ("eager": one Python step and one stacked-weight-sized gradient per expert)."""
+    with torch.device("meta"):
+        model = build_model(args(base, **overrides))
+    from titan_ext.planner import experts as planned
+
+    assert moe.moe_blocks(model)
+    assert model.config._experts_implementation == "grouped_mm"
+    assert {planned._implementation(block.experts) for block in moe.moe_blocks(model)} == {"grouped_mm"}  # planned so
+
+
+def test_grouped_experts_equal_the_models_loop(monkeypatch):
+    """A step of titan_ext's Qwen3-MoE runs every MoE layer's two expert matmuls grouped (not per expert), with the
+    logits and gradients of the model's own loop over the experts."""
+    import transformers.integrations.moe as hf_moe
+
+    grouped = hf_moe._grouped_mm
+    calls = []
+    monkeypatch.setattr(hf_moe, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped(*a, **kw))
+    torch.manual_seed(0)
+    model = build_model(args()).float()
+    looped = copy.deepcopy(model)
+    looped.set_experts_implementation("eager")
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 32))
+    cotangent = torch.randn(2, 32, TINY["vocab_size"])
+    results = []
+    for m in (model, looped):
+        logits = m(tokens)
+        (logits * cotangent).sum().backward()
+        results.append([logits.detach(), *(p.grad for p in m.parameters())])
+    assert len(calls) == 2 * len(moe.moe_blocks(model))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ SUPPORTED = {
     "torchtitan": "0.2.2 (0.2.x)",
     "flash-linear-attention": "0.6.0 (0.6.x)",
     "torch": "2.11-2.15",
+    "transformers": "5.17-5.24",
 }
 
 
@@ -270,6 +271,23 @@ def grouped_mm(rows, weights, ends):
 
     moe = _lookup("transformers", "transformers.integrations.moe", "_grouped_mm")
     return moe._grouped_mm(rows, weights, ends.to(torch.int32))
+
+
+def experts_dispatch_of(hf_class: type) -> dict:
+    """The class attribute that makes a subclass of ``hf_class`` dispatch its experts as ``hf_class`` does.
+
+    transformers lets a model choose its experts forward (``grouped_mm`` by default) only when the source of
+    the model class's module uses ``@use_experts_implementation`` (``_can_set_experts_implementation``, whose
+    answer it caches on the class); a class made elsewhere (``adapter.titan_class``) would get its loop over
+    the experts ("eager"). Its experts module is the model's own, so the answer is the model class's (the
+    check and its cached attribute read in transformers 5.17 and 5.24)."""
+    check = getattr(hf_class, "_can_set_experts_implementation", None)
+    if check is None:
+        raise CompatError(
+            f"titan_ext needs {hf_class.__name__}._can_set_experts_implementation; installed transformers "
+            f"{_version('transformers')}, supported {SUPPORTED['transformers']}: install a supported version"
+        )
+    return {"_can_set_experts_implementation_cached_value": bool(check())}
 
 
 def in_backward() -> bool:

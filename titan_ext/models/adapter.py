@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titan_ext import kernels
+from titan_ext import compat, kernels
 from titan_ext.errors import ConfigError, HostChanged, defer
 from titan_ext.models import packing
 from titan_ext.models.args import HFModelArgs
@@ -171,9 +171,10 @@ def build_context(model_args: HFModelArgs):
 
 @functools.cache
 def titan_class(hf_class: type) -> type:
-    """``TitanCausalLM`` + an HF causal-LM class, e.g. ``GLAForTitan``."""
+    """``TitanCausalLM`` + an HF causal-LM class, e.g. ``GLAForTitan``; an MoE's experts run as in
+    ``hf_class`` (transformers' grouped GEMM, not its loop over the experts: ``compat.experts_dispatch_of``)."""
     name = hf_class.__name__.replace("ForCausalLM", "ForTitan")
-    return type(name, (TitanCausalLM, hf_class), {"__module__": __name__})
+    return type(name, (TitanCausalLM, hf_class), {"__module__": __name__, **compat.experts_dispatch_of(hf_class)})
 
 
 def build_model(model_args: HFModelArgs) -> nn.Module:

@@ -76,9 +76,9 @@ def _parallel_forward(self, hidden_states, top_k_index, top_k_weights):
 
 
 def _implementation(experts) -> str:
-    """The experts forward transformers dispatches the module to (``config._experts_implementation``: "eager"
-    is the model's loop over the experts; titan_ext's models get it, transformers' check for the others reading
-    the source of the class's module, which for titan_ext's classes is titan_ext's)."""
+    """The experts forward transformers dispatches the module to (``config._experts_implementation``): "eager"
+    is the model's loop over the experts, which a model gets when transformers cannot dispatch its experts
+    (titan_ext's models get their HF class's dispatch, ``grouped_mm``: ``adapter.titan_class``)."""
     return getattr(getattr(experts, "config", None), "_experts_implementation", None) or "eager"
 
 
@@ -92,7 +92,8 @@ def _forward(self, hidden_states, top_k_index, top_k_weights, looped: bool = Fal
     the sum so far, the next one and their sum, three stacked-weight-sized tensors, the most while the other
     experts' activations are still held. Evenly routed experts are computed in three batched matmuls per
     weight, for the experts before the last two, the last but one, and the last: those sums come at the same
-    point of backward. Without it (titan_ext's grouped GEMM under TP), in one: a gradient of the whole weight."""
+    point of backward. Without it (transformers' grouped GEMM; titan_ext's under TP), in one: a gradient of the
+    whole weight."""
     final = torch.zeros_like(hidden_states)
     tokens, k = top_k_index.shape
     with torch.no_grad():  # the model's expert mask (its size counts; its values would pick the rows)

@@ -41,8 +41,10 @@ class RankPlan:
     parallel_dims: object
     microbatch: tuple | None = None
     """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
-    saved, issued and added to the step's peak, (bytes, collectives, peak bytes, whether that growth of the
-    peak holds without stepping one more microbatch to see: False where the peak comes while they run)."""
+    saved and issued, the step's peak at m microbatches (``_Microbatches.middle``: the largest of (bytes,
+    growth per further microbatch) pairs, and one such that must stay below it, or None), and whether that
+    rule holds without stepping one more microbatch to see (False where the peak comes while they run and
+    the schedule shows no repeating period)."""
 
     @property
     def total_bytes(self) -> int:
@@ -540,9 +542,12 @@ class _Microbatches:
         saved.counted = lambda nbytes: self.saved.update({self.current: nbytes})
         inner = schedule._schedule
         self.count = inner._n_microbatches
-        for stage in list(getattr(inner, "_stages", None) or [inner._stage]):
+        self.stages = list(getattr(inner, "_stages", None) or [inner._stage])
+        self.ops: list[tuple[int, str]] = []
+        """(the step's peak's event count as a forward or backward of a microbatch starts, "F" or "B")."""
+        for stage in self.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._during(getattr(stage, name), 0))
+                setattr(stage, name, self._during(getattr(stage, name), 0, name[0].upper()))
             for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
                 setattr(stage, name, self._stamped(getattr(stage, name)))
         inner._maybe_compute_loss = self._during(inner._maybe_compute_loss, 3)
@@ -565,8 +570,10 @@ class _Microbatches:
             return "batch"
         return self.current
 
-    def _during(self, method, position: int):
+    def _during(self, method, position: int, kind: str | None = None):
         def run(*args, **kwargs):
+            if kind is not None and not self._recorder._paused:
+                self.ops.append((len(self._peak.events), kind))
             outer, self.current, self.started = self.current, args[position], True
             try:
                 return method(*args, **kwargs)
@@ -627,9 +634,8 @@ class _Microbatches:
         at_peak = self._peak.held(at, kept)
         if not end.get("batch", {}).keys() <= at_peak.get("batch", {}).keys():
             raise _NotAffine("the step's peak comes before the batch's tensors")
-        verified = True
-        if at <= max(self._peak.last_tagged.get(index, -1) for index in middles):  # the peak while they run
-            # and what they keep adds up: it may peak later at more (``plan_layout`` steps one more to see)
+        verified, while_they_run = True, at <= max(self._peak.last_tagged.get(index, -1) for index in middles)
+        if while_they_run:  # the peak while they run, and what they keep adds up: it may peak later at more
             verified = not any(end.get(index) for index in middles)
         elif any(not end.get(index, {}).keys() <= at_peak.get(index, {}).keys() for index in middles):
             raise _NotAffine("the step's peak comes before what a middle microbatch holds after the microbatches")
@@ -642,7 +648,59 @@ class _Microbatches:
         if len({(nbytes, tuple(sorted(Counter(issued).items(), key=repr)), peak)
                 for nbytes, issued, peak in each.values()}) != 1:
             raise _NotAffine("middle microbatches differ")
-        return (*each[1], verified)
+        saved, issued, held = each[1]
+        gradients = sum(memory.local_bytes(g) for g in kept)  # as ``memory.step_peak_bytes`` adds them
+        rule = None
+        if not verified:  # the peak while they run: where the schedule repeats a period, each further one inserted
+            rule = self._periods(kept, end, middles, held - batch // self.count, batch // self.count, gradients)
+            verified = rule is not None
+        return saved, issued, rule or (((self._peak.peak_bytes(kept) + gradients, held),), None), verified
+
+    def _periods(self, kept, end, middles, kept_each: int, batch_each: int, gradients: int) -> tuple | None:
+        """The step's peak at m microbatches as the largest of (bytes, growth per further microbatch) pairs, from
+        this step alone, where 1F1B's steady phase repeats: each steady period (a forward, then a backward, up to
+        the next forward or backward) allocates and frees the same bytes in the same order, and one more microbatch is one more
+        period. Two consecutive periods alike (compared allocation by allocation) mark where the repeats begin
+        (the first backwards allocate the gradients); a step of m microbatches is this one with m - count copies
+        of that period inserted there. So an event before it holds what it held here plus the batch's tensors'
+        share of each further microbatch; an event after it, also every inserted period's net bytes (what a
+        microbatch keeps: checked equal to what a middle one holds when all are done), up to the first release
+        of a tensor kept across the microbatches (the schedule's losses at the step's end): what comes after may
+        hold less at m, never more, and must stay below (else ``_NotAffine`` when extrapolated). None where no
+        two periods are alike, or several stages run on this rank."""
+        if len(self.stages) != 1:
+            return None
+        events, left_out = self._peak.events, self._peak._left_out(kept)
+        kinds = "".join(kind for _, kind in self.ops)
+        periods = [(self.ops[a][0], self.ops[a + 2][0]) for a in range(len(kinds) - 2) if kinds[a: a + 2] == "FB"]
+        sizes = [0 if number in left_out else size for number, size in events]
+        insert = next((b for (a, b), (c, d) in zip(periods, periods[1:]) if b == c and sizes[a:b] == sizes[b:d]), None)
+        if insert is None or kept_each < 0:
+            return None
+        start = next(a for a, b in periods if b == insert)
+        if sum(sizes[start:insert]) != kept_each:
+            return None
+        kept_across = {number for index in (*middles, "batch") for number in end.get(index, {})}
+        release = next((i for i in range(insert, len(events))
+                        if events[i][1] < 0 and events[i][0] in kept_across), len(events))
+        before: dict[int, int] = {}  # the batch's bytes live -> the most bytes live at an event before the period
+        now = batch_live = 0
+        after = below = None
+        for i, (number, size) in enumerate(events):
+            now += sizes[i]
+            if self._peak._tags.get(number) == "batch" and number not in left_out:
+                batch_live += size
+            if i < insert:
+                before[batch_live] = max(before.get(batch_live, now), now)
+            elif i < release:
+                after = now if after is None else max(after, now)
+            else:
+                below = now if below is None else max(below, now)
+        if any(live % self.count for live in before) or after is None:
+            return None
+        rule = tuple((most + gradients, live // self.count) for live, most in sorted(before.items()))
+        growth = kept_each + batch_each
+        return (*rule, (after + gradients, growth)), None if below is None else (below + gradients, growth)
 
 
 def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
@@ -692,7 +750,7 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
         if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to
             more = planned(_with_microbatches(job_config, count + 1), attribute=True)
             if any(_figures(_extrapolated(one, count, count + 1, plan)) != _figures(_extrapolated(two, count + 1, count + 1, plan))
-                   or one.microbatch != two.microbatch for one, two in zip(stepped, more)):
+                   or one.microbatch[:2] != two.microbatch[:2] for one, two in zip(stepped, more)):
                 raise _NotAffine("one more microbatch adds another peak than the middle one holds")
         return [_extrapolated(rank, count, m, plan) for rank in stepped]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
@@ -718,7 +776,16 @@ def _stepped_microbatches(job_config, extrapolate: bool | None) -> int | None:
     if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         return None  # refused by titan_ext's checks, in the full plan
     count = max(3, p.pipeline_parallel_degree + 1)
+    if p.tensor_parallel_degree > 1 or p.context_parallel_degree > 1:
+        count += PERIODS - 1
     return count if count < _microbatches(job_config) else None
+
+
+PERIODS = 3
+"""Steady 1F1B periods the first stage of a TP or CP layout is stepped with: there its middle microbatches keep
+tensors (the schedule's losses, CP's positions of each microbatch) while the step's peak comes mid-schedule,
+which is extrapolated from two consecutive periods alike (``_Microbatches._periods``), found after the first
+backwards (which allocate the gradients, and under TP accumulate them otherwise)."""
 
 
 def _with_microbatches(job_config, count: int):
@@ -743,14 +810,16 @@ def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
     the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
     the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
     came, each repeated its count."""
-    saved, issued, held, _ = stepped.microbatch
+    saved, issued, (rule, below), _ = stepped.microbatch
     counts = Counter(stepped.collectives)
     for collective, n in Counter(issued).items():
         counts[collective] += (m - count) * n
     ordered = [c for c in dict.fromkeys(stepped.collectives) for _ in range(counts[c])]
+    peak = max(nbytes + (m - count) * growth for nbytes, growth in rule)
+    if below is not None and below[0] + (m - count) * below[1] > peak:
+        raise _NotAffine("the step's peak may come after the tensors kept across the microbatches are freed")
     return replace(stepped, saved_bytes=stepped.saved_bytes + (m - count) * saved,
-                   peak_bytes=stepped.peak_bytes + (m - count) * held, collectives=tuple(ordered), plan=plan,
-                   microbatch=None)
+                   peak_bytes=peak, collectives=tuple(ordered), plan=plan, microbatch=None)
 
 
 def _checked_plan(job_config, world: int, model_args=None):

@@ -356,7 +356,12 @@ EXTRAPOLATED = [
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),  # 2 stages per rank
-    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 4
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 5
+    # TP and CP: stepped with 5 (p + 3), the peak from their repeating periods (the losses, CP's positions kept)
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.tensor_parallel_degree", "2"]),
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.context_parallel_degree", "2"]),
 ]
 
 
@@ -391,12 +396,10 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
         assert fields(planned) == fields(full), args
         assert estimates.bubble(planned[0].plan, job) == estimates.bubble(full[0].plan, job)
         assert estimates.step_seconds(planned, 50.0) == pytest.approx(estimates.step_seconds(full, 50.0), rel=1e-12)
-    # stepped in full (the peak not extrapolated, equal all the same): under CP, where the first stage's middle
-    # microbatches keep tensors past their work and its peak comes while they run; and the interleaved schedule
-    assert all("Interleaved1F1B" in args or args[args.index("--parallelism.context_parallel_degree") + 1] != "1"
-               for args in in_full if "--parallelism.context_parallel_degree" in args or "Interleaved1F1B" in args), in_full
-    assert all("--parallelism.context_parallel_degree" in args or "Interleaved1F1B" in args for args in in_full), in_full
-    assert len(in_full) <= 4, in_full
+    # stepped in full (equal all the same): the interleaved schedule (its peak while the middle microbatches run,
+    # no single-stage period), and the sweep's TP and CP layouts of 4 microbatches (p + 3 = 5 is not fewer)
+    assert all("Interleaved1F1B" in args or "--training.local_batch_size" not in args for args in in_full), in_full
+    assert len(in_full) <= 3 and not [args for args in cases[-2:] if args[1] in in_full], in_full  # TP, CP: periods
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
@@ -454,6 +457,9 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(8, 8) is None  # as many as the job's own
     assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    assert _stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
+                                                     "--training.local_batch_size", "16"])), None) == 5  # p + 3
 
 def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
     """Masked attention under CP is planned (each fake row one document of whole windows); MLA's sends what a
@@ -584,10 +590,10 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
-def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_once_one_more_microbatch_agrees(monkeypatch):
+def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_its_repeating_periods(monkeypatch):
     """Field by field, exactly: PP 2 x CP 2 with 16 microbatches (the first stage's peak comes while the middle
-    microbatches run, and they keep tensors): stepped with 3, checked against 4, extrapolated to 16, equal to
-    each rank stepped with all 16 on its own."""
+    microbatches run, and they keep tensors: their positions): stepped once with 5, extrapolated to 16 from its
+    steady 1F1B periods, equal to each rank stepped with all 16 on its own."""
     from titan_ext.planner import job_config_of, prepare, rank
     from titan_ext.planner.collectives import summary
 
@@ -602,5 +608,5 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_once_
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
-    assert (3, 4) in extrapolated and extrapolated[-2:] == [(3, 16), (3, 16)]  # checked with 4, then extrapolated
+    assert extrapolated == [(5, 16), (5, 16)]  # one step per rank
     assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))

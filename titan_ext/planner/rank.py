@@ -43,8 +43,8 @@ class RankPlan:
     """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
     saved and issued, the step's peak at m microbatches (``_Microbatches.middle``: the largest of (bytes,
     growth per further microbatch) pairs, and one such that must stay below it, or None), and whether that
-    rule holds without stepping one more microbatch to see (False where the peak comes while they run and
-    the schedule shows no repeating period)."""
+    rule holds (False where the peak comes while they run, they keep tensors, and the step shows no repeating
+    period: the layout is then stepped in full)."""
 
     @property
     def total_bytes(self) -> int:
@@ -113,15 +113,14 @@ class StagesSeen:
 
 
 def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
-              seen: StagesSeen | None = None, attribute: bool = False, checkable: bool = False) -> RankPlan:
+              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
     ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
     interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
-    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued;
-    ``checkable``: also where its peak's growth needs a step with one more microbatch to be trusted (else
-    ``_NotAffine`` at once: the layout is stepped in full).
+    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued, and its
+    step's peak as a rule of m (``_NotAffine`` where there is none: the layout is stepped in full).
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -189,7 +188,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             passes = estimates.accumulation_steps(job_config, dims)
             peak_bytes = memory.step_peak_bytes(peak, parts, passes)
             middle = microbatches.middle(memory.held_through(parts, passes)) if microbatches else None
-            if middle is not None and not middle[3] and not checkable:
+            if middle is not None and not middle[3]:
                 raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
@@ -278,11 +277,31 @@ def _deeper_twin(key, seen: StagesSeen):
     if not isinstance(depth, int) or len(found) < 2:
         return None
     (a, one, sent), (b, other, _) = found[-2:]
-    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives", "microbatch")
+    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives")
     if a == b or any(getattr(one, name) != getattr(other, name) for name in same):
         return None
-    step, rest = divmod(one.peak_bytes - other.peak_bytes, a - b)
-    return None if rest else (replace(one, peak_bytes=one.peak_bytes + (depth - a) * step), sent)
+    peaks = _by_depth(one.peak_bytes, other.peak_bytes, a - b, depth - a)
+    if one.microbatch is None or other.microbatch is None:
+        return None if one.microbatch != other.microbatch or peaks is None else (replace(one, peak_bytes=peaks), sent)
+    if one.microbatch[::3] != other.microbatch[::3] or one.microbatch[1] != other.microbatch[1]:
+        return None
+    (rule, below), (rule_b, below_b) = one.microbatch[2], other.microbatch[2]
+    pairs = [*zip(rule, rule_b), *([(below, below_b)] if below and below_b else [])]
+    if len(rule) != len(rule_b) or (below is None) != (below_b is None) or any(x[1] != y[1] for x, y in pairs):
+        return None  # the peak's rule (``_Microbatches.middle``): each of its bytes by depth, as the peak's
+    deeper = [_by_depth(x[0], y[0], a - b, depth - a) for x, y in pairs]
+    if peaks is None or None in deeper:
+        return None
+    moved = [(nbytes, x[1]) for nbytes, (x, _) in zip(deeper, pairs)]
+    rule = (tuple(moved[: len(rule)]), moved[len(rule)] if below else None)
+    return replace(one, peak_bytes=peaks, microbatch=(*one.microbatch[:2], rule, one.microbatch[3])), sent
+
+
+def _by_depth(one: int, other: int, apart: int, further: int) -> int | None:
+    """``one`` moved ``further`` depths on, by what a depth added from ``other`` (``apart`` depths before); None
+    where that is no whole number of bytes."""
+    step, rest = divmod(one - other, apart)
+    return None if rest else one + further * step
 
 
 def _structure(module: torch.nn.Module) -> tuple:
@@ -730,11 +749,10 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
     count = _stepped_microbatches(job_config, extrapolate)
-    checkable = False
 
     def planned(job, attribute=False):
         seen = StagesSeen()
-        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute, checkable) for rank in ranks]
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
 
     if count is None:
         return planned(job_config)
@@ -742,16 +760,8 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     m = _microbatches(job_config)
-    # a step with count + 1 to check the peak's growth, where cheaper than one with m and where it agrees: under
-    # CP (the first stage keeps its pieces of the sequence); under TP one more microbatch peaks higher still
-    checkable = 2 * count + 1 < m and job_config.parallelism.context_parallel_degree > 1
     try:
         stepped = planned(_with_microbatches(job_config, count), attribute=True)
-        if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to
-            more = planned(_with_microbatches(job_config, count + 1), attribute=True)
-            if any(_figures(_extrapolated(one, count, count + 1, plan)) != _figures(_extrapolated(two, count + 1, count + 1, plan))
-                   or one.microbatch[:2] != two.microbatch[:2] for one, two in zip(stepped, more)):
-                raise _NotAffine("one more microbatch adds another peak than the middle one holds")
         return [_extrapolated(rank, count, m, plan) for rank in stepped]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
         return planned(job_config)
@@ -794,11 +804,6 @@ def _with_microbatches(job_config, count: int):
     if job_config.validation.local_batch_size == job_config.training.local_batch_size:
         small.validation.local_batch_size = small.training.local_batch_size
     return small
-
-
-def _figures(planned: RankPlan) -> tuple:
-    return (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes, planned.saved_bytes, planned.peak_bytes,
-            Counter(planned.collectives))
 
 
 class _NotAffine(Exception):

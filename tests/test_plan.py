@@ -319,7 +319,7 @@ def debug_sweep():
 
     prepare()
     lines: list[str] = []
-    return layouts.plan_sweep(SWEEP_ARGV, 4, 50.0, progress=lines.append), lines
+    return layouts.plan_sweep(SWEEP_ARGV, 4, 50.0, progress=lines.append, workers=2), lines  # two processes
 
 
 def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
@@ -343,12 +343,15 @@ def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
 def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
     from titan_ext.planner.layouts import candidates
 
-    result, lines = debug_sweep
-    names = [layout.name() for layout in candidates(result.world)]
+    result, lines = debug_sweep  # in the order they were done (the sweep's processes share them out)
+    names = {layout.name(): layout for layout in candidates(result.world)}
     assert [line.split("] ")[0] + "]" for line in lines] == [f"[{i}/{len(names)}" + "]" for i in range(1, len(names) + 1)]
-    for line, layout in zip(lines, candidates(result.world)):
+    assert sorted(line.split("] ")[1].split(": ")[0] for line in lines) == sorted(names)
+    for line in lines:
+        layout = names[line.split("] ")[1].split(": ")[0]]
         outcome = "peak " if layout in result.planned else "skipped"
-        assert line.startswith(f"[") and f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
+        assert f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
+    assert list(result.seconds) == list(names.values())  # the result in the sweep's order
 
 
 # (world, flags): pipelined layouts of 8 microbatches, stepped with 3 (5 at PP 4) and extrapolated, and in full

@@ -360,7 +360,7 @@ EXTRAPOLATED = [
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),  # 2 stages per rank
     (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 5
-    # TP and CP: stepped with 5 (p + 3), the peak from their repeating periods (the losses, CP's positions kept)
+    # TP and CP: stepped with 4 and 5, the peak from their repeating periods (the losses, CP's positions kept)
     (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.tensor_parallel_degree", "2"]),
     (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
@@ -385,7 +385,7 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     result, _ = debug_sweep
-    cases = [(result.world, argv(layout.flags())) for layout in result.planned  # 4 microbatches: with 3 (not TP, CP: 5)
+    cases = [(result.world, argv(layout.flags())) for layout in result.planned  # 4 microbatches: with 3 (not TP, CP)
              if 1 < layout.pp < 3 and rank._stepped_microbatches(job_config_of(argv(layout.flags())), None)]
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
     assert len(cases) >= 5
@@ -462,6 +462,9 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     assert _stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
+                                                     "--training.local_batch_size", "16"])), None) == 4  # 3 periods
+    assert _stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
+                                                     "--parallelism.pipeline_parallel_degree", "2",
                                                      "--training.local_batch_size", "16"])), None) == 5  # p + 3
 
 def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
@@ -553,7 +556,7 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     everything = layouts.candidates
     monkeypatch.setattr(layouts, "candidates", lambda world, experts: [
         layout for layout in everything(world, experts) if layout.ep > 1 or layout.name() == "fsdp 2"])
-    result = layouts.plan_sweep(MOE, 2, 50.0)
+    result = layouts.plan_sweep(MOE, 2, 50.0, workers=1)
     planned = {layout.name(): plans for layout, plans in result.planned.items()}
     assert {"fsdp 2", "fsdp 2, experts over ep 2", "tp 2, experts over ep 2"} <= set(planned)
     assert "cp 2, experts over ep 2" in {layout.name() for layout, _ in result.skipped}  # the balancing loss under CP

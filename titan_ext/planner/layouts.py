@@ -132,7 +132,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
     tasks, done = context.Queue(), context.Queue()
     for index in order:
         tasks.put(index)
-    for _ in range(workers - 1):
+    for _ in range(workers):  # a stop mark for each process, this one's too
         tasks.put(None)
     helpers = [context.Process(target=_worker, args=(argv, world, link_gbps, layouts, tasks, done), daemon=True)
                for _ in range(workers - 1)]
@@ -141,8 +141,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
     try:
         while True:
             index = tasks.get()
-            if index is None:  # the helpers' stop marks come after every layout: put back, and wait for them
-                tasks.put(None)
+            if index is None:  # every layout taken: wait for the other processes' last ones
                 break
             outcomes[index] = _plan_one(argv, world, link_gbps, layouts[index])
             _report(layouts, outcomes, [index, *_collect(done, outcomes, block=False)], progress)

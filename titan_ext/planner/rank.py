@@ -786,16 +786,18 @@ def _stepped_microbatches(job_config, extrapolate: bool | None) -> int | None:
     if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         return None  # refused by titan_ext's checks, in the full plan
     count = max(3, p.pipeline_parallel_degree + 1)
-    if p.tensor_parallel_degree > 1 or p.context_parallel_degree > 1:
+    if p.context_parallel_degree > 1:  # every stage keeps each microbatch's positions: the first needs the periods
         count += PERIODS - 1
+    elif p.tensor_parallel_degree > 1:  # the last stage keeps the losses (its warm-up is one microbatch)
+        count = max(count, PERIODS + 1)
     return count if count < _microbatches(job_config) else None
 
 
 PERIODS = 3
-"""Steady 1F1B periods the first stage of a TP or CP layout is stepped with: there its middle microbatches keep
-tensors (the schedule's losses, CP's positions of each microbatch) while the step's peak comes mid-schedule,
-which is extrapolated from two consecutive periods alike (``_Microbatches._periods``), found after the first
-backwards (which allocate the gradients, and under TP accumulate them otherwise)."""
+"""Steady 1F1B periods a stage whose middle microbatches keep tensors while the step's peak comes mid-schedule
+(under TP the last stage: the schedule's losses; under CP each stage: each microbatch's positions) is stepped
+with: its peak is extrapolated from two consecutive periods alike (``_Microbatches._periods``), found after
+the first backwards (which allocate the gradients, and under TP accumulate them otherwise)."""
 
 
 def _with_microbatches(job_config, count: int):

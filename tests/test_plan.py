@@ -357,7 +357,7 @@ def debug_sweep():
 
     prepare()
     lines: list[str] = []
-    return layouts.plan_sweep(SWEEP_ARGV, 4, 50.0, progress=lines.append), lines
+    return layouts.plan_sweep(SWEEP_ARGV, 4, 50.0, progress=lines.append, workers=2), lines  # two processes
 
 
 def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
@@ -381,12 +381,15 @@ def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
 def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
     from titan_ext.planner.layouts import candidates
 
-    result, lines = debug_sweep
-    names = [layout.name() for layout in candidates(result.world)]
+    result, lines = debug_sweep  # in the order they were done (the sweep's processes share them out)
+    names = {layout.name(): layout for layout in candidates(result.world)}
     assert [line.split("] ")[0] + "]" for line in lines] == [f"[{i}/{len(names)}" + "]" for i in range(1, len(names) + 1)]
-    for line, layout in zip(lines, candidates(result.world)):
+    assert sorted(line.split("] ")[1].split(": ")[0] for line in lines) == sorted(names)
+    for line in lines:
+        layout = names[line.split("] ")[1].split(": ")[0]]
         outcome = "peak " if layout in result.planned else "skipped"
-        assert line.startswith(f"[") and f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
+        assert f"] {layout.name()}: {outcome}" in line and line.endswith(" s)"), line
+    assert list(result.seconds) == list(names.values())  # the result in the sweep's order
 
 
 # (world, flags): pipelined layouts of 8 microbatches, stepped with 3 (5 at PP 4) and extrapolated, and in full
@@ -394,7 +397,12 @@ EXTRAPOLATED = [
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2"]),
     (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),  # 2 stages per rank
-    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 4
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "4"]),  # stepped with 5
+    # TP and CP: stepped with 4 and 5, the peak from their repeating periods (the losses, CP's positions kept)
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.tensor_parallel_degree", "2"]),
+    (4, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.context_parallel_degree", "2"]),
 ]
 
 
@@ -415,9 +423,10 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     result, _ = debug_sweep
-    cases = [(result.world, argv(layout.flags())) for layout in result.planned if 1 < layout.pp < 3]  # 4 microbatches: with 3
+    cases = [(result.world, argv(layout.flags())) for layout in result.planned  # 4 microbatches: with 3 (not TP, CP)
+             if 1 < layout.pp < 3 and rank._stepped_microbatches(job_config_of(argv(layout.flags())), None)]
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
-    assert len(cases) >= 6
+    assert len(cases) >= 5
     in_full = []
     for world, args in cases:
         job = job_config_of(args)
@@ -429,12 +438,9 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
         assert fields(planned) == fields(full), args
         assert estimates.bubble(planned[0].plan, job) == estimates.bubble(full[0].plan, job)
         assert estimates.step_seconds(planned, 50.0) == pytest.approx(estimates.step_seconds(full, 50.0), rel=1e-12)
-    # stepped in full (the peak not extrapolated, equal all the same): under CP, where the first stage's middle
-    # microbatches keep tensors past their work and its peak comes while they run; and the interleaved schedule
-    assert all("Interleaved1F1B" in args or args[args.index("--parallelism.context_parallel_degree") + 1] != "1"
-               for args in in_full if "--parallelism.context_parallel_degree" in args or "Interleaved1F1B" in args), in_full
-    assert all("--parallelism.context_parallel_degree" in args or "Interleaved1F1B" in args for args in in_full), in_full
-    assert len(in_full) <= 4, in_full
+    # stepped in full (equal all the same): the interleaved schedule only (its peak while the middle microbatches
+    # run, no single-stage period); TP and CP from their periods
+    assert all("Interleaved1F1B" in args for args in in_full), in_full
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
@@ -492,6 +498,12 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(8, 8) is None  # as many as the job's own
     assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    assert _stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
+                                                     "--training.local_batch_size", "16"])), None) == 4  # 3 periods
+    assert _stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
+                                                     "--parallelism.pipeline_parallel_degree", "2",
+                                                     "--training.local_batch_size", "16"])), None) == 5  # p + 3
 
 def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
     """Masked attention under CP is planned (each fake row one document of whole windows); MLA's sends what a
@@ -582,7 +594,7 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     everything = layouts.candidates
     monkeypatch.setattr(layouts, "candidates", lambda world, experts: [
         layout for layout in everything(world, experts) if layout.ep > 1 or layout.name() == "fsdp 2"])
-    result = layouts.plan_sweep(MOE, 2, 50.0)
+    result = layouts.plan_sweep(MOE, 2, 50.0, workers=1)
     planned = {layout.name(): plans for layout, plans in result.planned.items()}
     assert {"fsdp 2", "fsdp 2, experts over ep 2", "tp 2, experts over ep 2"} <= set(planned)
     assert "cp 2, experts over ep 2" in {layout.name() for layout, _ in result.skipped}  # the balancing loss under CP
@@ -622,10 +634,10 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
-def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_once_one_more_microbatch_agrees(monkeypatch):
+def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_its_repeating_periods(monkeypatch):
     """Field by field, exactly: PP 2 x CP 2 with 16 microbatches (the first stage's peak comes while the middle
-    microbatches run, and they keep tensors): stepped with 3, checked against 4, extrapolated to 16, equal to
-    each rank stepped with all 16 on its own."""
+    microbatches run, and they keep tensors: their positions): stepped once with 5, extrapolated to 16 from its
+    steady 1F1B periods, equal to each rank stepped with all 16 on its own."""
     from titan_ext.planner import job_config_of, prepare, rank
     from titan_ext.planner.collectives import summary
 
@@ -640,5 +652,5 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_once_
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
-    assert (3, 4) in extrapolated and extrapolated[-2:] == [(3, 16), (3, 16)]  # checked with 4, then extrapolated
+    assert extrapolated == [(5, 16), (5, 16)]  # one step per rank
     assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 NODE = 8
 """Ranks per node: TP and CP stay inside one (tp x cp <= 8), as their collectives are on every block's path."""
@@ -109,35 +110,128 @@ class Sweep:
     """This process's CPU seconds per layout (the machine may be shared: wall seconds then say little)."""
 
 
-def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progress=None) -> Sweep:
-    """Plans ``candidates(world)`` in turn in this process (imports, torchtitan's registry and titan_ext's
-    kernels loaded once); ``progress(line)`` hears of each layout as it is done."""
-    from titan_ext.errors import ConfigError
-    from titan_ext.planner import estimates, job_config_of
-    from titan_ext.planner.memory import GIB
-    from titan_ext.planner.rank import plan_layout
+def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progress=None, workers: int | None = None) -> Sweep:
+    """Plans ``candidates(world)`` in this process and ``workers - 1`` more (default: one per CPU this process may
+    use), each taking the next layout not yet taken, the costliest kinds first (``_cost``); each layout is
+    planned on its own (nothing one leaves behind changes the next one's plan: ``tests/test_plan.py``), so
+    the plans are those of one process. Imports, torchtitan's registry and titan_ext's kernels load once per
+    process. ``progress(line)`` hears of each layout as it is done (``[how many are done/all]``); ``result`` lists
+    them in the sweep's order."""
+    import multiprocessing
 
     result, layouts = Sweep(world), candidates(world, experts_of(argv))
-    for number, layout in enumerate(layouts, 1):
-        job_config = job_config_of([*argv, *layout.flags()])
-        begin, cpu = time.monotonic(), time.process_time()
-        try:
-            planned = plan_layout(job_config, world, phases)
-        except ConfigError as error:
-            result.skipped.append((layout, str(error)))
-        except Exception as error:  # noqa: BLE001  (the planner's own limits, reported per layout)
-            result.skipped.append((layout, f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"))
-        else:
-            result.planned[layout] = planned
-            peak = max(r.total_bytes for r in planned)
-            passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
-            result.rows.append((layout, peak, estimates.step_seconds(planned, link_gbps, passes),
-                                estimates.bubble(planned[0].plan, job_config)))
-        result.seconds[layout], result.cpu_seconds[layout] = time.monotonic() - begin, time.process_time() - cpu
+    workers = min(len(layouts), workers or len(os.sched_getaffinity(0)))
+    order = sorted(range(len(layouts)), key=lambda index: _cost(layouts[index]), reverse=True)
+    outcomes: dict[int, tuple] = {}
+    if workers <= 1:
+        for index in order:
+            outcomes[index] = _plan_one(argv, world, link_gbps, layouts[index])
+            _report(layouts, outcomes, [index], progress)
+        return _gathered(result, layouts, outcomes, phases)
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads
+    tasks, done = context.Queue(), context.Queue()
+    for index in order:
+        tasks.put(index)
+    for _ in range(workers):  # a stop mark for each process, this one's too
+        tasks.put(None)
+    helpers = [context.Process(target=_worker, args=(argv, world, link_gbps, layouts, tasks, done), daemon=True)
+               for _ in range(workers - 1)]
+    for helper in helpers:
+        helper.start()
+    try:
+        while True:
+            index = tasks.get()
+            if index is None:  # every layout taken: wait for the other processes' last ones
+                break
+            outcomes[index] = _plan_one(argv, world, link_gbps, layouts[index])
+            _report(layouts, outcomes, [index, *_collect(done, outcomes, block=False)], progress)
+        while len(outcomes) < len(layouts):
+            if not any(helper.is_alive() for helper in helpers) and done.empty():
+                raise RuntimeError("a sweep's worker process ended before planning its layouts")
+            _report(layouts, outcomes, _collect(done, outcomes, block=True), progress)
+    finally:
+        for helper in helpers:
+            helper.join(timeout=5)
+            if helper.is_alive():
+                helper.kill()
+    return _gathered(result, layouts, outcomes, phases)
+
+
+def _cost(layout: Layout) -> tuple:
+    """What planning a layout costs, roughly, for the order the processes take them in: its pipeline ranks step
+    every microbatch, TP and CP step more periods (``rank.PERIODS``)."""
+    return layout.pp, layout.tp * layout.cp > 1
+
+
+def _plan_one(argv: list[str], world: int, link_gbps: float, layout: Layout) -> tuple:
+    """(its RankPlans and row, or its reason for being skipped; wall and CPU seconds; the phases' seconds)."""
+    from titan_ext.errors import ConfigError
+    from titan_ext.planner import estimates, job_config_of
+    from titan_ext.planner.rank import Phases, plan_layout
+
+    job_config = job_config_of([*argv, *layout.flags()])
+    phases = Phases()
+    begin, cpu = time.monotonic(), time.process_time()
+    try:
+        planned = plan_layout(job_config, world, phases)
+    except ConfigError as error:
+        outcome = str(error)
+    except Exception as error:  # noqa: BLE001  (the planner's own limits, reported per layout)
+        outcome = f"not planned: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    else:
+        passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
+        row = (layout, max(r.total_bytes for r in planned), estimates.step_seconds(planned, link_gbps, passes),
+               estimates.bubble(planned[0].plan, job_config))
+        outcome = ([replace(r, parallel_dims=None) for r in planned], row)  # the meshes stay in their process
+    return outcome, time.monotonic() - begin, time.process_time() - cpu, dict(phases.seconds)
+
+
+def _worker(argv, world, link_gbps, layouts, tasks, done) -> None:
+    """A sweep's further process: plans the layouts it takes until the stop mark."""
+    from titan_ext.planner import prepare
+
+    prepare()
+    while (index := tasks.get()) is not None:
+        done.put((index, _plan_one(argv, world, link_gbps, layouts[index])))
+
+
+def _collect(done, outcomes: dict, block: bool) -> list[int]:
+    """The layouts the other processes finished (waiting a little for one where ``block``)."""
+    import queue
+
+    got = []
+    try:
+        while True:
+            index, outcome = done.get(block=block, timeout=5 if block else None)
+            outcomes[index] = outcome
+            got.append(index)
+            block = False
+    except queue.Empty:
+        pass
+    return got
+
+
+def _report(layouts: list[Layout], outcomes: dict, indices: list[int], progress) -> None:
+    from titan_ext.planner.memory import GIB
+
+    for number, index in enumerate(indices, len(outcomes) - len(indices) + 1):
+        outcome, seconds, cpu, _ = outcomes[index]
         if progress is not None:
-            done = f"peak {result.rows[-1][1] / GIB:.3f} GiB" if layout in result.planned else "skipped"
-            progress(f"[{number}/{len(layouts)}] {layout.name()}: {done} ({result.seconds[layout]:.1f} s, "
-                     f"{result.cpu_seconds[layout]:.1f} CPU s)")
+            done = "skipped" if isinstance(outcome, str) else f"peak {outcome[1][1] / GIB:.3f} GiB"
+            progress(f"[{number}/{len(layouts)}] {layouts[index].name()}: {done} ({seconds:.1f} s, {cpu:.1f} CPU s)")
+
+
+def _gathered(result: Sweep, layouts: list[Layout], outcomes: dict, phases) -> Sweep:
+    """Every layout's outcome into ``result``, in the sweep's order; the phases' seconds summed."""
+    for index, layout in enumerate(layouts):
+        outcome, result.seconds[layout], result.cpu_seconds[layout], seconds = outcomes[index]
+        if isinstance(outcome, str):
+            result.skipped.append((layout, outcome))
+        else:
+            result.planned[layout], row = outcome
+            result.rows.append(row)
+        if phases is not None:
+            phases.seconds.update(seconds)
     return result
 
 

@@ -41,8 +41,10 @@ class RankPlan:
     parallel_dims: object
     microbatch: tuple | None = None
     """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
-    saved, issued and added to the step's peak, (bytes, collectives, peak bytes, whether that growth of the
-    peak holds without stepping one more microbatch to see: False where the peak comes while they run)."""
+    saved and issued, the step's peak at m microbatches (``_Microbatches.middle``: the largest of (bytes,
+    growth per further microbatch) pairs, and one such that must stay below it, or None), and whether that
+    rule holds (False where the peak comes while they run, they keep tensors, and the step shows no repeating
+    period: the layout is then stepped in full)."""
 
     @property
     def total_bytes(self) -> int:
@@ -112,15 +114,14 @@ class StagesSeen:
 
 
 def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
-              seen: StagesSeen | None = None, attribute: bool = False, checkable: bool = False) -> RankPlan:
+              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
     ``seen``: the earlier ranks of the same layout (a pipelined layout's). A rank whose one stage is an
     interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
-    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued;
-    ``checkable``: also where its peak's growth needs a step with one more microbatch to be trusted (else
-    ``_NotAffine`` at once: the layout is stepped in full).
+    ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued, and its
+    step's peak as a rule of m (``_NotAffine`` where there is none: the layout is stepped in full).
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -188,7 +189,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             passes = estimates.accumulation_steps(job_config, dims)
             peak_bytes = memory.step_peak_bytes(peak, parts, passes)
             middle = microbatches.middle(memory.held_through(parts, passes)) if microbatches else None
-            if middle is not None and not middle[3] and not checkable:
+            if middle is not None and not middle[3]:
                 raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
             with phase("optimizer"):
                 grad_bytes = memory.grad_bytes(parts)
@@ -277,11 +278,31 @@ def _deeper_twin(key, seen: StagesSeen):
     if not isinstance(depth, int) or len(found) < 2:
         return None
     (a, one, sent), (b, other, _) = found[-2:]
-    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives", "microbatch")
+    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives")
     if a == b or any(getattr(one, name) != getattr(other, name) for name in same):
         return None
-    step, rest = divmod(one.peak_bytes - other.peak_bytes, a - b)
-    return None if rest else (replace(one, peak_bytes=one.peak_bytes + (depth - a) * step), sent)
+    peaks = _by_depth(one.peak_bytes, other.peak_bytes, a - b, depth - a)
+    if one.microbatch is None or other.microbatch is None:
+        return None if one.microbatch != other.microbatch or peaks is None else (replace(one, peak_bytes=peaks), sent)
+    if one.microbatch[::3] != other.microbatch[::3] or one.microbatch[1] != other.microbatch[1]:
+        return None
+    (rule, below), (rule_b, below_b) = one.microbatch[2], other.microbatch[2]
+    pairs = [*zip(rule, rule_b), *([(below, below_b)] if below and below_b else [])]
+    if len(rule) != len(rule_b) or (below is None) != (below_b is None) or any(x[1] != y[1] for x, y in pairs):
+        return None  # the peak's rule (``_Microbatches.middle``): each of its bytes by depth, as the peak's
+    deeper = [_by_depth(x[0], y[0], a - b, depth - a) for x, y in pairs]
+    if peaks is None or None in deeper:
+        return None
+    moved = [(nbytes, x[1]) for nbytes, (x, _) in zip(deeper, pairs)]
+    rule = (tuple(moved[: len(rule)]), moved[len(rule)] if below else None)
+    return replace(one, peak_bytes=peaks, microbatch=(*one.microbatch[:2], rule, one.microbatch[3])), sent
+
+
+def _by_depth(one: int, other: int, apart: int, further: int) -> int | None:
+    """``one`` moved ``further`` depths on, by what a depth added from ``other`` (``apart`` depths before); None
+    where that is no whole number of bytes."""
+    step, rest = divmod(one - other, apart)
+    return None if rest else one + further * step
 
 
 def _structure(module: torch.nn.Module) -> tuple:
@@ -552,9 +573,12 @@ class _Microbatches:
         saved.counted = lambda nbytes: self.saved.update({self.current: nbytes})
         inner = schedule._schedule
         self.count = inner._n_microbatches
-        for stage in list(getattr(inner, "_stages", None) or [inner._stage]):
+        self.stages = list(getattr(inner, "_stages", None) or [inner._stage])
+        self.ops: list[tuple[int, str]] = []
+        """(the step's peak's event count as a forward or backward of a microbatch starts, "F" or "B")."""
+        for stage in self.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, name, self._during(getattr(stage, name), 0))
+                setattr(stage, name, self._during(getattr(stage, name), 0, name[0].upper()))
             for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
                 setattr(stage, name, self._stamped(getattr(stage, name)))
         inner._maybe_compute_loss = self._during(inner._maybe_compute_loss, 3)
@@ -577,8 +601,10 @@ class _Microbatches:
             return "batch"
         return self.current
 
-    def _during(self, method, position: int):
+    def _during(self, method, position: int, kind: str | None = None):
         def run(*args, **kwargs):
+            if kind is not None and not self._recorder._paused:
+                self.ops.append((len(self._peak.events), kind))
             outer, self.current, self.started = self.current, args[position], True
             try:
                 return method(*args, **kwargs)
@@ -639,9 +665,8 @@ class _Microbatches:
         at_peak = self._peak.held(at, kept)
         if not end.get("batch", {}).keys() <= at_peak.get("batch", {}).keys():
             raise _NotAffine("the step's peak comes before the batch's tensors")
-        verified = True
-        if at <= max(self._peak.last_tagged.get(index, -1) for index in middles):  # the peak while they run
-            # and what they keep adds up: it may peak later at more (``plan_layout`` steps one more to see)
+        verified, while_they_run = True, at <= max(self._peak.last_tagged.get(index, -1) for index in middles)
+        if while_they_run:  # the peak while they run, and what they keep adds up: it may peak later at more
             verified = not any(end.get(index) for index in middles)
         elif any(not end.get(index, {}).keys() <= at_peak.get(index, {}).keys() for index in middles):
             raise _NotAffine("the step's peak comes before what a middle microbatch holds after the microbatches")
@@ -654,7 +679,59 @@ class _Microbatches:
         if len({(nbytes, tuple(sorted(Counter(issued).items(), key=repr)), peak)
                 for nbytes, issued, peak in each.values()}) != 1:
             raise _NotAffine("middle microbatches differ")
-        return (*each[1], verified)
+        saved, issued, held = each[1]
+        gradients = sum(memory.local_bytes(g) for g in kept)  # as ``memory.step_peak_bytes`` adds them
+        rule = None
+        if not verified:  # the peak while they run: where the schedule repeats a period, each further one inserted
+            rule = self._periods(kept, end, middles, held - batch // self.count, batch // self.count, gradients)
+            verified = rule is not None
+        return saved, issued, rule or (((self._peak.peak_bytes(kept) + gradients, held),), None), verified
+
+    def _periods(self, kept, end, middles, kept_each: int, batch_each: int, gradients: int) -> tuple | None:
+        """The step's peak at m microbatches as the largest of (bytes, growth per further microbatch) pairs, from
+        this step alone, where 1F1B's steady phase repeats: each steady period (a forward, then a backward, up to
+        the next forward or backward) allocates and frees the same bytes in the same order, and one more microbatch is one more
+        period. Two consecutive periods alike (compared allocation by allocation) mark where the repeats begin
+        (the first backwards allocate the gradients); a step of m microbatches is this one with m - count copies
+        of that period inserted there. So an event before it holds what it held here plus the batch's tensors'
+        share of each further microbatch; an event after it, also every inserted period's net bytes (what a
+        microbatch keeps: checked equal to what a middle one holds when all are done), up to the first release
+        of a tensor kept across the microbatches (the schedule's losses at the step's end): what comes after may
+        hold less at m, never more, and must stay below (else ``_NotAffine`` when extrapolated). None where no
+        two periods are alike, or several stages run on this rank."""
+        if len(self.stages) != 1:
+            return None
+        events, left_out = self._peak.events, self._peak._left_out(kept)
+        kinds = "".join(kind for _, kind in self.ops)
+        periods = [(self.ops[a][0], self.ops[a + 2][0]) for a in range(len(kinds) - 2) if kinds[a: a + 2] == "FB"]
+        sizes = [0 if number in left_out else size for number, size in events]
+        insert = next((b for (a, b), (c, d) in zip(periods, periods[1:]) if b == c and sizes[a:b] == sizes[b:d]), None)
+        if insert is None or kept_each < 0:
+            return None
+        start = next(a for a, b in periods if b == insert)
+        if sum(sizes[start:insert]) != kept_each:
+            return None
+        kept_across = {number for index in (*middles, "batch") for number in end.get(index, {})}
+        release = next((i for i in range(insert, len(events))
+                        if events[i][1] < 0 and events[i][0] in kept_across), len(events))
+        before: dict[int, int] = {}  # the batch's bytes live -> the most bytes live at an event before the period
+        now = batch_live = 0
+        after = below = None
+        for i, (number, size) in enumerate(events):
+            now += sizes[i]
+            if self._peak._tags.get(number) == "batch" and number not in left_out:
+                batch_live += size
+            if i < insert:
+                before[batch_live] = max(before.get(batch_live, now), now)
+            elif i < release:
+                after = now if after is None else max(after, now)
+            else:
+                below = now if below is None else max(below, now)
+        if any(live % self.count for live in before) or after is None:
+            return None
+        rule = tuple((most + gradients, live // self.count) for live, most in sorted(before.items()))
+        growth = kept_each + batch_each
+        return (*rule, (after + gradients, growth)), None if below is None else (below + gradients, growth)
 
 
 def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolate: bool | None = None,
@@ -684,11 +761,10 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     pp = job_config.parallelism.pipeline_parallel_degree
     ranks = [stage * (world // pp) for stage in range(pp)]
     count = _stepped_microbatches(job_config, extrapolate)
-    checkable = False
 
     def planned(job, attribute=False):
         seen = StagesSeen()
-        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute, checkable) for rank in ranks]
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
 
     if count is None:
         return planned(job_config)
@@ -696,16 +772,8 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
         return planned(job_config)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
     m = _microbatches(job_config)
-    # a step with count + 1 to check the peak's growth, where cheaper than one with m and where it agrees: under
-    # CP (the first stage keeps its pieces of the sequence); under TP one more microbatch peaks higher still
-    checkable = 2 * count + 1 < m and job_config.parallelism.context_parallel_degree > 1
     try:
         stepped = planned(_with_microbatches(job_config, count), attribute=True)
-        if not all(rank.microbatch[3] for rank in stepped):  # a peak while the middle ones run, which they add to
-            more = planned(_with_microbatches(job_config, count + 1), attribute=True)
-            if any(_figures(_extrapolated(one, count, count + 1, plan)) != _figures(_extrapolated(two, count + 1, count + 1, plan))
-                   or one.microbatch != two.microbatch for one, two in zip(stepped, more)):
-                raise _NotAffine("one more microbatch adds another peak than the middle one holds")
         return [_extrapolated(rank, count, m, plan) for rank in stepped]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
         return planned(job_config)
@@ -730,7 +798,18 @@ def _stepped_microbatches(job_config, extrapolate: bool | None) -> int | None:
     if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         return None  # refused by titan_ext's checks, in the full plan
     count = max(3, p.pipeline_parallel_degree + 1)
+    if p.context_parallel_degree > 1:  # every stage keeps each microbatch's positions: the first needs the periods
+        count += PERIODS - 1
+    elif p.tensor_parallel_degree > 1:  # the last stage keeps the losses (its warm-up is one microbatch)
+        count = max(count, PERIODS + 1)
     return count if count < _microbatches(job_config) else None
+
+
+PERIODS = 3
+"""Steady 1F1B periods a stage whose middle microbatches keep tensors while the step's peak comes mid-schedule
+(under TP the last stage: the schedule's losses; under CP each stage: each microbatch's positions) is stepped
+with: its peak is extrapolated from two consecutive periods alike (``_Microbatches._periods``), found after
+the first backwards (which allocate the gradients, and under TP accumulate them otherwise)."""
 
 
 def _with_microbatches(job_config, count: int):
@@ -739,11 +818,6 @@ def _with_microbatches(job_config, count: int):
     if job_config.validation.local_batch_size == job_config.training.local_batch_size:
         small.validation.local_batch_size = small.training.local_batch_size
     return small
-
-
-def _figures(planned: RankPlan) -> tuple:
-    return (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes, planned.saved_bytes, planned.peak_bytes,
-            Counter(planned.collectives))
 
 
 class _NotAffine(Exception):
@@ -755,14 +829,16 @@ def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
     the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
     the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
     came, each repeated its count."""
-    saved, issued, held, _ = stepped.microbatch
+    saved, issued, (rule, below), _ = stepped.microbatch
     counts = Counter(stepped.collectives)
     for collective, n in Counter(issued).items():
         counts[collective] += (m - count) * n
     ordered = [c for c in dict.fromkeys(stepped.collectives) for _ in range(counts[c])]
+    peak = max(nbytes + (m - count) * growth for nbytes, growth in rule)
+    if below is not None and below[0] + (m - count) * below[1] > peak:
+        raise _NotAffine("the step's peak may come after the tensors kept across the microbatches are freed")
     return replace(stepped, saved_bytes=stepped.saved_bytes + (m - count) * saved,
-                   peak_bytes=stepped.peak_bytes + (m - count) * held, collectives=tuple(ordered), plan=plan,
-                   microbatch=None)
+                   peak_bytes=peak, collectives=tuple(ordered), plan=plan, microbatch=None)
 
 
 def _checked_plan(job_config, world: int, model_args=None):

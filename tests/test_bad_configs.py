@@ -218,11 +218,6 @@ CASES = {
         [*GLA, *TP2, "--parallelism.expert_tensor_parallel_degree", "2"], 2,
         "--parallelism.expert_tensor_parallel_degree=2 needs --parallelism.expert_parallel_degree > 1",
     ),
-    "pp x tp with a moe model's balancing loss": (
-        [*generic("hf", "qwen3_moe.json"), *PP2, "--parallelism.tensor_parallel_degree", "2",
-         "--parallelism.expert_parallel_degree", "2"], 4,
-        "the routers' statistics that stages carry for the balancing loss are whole sequences",
-    ),
     "tp for a model with no plan": (
         [*generic("hf", "opt.json"), *TP2], 2, "no tensor-parallel plan for model_type 'opt'"
     ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -594,7 +595,8 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     everything = layouts.candidates
     monkeypatch.setattr(layouts, "candidates", lambda world, experts: [
         layout for layout in everything(world, experts) if layout.ep > 1 or layout.name() == "fsdp 2"])
-    result = layouts.plan_sweep(MOE, 2, 50.0, workers=1)
+    result = layouts.plan_sweep(MOE, 2, 50.0, workers=2)  # two processes: a run-time TP plan class stays in its own
+    pickle.dumps(result.planned)  # what a worker process sends back: an HF model's TP plan class is made at run time
     planned = {layout.name(): plans for layout, plans in result.planned.items()}
     assert {"fsdp 2", "fsdp 2, experts over ep 2", "tp 2, experts over ep 2"} <= set(planned)
     assert "cp 2, experts over ep 2" in {layout.name() for layout, _ in result.skipped}  # the balancing loss under CP

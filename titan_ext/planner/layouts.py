@@ -182,7 +182,8 @@ def _plan_one(argv: list[str], world: int, link_gbps: float, layout: Layout) -> 
         passes = estimates.accumulation_steps(job_config, planned[0].parallel_dims)
         row = (layout, max(r.total_bytes for r in planned), estimates.step_seconds(planned, link_gbps, passes),
                estimates.bubble(planned[0].plan, job_config))
-        outcome = ([replace(r, parallel_dims=None) for r in planned], row)  # the meshes stay in their process
+        # the meshes and the job's plan (a model's TP plan may be a class made at run time) stay in their process
+        outcome = ([replace(r, parallel_dims=None, plan=None) for r in planned], row)
     return outcome, time.monotonic() - begin, time.process_time() - cpu, dict(phases.seconds)
 
 
@@ -191,8 +192,16 @@ def _worker(argv, world, link_gbps, layouts, tasks, done) -> None:
     from titan_ext.planner import prepare
 
     prepare()
+    import pickle
+
     while (index := tasks.get()) is not None:
-        done.put((index, _plan_one(argv, world, link_gbps, layouts[index])))
+        outcome = _plan_one(argv, world, link_gbps, layouts[index])
+        try:  # the queue pickles in a thread of its own, where a failure would only lose the layout
+            pickle.dumps(outcome)
+        except Exception as error:  # noqa: BLE001
+            outcome = (f"not planned: the sweep's worker process could not send its plan ({type(error).__name__}: "
+                       f"{str(error)[:120]})", *outcome[1:])
+        done.put((index, outcome))
 
 
 def _collect(done, outcomes: dict, block: bool) -> list[int]:

@@ -656,3 +656,15 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_
     planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
     assert extrapolated == [(5, 16), (5, 16)]  # one step per rank
     assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))
+
+
+def test_a_planned_ranks_group_leaves_the_processs_excepthook_as_it_was():
+    """torch's ``init_process_group`` wraps ``sys.excepthook`` (a "[rankN]: " prefix per line); a sweep inits a
+    group per planned rank, and the wrappers stacked up on its error's every line."""
+    from titan_ext.planner import rank
+
+    hook = sys.excepthook
+    for planned in range(3):
+        with rank.fake_group(4, planned):
+            pass
+    assert sys.excepthook is hook

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import sys
 import time
 import types
 import weakref
@@ -86,7 +87,9 @@ def fake_group(world: int, rank: int):
 
     fake = compat.fake_process_group()
     env = {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    with mock.patch.dict(os.environ, env):
+    # torch's init_process_group wraps sys.excepthook to prefix "[rankN]: " to a traceback's lines; a sweep
+    # inits hundreds of groups in one process, so the wrappers stacked up on its error's every line
+    with mock.patch.dict(os.environ, env), mock.patch.object(sys, "excepthook", sys.excepthook):
         compat.clear_dtensor_sharding_cache()  # another job's meshes, planned earlier in this process
         dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world)
         try:

@@ -132,6 +132,7 @@ RUN_BY = {
         "matrix:hf_deepseek_v3/tp2",
     "python tests/integration_matrix.py --spec hf_qwen3_moe --rows single ep2_tp2_etp2": "matrix:hf_qwen3_moe/ep2_tp2_etp2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single ep2_cp2": "matrix:hf_qwen3_next/ep2_cp2",
+    "python tests/integration_matrix.py --spec hf_qwen3_moe --rows single ep2_cp2": "matrix:hf_qwen3_moe/ep2_cp2",
     "python tests/integration_matrix.py --spec hf_qwen3_next --rows single ep2_tp2": "matrix:hf_qwen3_next/ep2_tp2",
     "torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 "
     "-m torchtitan.train --job.config_file train_configs/qwen3_moe_30B_A3B.toml": "gpu",  # 8 gloo ranks, minutes: the opt-in matrix rows

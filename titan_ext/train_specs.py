@@ -14,7 +14,7 @@ from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
 from titan_ext.models.kda import kda_flavors
 from titan_ext.models.llama import llama_flavors
-from titan_ext.models import qwen3_5  # noqa: F401  (registers the Qwen3.5 and Qwen3-Next architectures)
+from titan_ext.models import qwen3_5, qwen3_moe  # noqa: F401  (register the Qwen3.5, Qwen3-Next and Qwen3-MoE architectures)
 from titan_ext.models.transformer import transformer_flavors
 
 

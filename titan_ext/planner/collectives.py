@@ -108,11 +108,11 @@ class Pausable:
 
     @contextlib.contextmanager
     def paused(self):
-        self._paused = True
+        was, self._paused = self._paused, True
         try:
             yield
         finally:
-            self._paused = False
+            self._paused = was
 
 
 class Watcher(Pausable):

@@ -196,23 +196,24 @@ def _worker(argv, world, link_gbps, layouts, tasks, done) -> None:
 
     while (index := tasks.get()) is not None:
         outcome = _plan_one(argv, world, link_gbps, layouts[index])
-        try:  # the queue pickles in a thread of its own, where a failure would only lose the layout
-            pickle.dumps(outcome)
+        try:  # pickled here: the queue pickles in a thread of its own, where a failure would only lose the layout
+            sent = pickle.dumps(outcome)
         except Exception as error:  # noqa: BLE001
-            outcome = (f"not planned: the sweep's worker process could not send its plan ({type(error).__name__}: "
-                       f"{str(error)[:120]})", *outcome[1:])
-        done.put((index, outcome))
+            sent = pickle.dumps((f"not planned: the sweep's worker process could not send its plan "
+                                 f"({type(error).__name__}: {str(error)[:120]})", *outcome[1:]))
+        done.put((index, sent))
 
 
 def _collect(done, outcomes: dict, block: bool) -> list[int]:
     """The layouts the other processes finished (waiting a little for one where ``block``)."""
+    import pickle
     import queue
 
     got = []
     try:
         while True:
-            index, outcome = done.get(block=block, timeout=5 if block else None)
-            outcomes[index] = outcome
+            index, sent = done.get(block=block, timeout=5 if block else None)
+            outcomes[index] = pickle.loads(sent)
             got.append(index)
             block = False
     except queue.Empty:

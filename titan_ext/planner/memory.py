@@ -71,7 +71,7 @@ class StepPeak(Watcher):
         if isinstance(out, torch.Tensor):
             outs = (out,)
         elif isinstance(out, (list, tuple)):
-            outs = [t for t in _tensors(out)]
+            outs = list(_tensors(out))
         else:
             return
         inputs = None
@@ -196,14 +196,10 @@ def storage_resized(storage) -> None:
 def uncounted():
     """Allocations the step peaks inside their ``with`` do not count: DTensor's shape inference on fake
     tensors (``host_patches.SHAPE_INFERENCE``), which holds no memory."""
-    paused = [(peak, peak._paused) for peak in _counting]
-    for peak, _ in paused:
-        peak._paused = True
-    try:
+    with contextlib.ExitStack() as stack:
+        for peak in _counting:
+            stack.enter_context(peak.paused())
         yield
-    finally:
-        for peak, was in paused:
-            peak._paused = was
 
 
 def gradients(model_parts) -> list[torch.Tensor]:

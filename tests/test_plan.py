@@ -610,10 +610,12 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
-def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("world, more", [(8, []), (16, ["--parallelism.context_parallel_degree", "2"])], ids=["pp8", "pp8_cp2"])
+def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_path, monkeypatch, world, more):
     """Field by field, exactly: an 8-block debug GLA in 8 stages under 1F1B (16 microbatches, stepped with 9):
     stages 2 and 3 (a block each) are stepped, 4 to 6 take their figures with the step's peak extrapolated
-    by their warm-up depth, and every rank equals it planned on its own."""
+    by their warm-up depth, and every rank equals it planned on its own. Under CP each stage's collectives
+    come in the order of its warm-up: they are compared as counts."""
     from titan_ext.planner import job_config_of, prepare, rank
     from titan_ext.planner.collectives import summary
 
@@ -622,16 +624,16 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
     monkeypatch.setattr(rank, "_step_runner", lambda *a, _f=rank._step_runner: steps.append(a[0]) or _f(*a))
     (tmp_path / "gla8.json").write_text(json.dumps({"model_type": "gla", "num_hidden_layers": 8}))
     flags = argv(["--titan_ext.hf_config", str(tmp_path / "gla8.json"), "--parallelism.data_parallel_shard_degree", "1",
-                  "--parallelism.pipeline_parallel_degree", "8", "--training.local_batch_size", "16"])
+                  "--parallelism.pipeline_parallel_degree", "8", "--training.local_batch_size", "16", *more])
 
     def fields(planned):
         return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                  summary(list(r.collectives)), r.plan] for r in planned]
 
-    reused = rank.plan_layout(job_config_of(flags), 8)
+    reused = rank.plan_layout(job_config_of(flags), world)
     assert len(steps) == 5  # stages 0, 1 (two blocks), 2, 3 and 7
     assert len({r.peak_bytes for r in reused[2:7]}) == 5  # each depth its own peak
-    assert fields(reused) == fields(rank.plan_layout(job_config_of(flags), 8, reuse=False))
+    assert fields(reused) == fields(rank.plan_layout(job_config_of(flags), world, reuse=False))
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")

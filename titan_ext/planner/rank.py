@@ -281,13 +281,14 @@ def _deeper_twin(key, seen: StagesSeen):
     if not isinstance(depth, int) or len(found) < 2:
         return None
     (a, one, sent), (b, other, _) = found[-2:]
-    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes", "collectives")
-    if a == b or any(getattr(one, name) != getattr(other, name) for name in same):
+    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes")
+    if a == b or any(getattr(one, name) != getattr(other, name) for name in same) \
+            or Counter(one.collectives) != Counter(other.collectives):  # in the order of each one's warm-up
         return None
     peaks = _by_depth(one.peak_bytes, other.peak_bytes, a - b, depth - a)
     if one.microbatch is None or other.microbatch is None:
         return None if one.microbatch != other.microbatch or peaks is None else (replace(one, peak_bytes=peaks), sent)
-    if one.microbatch[::3] != other.microbatch[::3] or one.microbatch[1] != other.microbatch[1]:
+    if one.microbatch[::3] != other.microbatch[::3] or Counter(one.microbatch[1]) != Counter(other.microbatch[1]):
         return None
     (rule, below), (rule_b, below_b) = one.microbatch[2], other.microbatch[2]
     pairs = [*zip(rule, rule_b), *([(below, below_b)] if below and below_b else [])]

@@ -646,7 +646,8 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_
 
     prepare()
     extrapolated = []
-    monkeypatch.setattr(rank, "_extrapolated", lambda *a, _f=rank._extrapolated: extrapolated.append(a[1:3]) or _f(*a))
+    monkeypatch.setattr(rank, "_extrapolated",
+                        lambda *a, _f=rank._extrapolated: extrapolated.append((a[0].microbatch[4], a[1])) or _f(*a))
     flags = argv(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
                   "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "16"])
 

@@ -445,6 +445,15 @@ def transformers_masking_module() -> types.ModuleType:
     return importlib.import_module("transformers.masking_utils")
 
 
+def set_pipeline_microbatches(schedule, count: int) -> None:
+    """A single-stage pipeline schedule (``torch.distributed.pipelining``'s ``PipelineScheduleSingle``) set to
+    step ``count`` microbatches after it was built: its constructor's check (1F1B: no fewer than stages) is the
+    whole pipeline's, while the planner steps one stage with its own fewest (``planner.rank._stage_microbatches``)."""
+    if not hasattr(schedule, "_n_microbatches") or not hasattr(schedule, "_stage"):
+        raise CompatError("torch's single-stage pipeline schedule no longer keeps _n_microbatches and _stage")
+    schedule._n_microbatches = count
+
+
 def pipeline_metadata() -> types.SimpleNamespace:
     """torch's pipeline-stage metadata (``torch.distributed.pipelining._utils``): what a stage receives from its
     neighbours on another rank before its first step; the planner hands it over itself."""

@@ -43,9 +43,10 @@ class RankPlan:
     microbatch: tuple | None = None
     """A pipelined rank stepped to be extrapolated (``plan_layout``): what one of its middle microbatches
     saved and issued, the step's peak at m microbatches (``_Microbatches.middle``: the largest of (bytes,
-    growth per further microbatch) pairs, and one such that must stay below it, or None), and whether that
+    growth per further microbatch) pairs, and one such that must stay below it, or None), whether that
     rule holds (False where the peak comes while they run, they keep tensors, and the step shows no repeating
-    period: the layout is then stepped in full)."""
+    period: the layout is then stepped in full), and the microbatches it was stepped with (the bytes and
+    collectives above are at that count)."""
 
     @property
     def total_bytes(self) -> int:
@@ -117,7 +118,7 @@ class StagesSeen:
 
 
 def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = None,
-              seen: StagesSeen | None = None, attribute: bool = False) -> RankPlan:
+              seen: StagesSeen | None = None, attribute: bool = False, microbatches: int | None = None) -> RankPlan:
     """Build ``rank``'s model parts as torchtitan's Trainer does (train spec, converters, parallelize or
     pipeline), then run one step's forward and backward and the optimizer step on fake tensors.
 
@@ -125,6 +126,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
     interior twin of a stage stepped before (``_twin_key``) is built but not stepped: its plan is the twin's.
     ``attribute``: a pipelined rank's plan also holds what one middle microbatch saved and issued, and its
     step's peak as a rule of m (``_NotAffine`` where there is none: the layout is stepped in full).
+    ``microbatches``: a pipelined rank's schedule stepped with these, fewer than the job's (``_stage_microbatches``).
 
     A config titan_ext refuses raises its ``ConfigError`` (before anything is built)."""
     from torchtitan.config import TORCH_DTYPE_MAP
@@ -156,6 +158,8 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                 schedule, parts, first, last = _raising(spec.pipelining_fn)(
                     model, dims, job_config, device, model_args, parallelize, loss_fn
                 )
+                if microbatches is not None:
+                    compat.set_pipeline_microbatches(schedule._schedule, microbatches)
             else:
                 schedule, parts, first, last = None, [parallelize(model, dims, job_config)], True, True
             param_bytes = memory.param_bytes(parts)
@@ -176,10 +180,11 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
                     part.to_empty(device=device)
                     part.train()
                 optimizers = spec.build_optimizers_fn(parts, job_config.optimizer, dims)
-                step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device)
+                step = _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device,
+                                    microbatches)
             recorder = collectives.Recorder(collectives.group_labels(dims))
             saved, peak = _SavedBytes(), memory.StepPeak()
-            microbatches = (_Microbatches(schedule, recorder, saved, peak, job_config.training.local_batch_size)
+            microbatches = (_Microbatches(schedule, recorder, saved, peak, step.tokens.shape[0])
                             if dims.pp_enabled and attribute else None)
             if dims.pp_enabled:
                 _stages_told_by_the_planner(schedule, neighbours, step.tokens[:, : step.tokens.shape[1] // dims.cp],
@@ -191,7 +196,7 @@ def plan_rank(job_config, world: int, rank: int = 0, phases: Phases | None = Non
             recorded, saved_bytes = tuple(recorder.log), saved.bytes
             passes = estimates.accumulation_steps(job_config, dims)
             peak_bytes = memory.step_peak_bytes(peak, parts, passes)
-            middle = microbatches.middle(memory.held_through(parts, passes)) if microbatches else None
+            middle = (*microbatches.middle(memory.held_through(parts, passes)), microbatches.count) if microbatches else None
             if middle is not None and not middle[3]:
                 raise _NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
             with phase("optimizer"):
@@ -281,25 +286,42 @@ def _deeper_twin(key, seen: StagesSeen):
     if not isinstance(depth, int) or len(found) < 2:
         return None
     (a, one, sent), (b, other, _) = found[-2:]
-    same = ("param_bytes", "grad_bytes", "optimizer_bytes", "saved_bytes")
-    if a == b or any(getattr(one, name) != getattr(other, name) for name in same) \
-            or Counter(one.collectives) != Counter(other.collectives):  # in the order of each one's warm-up
+    same = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    if a == b or any(getattr(one, name) != getattr(other, name) for name in same):
         return None
-    peaks = _by_depth(one.peak_bytes, other.peak_bytes, a - b, depth - a)
     if one.microbatch is None or other.microbatch is None:
-        return None if one.microbatch != other.microbatch or peaks is None else (replace(one, peak_bytes=peaks), sent)
-    if one.microbatch[::3] != other.microbatch[::3] or Counter(one.microbatch[1]) != Counter(other.microbatch[1]):
+        peaks = _by_depth(one.peak_bytes, other.peak_bytes, a - b, depth - a)
+        if one.microbatch != other.microbatch or peaks is None or one.saved_bytes != other.saved_bytes \
+                or Counter(one.collectives) != Counter(other.collectives):  # in the order of each one's warm-up
+            return None
+        return replace(one, peak_bytes=peaks), sent
+    # each stepped with its own microbatches (``_stage_microbatches``): compared, and its peak's rule moved by
+    # depth, at none (a middle microbatch's share taken off each count)
+    if one.microbatch[::3] != other.microbatch[::3] or Counter(one.microbatch[1]) != Counter(other.microbatch[1]) \
+            or _at_no_microbatches(one) != _at_no_microbatches(other):
         return None
     (rule, below), (rule_b, below_b) = one.microbatch[2], other.microbatch[2]
     pairs = [*zip(rule, rule_b), *([(below, below_b)] if below and below_b else [])]
     if len(rule) != len(rule_b) or (below is None) != (below_b is None) or any(x[1] != y[1] for x, y in pairs):
-        return None  # the peak's rule (``_Microbatches.middle``): each of its bytes by depth, as the peak's
-    deeper = [_by_depth(x[0], y[0], a - b, depth - a) for x, y in pairs]
-    if peaks is None or None in deeper:
+        return None  # the peak's rule (``_Microbatches.middle``): each of its bytes by depth
+    count, count_b = one.microbatch[4], other.microbatch[4]
+    deeper = [_by_depth(x[0] - count * x[1], y[0] - count_b * y[1], a - b, depth - a) for x, y in pairs]
+    if None in deeper:
         return None
-    moved = [(nbytes, x[1]) for nbytes, (x, _) in zip(deeper, pairs)]
+    moved = [(nbytes + count * x[1], x[1]) for nbytes, (x, _) in zip(deeper, pairs)]  # at ``one``'s count
     rule = (tuple(moved[: len(rule)]), moved[len(rule)] if below else None)
-    return replace(one, peak_bytes=peaks, microbatch=(*one.microbatch[:2], rule, one.microbatch[3])), sent
+    microbatch = (*one.microbatch[:2], rule, *one.microbatch[3:])
+    return replace(one, peak_bytes=max(nbytes for nbytes, _ in rule[0]), microbatch=microbatch), sent
+
+
+def _at_no_microbatches(stepped: RankPlan) -> tuple:
+    """A stepped rank's saved bytes and collectives less its count of middle microbatches' (``_extrapolated``
+    at m = 0): what ranks stepped with other counts compare by."""
+    saved, issued, _, _, count = stepped.microbatch
+    counts = Counter(stepped.collectives)
+    for collective, n in Counter(issued).items():
+        counts[collective] -= count * n
+    return stepped.saved_bytes - count * saved, sorted(((c, n) for c, n in counts.items() if n), key=repr)
 
 
 def _by_depth(one: int, other: int, apart: int, further: int) -> int | None:
@@ -484,8 +506,9 @@ def _raising(hook):
     return getattr(hook, "__wrapped__", hook)
 
 
-def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device):
-    """torchtitan's own ``Trainer.forward_backward_step`` over these parts, on one fake batch of token 0."""
+def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_args, device, microbatches=None):
+    """torchtitan's own ``Trainer.forward_backward_step`` over these parts, on one fake batch of token 0 (of
+    ``microbatches`` microbatches where given)."""
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.train import Trainer
 
@@ -501,6 +524,8 @@ def _step_runner(job_config, dims, parts, schedule, first, last, loss_fn, model_
         maybe_enable_amp=dist_utils.maybe_enable_amp(dims, job_config.training.mixed_precision_param, device.type),
     )
     batch, seq = job_config.training.local_batch_size, job_config.training.seq_len
+    if microbatches is not None:
+        batch = microbatches * job_config.parallelism.pipeline_parallel_microbatch_size
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     labels = tokens.clone()  # the batch, as a real step's is, held before the step (not in its peak)
 
@@ -768,7 +793,8 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
 
     def planned(job, attribute=False):
         seen = StagesSeen()
-        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute) for rank in ranks]
+        return [plan_rank(job, world, rank, phases, seen if reuse else None, attribute,
+                          _stage_microbatches(job, stage) if attribute else None) for stage, rank in enumerate(ranks)]
 
     if count is None:
         return planned(job_config)
@@ -778,7 +804,7 @@ def plan_layout(job_config, world: int, phases: Phases | None = None, extrapolat
     m = _microbatches(job_config)
     try:
         stepped = planned(_with_microbatches(job_config, count), attribute=True)
-        return [_extrapolated(rank, count, m, plan) for rank in stepped]
+        return [_extrapolated(rank, m, plan) for rank in stepped]
     except (ConfigError, _NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
         return planned(job_config)
 
@@ -801,12 +827,31 @@ def _stepped_microbatches(job_config, extrapolate: bool | None) -> int | None:
         return None
     if job_config.training.local_batch_size % p.pipeline_parallel_microbatch_size:
         return None  # refused by titan_ext's checks, in the full plan
-    count = max(3, p.pipeline_parallel_degree + 1)
+    count = _fewest_microbatches(p, p.pipeline_parallel_degree)
+    return count if count < _microbatches(job_config) else None
+
+
+def _fewest_microbatches(p, warm_up: int) -> int:
+    """What a stage that warms up with ``warm_up`` forwards is stepped with: one more, for a steady
+    forward-backward pair; at least 3 (one between the first and the last); under CP ``PERIODS`` pairs."""
+    count = max(3, warm_up + 1)
     if p.context_parallel_degree > 1:  # every stage keeps each microbatch's positions: the first needs the periods
         count += PERIODS - 1
     elif p.tensor_parallel_degree > 1:  # the last stage keeps the losses (its warm-up is one microbatch)
         count = max(count, PERIODS + 1)
-    return count if count < _microbatches(job_config) else None
+    return count
+
+
+def _stage_microbatches(job_config, stage: int) -> int | None:
+    """The microbatches pipeline rank ``stage`` of a 1F1B layout stepped with ``_stepped_microbatches`` is
+    stepped with: its own warm-up's fewest (1F1B's stage s warms up with p - s forwards), fewer than the first
+    stage's where it is later. torch's 1F1B takes no fewer microbatches than stages (the whole pipeline's
+    rule), so the schedule is built with the first stage's count and set to this one (``plan_rank``). None
+    (the job's count) under other schedules."""
+    p = job_config.parallelism
+    if p.pipeline_parallel_schedule != "1F1B":
+        return None
+    return min(_microbatches(job_config), _fewest_microbatches(p, p.pipeline_parallel_degree - stage))
 
 
 PERIODS = 3
@@ -828,12 +873,12 @@ class _NotAffine(Exception):
     """A rank's middle microbatches that did not save and issue the same, or a collective not attributed."""
 
 
-def _extrapolated(stepped: RankPlan, count: int, m: int, plan) -> RankPlan:
-    """The rank at m microbatches from its step with ``count``: the state it holds does not change with m;
+def _extrapolated(stepped: RankPlan, m: int, plan) -> RankPlan:
+    """The rank at m microbatches from its step with fewer (its own count): the state it holds does not change with m;
     the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
     the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
     came, each repeated its count."""
-    saved, issued, (rule, below), _ = stepped.microbatch
+    saved, issued, (rule, below), _, count = stepped.microbatch
     counts = Counter(stepped.collectives)
     for collective, n in Counter(issued).items():
         counts[collective] += (m - count) * n

@@ -501,10 +501,10 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     assert _stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
-                                                     "--training.local_batch_size", "16"])), None) == 4  # 3 periods
+                                                     "--training.local_batch_size", "16"])), None) == 3  # 2 periods
     assert _stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
                                                      "--parallelism.pipeline_parallel_degree", "2",
-                                                     "--training.local_batch_size", "16"])), None) == 5  # p + 3
+                                                     "--training.local_batch_size", "16"])), None) == 4  # p + 2
 
 def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
     """Masked attention under CP is planned (each fake row one document of whole windows); MLA's sends what a
@@ -639,7 +639,7 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
 def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_its_repeating_periods(monkeypatch):
     """Field by field, exactly: PP 2 x CP 2 with 16 microbatches (the first stage's peak comes while the middle
-    microbatches run, and they keep tensors: their positions): stepped once with 5, extrapolated to 16 from its
+    microbatches run, and they keep tensors: their positions): stepped once with 4, extrapolated to 16 from its
     steady 1F1B periods, equal to each rank stepped with all 16 on its own."""
     from titan_ext.planner import job_config_of, prepare, rank
     from titan_ext.planner.collectives import summary
@@ -656,7 +656,7 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
-    assert extrapolated == [(5, 16), (5, 16)]  # one step per rank
+    assert extrapolated == [(4, 16), (4, 16)]  # one step per rank
     assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))
 
 

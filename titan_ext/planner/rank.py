@@ -854,11 +854,13 @@ def _stage_microbatches(job_config, stage: int) -> int | None:
     return min(_microbatches(job_config), _fewest_microbatches(p, p.pipeline_parallel_degree - stage))
 
 
-PERIODS = 3
+PERIODS = 2
 """Steady 1F1B periods a stage whose middle microbatches keep tensors while the step's peak comes mid-schedule
 (under TP the last stage: the schedule's losses; under CP each stage: each microbatch's positions) is stepped
-with: its peak is extrapolated from two consecutive periods alike (``_Microbatches._periods``), found after
-the first backwards (which allocate the gradients, and under TP accumulate them otherwise)."""
+with: its peak is extrapolated from two consecutive periods alike (``_Microbatches._periods``). Two suffice: the
+gradients the first backward allocates are held through the step (``memory.held_through``), left out of the
+comparison; where the two differ all the same the rank is stepped in full (``tests/test_plan.py`` checks TP
+and CP layouts both ways)."""
 
 
 def _with_microbatches(job_config, count: int):

@@ -415,6 +415,15 @@ def fake_process_group() -> types.SimpleNamespace:
     return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode, FakeTensor=mode.FakeTensor)
 
 
+@functools.cache
+def fake_tensor_mode() -> types.SimpleNamespace:
+    """torch's ``FakeTensorMode`` and the operators it answers first in its dispatch, from a fake tensor's
+    metadata (``_DISPATCH_META_HANDLERS``: ``prim.device``, a size, a stride): the planner's watched fake mode
+    answers them as it does."""
+    fake = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode", "_DISPATCH_META_HANDLERS")
+    return types.SimpleNamespace(FakeTensorMode=fake.FakeTensorMode, metadata_handlers=fake._DISPATCH_META_HANDLERS)
+
+
 def clear_dtensor_sharding_cache() -> None:
     """Forget DTensor's cached sharding decisions (``DTensor._op_dispatcher.sharding_propagator``'s Python
     caches and the C++ fast path's copy).

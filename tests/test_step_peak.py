@@ -206,3 +206,46 @@ def test_watchers_inside_the_planners_fake_mode_see_what_they_see_behind_it():
     assert behind[0] == 1 and inside[0] == 0  # a _Watch of their own behind a plain fake mode; none inside
     assert inside[1:4] == behind[1:4] and inside[1] == 1.0 and len(inside[2]) > 10
     assert inside[4] == 0  # each watcher left the fake mode, which its own ``with`` ended
+
+
+def test_the_planners_fake_mode_makes_cached_outputs_as_torch_makes_them(monkeypatch):
+    """The planner's fake mode makes an operator's output from the fake cache faster than torch does
+    (``compat.fake_tensor_mode().output_from_metadata``): the same fake tensor as a plain ``FakeTensorMode`` makes
+    from the same entry, views on their input's storage."""
+    from titan_ext import compat
+    from titan_ext.planner import collectives
+
+    fake = compat.fake_tensor_mode()
+    made = []
+    monkeypatch.setattr(fake, "output_from_metadata", lambda *a, _made=fake.output_from_metadata: made.append(1) or _made(*a))
+
+    def outputs(mode):
+        mode._allow_unsafe_data_ptr_access = False
+        with mode:
+            a = torch.randn(4, 6, requires_grad=True)
+            b = torch.randn(6, dtype=torch.bfloat16)
+            results = []
+            for _ in range(2):  # the second from the cache
+                results += [a * 2, a.t(), a[1:, 2:], a.view(-1), b.to(torch.float32), (a * 2).add_(1), a.sum(0).neg()]
+            return a, results
+
+    def raises(t) -> bool:  # a fake tensor's data pointer, read where the mode forbids it
+        try:
+            t.data_ptr()
+        except RuntimeError:
+            return True
+        return False
+
+    def described(t):
+        return (raises(t), type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.storage_offset(), t._is_view(),
+                t.untyped_storage().nbytes(), torch._C._dispatch_keys(t), t.is_leaf, t.is_conj(), t.is_neg(),
+                {k: v for k, v in vars(t).items() if k != "fake_mode"})
+
+    _, plain = outputs(compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True))
+    assert not made
+    mode = collectives.watched_fake_tensors(allow_non_fake_inputs=True)
+    a, watched = outputs(mode)
+    assert len(made) >= 7
+    assert [described(w) for w in watched] == [described(p) for p in plain]
+    assert all(w.fake_mode is mode for w in watched)
+    assert all(v.untyped_storage()._cdata == a.untyped_storage()._cdata for v in watched[8:11])  # the views, from the cache

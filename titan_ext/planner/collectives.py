@@ -247,6 +247,8 @@ def _watched_fake_mode() -> type:
             super().__init__(**options)
             self._watchers_init()
             self._inside = False
+            self._outputs_made: dict = {}
+            """device -> (its fake device, the attributes of a fake tensor made on it from the cache)"""
 
         def leave(self, watcher: Watcher) -> bool:
             super().leave(watcher)
@@ -266,6 +268,18 @@ def _watched_fake_mode() -> type:
 
         def _faked(self, func, types, args, kwargs):
             return self.dispatch(func, types, args, kwargs)
+
+        if fake.outputs_from_cache_entries:
+            def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+                """A fake tensor from a cache entry: as ``FakeTensorMode`` makes it, without its constructor's
+                checks of arguments that are right here each time (a cache hit: most of a fake step's operators)."""
+                made = self._outputs_made.get(entry.metadata.device) if entry.metadata is not None else None
+                if made is None or entry.inplace_idx is not None or self.shape_env is not None:
+                    out = super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+                    if type(out) is fake.FakeTensor and entry.metadata is not None and not fake.debug():
+                        self._outputs_made.setdefault(entry.metadata.device, (out.fake_device, dict(vars(out))))
+                    return out
+                return fake.output_from_metadata(self, entry, func, args, *made)
 
     return _WatchedFake
 

@@ -276,7 +276,8 @@ def _watched_fake_mode() -> type:
                 made = self._outputs_made.get(entry.metadata.device) if entry.metadata is not None else None
                 if made is None or entry.inplace_idx is not None or self.shape_env is not None:
                     out = super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
-                    if type(out) is fake.FakeTensor and entry.metadata is not None and not fake.debug():
+                    if (type(out) is fake.FakeTensor and entry.metadata is not None and entry.inplace_idx is None
+                            and self.shape_env is None and not fake.debug()):  # a new tensor, as torch made it
                         self._outputs_made.setdefault(entry.metadata.device, (out.fake_device, dict(vars(out))))
                     return out
                 return fake.output_from_metadata(self, entry, func, args, *made)

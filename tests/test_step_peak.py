@@ -175,3 +175,77 @@ def test_the_planners_watchers_share_one_dispatch_mode():
         assert _len_torch_dispatch_stack() == before
     assert [size for _, size in peak.events if size > 0] == [8, 4, 1024] and recorder.log == []
     assert [size for _, size in inner.events if size > 0] == [1024]
+
+
+def test_watchers_inside_the_planners_fake_mode_see_what_they_see_behind_it():
+    """Entered right inside the planner's fake tensor mode (``collectives.watched_fake_tensors``), the watchers
+    are that mode's: no mode of their own on the stack, and each operator reaches Python once. They see what they
+    see from a ``_Watch`` above a plain ``FakeTensorMode``, event for event: not the operators the fake mode runs
+    inside its own dispatch (a decomposition's), nor a tensor's device that C++ asks."""
+    from torch.utils._python_dispatch import _len_torch_dispatch_stack
+
+    from titan_ext import compat
+    from titan_ext.planner import collectives, memory, rank
+
+    def step(mode):
+        mode.cache_clear()  # each step dispatches as a first one does: the fake mode decomposes what it must
+        with mode:
+            before = _len_torch_dispatch_stack()
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.SiLU(),
+                                        torch.nn.Linear(32, 8))
+            x, target = torch.randn(4, 16), torch.zeros(4, dtype=torch.long)
+            with rank._ScalarsReadOne(), memory.StepPeak() as peak, rank._SavedBytes() as saved:
+                stack = _len_torch_dispatch_stack() - before
+                loss = F.cross_entropy(F.logsigmoid(model(x)), target)  # both decomposed by the fake mode
+                loss.backward()
+                read = loss.item()
+            return stack, read, peak.events, saved.bytes, len(mode.watchers) if hasattr(mode, "watchers") else None
+
+    behind = step(compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True))
+    inside = step(collectives.watched_fake_tensors(allow_non_fake_inputs=True))
+    assert behind[0] == 1 and inside[0] == 0  # a _Watch of their own behind a plain fake mode; none inside
+    assert inside[1:4] == behind[1:4] and inside[1] == 1.0 and len(inside[2]) > 10
+    assert inside[4] == 0  # each watcher left the fake mode, which its own ``with`` ended
+
+
+def test_the_planners_fake_mode_makes_cached_outputs_as_torch_makes_them(monkeypatch):
+    """The planner's fake mode makes an operator's output from the fake cache faster than torch does
+    (``compat.fake_tensor_mode().output_from_metadata``): the same fake tensor as a plain ``FakeTensorMode`` makes
+    from the same entry, views on their input's storage."""
+    from titan_ext import compat
+    from titan_ext.planner import collectives
+
+    fake = compat.fake_tensor_mode()
+    made = []
+    monkeypatch.setattr(fake, "output_from_metadata", lambda *a, _made=fake.output_from_metadata: made.append(1) or _made(*a))
+
+    def outputs(mode):
+        mode._allow_unsafe_data_ptr_access = False
+        with mode:
+            a = torch.randn(4, 6, requires_grad=True)
+            b = torch.randn(6, dtype=torch.bfloat16)
+            results = []
+            for _ in range(2):  # the second from the cache
+                results += [a * 2, a.t(), a[1:, 2:], a.view(-1), b.to(torch.float32), (a * 2).add_(1), a.sum(0).neg()]
+            return a, results
+
+    def raises(t) -> bool:  # a fake tensor's data pointer, read where the mode forbids it
+        try:
+            t.data_ptr()
+        except RuntimeError:
+            return True
+        return False
+
+    def described(t):
+        return (raises(t), type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.storage_offset(), t._is_view(),
+                t.untyped_storage().nbytes(), torch._C._dispatch_keys(t), t.is_leaf, t.is_conj(), t.is_neg(),
+                {k: v for k, v in vars(t).items() if k != "fake_mode"})
+
+    _, plain = outputs(compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True))
+    assert not made
+    mode = collectives.watched_fake_tensors(allow_non_fake_inputs=True)
+    a, watched = outputs(mode)
+    assert len(made) >= 7
+    assert [described(w) for w in watched] == [described(p) for p in plain]
+    assert all(w.fake_mode is mode for w in watched)
+    assert all(v.untyped_storage()._cdata == a.untyped_storage()._cdata for v in watched[8:11])  # the views, from the cache

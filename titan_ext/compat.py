@@ -415,6 +415,52 @@ def fake_process_group() -> types.SimpleNamespace:
     return types.SimpleNamespace(FakeStore=store.FakeStore, FakeTensorMode=mode.FakeTensorMode, FakeTensor=mode.FakeTensor)
 
 
+@functools.cache
+def fake_tensor_mode() -> types.SimpleNamespace:
+    """torch's ``FakeTensorMode`` and ``FakeTensor``; the operators the mode answers first in its dispatch, from a
+    fake tensor's metadata (``_DISPATCH_META_HANDLERS``: ``prim.device``, a size, a stride); whether its cache
+    makes an output as the torch known to the planner does (``_get_output_tensor_from_cache_entry``), and
+    ``output_from_metadata``: that output, made faster. The planner's watched fake mode uses them."""
+    import inspect
+
+    import torch
+
+    fake = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensor", "_DISPATCH_META_HANDLERS",
+                   "FakeTensorConfig")
+    made = getattr(fake.FakeTensorMode, "_get_output_tensor_from_cache_entry", None)
+    known = made is not None and list(inspect.signature(made).parameters) == ["self", "state", "entry", "key", "func", "args"]
+    undispatched, subclass, op = torch._C._DisableTorchDispatch, torch.Tensor._make_subclass, torch._ops.OpOverload
+
+    def output_from_metadata(mode, entry, func, args, device, attributes: dict):
+        """What ``FakeTensorMode._get_output_tensor_from_cache_entry`` makes from a cache entry's metadata without a
+        shape environment, for an output that is not an input written in place: an empty meta tensor of its shape
+        and strides (a view's on its input's storage), made a ``FakeTensor`` on ``device`` as ``FakeTensor.__new__``
+        makes it (``attributes``: those of one it made on that device), without the checks of its arguments."""
+        metadata = entry.metadata
+        with undispatched():  # torch's in_kernel_invocation_manager besides: of no effect on meta tensors' own ops
+            empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, layout=metadata.layout,
+                                        device="meta", requires_grad=metadata.requires_grad)
+            if metadata.is_conj:
+                torch._C._set_conj(empty, True)
+            if metadata.is_neg:
+                torch._C._set_neg(empty, True)
+            if isinstance(func, op) and func.is_view:
+                empty.set_(args[entry.view_idx].untyped_storage(), metadata.storage_offset, metadata.shape,
+                           metadata.stride)
+        out = subclass(fake.FakeTensor, empty, empty.requires_grad, dispatch_device=True, device_for_backend_keys=device)
+        if not mode._allow_unsafe_data_ptr_access:
+            torch._C._set_throw_on_mutable_data_ptr(out)
+        else:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(out)
+        vars(out).update(attributes)
+        return out
+
+    return types.SimpleNamespace(
+        FakeTensorMode=fake.FakeTensorMode, FakeTensor=fake.FakeTensor, metadata_handlers=fake._DISPATCH_META_HANDLERS,
+        debug=lambda: fake.FakeTensorConfig.debug, outputs_from_cache_entries=known, output_from_metadata=output_from_metadata,
+    )
+
+
 def clear_dtensor_sharding_cache() -> None:
     """Forget DTensor's cached sharding decisions (``DTensor._op_dispatcher.sharding_propagator``'s Python
     caches and the C++ fast path's copy).

@@ -117,9 +117,11 @@ class Pausable:
 
 class Watcher(Pausable):
     """What sees every operator inside its ``with`` (a recorder, a step peak, an answer to ``.item()``): all
-    watchers entered one inside the other share one torch dispatch mode (``_Watch``), so an operator reaches
-    Python once for all of them, not once for each. A subclass overrides what it needs: ``collective`` (before a
-    collective runs), ``dispatched`` (after any operator ran), ``answers`` (operators it answers instead)."""
+    watchers entered one inside the other share one torch dispatch mode, so an operator reaches Python once for
+    all of them, not once for each: a planned rank's fake tensor mode (``watched_fake_tensors``), where they
+    are entered right inside it, else a ``_Watch`` of their own. A subclass overrides what it needs:
+    ``collective`` (before a collective runs), ``dispatched`` (after any operator ran), ``answers`` (operators
+    it answers instead)."""
 
     answers: dict = {}
     """operator -> ``answer(args)``: what the operator returns, or ``NOT_ANSWERED`` to run it."""
@@ -132,7 +134,7 @@ class Watcher(Pausable):
 
     def __enter__(self):
         mode = compat.current_dispatch_mode()
-        if not isinstance(mode, _watch_mode()):  # another mode in between: a mode of their own
+        if not isinstance(mode, _Watching):  # another mode in between: a mode of their own
             mode = _watch_mode()()
             mode.__enter__()
         mode.join(self)
@@ -148,74 +150,150 @@ class Watcher(Pausable):
 NOT_ANSWERED = object()
 
 
+class _Watching:
+    """The watchers' work in a torch dispatch mode. Per operator: DTensor's go to DTensor first (what it runs on
+    the local tensors comes back here), a collective is told to the recorders, an answered operator is
+    answered, and what ran is told to those that watch every operator, each unless paused."""
+
+    def _watchers_init(self) -> None:
+        self.watchers: list[Watcher] = []
+        self.recorders: list[Watcher] = []
+        self.counters: list[Watcher] = []
+        self.answers: dict = {}
+        self._plans: dict[int, tuple] = {}
+        """id(operator) -> (operator, its collective kind or None, its answer or None, whether the counters
+        see it): what this mode does with it, decided at its first dispatch while the watchers stay the same."""
+
+    def join(self, watcher: Watcher) -> None:
+        self.watchers.append(watcher)
+        self._sort()
+
+    def leave(self, watcher: Watcher) -> bool:
+        """Whether the mode's ``with`` ends (no watcher is left in a mode of their own)."""
+        self.watchers.remove(watcher)
+        self._sort()
+        return not self.watchers
+
+    def _sort(self) -> None:
+        overrides = lambda name: [w for w in self.watchers if getattr(type(w), name) is not getattr(Watcher, name)]
+        self.recorders, self.counters = overrides("collective"), overrides("dispatched")
+        self.answers = {op: answer for w in self.watchers for op, answer in w.answers.items()}
+        self._plans = {}
+
+    def _plan(self, func) -> tuple:
+        kind = _kind(str(func)) if self.recorders else None
+        return func, kind, self.answers.get(func), bool(self.counters) and _may_return_tensors(func)
+
+    def _watched(self, func, types, args, kwargs, run):
+        """``run(func, types, args, kwargs)`` (the operator, on the next mode or fake tensors), watched."""
+        if _with_dtensor(types):
+            return NotImplemented
+        plan = self._plans.get(id(func))
+        if plan is None or plan[0] is not func:
+            plan = self._plans[id(func)] = self._plan(func)
+        _, kind, answer, counted = plan
+        kwargs = kwargs or {}
+        if kind is not None:
+            for recorder in self.recorders:
+                if not recorder._paused:
+                    recorder.collective(str(func), kind, [*args, *kwargs.values()])
+        out = answer(args) if answer is not None else NOT_ANSWERED
+        if out is NOT_ANSWERED:
+            out = run(func, types, args, kwargs)
+        if counted:
+            for counter in self.counters:
+                if not counter._paused:
+                    counter.dispatched(args, kwargs, out)
+        return out
+
+
+def _next_mode(func, types, args, kwargs):
+    return func(*args, **kwargs)
+
+
 @functools.cache
 def _watch_mode() -> type:
-    """``_Watch``: a class made on first use (torch's ``TorchDispatchMode``, through ``compat``)."""
+    """``_Watch``: the watchers' own dispatch mode, a class made on first use (torch's ``TorchDispatchMode``,
+    through ``compat``)."""
 
-    class _Watch(compat.torch_dispatch_mode()):
-        """The watchers' one dispatch mode. Per operator: DTensor's go to DTensor first (what it runs on the local
-        tensors comes back here), a collective is told to the recorders, an answered operator is answered, and
-        what ran is told to those that watch every operator, each unless paused."""
-
+    class _Watch(_Watching, compat.torch_dispatch_mode()):
         def __init__(self):
             super().__init__()
-            self.watchers: list[Watcher] = []
-            self.recorders: list[Watcher] = []
-            self.counters: list[Watcher] = []
-            self.answers: dict = {}
-            self._plans: dict[int, tuple] = {}
-            """id(operator) -> (operator, its collective kind or None, its answer or None, whether the counters
-            see it): what this mode does with it, decided at its first dispatch while the watchers stay the same."""
-
-        def join(self, watcher: Watcher) -> None:
-            self.watchers.append(watcher)
-            self._sort()
-
-        def leave(self, watcher: Watcher) -> bool:
-            """Whether no watcher is left (the mode's ``with`` ends)."""
-            self.watchers.remove(watcher)
-            self._sort()
-            return not self.watchers
-
-        def _sort(self) -> None:
-            overrides = lambda name: [w for w in self.watchers if getattr(type(w), name) is not getattr(Watcher, name)]
-            self.recorders, self.counters = overrides("collective"), overrides("dispatched")
-            self.answers = {op: answer for w in self.watchers for op, answer in w.answers.items()}
-            self._plans = {}
-
-        def _plan(self, func) -> tuple:
-            kind = _kind(str(func)) if self.recorders else None
-            return func, kind, self.answers.get(func), bool(self.counters) and _may_return_tensors(func)
+            self._watchers_init()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            dtensor = _WITH_DTENSOR.get(types)
-            if dtensor is None:
-                dtensor = _WITH_DTENSOR[types] = any(issubclass(t, DTensor) for t in types)
-            if dtensor:
-                return NotImplemented
-            plan = self._plans.get(id(func))
-            if plan is None or plan[0] is not func:
-                plan = self._plans[id(func)] = self._plan(func)
-            _, kind, answer, counted = plan
-            kwargs = kwargs or {}
-            if kind is not None:
-                for recorder in self.recorders:
-                    if not recorder._paused:
-                        recorder.collective(str(func), kind, [*args, *kwargs.values()])
-            out = answer(args) if answer is not None else NOT_ANSWERED
-            if out is NOT_ANSWERED:
-                out = func(*args, **kwargs)
-            if counted:
-                for counter in self.counters:
-                    if not counter._paused:
-                        counter.dispatched(args, kwargs, out)
-            return out
+            return self._watched(func, types, args, kwargs, _next_mode)
 
     return _Watch
 
 
+def watched_fake_tensors(**options):
+    """A ``FakeTensorMode(**options)`` that is also the watchers' mode: the watchers entered right inside its
+    ``with`` see each operator in its own dispatch, which then runs it on the fake tensors, so an operator
+    reaches Python once, not once for the watchers and again for the fake tensors. A tensor's device asked from
+    C++ (``prim.device``: half of a fake step's dispatches) and its other metadata are answered first, as
+    ``FakeTensorMode`` answers them; what the fake mode runs inside its own dispatch (a decomposition's
+    operators) reaches the fake mode only, as it does behind a ``_Watch``."""
+    return _watched_fake_mode()(**options)
+
+
+@functools.cache
+def _watched_fake_mode() -> type:
+    fake = compat.fake_tensor_mode()
+    handlers = fake.metadata_handlers
+
+    class _WatchedFake(_Watching, fake.FakeTensorMode):
+        def __init__(self, **options):
+            super().__init__(**options)
+            self._watchers_init()
+            self._inside = False
+            self._outputs_made: dict = {}
+            """device -> (its fake device, the attributes of a fake tensor made on it from the cache)"""
+
+        def leave(self, watcher: Watcher) -> bool:
+            super().leave(watcher)
+            return False  # the fake tensors' own ``with`` ends it
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            handler = handlers.get(func)
+            if self._inside or not self.watchers:  # FakeTensorMode's own dispatch, which answers these first too
+                return handler(args) if handler is not None else self.dispatch(func, types, args, kwargs or {})
+            if handler is not None and not _with_dtensor(types):
+                return handler(args)
+            self._inside = True  # what runs until it returns reaches the fake tensors only, as behind a _Watch
+            try:
+                return self._watched(func, types, args, kwargs, self._faked)
+            finally:
+                self._inside = False
+
+        def _faked(self, func, types, args, kwargs):
+            return self.dispatch(func, types, args, kwargs)
+
+        if fake.outputs_from_cache_entries:
+            def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+                """A fake tensor from a cache entry: as ``FakeTensorMode`` makes it, without its constructor's
+                checks of arguments that are right here each time (a cache hit: most of a fake step's operators)."""
+                made = self._outputs_made.get(entry.metadata.device) if entry.metadata is not None else None
+                if made is None or entry.inplace_idx is not None or self.shape_env is not None:
+                    out = super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+                    if (type(out) is fake.FakeTensor and entry.metadata is not None and entry.inplace_idx is None
+                            and self.shape_env is None and not fake.debug()):  # a new tensor, as torch made it
+                        self._outputs_made.setdefault(entry.metadata.device, (out.fake_device, dict(vars(out))))
+                    return out
+                return fake.output_from_metadata(self, entry, func, args, *made)
+
+    return _WatchedFake
+
+
 _WITH_DTENSOR: dict[tuple, bool] = {}
 """The argument types an operator was dispatched with -> whether a DTensor is among them."""
+
+
+def _with_dtensor(types) -> bool:
+    dtensor = _WITH_DTENSOR.get(types)
+    if dtensor is None:
+        dtensor = _WITH_DTENSOR[types] = any(issubclass(t, DTensor) for t in types)
+    return dtensor
 
 
 def _may_return_tensors(func) -> bool:

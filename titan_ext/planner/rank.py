@@ -347,9 +347,10 @@ def _structure(module: torch.nn.Module) -> tuple:
 
 @contextlib.contextmanager
 def _fake_tensors():
-    """A planned rank's FakeTensorMode, its cache keyed the planner's faster way (``host_patches.FAKE_CACHE_KEYS``)."""
+    """A planned rank's FakeTensorMode, its cache keyed the planner's faster way (``host_patches.FAKE_CACHE_KEYS``),
+    and the mode of the watchers entered inside it (``collectives.watched_fake_tensors``)."""
     with host_patches.scoped((host_patches.FAKE_CACHE_KEYS,)), \
-            compat.fake_process_group().FakeTensorMode(allow_non_fake_inputs=True):
+            collectives.watched_fake_tensors(allow_non_fake_inputs=True):
         yield
 
 

@@ -379,6 +379,20 @@ def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
         assert plans == alone[name], name
 
 
+def test_a_sweep_worker_whose_sweep_process_is_gone_takes_no_further_layout():
+    """A sweep killed (not interrupted: a signal to its process alone) leaves its spawned workers behind, as
+    daemon processes end only with a parent that exits: each stops before its next layout."""
+    import queue
+
+    from titan_ext.planner import layouts
+
+    tasks, done = queue.Queue(), queue.Queue()
+    tasks.put(0)
+    tasks.put(None)  # the stop mark
+    layouts._worker(SWEEP_ARGV, 4, 50.0, layouts.candidates(4), tasks, done, parent=-1)  # not this one's parent
+    assert tasks.qsize() == 2 and done.empty()
+
+
 def test_a_sweep_reports_each_layout_as_it_is_planned(debug_sweep):
     from titan_ext.planner.layouts import candidates
 

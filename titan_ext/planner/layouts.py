@@ -134,7 +134,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
         tasks.put(index)
     for _ in range(workers):  # a stop mark for each process, this one's too
         tasks.put(None)
-    helpers = [context.Process(target=_worker, args=(argv, world, link_gbps, layouts, tasks, done), daemon=True)
+    helpers = [context.Process(target=_worker, args=(argv, world, link_gbps, layouts, tasks, done, os.getpid()), daemon=True)
                for _ in range(workers - 1)]
     for helper in helpers:
         helper.start()
@@ -187,14 +187,16 @@ def _plan_one(argv: list[str], world: int, link_gbps: float, layout: Layout) -> 
     return outcome, time.monotonic() - begin, time.process_time() - cpu, dict(phases.seconds)
 
 
-def _worker(argv, world, link_gbps, layouts, tasks, done) -> None:
-    """A sweep's further process: plans the layouts it takes until the stop mark."""
+def _worker(argv, world, link_gbps, layouts, tasks, done, parent: int) -> None:
+    """A sweep's further process: plans the layouts it takes until the stop mark, or until the sweep's process
+    (``parent``) is gone: killed, it leaves no worker planning on for nobody (daemon processes end only with a
+    parent that exits)."""
     from titan_ext.planner import prepare
 
     prepare()
     import pickle
 
-    while (index := tasks.get()) is not None:
+    while os.getppid() == parent and (index := tasks.get()) is not None:
         outcome = _plan_one(argv, world, link_gbps, layouts[index])
         try:  # pickled here: the queue pickles in a thread of its own, where a failure would only lose the layout
             sent = pickle.dumps(outcome)

@@ -293,7 +293,7 @@ def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_r
         return result
 
     monkeypatch.setattr(layouts, "plan_sweep", planned_once)
-    assert main([*SWEEP_ARGV, "--world", "4", "--sweep", "--memory-gib", "0.015"]) == 0
+    assert main([*SWEEP_ARGV, "--world", "8", "--sweep", "--memory-gib", "0.015"]) == 0
     out, err = capsys.readouterr()
     progress = [line for line in err.splitlines() if line.startswith("[")]  # a line per layout, as it is planned
     assert progress[0].startswith("[1/") and len(progress) == int(progress[0].split("/")[1].split("]")[0])
@@ -304,10 +304,11 @@ def test_sweep_ranks_the_layouts_that_fit_and_gives_titan_exts_reasons_for_the_r
     if torch.__version__ >= "2.13":
         assert len(pipelined) >= 2 and all(float(line.split()[0]) > 0 for line in pipelined)
     else:
-        assert not pipelined and "pp 2 x fsdp 2: planning --parallelism.pipeline_parallel_degree=2 needs torch >= 2.13" in out
-    assert "pp 4: --parallelism.pipeline_parallel_degree=4 cannot split 2 blocks into 8 stages" in out
-    assert "fsdp 4: " in out.split("do not fit")[1].split("skipped")[0]  # 0.015 GiB: FSDP alone keeps too much (its gathered weights in the step peak)
-    assert "\n  tp 4: " not in out  # it fits, it is not skipped
+        assert not pipelined and "pp 2 x fsdp 4: planning --parallelism.pipeline_parallel_degree=2 needs torch >= 2.13" in out
+    assert "pp 4 x fsdp 2: --parallelism.pipeline_parallel_degree=4 cannot split 2 blocks into 8 stages" in out
+    assert "tp 8: num_heads=4 is not divisible by --parallelism.tensor_parallel_degree=8" in out
+    assert "fsdp 8: " in out.split("do not fit")[1].split("skipped")[0]  # 0.015 GiB: FSDP alone keeps too much (its gathered weights in the step peak)
+    assert "\n  cp 8: " not in out  # it fits, it is not skipped
 
 
 def test_the_bubble_follows_stages_and_microbatches():
@@ -352,13 +353,13 @@ SWEEP_ARGV = ["--job.config_file", CONFIG, "--parallelism.pipeline_parallel_sche
 
 @pytest.fixture(scope="module")
 def debug_sweep():
-    """The debug model's 4-rank sweep as ``--sweep`` plans it (one process, layout after layout), and the
+    """The debug model's 8-rank sweep as ``--sweep`` plans it (20 layouts: PP 4 and 8 and TP 8 refused), and the
     progress lines it reported."""
     from titan_ext.planner import layouts, prepare
 
     prepare()
     lines: list[str] = []
-    return layouts.plan_sweep(SWEEP_ARGV, 4, 50.0, progress=lines.append, workers=2), lines  # two processes
+    return layouts.plan_sweep(SWEEP_ARGV, 8, 50.0, progress=lines.append, workers=2), lines  # two processes
 
 
 def test_a_sweep_plans_every_layout_as_planning_it_on_its_own(debug_sweep):
@@ -423,7 +424,7 @@ EXTRAPOLATED = [
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
 def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_step(debug_sweep, monkeypatch):
-    """Field by field, exactly: each layout of 2 pipeline ranks in the debug model's 4-rank sweep (with FSDP,
+    """Field by field, exactly: each layout of 2 pipeline ranks in the debug model's 8-rank sweep (with FSDP,
     CP or TP; 1F1B, 4 microbatches), and layouts of 8 microbatches (1F1B, interleaved, 4 stages), stepped with
     max(3, p + 1) microbatches, a middle one's saves, collectives and held bytes attributed to it, and
     extrapolated, equal the same layout stepped with all its microbatches, each rank on its own."""
@@ -438,7 +439,7 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
                  summary(list(r.collectives)), r.plan] for r in planned]
 
     result, _ = debug_sweep
-    cases = [(result.world, argv(layout.flags())) for layout in result.planned  # 4 microbatches: with 3 (not TP, CP)
+    cases = [(result.world, argv(layout.flags())) for layout in result.planned  # 4 microbatches: with 3 (not CP)
              if 1 < layout.pp < 3 and rank._stepped_microbatches(job_config_of(argv(layout.flags())), None)]
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
     assert len(cases) >= 5

@@ -189,7 +189,7 @@ RUN_BY = {
     "python bench/bench_plan.py --baseline /path/to/old/checkout": "gpu",
     "python bench/bench_plan.py --sample 1 --baseline /path/to/old/checkout": "gpu",
     'python bench/bench_plan.py --layout "pp 8 x fsdp 128" --baseline /path/to/old/checkout': "gpu",
-    "python bench/bench_plan.py --baseline /path/to/1ba53ce -- "
+    "python bench/bench_plan.py -- "
     "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full": "gpu",
     # docs/extending.md: the example's files and command, read from the page (tests/readme_example.py)
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "

@@ -62,6 +62,21 @@ def test_init_weights_initializes_every_tensor(fuse_norm):
     assert abs(std - model.config.initializer_range) < 0.005
 
 
+def test_a_model_built_on_the_meta_device_runs_no_initializer_until_torchtitan_calls_one(monkeypatch):
+    """HF's constructor initializes the weights (``post_init``); on the meta device there are none to set."""
+    from titan_ext.models.adapter import titan_class
+
+    calls = []  # the adapted class's (the model's own is a subclass titan_ext's kernels bind after construction)
+    model_class = titan_class(gla_flavors["debugmodel"].hf_model_class)
+    monkeypatch.setattr(model_class, "_init_weights", lambda self, module: calls.append(module))
+    with torch.device("meta"):
+        model = build_model(gla_flavors["debugmodel"])
+    assert calls == []
+    model.to_empty(device="cpu")
+    model.init_weights()  # as torchtitan does, once the tensors are real
+    assert len(calls) == len(list(model.modules()))
+
+
 def test_forward_returns_logits_and_trains_on_cpu():
     model = build_debug()
     with torch.no_grad():

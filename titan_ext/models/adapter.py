@@ -110,8 +110,15 @@ class TitanCausalLM:
 
         HF's own initializer skips modules it marks as initialized; torchtitan
         calls this after ``to_empty``, when every tensor holds garbage, so each
-        module's ``_init_weights`` runs unconditionally.
+        module's ``_init_weights`` runs unconditionally. HF's constructor calls it
+        too (``post_init``): on the meta device, where torchtitan builds, there is
+        nothing to set (HF's own ``init_weights`` skips it there), and each of torch's
+        meta initializers is a Python decomposition (two thirds of a 7B model's build).
         """
+        if all(p.is_meta for p in self.parameters()):
+            if self.config.tie_word_embeddings:
+                self.tie_weights()
+            return
         for module in self.modules():
             try:
                 self._init_weights(module)

@@ -290,9 +290,12 @@ def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     shares: the stage's parameters, state dict and optimizer state then name that weight as one process
     names it (``model.embed_tokens.weight``), so checkpoints hold it once at every PP degree, and TP
     shards it as in one process (``model_plans.apply.retie_embeddings``)."""
-    model = copy.deepcopy(whole)  # a tied head keeps sharing the embedding's weight
-    embeddings, layers, norm, head = model_parts_of(model)
+    embeddings, layers, norm, head = model_parts_of(whole)
     keep = set(modules)
+    # the blocks the stage drops are not copied (each copied and dropped was most of a stage's build)
+    memo = {id(block): block for name, block in whole.get_submodule(layers).named_children()
+            if f"{layers}.{name}" not in keep}
+    model = copy.deepcopy(whole, memo)  # a tied head keeps sharing the embedding's weight
     blocks = model.get_submodule(layers)
     kept = {name: block for name, block in blocks.named_children() if f"{layers}.{name}" in keep}
     _replace(model, layers, StageLayers(kept))

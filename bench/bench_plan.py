@@ -154,10 +154,11 @@ def main() -> None:
         print(f"{title:<24}" + "".join(f"{c:>20.1f}" for c in cells) + " " + ratio)
     print("load average (1 min) before, after: "
           + "; ".join(f"{label} {r['load'][0]:.1f}, {r['load'][1]:.1f}" for label, r in results.items()))
-    phases = results["this tree"]["phases"] or {}
-    print("\nthis tree, seconds per phase (summed over the ranks planned; pp stage setup is part of the recorded step):")
-    for phase, seconds in sorted(phases.items(), key=lambda item: -item[1]):
-        print(f"  {phase:<20}{seconds:>8.1f}")
+    phases = {label: results[label]["phases"] or {} for label in labels}
+    print("\nseconds per phase (summed over the ranks planned; pp stage setup is part of the recorded step):")
+    print(f"  {'':<20}" + "".join(f"{label:>12}" for label in labels))
+    for phase in sorted(phases["this tree"], key=lambda name: -phases["this tree"][name]):
+        print(f"  {phase:<20}" + "".join(f"{phases[label].get(phase, 0.0):>12.1f}" for label in labels))
 
 
 if __name__ == "__main__":

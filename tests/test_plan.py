@@ -146,6 +146,9 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     if torch.__version__ >= "2.13":  # planning PP needs it (earlier torch: one line, test_sweep_...)
         metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
         assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
+        from torch.distributed.pipelining import PipelineStage
+
+        assert callable(compat.stage_input_gradients(PipelineStage))  # answered in the first step's setup
     dist.init_process_group("fake", store=fake.FakeStore(), rank=0, world_size=3)
     try:
         assert compat.resolve_process_group(dist.group.WORLD.group_name).size() == 3
@@ -682,8 +685,7 @@ def _fsdp_iteration(module) -> list:
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
-@pytest.mark.parametrize("more", [[], ["--parallelism.fsdp_reshard_after_forward", "always"]], ids=["default", "always"])
-def test_a_pipelined_ranks_first_step_setup_runs_no_backward_and_leaves_what_torchs_does(monkeypatch, more):
+def test_a_pipelined_ranks_first_step_setup_runs_no_backward_and_leaves_what_torchs_does(monkeypatch):
     """The schedule's setup before the first step's microbatches runs no backward (``rank._input_gradients_derived``):
     each stage's gradients' metadata, FSDP's iteration state after the setup, and every figure of the rank are
     as with torch's backward."""
@@ -692,7 +694,7 @@ def test_a_pipelined_ranks_first_step_setup_runs_no_backward_and_leaves_what_tor
     from titan_ext.planner import job_config_of, prepare, rank
 
     prepare()
-    flags = argv(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2", *more])
+    flags = argv(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"])
     seen, backwards = [], []
     setup, grad = rank._first_step_setup_unrecorded, torch.autograd.grad
 

@@ -146,6 +146,9 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
     if torch.__version__ >= "2.13":  # planning PP needs it (earlier torch: one line, test_sweep_...)
         metadata = compat.pipeline_metadata()  # what the planner tells a pipeline stage in place of other ranks
         assert metadata.InferenceMode.DYNAMIC and callable(metadata._derive_grad_metas)
+        from torch.distributed.pipelining import PipelineStage
+
+        assert callable(compat.stage_input_gradients(PipelineStage))  # answered in the first step's setup
     dist.init_process_group("fake", store=fake.FakeStore(), rank=0, world_size=3)
     try:
         assert compat.resolve_process_group(dist.group.WORLD.group_name).size() == 3
@@ -685,3 +688,57 @@ def test_a_planned_ranks_group_leaves_the_processs_excepthook_as_it_was():
         with rank.fake_group(4, planned):
             pass
     assert sys.excepthook is hook
+
+
+def _fsdp_iteration(module) -> list:
+    """FSDP's per-iteration state in ``module`` (torch's private fields: what its next forward and backward read)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    groups = [group for m in module.modules() if isinstance(m, FSDPModule)
+              for group in fully_shard.state(m)._fsdp_param_groups]
+    return [(group._training_state, list(group._post_forward_indices), len(group.comm_ctx.post_forward_order),
+             group.is_sharded) for group in groups]
+
+
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
+def test_a_pipelined_ranks_first_step_setup_runs_no_backward_and_leaves_what_torchs_does(monkeypatch):
+    """The schedule's setup before the first step's microbatches runs no backward (``rank._input_gradients_derived``):
+    each stage's gradients' metadata, FSDP's iteration state after the setup, and every figure of the rank are
+    as with torch's backward."""
+    import contextlib
+
+    from titan_ext.planner import job_config_of, prepare, rank
+
+    prepare()
+    flags = argv(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"])
+    seen, backwards = [], []
+    setup, grad = rank._first_step_setup_unrecorded, torch.autograd.grad
+
+    def watched(schedule, *args):
+        setup(schedule, *args)
+        inner = schedule._schedule
+
+        def initialize(*a, _original=inner._initialize_pp_stages, **k):
+            monkeypatch.setattr(torch.autograd, "grad", lambda *g, **h: backwards.append(1) or grad(*g, **h))
+            try:
+                return _original(*a, **k)
+            finally:
+                monkeypatch.setattr(torch.autograd, "grad", grad)
+                stage = inner._stage
+                seen.append((stage._stage_meta.input_grads, stage._stage_meta.output_grads, _fsdp_iteration(stage.submod)))
+
+        inner._initialize_pp_stages = initialize
+
+    def fields(planned):
+        return (planned.rank, planned.stages, planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes,
+                planned.saved_bytes, planned.peak_bytes, planned.collectives, planned.microbatch)
+
+    monkeypatch.setattr(rank, "_first_step_setup_unrecorded", watched)
+    derived = [fields(rank.plan_rank(job_config_of(flags), 4, r)) for r in (0, 2)]
+    assert not backwards and len(seen) == 2
+    derived_seen = seen[:]
+    seen.clear()
+    monkeypatch.setattr(rank, "_input_gradients_derived", lambda stages: contextlib.nullcontext())  # torch's backward
+    assert derived == [fields(rank.plan_rank(job_config_of(flags), 4, r)) for r in (0, 2)]
+    assert backwards and derived_seen == seen
+    assert seen[1][0][0] is not None and seen[1][2], "the last stage's input gradient, its FSDP groups"

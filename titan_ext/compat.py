@@ -500,6 +500,24 @@ def set_pipeline_microbatches(schedule, count: int) -> None:
     schedule._n_microbatches = count
 
 
+def stage_input_gradients(stage):
+    """A torch pipeline stage's ``_compute_input_grads``: its first step's metadata inference computes its input
+    gradients with it (``autograd.grad``), which the planner answers (``planner.rank._input_gradients_derived``)."""
+    method = getattr(stage, "_compute_input_grads", None)
+    if method is None:
+        raise CompatError(f"titan_ext needs torch's PipelineStage._compute_input_grads; installed torch "
+                          f"{_version('torch')}, supported {SUPPORTED['torch']}: install a supported version")
+    return method
+
+
+def answer_stage_input_gradients(stage, answer) -> None:
+    """``answer`` in place of ``stage``'s ``_compute_input_grads`` (``stage_input_gradients``); None: torch's again."""
+    if answer is None:
+        vars(stage).pop("_compute_input_grads", None)
+    else:
+        stage._compute_input_grads = answer
+
+
 def pipeline_metadata() -> types.SimpleNamespace:
     """torch's pipeline-stage metadata (``torch.distributed.pipelining._utils``): what a stage receives from its
     neighbours on another rank before its first step; the planner hands it over itself."""

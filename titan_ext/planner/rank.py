@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import sys
 import time
@@ -456,22 +457,66 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
 
 def _first_step_setup_unrecorded(schedule, recorders, phase: Phases) -> None:
     """The one step the planner runs under PP is a first step: before its microbatches the schedule sets its
-    stages up (the metadata inference's forward and backward of one microbatch, the other stages' forwards the
-    planner answers their messages with), and titan_ext's schedule first gives every copy of a tied weight the
-    first stage's values. A real run does both in its first step only: neither is recorded, so the recorded
-    step is what every later step of a real run issues and saves (``tests/test_plan.py``'s real runs: step 2)."""
+    stages up (the metadata inference's forward of one microbatch, and the other stages' forwards the planner
+    answers their messages with; its backward is left out where ``_input_gradients_derived`` applies), and
+    titan_ext's schedule first gives every copy of a tied weight the first stage's values. A real run does both
+    in its first step only: neither is recorded, so the recorded step is what every later step of a real run
+    issues and saves (``tests/test_plan.py``'s real runs: step 2)."""
     inner = schedule._schedule
+    stages = list(getattr(inner, "_stages", None) or [inner._stage])
 
     def initialize(*args, _original=inner._initialize_pp_stages, **kwargs):
         with phase("pp stage setup"), contextlib.ExitStack() as stack:
             for recorder in recorders:
                 stack.enter_context(recorder.paused())
+            stack.enter_context(_input_gradients_derived(stages))
             return _original(*args, **kwargs)
 
     inner._initialize_pp_stages = initialize
     tied = getattr(schedule, "_tied", None)
     if tied is not None and not tied.synced:
         tied.sync()
+
+
+@contextlib.contextmanager
+def _input_gradients_derived(stages):
+    """The setup's backward (torch's ``_backward_metadata_inference``: ``autograd.grad`` of one microbatch's
+    outputs for the stage's inputs) tells the previous stage its input gradients' shapes and dtypes, which for
+    inputs that are plain tensors are the inputs' own (as torch's STATIC mode derives them,
+    ``_derive_grad_metas``); a stage reads them again only for an input its backward leaves without a gradient
+    (it sends zeros). So each stage answers "no input gradients" (torch then derives them from the inputs),
+    and its FSDP modules end the iteration as that backward's final callback would have
+    (``FSDPModule.reset_iter_state``: resharded, the forward order that FSDP's backward prefetching reads
+    cleared): it computes no parameter's gradient, and leaves nothing else for the step after it. One
+    microbatch's backward less per pipelined rank, every figure the same (``tests/test_plan.py``). Inputs
+    that are DTensors get torch's backward."""
+    from torch.distributed.tensor import DTensor
+
+    def answer(outputs, inputs, grad_outputs=None, *, stage, torch_s):
+        wanted = [tensor for tensor in inputs if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
+        if not wanted or any(isinstance(tensor, DTensor) for tensor in wanted):  # none: torch runs no backward
+            return torch_s(outputs, inputs, grad_outputs)
+        for module in _fsdp_roots(stage.submod):
+            module.reset_iter_state()
+        return tuple(None for _ in inputs)
+
+    for stage in stages:
+        torch_s = compat.stage_input_gradients(stage)
+        compat.answer_stage_input_gradients(stage, functools.partial(answer, stage=stage, torch_s=torch_s))
+    try:
+        yield
+    finally:
+        for stage in stages:
+            compat.answer_stage_input_gradients(stage, None)
+
+
+def _fsdp_roots(module: torch.nn.Module) -> list:
+    """The outermost FSDP modules in ``module``: each is the root of its FSDP modules' iteration state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    inside = {id(below) for m in fsdp for below in list(m.modules())[1:]}
+    return [m for m in fsdp if id(m) not in inside]
 
 
 class _UpdatesSkipped(compat.torch_dispatch_mode()):

@@ -261,7 +261,7 @@ def _twin_key(plan, schedule, parts, seen: StagesSeen):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     inner = schedule._schedule
-    stages = list(getattr(inner, "_stages", None) or [inner._stage])
+    stages = _stages_of(inner)
     resharded = plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head)
     if len(stages) != 1 or stages[0].is_first or stages[0].is_last or resharded:
         return None
@@ -273,6 +273,11 @@ def _twin_key(plan, schedule, parts, seen: StagesSeen):
     else:
         order = stages[0].stage_index
     return None if received is None else (received, order, _structure(parts[0]))
+
+
+def _stages_of(schedule) -> list:
+    """The stages a torch pipeline schedule runs on this rank (a multi-stage schedule's, or a single stage's)."""
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
 def _deeper_twin(key, seen: StagesSeen):
@@ -299,7 +304,7 @@ def _deeper_twin(key, seen: StagesSeen):
     # each stepped with its own microbatches (``_stage_microbatches``): compared, and its peak's rule moved by
     # depth, at none (a middle microbatch's share taken off each count)
     if one.microbatch[::3] != other.microbatch[::3] or Counter(one.microbatch[1]) != Counter(other.microbatch[1]) \
-            or _at_no_microbatches(one) != _at_no_microbatches(other):
+            or _at_microbatches(one, 0) != _at_microbatches(other, 0):
         return None
     (rule, below), (rule_b, below_b) = one.microbatch[2], other.microbatch[2]
     pairs = [*zip(rule, rule_b), *([(below, below_b)] if below and below_b else [])]
@@ -315,14 +320,14 @@ def _deeper_twin(key, seen: StagesSeen):
     return replace(one, peak_bytes=max(nbytes for nbytes, _ in rule[0]), microbatch=microbatch), sent
 
 
-def _at_no_microbatches(stepped: RankPlan) -> tuple:
-    """A stepped rank's saved bytes and collectives less its count of middle microbatches' (``_extrapolated``
-    at m = 0): what ranks stepped with other counts compare by."""
+def _at_microbatches(stepped: RankPlan, m: int) -> tuple[int, Counter]:
+    """A stepped rank's saved bytes and each collective's count at m microbatches: a middle microbatch's for
+    each one more (or fewer) than it was stepped with. At m = 0 what ranks stepped with other counts compare by."""
     saved, issued, _, _, count = stepped.microbatch
     counts = Counter(stepped.collectives)
     for collective, n in Counter(issued).items():
-        counts[collective] -= count * n
-    return stepped.saved_bytes - count * saved, sorted(((c, n) for c, n in counts.items() if n), key=repr)
+        counts[collective] += (m - count) * n
+    return stepped.saved_bytes + (m - count) * saved, counts
 
 
 def _by_depth(one: int, other: int, apart: int, further: int) -> int | None:
@@ -417,7 +422,7 @@ def _stages_told_by_the_planner(schedule, neighbours: dict, first_input: torch.T
     add what they send. Only a first step needs this, and the planner runs one (``_first_step_setup_unrecorded``)."""
     meta = compat.pipeline_metadata()
     inner = schedule._schedule
-    stages = list(getattr(inner, "_stages", None) or [inner._stage])
+    stages = _stages_of(inner)
     modules = {**neighbours, **{stage.stage_index: stage.submod for stage in stages}}
     microbatch: dict = {}
 
@@ -463,7 +468,7 @@ def _first_step_setup_unrecorded(schedule, recorders, phase: Phases) -> None:
     in its first step only: neither is recorded, so the recorded step is what every later step of a real run
     issues and saves (``tests/test_plan.py``'s real runs: step 2)."""
     inner = schedule._schedule
-    stages = list(getattr(inner, "_stages", None) or [inner._stage])
+    stages = _stages_of(inner)
 
     def initialize(*args, _original=inner._initialize_pp_stages, **kwargs):
         with phase("pp stage setup"), contextlib.ExitStack() as stack:
@@ -648,7 +653,7 @@ class _Microbatches:
         saved.counted = lambda nbytes: self.saved.update({self.current: nbytes})
         inner = schedule._schedule
         self.count = inner._n_microbatches
-        self.stages = list(getattr(inner, "_stages", None) or [inner._stage])
+        self.stages = _stages_of(inner)
         self.ops: list[tuple[int, str]] = []
         """(the step's peak's event count as a forward or backward of a microbatch starts, "F" or "B")."""
         for stage in self.stages:
@@ -926,16 +931,14 @@ def _extrapolated(stepped: RankPlan, m: int, plan) -> RankPlan:
     the activations (summed over the microbatches), each collective's count (by kind, group and bytes) and
     the step's peak gain a middle microbatch's for each further one (``_Microbatches.middle``). The collectives are listed in the order they first
     came, each repeated its count."""
-    saved, issued, (rule, below), _, count = stepped.microbatch
-    counts = Counter(stepped.collectives)
-    for collective, n in Counter(issued).items():
-        counts[collective] += (m - count) * n
+    (rule, below), count = stepped.microbatch[2], stepped.microbatch[4]
+    saved_bytes, counts = _at_microbatches(stepped, m)
     ordered = [c for c in dict.fromkeys(stepped.collectives) for _ in range(counts[c])]
     peak = max(nbytes + (m - count) * growth for nbytes, growth in rule)
     if below is not None and below[0] + (m - count) * below[1] > peak:
         raise _NotAffine("the step's peak may come after the tensors kept across the microbatches are freed")
-    return replace(stepped, saved_bytes=stepped.saved_bytes + (m - count) * saved,
-                   peak_bytes=peak, collectives=tuple(ordered), plan=plan, microbatch=None)
+    return replace(stepped, saved_bytes=saved_bytes, peak_bytes=peak, collectives=tuple(ordered), plan=plan,
+                   microbatch=None)
 
 
 def _checked_plan(job_config, world: int, model_args=None):

@@ -77,8 +77,11 @@ def main() -> int:
     run(python, "-m", "pip", "install", "-q", "--upgrade", "pip")
     wanted = requirements(args.mode)
     torch = next(r for r in wanted if r.startswith("torch") and not r.startswith(("torchtitan", "torchao")))
-    run(python, "-m", "pip", "install", "-q", torch)  # first: its build decides what the rest resolves against
-    run(python, "-m", "pip", "install", "-q", *wanted)
+    # --upgrade: a reused venv keeps any release that satisfies a range (a venv built last week keeps last
+    # week's torch), so ``newest`` and ``latest`` would test the releases they found then, not today's.
+    install = (python, "-m", "pip", "install", "-q", "--upgrade")
+    run(*install, torch)  # first: its build decides what the rest resolves against
+    run(*install, *wanted)
     run(python, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO))
     versions = subprocess.run(
         [python, "-c", "import importlib.metadata as m, sys; "

@@ -141,6 +141,15 @@ class StepPeak(Watcher):
                 held.setdefault(self._tags.get(number), {})[number] = size
         return held
 
+    def sizes(self, kept: list[torch.Tensor] = ()) -> list[int]:
+        """Each event's bytes, in order (0 for an allocation ``kept`` holds): their running sum is the live bytes."""
+        left_out = self._left_out(kept)
+        return [0 if number in left_out else size for number, size in self.events]
+
+    def tag(self, number: int) -> object:
+        """What allocation ``number`` was tagged with (None: untagged)."""
+        return self._tags.get(number)
+
     def _left_out(self, kept) -> set[int]:
         left_out = set()
         for tensor in kept:

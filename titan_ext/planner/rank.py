@@ -781,10 +781,9 @@ class _Microbatches:
         two periods are alike, or several stages run on this rank."""
         if len(self.stages) != 1:
             return None
-        events, left_out = self._peak.events, self._peak._left_out(kept)
+        events, sizes = self._peak.events, self._peak.sizes(kept)
         kinds = "".join(kind for _, kind in self.ops)
         periods = [(self.ops[a][0], self.ops[a + 2][0]) for a in range(len(kinds) - 2) if kinds[a: a + 2] == "FB"]
-        sizes = [0 if number in left_out else size for number, size in events]
         insert = next((b for (a, b), (c, d) in zip(periods, periods[1:]) if b == c and sizes[a:b] == sizes[b:d]), None)
         if insert is None or kept_each < 0:
             return None
@@ -797,10 +796,10 @@ class _Microbatches:
         before: dict[int, int] = {}  # the batch's bytes live -> the most bytes live at an event before the period
         now = batch_live = 0
         after = below = None
-        for i, (number, size) in enumerate(events):
+        for i, (number, _) in enumerate(events):
             now += sizes[i]
-            if self._peak._tags.get(number) == "batch" and number not in left_out:
-                batch_live += size
+            if self._peak.tag(number) == "batch":
+                batch_live += sizes[i]
             if i < insert:
                 before[batch_live] = max(before.get(batch_live, now), now)
             elif i < release:

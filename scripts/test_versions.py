@@ -42,6 +42,20 @@ def lower_bound(spec: str) -> str:
     return found.group(1)
 
 
+def upper_bound(spec: str) -> str | None:
+    found = re.search(r"(?:<=|==)\s*([^,\s]+)", spec)
+    return found.group(1) if found else None
+
+
+def short_of_bounds(installed: dict[str, str]) -> list[str]:
+    """The hosts ``newest`` installed below their declared upper bound: a pip constraint or index (``pip config
+    list``) kept the newer release out, and that bound is then not what the suite tested."""
+    specs = declared()
+    return [f"{name} {version} (pyproject.toml allows {upper_bound(specs[name])})"
+            for name, version in installed.items()
+            if upper_bound(specs[name]) not in (None, version)]
+
+
 def requirements(mode: str) -> list[str]:
     specs = declared()
     missing = [name for name in HOSTS if name not in specs]
@@ -89,6 +103,11 @@ def main() -> int:
         check=True, capture_output=True, text=True,
     ).stdout.strip()
     print(f"\n| {' | '.join(HOSTS)} |\n|{' --- |' * len(HOSTS)}\n| {versions} |\n", flush=True)
+    short = short_of_bounds(dict(zip(HOSTS, versions.split(" | ")))) if args.mode == "newest" else []
+    if short:
+        print(f"newest: installed below the upper bound: {', '.join(short)}; a pip constraint or index kept "
+              "the newer release out (see `pip config list`; `PIP_CONFIG_FILE=/dev/null` ignores pip's config "
+              "files): these bounds are not what this run tests\n", flush=True)
     if args.no_tests:
         return 0
     return subprocess.run([python, "-m", "pytest", *pytest_args], cwd=REPO).returncode

@@ -7,7 +7,9 @@ Rows, all at the same model, batch and sequence length:
   (d) (c) + Float8 (``quantize.linear.float8``);
   (e) (c) + op-level selective AC (saves GLA's core and every other matmul: memory for speed);
   (f) (b) + document masking (``[titan_ext] document_mask``: fla's packed
-      ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(e) turn it off).
+      ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(e) and (g) turn it off);
+  (g) (c) + the chunked loss (``[titan_ext] loss = "chunked"``: no full logits; the shipped GPU
+      configs keep torchtitan's loss until this row shows it at least as fast as (c)).
 Each row: median tokens/s over the steps after warm-up, ratio to (a), peak
 memory, and MFU from the spec's FLOPs per token (``get_nparams_and_flops``)
 and torchtitan's ``get_peak_flops``. (b)-(f) read per-step metrics written by
@@ -199,6 +201,8 @@ def titan_rows(args) -> list[Row]:
     op_sac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
     rows.append(torchtitan_run("(e) (c) + op-level SAC", args, unmasked + compile_flags + op_sac))
     rows.append(torchtitan_run("(f) (b) + document mask", args, ["--titan_ext.document_mask"]))
+    chunked = ["--titan_ext.loss", "chunked"]
+    rows.append(torchtitan_run("(g) (c) + chunked loss", args, unmasked + compile_flags + chunked))
     return rows
 
 

@@ -16,7 +16,7 @@ Stages run in the order given:
                 launch to step 1, loss first/last, median tokens/s, peak memory, recompiles, and the kernels
                 that took the most time (fla's Triton kernels show by name). The same config twice
                 gives the cold and the warm (Triton cache filled) time to first step.
-  bench         bench/bench_train.py: rows (a)-(f) side by side, one run
+  bench         bench/bench_train.py: rows (a)-(g) side by side, one run
 
 A fresh machine spends minutes autotuning fla's kernels before the first GLA step, and the machine
 is released 30 s after a call: warm-up and measurement belong in one call.

@@ -1,4 +1,4 @@
-"""The benchmarks still run: bench_train.py --cpu-tiny prints six rows, bench_data.py three."""
+"""The benchmarks still run: bench_train.py --cpu-tiny prints seven rows, bench_data.py three."""
 
 import math
 import re
@@ -9,14 +9,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_cpu_tiny_prints_six_finite_rows():
+def test_bench_cpu_tiny_prints_seven_finite_rows():
     proc = subprocess.run(
         [sys.executable, "bench/bench_train.py", "--cpu-tiny"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
-    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \([a-f]\) ", line)]
-    assert [r[2:5] for r in rows] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)"], proc.stdout[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \([a-g]\) ", line)]
+    assert [r[2:5] for r in rows] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)"], proc.stdout[-3000:]
     for row in rows:
         numbers = [float(cell.replace(",", "")) for cell in row.strip("|").split("|")[1:]]
         assert len(numbers) == 4 and all(math.isfinite(n) and n >= 0 for n in numbers), row

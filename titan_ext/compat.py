@@ -428,10 +428,13 @@ def fake_tensor_mode() -> types.SimpleNamespace:
     fake = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensor", "_DISPATCH_META_HANDLERS",
                    "FakeTensorConfig")
     made = getattr(fake.FakeTensorMode, "_get_output_tensor_from_cache_entry", None)
-    known = made is not None and list(inspect.signature(made).parameters) == ["self", "state", "entry", "key", "func", "args"]
-    undispatched, subclass, op = torch._C._DisableTorchDispatch, torch.Tensor._make_subclass, torch._ops.OpOverload
+    # (self, state, entry, key, func, args) to torch 2.14; torch 2.15 dropped ``func``. Either way the output
+    # is a view where the entry names its input (``view_idx``: set for view operators alone).
+    known = made is not None and list(inspect.signature(made).parameters) in (
+        ["self", "state", "entry", "key", "func", "args"], ["self", "state", "entry", "key", "args"])
+    undispatched, subclass = torch._C._DisableTorchDispatch, torch.Tensor._make_subclass
 
-    def output_from_metadata(mode, entry, func, args, device, attributes: dict):
+    def output_from_metadata(mode, entry, args, device, attributes: dict):
         """What ``FakeTensorMode._get_output_tensor_from_cache_entry`` makes from a cache entry's metadata without a
         shape environment, for an output that is not an input written in place: an empty meta tensor of its shape
         and strides (a view's on its input's storage), made a ``FakeTensor`` on ``device`` as ``FakeTensor.__new__``
@@ -444,7 +447,7 @@ def fake_tensor_mode() -> types.SimpleNamespace:
                 torch._C._set_conj(empty, True)
             if metadata.is_neg:
                 torch._C._set_neg(empty, True)
-            if isinstance(func, op) and func.is_view:
+            if entry.view_idx is not None:
                 empty.set_(args[entry.view_idx].untyped_storage(), metadata.storage_offset, metadata.shape,
                            metadata.stride)
         out = subclass(fake.FakeTensor, empty, empty.requires_grad, dispatch_device=True, device_for_backend_keys=device)

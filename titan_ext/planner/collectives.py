@@ -270,17 +270,18 @@ def _watched_fake_mode() -> type:
             return self.dispatch(func, types, args, kwargs)
 
         if fake.outputs_from_cache_entries:
-            def _get_output_tensor_from_cache_entry(self, state, entry, key, func, args):
+            def _get_output_tensor_from_cache_entry(self, state, entry, key, *func_args):
                 """A fake tensor from a cache entry: as ``FakeTensorMode`` makes it, without its constructor's
-                checks of arguments that are right here each time (a cache hit: most of a fake step's operators)."""
+                checks of arguments that are right here each time (a cache hit: most of a fake step's operators).
+                ``func_args``: (func, args) to torch 2.14, (args,) from torch 2.15."""
                 made = self._outputs_made.get(entry.metadata.device) if entry.metadata is not None else None
                 if made is None or entry.inplace_idx is not None or self.shape_env is not None:
-                    out = super()._get_output_tensor_from_cache_entry(state, entry, key, func, args)
+                    out = super()._get_output_tensor_from_cache_entry(state, entry, key, *func_args)
                     if (type(out) is fake.FakeTensor and entry.metadata is not None and entry.inplace_idx is None
                             and self.shape_env is None and not fake.debug()):  # a new tensor, as torch made it
                         self._outputs_made.setdefault(entry.metadata.device, (out.fake_device, dict(vars(out))))
                     return out
-                return fake.output_from_metadata(self, entry, func, args, *made)
+                return fake.output_from_metadata(self, entry, func_args[-1], *made)
 
     return _WatchedFake
 

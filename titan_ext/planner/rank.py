@@ -654,8 +654,8 @@ class _Microbatches:
         inner = schedule._schedule
         self.count = inner._n_microbatches
         self.stages = _stages_of(inner)
-        self.ops: list[tuple[int, str]] = []
-        """(the step's peak's event count as a forward or backward of a microbatch starts, "F" or "B")."""
+        self.ops: list[tuple[int, str, int]] = []
+        """(the step's peak's event count as a forward or backward of a microbatch starts, "F" or "B", the microbatch)."""
         for stage in self.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._during(getattr(stage, name), 0, name[0].upper()))
@@ -684,7 +684,7 @@ class _Microbatches:
     def _during(self, method, position: int, kind: str | None = None):
         def run(*args, **kwargs):
             if kind is not None and not self._recorder._paused:
-                self.ops.append((len(self._peak.events), kind))
+                self.ops.append((len(self._peak.events), kind, args[position]))
             outer, self.current, self.started = self.current, args[position], True
             try:
                 return method(*args, **kwargs)
@@ -693,10 +693,16 @@ class _Microbatches:
 
         return run
 
-    @staticmethod
-    def _stamped(method):
+    def _stamped(self, method):
+        """A stage's P2P ops for a microbatch, each stamped with it, and what making them allocates tagged with
+        it: from torch 2.15 a receive's buffer is allocated as its op is made, and held by the stage after the
+        microbatch (torch 2.13 allocates them all in the first step's setup)."""
         def ops(index, *args, **kwargs):
-            made = method(index, *args, **kwargs)
+            outer, self.current = self.current, index
+            try:
+                made = method(index, *args, **kwargs)
+            finally:
+                self.current = outer
             for op in made:
                 op.planner_microbatch = index
             return made
@@ -778,16 +784,31 @@ class _Microbatches:
         microbatch keeps: checked equal to what a middle one holds when all are done), up to the first release
         of a tensor kept across the microbatches (the schedule's losses at the step's end): what comes after may
         hold less at m, never more, and must stay below (else ``_NotAffine`` when extrapolated). None where no
-        two periods are alike, or several stages run on this rank."""
+        two periods are alike, or several stages run on this rank.
+
+        The last period ends where the cooldown's first backward starts: from torch 2.15 the receive for that
+        backward allocates its buffer just before (``_stamped``), an allocation of that backward's microbatch
+        that the periods before make inside the next period. It is alike where it is the period before it and
+        then only such allocations."""
         if len(self.stages) != 1:
             return None
         events, sizes = self._peak.events, self._peak.sizes(kept)
-        kinds = "".join(kind for _, kind in self.ops)
-        periods = [(self.ops[a][0], self.ops[a + 2][0]) for a in range(len(kinds) - 2) if kinds[a: a + 2] == "FB"]
-        insert = next((b for (a, b), (c, d) in zip(periods, periods[1:]) if b == c and sizes[a:b] == sizes[b:d]), None)
+        kinds = "".join(kind for _, kind, _ in self.ops)
+        # (a period's first event, its end's, the microbatch of the forward or backward it ends at)
+        periods = [(self.ops[i][0], *self.ops[i + 2][::2]) for i in range(len(kinds) - 2) if kinds[i: i + 2] == "FB"]
+
+        def alike(a: int, b: int, d: int, ending: int) -> bool:
+            if sizes[a:b] == sizes[b:d]:
+                return True
+            cooldown = b + (b - a)
+            return (d == periods[-1][1] and sizes[a:b] == sizes[b:cooldown]
+                    and all(size > 0 and self._peak.tag(number) == ending for number, size in events[cooldown:d]))
+
+        pairs = zip(periods, periods[1:])
+        insert = next((b for (a, b, _), (c, d, ending) in pairs if b == c and alike(a, b, d, ending)), None)
         if insert is None or kept_each < 0:
             return None
-        start = next(a for a, b in periods if b == insert)
+        start = next(a for a, b, _ in periods if b == insert)
         if sum(sizes[start:insert]) != kept_each:
             return None
         kept_across = {number for index in (*middles, "batch") for number in end.get(index, {})}

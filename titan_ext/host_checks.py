@@ -99,11 +99,12 @@ FLA_SIGNATURES = {
     "query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False, **kwargs",
     "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
     "hidden_states, weight, bias=None, activation=None, **kwargs",
-    **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward":
-       "self, hidden_states, cache=None, attention_mask=None, **kwargs"
-       for model, cls in (("qwen3_5", "Qwen3_5"), ("qwen3_next", "Qwen3Next"))},
+    **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward": (
+        "self, hidden_states, cache=None, attention_mask=None, **kwargs",
+        "self, hidden_states, cache_params=None, attention_mask=None, **kwargs",  # transformers 5.17
+    ) for model, cls in (("qwen3_5", "Qwen3_5"), ("qwen3_next", "Qwen3Next"))},
 }
-"""Checked with flash-linear-attention 0.6.0 (and transformers 5.24 for the Gated DeltaNet layers of Qwen3.5
+"""Checked with flash-linear-attention 0.6.0 (and transformers 5.17 and 5.24 for the Gated DeltaNet layers of Qwen3.5
 and Qwen3-Next and the KDA wrappers of Kimi Linear, which call fla's kernels; the Gated DeltaNet layers'
 forward titan_ext's training models run instead: ``kernels.transformers_gated_deltanet``). fla's
 ``(*args, **kwargs)`` activations (swish, sigmoid, swiglu) and its deprecated ``fused_chunk_gla(**kwargs)``
@@ -123,12 +124,12 @@ def check_fla_signatures(model_args) -> None:
     from titan_ext.host_patches import resolve
 
     for target, expected in FLA_SIGNATURES.items():
-        found = parameters(resolve(target))
-        if found != expected:
+        found, accepted = parameters(resolve(target)), (expected,) if isinstance(expected, str) else expected
+        if found not in accepted:
             package = "transformers" if target.startswith("transformers.") else "flash-linear-attention"
             raise HostChanged(
                 package, f"{target.replace(':', '.')} now takes ({found}), titan_ext's kernels "
-                f"were written for ({expected})"
+                f"were written for {' or '.join(f'({a})' for a in accepted)}"
             )
 
 

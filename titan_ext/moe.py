@@ -109,6 +109,12 @@ def check_moe(model: nn.Module, job_config) -> None:
         _check_ep(blocks, p)
     if splits_intermediate(p):
         _check_split_intermediate(blocks, p)
+    if p.tensor_parallel_degree > 1 and torch.__version__ < "2.13":
+        raise ConfigError(
+            f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with experts needs torch 2.13 or later: "
+            f"torch {torch.__version__}'s DTensor cannot backpropagate the replicated router's top-k (its backward "
+            "mixes a plain tensor into a DTensor scatter); upgrade torch, or use expert parallelism or FSDP alone"
+        )
 
 
 def splits_intermediate(p) -> bool:

@@ -37,7 +37,7 @@ from titan_ext.kernels.tp_local import local
 def qwen3_5_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """``Qwen3_5GatedDeltaNet.forward``: q, k and v from one projection (``in_proj_qkv``: all queries, all keys,
     all values), the output gate, beta and the decay's input from their own."""
-    _check_training(self, cache, attention_mask)
+    _check_training(self, cache, attention_mask, kwargs)
     if isinstance(self.in_proj_qkv.weight, DTensor):  # TP: this rank's heads' rows of the replicated weight
         rows = _rows(self.in_proj_qkv.weight, [self.key_dim, self.key_dim, self.value_dim])
         mixed = F.linear(hidden_states.to_local(grad_placements=(Partial(),)), rows)
@@ -50,7 +50,7 @@ def qwen3_5_forward(self, hidden_states, cache=None, attention_mask=None, **kwar
 def qwen3_next_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """``Qwen3NextGatedDeltaNet.forward``: its projections are grouped by key head (``in_proj_qkvz``: each key
     head's query, key, values and output gates; ``in_proj_ba``: its value heads' beta and decay input)."""
-    _check_training(self, cache, attention_mask)
+    _check_training(self, cache, attention_mask, kwargs)
     group = self.num_v_heads // self.num_k_heads  # value heads per key head
     qkvz = self.in_proj_qkvz(hidden_states).unflatten(-1, (-1, 2 * self.head_k_dim + 2 * group * self.head_v_dim))
     q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim, group * self.head_v_dim], -1)
@@ -60,8 +60,9 @@ def qwen3_next_forward(self, hidden_states, cache=None, attention_mask=None, **k
                 chunk_gated_delta_rule)
 
 
-def _check_training(self, cache, attention_mask) -> None:
-    if cache is not None:
+def _check_training(self, cache, attention_mask, kwargs) -> None:
+    """``kwargs``: transformers 5.17 passes the cache as ``cache_params`` (5.24 as ``cache``)."""
+    if cache is not None or kwargs.pop("cache_params", None) is not None:
         raise ValueError(f"titan_ext's {type(self).__name__} trains without a cache (use_cache=False)")
     if attention_mask is not None:  # transformers passes linear attention a 2D padding mask only
         raise ValueError(f"titan_ext's {type(self).__name__} takes no padding mask: titan_ext's batches hold no padding")

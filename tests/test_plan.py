@@ -62,6 +62,11 @@ def argv(flags: list[str], dump: Path | None = None) -> list[str]:
     return out + (["--job.dump_folder", str(dump)] if dump else [])
 
 
+def runs_here(name: str) -> bool:
+    """Experts under TP are refused on torch < 2.13 (``moe.check_moe``): those layouts have no real run there."""
+    return not (name.endswith("tp2_moe") and torch.__version__ < "2.13")
+
+
 def matrix_guest(root: Path):
     """Every layout's real run, inside the suite's one matrix launch (``tests/conftest.py``, ``guest_runs``): the
     2-rank layouts side by side, then the 4-rank ones. Each rank records its step 2 (``tests/record_step.py``)
@@ -70,13 +75,13 @@ def matrix_guest(root: Path):
 
     units = [(world, 10, (Job(f"plan.{name}", world, tuple(argv(flags, root / name)),
                               {"RECORD_STEP_DIR": str(root / "recorded" / name)}),))
-             for name, world, flags in LAYOUTS]
+             for name, world, flags in LAYOUTS if runs_here(name)]
     return Guest(tuple(units), preload=("record_step",))
 
 
 @pytest.fixture(scope="module")
 def real_runs(guest_runs) -> Path:
-    for name, world, _ in LAYOUTS:
+    for name, world, _ in filter(lambda layout: runs_here(layout[0]), LAYOUTS):
         for rank in range(world):
             result = guest_runs / "results" / f"plan.{name}.rank{rank}.json"
             assert result.exists(), f"no result from {name} rank {rank}: {(guest_runs / 'driver.log').read_text()[-4000:]}"
@@ -95,6 +100,8 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
 
     if name.startswith("pp2") and torch.__version__ < "2.13":
         pytest.skip("planning PP needs torch >= 2.13 (the planner says so in one line)")
+    if not runs_here(name):
+        pytest.skip("experts under TP need torch >= 2.13 (refused in one line)")
     prepare()
     planned_all_to_all, real_all_to_all = 0, 0
     for rank in range(world):
@@ -568,8 +575,8 @@ def test_a_model_of_identical_blocks_planned_with_2_and_3_blocks_per_stage_equal
         (["--parallelism.data_parallel_shard_degree", "4"], 1),
         (["--parallelism.data_parallel_shard_degree", "1", "--parallelism.context_parallel_degree", "2",
           "--parallelism.tensor_parallel_degree", "2"], 1),
-        (["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
-          "--activation_checkpoint.mode", "full"], 2),
+        *([(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+             "--activation_checkpoint.mode", "full"], 2)] if torch.__version__ >= "2.13" else []),  # PP planning
     ]:
         before = len(lines)
         reduced = rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=True)
@@ -616,7 +623,8 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     result = layouts.plan_sweep(MOE, 2, 50.0, workers=2)  # two processes: a run-time TP plan class stays in its own
     pickle.dumps(result.planned)  # what a worker process sends back: an HF model's TP plan class is made at run time
     planned = {layout.name(): plans for layout, plans in result.planned.items()}
-    assert {"fsdp 2", "fsdp 2, experts over ep 2", "tp 2, experts over ep 2", "cp 2, experts over ep 2"} <= set(planned)
+    under_tp = {"tp 2, experts over ep 2"} if torch.__version__ >= "2.13" else set()  # else refused: moe.check_moe
+    assert {"fsdp 2", "fsdp 2, experts over ep 2", "cp 2, experts over ep 2", *under_tp} <= set(planned)
     assert not any(c.kind == "all_to_all" for c in planned["fsdp 2"][0].collectives)
     for layout, plans in result.planned.items():
         if layout.ep > 1:

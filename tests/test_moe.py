@@ -165,18 +165,20 @@ def test_moe_refusals(degrees, phrase):
         moe.check_moe(meta_model(args()), parallelism(**degrees))
 
 
-def test_experts_under_tp_are_refused_on_a_torch_whose_dtensor_topk_cannot_backpropagate(monkeypatch):
-    """torch 2.11's DTensor top-k backward scatters into a plain tensor (seen on the lower bound's real runs);
-    from torch 2.13 it trains (the matrix's MoE TP rows)."""
+def test_softmax_top_k_routers_under_tp_are_refused_on_a_torch_whose_dtensor_topk_cannot_backpropagate(monkeypatch):
+    """torch 2.11's DTensor backpropagates no top-k values (its backward scatters into a plain tensor: seen in the
+    lower bound's runs of Qwen3-MoE and Qwen3-Next under TP); DeepSeek-V3's router gathers by the top-k's indices
+    and trains there (its tp2 row passed on torch 2.11). From torch 2.13 both train (the matrix's MoE TP rows)."""
     import torch
 
-    model = meta_model(args())
+    qwen, deepseek = meta_model(args()), meta_model(args(TINY_DEEPSEEK_V3))
     monkeypatch.setattr(torch, "__version__", "2.11.0")
-    with pytest.raises(ConfigError, match=r"^--parallelism.tensor_parallel_degree=2 with experts needs torch 2.13"):
-        moe.check_moe(model, parallelism(tensor_parallel_degree=2))
-    moe.check_moe(model, parallelism(expert_parallel_degree=2))  # the router is no DTensor without TP
+    with pytest.raises(ConfigError, match=r"^--parallelism.tensor_parallel_degree=2 with Qwen3MoeTopKRouter needs torch 2.13"):
+        moe.check_moe(qwen, parallelism(tensor_parallel_degree=2))
+    moe.check_moe(qwen, parallelism(expert_parallel_degree=2))  # the router is no DTensor without TP
+    moe.check_moe(deepseek, parallelism(tensor_parallel_degree=2))
     monkeypatch.setattr(torch, "__version__", "2.13.0")
-    moe.check_moe(model, parallelism(tensor_parallel_degree=2))
+    moe.check_moe(qwen, parallelism(tensor_parallel_degree=2))
 
 
 @pytest.mark.parametrize("degrees", [dict(context_parallel_degree=2),

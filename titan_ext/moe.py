@@ -109,12 +109,20 @@ def check_moe(model: nn.Module, job_config) -> None:
         _check_ep(blocks, p)
     if splits_intermediate(p):
         _check_split_intermediate(blocks, p)
-    if p.tensor_parallel_degree > 1 and torch.__version__ < "2.13":
+    if p.tensor_parallel_degree > 1 and torch.__version__ < "2.13" and _softmax_top_k(router):
         raise ConfigError(
-            f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with experts needs torch 2.13 or later: "
-            f"torch {torch.__version__}'s DTensor cannot backpropagate the replicated router's top-k (its backward "
-            "mixes a plain tensor into a DTensor scatter); upgrade torch, or use expert parallelism or FSDP alone"
+            f"--parallelism.tensor_parallel_degree={p.tensor_parallel_degree} with {type(router).__name__} needs torch "
+            f"2.13 or later: torch {torch.__version__}'s DTensor cannot backpropagate the replicated router's top-k "
+            "values (its backward mixes a plain tensor into a DTensor scatter); upgrade torch, or use expert "
+            "parallelism or FSDP alone"
         )
+
+
+def _softmax_top_k(router: nn.Module) -> bool:
+    """transformers' softmax top-k router (Qwen2/3-MoE's, Qwen3-Next's, OLMoE's): it backpropagates through its
+    top-k values, which torch 2.11's DTensor cannot. DeepSeek-V3's and Kimi Linear's gather their weights by the
+    top-k's indices, which it can (their TP rows pass on torch 2.11); they carry a score correction bias."""
+    return all(hasattr(router, name) for name in ROUTER_FIELDS) and not hasattr(router, "e_score_correction_bias")
 
 
 def splits_intermediate(p) -> bool:

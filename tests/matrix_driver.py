@@ -35,6 +35,7 @@ import importlib
 import itertools
 import json
 import os
+import random
 import socket
 import sys
 import time
@@ -53,9 +54,19 @@ NO_SLEEP_TIME = types.SimpleNamespace(**{**vars(time), "sleep": lambda seconds: 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``ip_local_port_range``, from 32768 by default): a port
+    ``bind(0)`` picks is in that range, where any outgoing connection may take it before the job's store
+    binds it (seen once: a job's EADDRINUSE, then every later job of its ranks waiting for it in vain)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def barrier(store: dist.Store, key: str, size: int) -> None:

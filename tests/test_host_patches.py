@@ -336,7 +336,10 @@ def test_a_planned_ranks_mesh_has_the_groups_and_names_it_has_without_the_planne
                 dist.new_group([20, 21]).group_name, c10d._world.group_count)
 
     with rank.fake_group(64, 21):
-        assert c10d._new_group_with_tag.__module__ == "titan_ext.host_patches"
+        import torch
+
+        if torch.__version__ >= "2.13":  # torch 2.11's new_group takes other arguments: left as shipped there
+            assert c10d._new_group_with_tag.__module__ == "titan_ext.host_patches"
         planned = groups()
     assert c10d._new_group_with_tag.__module__ == "torch.distributed.distributed_c10d"  # restored
     dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=21, world_size=64)

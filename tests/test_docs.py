@@ -249,7 +249,7 @@ def commands(text: str) -> list[str]:
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()
+    text = re.sub(r"[`*]|(?<!\w)_|_(?!\w)|\[([^\]]*)\]\([^)]*\)", r"\1", heading).strip().lower()  # a word's _ stays
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 

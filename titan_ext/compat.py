@@ -428,7 +428,7 @@ def fake_tensor_mode() -> types.SimpleNamespace:
     fake = _lookup("torch", "torch._subclasses.fake_tensor", "FakeTensorMode", "FakeTensor", "_DISPATCH_META_HANDLERS",
                    "FakeTensorConfig")
     made = getattr(fake.FakeTensorMode, "_get_output_tensor_from_cache_entry", None)
-    # (self, state, entry, key, func, args) to torch 2.14; torch 2.15 dropped ``func``. Either way the output
+    # (self, state, entry, key, func, args) in torch 2.11 and 2.13; 2.15 dropped ``func``. Either way the output
     # is a view where the entry names its input (``view_idx``: set for view operators alone).
     known = made is not None and list(inspect.signature(made).parameters) in (
         ["self", "state", "entry", "key", "func", "args"], ["self", "state", "entry", "key", "args"])

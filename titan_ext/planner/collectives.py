@@ -273,7 +273,7 @@ def _watched_fake_mode() -> type:
             def _get_output_tensor_from_cache_entry(self, state, entry, key, *func_args):
                 """A fake tensor from a cache entry: as ``FakeTensorMode`` makes it, without its constructor's
                 checks of arguments that are right here each time (a cache hit: most of a fake step's operators).
-                ``func_args``: (func, args) to torch 2.14, (args,) from torch 2.15."""
+                ``func_args``: (func, args) in torch 2.11 and 2.13, (args,) in torch 2.15."""
                 made = self._outputs_made.get(entry.metadata.device) if entry.metadata is not None else None
                 if made is None or entry.inplace_idx is not None or self.shape_env is not None:
                     out = super()._get_output_tensor_from_cache_entry(state, entry, key, *func_args)

@@ -695,7 +695,7 @@ class _Microbatches:
 
     def _stamped(self, method):
         """A stage's P2P ops for a microbatch, each stamped with it, and what making them allocates tagged with
-        it: from torch 2.15 a receive's buffer is allocated as its op is made, and held by the stage after the
+        it: in torch 2.15 a receive's buffer is allocated as its op is made, and held by the stage after the
         microbatch (torch 2.13 allocates them all in the first step's setup)."""
         def ops(index, *args, **kwargs):
             outer, self.current = self.current, index
@@ -786,7 +786,7 @@ class _Microbatches:
         hold less at m, never more, and must stay below (else ``_NotAffine`` when extrapolated). None where no
         two periods are alike, or several stages run on this rank.
 
-        The last period ends where the cooldown's first backward starts: from torch 2.15 the receive for that
+        The last period ends where the cooldown's first backward starts: in torch 2.15 the receive for that
         backward allocates its buffer just before (``_stamped``), an allocation of that backward's microbatch
         that the periods before make inside the next period. It is alike where it is the period before it and
         then only such allocations."""

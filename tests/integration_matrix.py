@@ -557,15 +557,8 @@ def applies(spec: str, row: str) -> bool:
         return row in SPECS[spec].rows
     specs = ROWS[row].specs if row in ROWS else None
     return specs is None or spec in specs
-UNSUPPORTED = {
-    "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
-    "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
-}
-if tuple(int(n) for n in version("triton").split(".")[:2]) < (3, 9):  # titan_ext refuses it in one line
-    UNSUPPORTED["interpret_tp2"] = "Triton's interpreter runs fla's kernels from triton 3.9"
-if tuple(int(n) for n in version("torch").split(".")[:2]) < (2, 13):  # titan_ext refuses these in one line
-    UNSUPPORTED |= dict.fromkeys(("pp2_zbvzerobubble", "pp2_dualpipev"),
-                                 "V-shaped schedules on gloo need torch 2.13 (earlier ones send to their own rank)")
+def _release(package: str) -> tuple[int, int]:
+    return tuple(int(n) for n in version(package).split(".")[:2])
 
 
 def _tensor_parallel(flags: tuple[str, ...]) -> bool:
@@ -573,15 +566,23 @@ def _tensor_parallel(flags: tuple[str, ...]) -> bool:
     return bool(degrees) and int(degrees[-1]) > 1
 
 
+UNSUPPORTED = {
+    "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
+    "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
+}
 SOFTMAX_TOP_K_ROUTED = ("hf_qwen3_moe", "hf_qwen3_next", "hf_qwen2_moe", "hf_moe_bias")
 """The specs behind transformers' softmax top-k routers (``titan_ext.moe._softmax_top_k``)."""
 UNSUPPORTED_PAIRS: dict[tuple[str, str], str] = {}
 """Rows unsupported for some specs only: (spec, row) -> why."""
-if tuple(int(n) for n in version("torch").split(".")[:2]) < (2, 13):  # titan_ext refuses these in one line
+if _release("triton") < (3, 9):  # titan_ext refuses it in one line
+    UNSUPPORTED["interpret_tp2"] = "Triton's interpreter runs fla's kernels from triton 3.9"
+if _release("torch") < (2, 13):  # titan_ext refuses these in one line
+    UNSUPPORTED |= dict.fromkeys(("pp2_zbvzerobubble", "pp2_dualpipev"),
+                                 "V-shaped schedules on gloo need torch 2.13 (earlier ones send to their own rank)")
     UNSUPPORTED_PAIRS |= {(spec, row): "experts under TP behind a softmax top-k router need torch 2.13 (torch 2.11's "
                           "DTensor cannot backpropagate top-k values)"
                           for spec in SOFTMAX_TOP_K_ROUTED for row, r in ROWS.items() if _tensor_parallel(r.flags)}
-if tuple(int(n) for n in version("transformers").split(".")[:2]) < (5, 24):
+if _release("transformers") < (5, 24):
     UNSUPPORTED_PAIRS[("hf_qwen3_moe", "compile_aot_eager")] = (
         "transformers 5.17 (checked; 5.24 not) compiles its _can_use_grouped_mm once per expert weight shape: the "
         "job trains, with one recompile, which this row refuses")

@@ -681,15 +681,22 @@ class _Microbatches:
             return "batch"
         return self.current
 
+    @contextlib.contextmanager
+    def _for(self, microbatch):
+        """What is allocated, saved and issued inside belongs to ``microbatch``."""
+        outer, self.current = self.current, microbatch
+        try:
+            yield
+        finally:
+            self.current = outer
+
     def _during(self, method, position: int, kind: str | None = None):
         def run(*args, **kwargs):
             if kind is not None and not self._recorder._paused:
                 self.ops.append((len(self._peak.events), kind, args[position]))
-            outer, self.current, self.started = self.current, args[position], True
-            try:
+            self.started = True
+            with self._for(args[position]):
                 return method(*args, **kwargs)
-            finally:
-                self.current = outer
 
         return run
 
@@ -698,11 +705,8 @@ class _Microbatches:
         it: in torch 2.15 a receive's buffer is allocated as its op is made, and held by the stage after the
         microbatch (torch 2.13 allocates them all in the first step's setup)."""
         def ops(index, *args, **kwargs):
-            outer, self.current = self.current, index
-            try:
+            with self._for(index):
                 made = method(index, *args, **kwargs)
-            finally:
-                self.current = outer
             for op in made:
                 op.planner_microbatch = index
             return made

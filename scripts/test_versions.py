@@ -7,6 +7,8 @@
 ``latest`` is for the day a dependency releases: if the suite passes, raise that upper bound in
 pyproject.toml (and docs/tested-versions.md) to what it printed. Extra arguments after ``--`` go to
 pytest (``-- -x tests/test_context_parallel.py``). The venv is ``.venv-<mode>`` unless ``--venv`` names one.
+``--python`` builds it with another interpreter: pyproject.toml's ``requires-python`` is a bound too, and the
+lent GPU machine runs Python 3.12 (``lowest --python python3.12`` is its image less CUDA).
 """
 
 from __future__ import annotations
@@ -81,12 +83,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=("newest", "lowest", "latest"))
     parser.add_argument("--venv", type=Path, help="the venv to (re)use (default .venv-<mode>)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter a new venv is built with (default: this one)")
     parser.add_argument("--no-tests", action="store_true", help="build the venv and print its versions only")
     args, pytest_args = parser.parse_known_args()
     pytest_args = [a for a in pytest_args if a != "--"] or ["-q", "tests"]
     venv = args.venv or REPO / f".venv-{args.mode}"
     if not (venv / "bin" / "python").exists():
-        run(sys.executable, "-m", "venv", str(venv))
+        run(args.python, "-m", "venv", str(venv))
     python = str(venv / "bin" / "python")
     run(python, "-m", "pip", "install", "-q", "--upgrade", "pip")
     wanted = requirements(args.mode)
@@ -98,12 +102,12 @@ def main() -> int:
     run(*install, *wanted)
     run(python, "-m", "pip", "install", "-q", "--no-deps", "-e", str(REPO))
     versions = subprocess.run(
-        [python, "-c", "import importlib.metadata as m, sys; "
-                       f"print(' | '.join(m.version(p) for p in {HOSTS!r}))"],
+        [python, "-c", "import importlib.metadata as m, platform; "
+                       f"print(' | '.join([platform.python_version(), *(m.version(p) for p in {HOSTS!r})]))"],
         check=True, capture_output=True, text=True,
     ).stdout.strip()
-    print(f"\n| {' | '.join(HOSTS)} |\n|{' --- |' * len(HOSTS)}\n| {versions} |\n", flush=True)
-    short = short_of_bounds(dict(zip(HOSTS, versions.split(" | ")))) if args.mode == "newest" else []
+    print(f"\n| python | {' | '.join(HOSTS)} |\n|{' --- |' * (1 + len(HOSTS))}\n| {versions} |\n", flush=True)
+    short = short_of_bounds(dict(zip(HOSTS, versions.split(" | ")[1:]))) if args.mode == "newest" else []
     if short:
         print(f"newest: installed below the upper bound: {', '.join(short)}; a pip constraint or index kept "
               "the newer release out (see `pip config list`; `PIP_CONFIG_FILE=/dev/null` ignores pip's config "

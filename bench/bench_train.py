@@ -68,12 +68,12 @@ def parse_args(argv=None):
 
 def load_flavor(config: str):
     """The flavor's model args, from the TOML's [model] section."""
-    import tomllib
+    import tomli  # not tomllib: Python 3.10 has none (pyproject.toml's requires-python)
 
     from titan_ext.train_specs import TRAIN_SPECS
 
     with open(REPO / config, "rb") as f:
-        model = tomllib.load(f)["model"]
+        model = tomli.load(f)["model"]
     return model["name"], model["flavor"], TRAIN_SPECS[model["name"]]().model_args[model["flavor"]]
 
 

@@ -17,8 +17,12 @@ import argparse
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the interpreter running this script may be the lowest one declared
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTS = ("torch", "torchtitan", "flash-linear-attention", "transformers", "torchao", "datasets")
@@ -51,7 +55,8 @@ def upper_bound(spec: str) -> str | None:
 
 def short_of_bounds(installed: dict[str, str]) -> list[str]:
     """The hosts ``newest`` installed below their declared upper bound: a pip constraint or index (``pip config
-    list``) kept the newer release out, and that bound is then not what the suite tested."""
+    list``), or a Python the newer release does not support, kept it out, and that bound is then not what the
+    suite tested."""
     specs = declared()
     return [f"{name} {version} (pyproject.toml allows {upper_bound(specs[name])})"
             for name, version in installed.items()
@@ -109,9 +114,10 @@ def main() -> int:
     print(f"\n| python | {' | '.join(HOSTS)} |\n|{' --- |' * (1 + len(HOSTS))}\n| {versions} |\n", flush=True)
     short = short_of_bounds(dict(zip(HOSTS, versions.split(" | ")[1:]))) if args.mode == "newest" else []
     if short:
-        print(f"newest: installed below the upper bound: {', '.join(short)}; a pip constraint or index kept "
-              "the newer release out (see `pip config list`; `PIP_CONFIG_FILE=/dev/null` ignores pip's config "
-              "files): these bounds are not what this run tests\n", flush=True)
+        print(f"newest: installed below the upper bound: {', '.join(short)}; a pip constraint or index (see "
+              "`pip config list`; `PIP_CONFIG_FILE=/dev/null` ignores pip's config files), or this venv's Python "
+              "(no release of the newer one for it), kept the newer release out: these bounds are not what this "
+              "run tests\n", flush=True)
     if args.no_tests:
         return 0
     return subprocess.run([python, "-m", "pytest", *pytest_args], cwd=REPO).returncode

@@ -11,6 +11,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEBUG_GLA_TOML = REPO / "train_configs" / "debug_gla.toml"
 
 
+def without_fla_python_notice(stderr: str) -> str:
+    """``stderr`` less fla's import-time advice to a Python below 3.11 to upgrade: it asks something of its
+    user, so titan_ext's quiet consoles pass it on (pyproject.toml allows Python 3.10)."""
+    import re
+    import sys
+
+    if sys.version_info >= (3, 11):
+        return stderr
+    return re.sub(r"Current Python version 3\.\d+ is below the recommended 3\.11 version\..*\n?", "", stderr)
+
+
 def job_config(*flags: str, config_file: Path | str = DEBUG_GLA_TOML):
     """torchtitan's parsed ``JobConfig`` for a shipped TOML plus command-line ``flags``."""
     from torchtitan.config import ConfigManager

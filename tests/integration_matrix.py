@@ -582,6 +582,9 @@ if _release("torch") < (2, 13):  # titan_ext refuses these in one line
     UNSUPPORTED_PAIRS |= {(spec, row): "experts under TP behind a softmax top-k router need torch 2.13 (torch 2.11's "
                           "DTensor cannot backpropagate top-k values)"
                           for spec in SOFTMAX_TOP_K_ROUTED for row, r in ROWS.items() if _tensor_parallel(r.flags)}
+if _release("transformers") < (5, 21):  # titan_ext refuses TP in one line, naming the plan to register
+    UNSUPPORTED_PAIRS |= {("hf_qwen2_moe", row): "transformers' Qwen2-MoE plan places no experts before 5.21 (5.17 "
+                          "and 5.20.2 checked)" for row, r in ROWS.items() if _tensor_parallel(r.flags)}
 if _release("transformers") < (5, 24):
     UNSUPPORTED_PAIRS[("hf_qwen3_moe", "compile_aot_eager")] = (
         "transformers 5.17 (checked; 5.24 not) compiles its _can_use_grouped_mm once per expert weight shape: the "

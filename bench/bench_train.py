@@ -16,7 +16,10 @@ and torchtitan's ``get_peak_flops``. (b)-(f) read per-step metrics written by
 ``--titan_ext.metrics_jsonl``.
 
     python bench/bench_train.py                 # GLA 340M, 16 x 2048, one GPU
+    python bench/bench_train.py --rows c,g      # only these rows (the chunked loss's decision)
     python bench/bench_train.py --cpu-tiny      # debug model on CPU: CI checks that it still runs
+
+Each row is printed as soon as it is measured, so a run cut short by a time limit keeps its finished rows.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+ROWS = "abcdefg"
+"""The rows' letters, in the order they run."""
+
+
 @dataclass
 class Row:
     name: str
@@ -57,7 +64,13 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--cpu-tiny", action="store_true", help="debug model, 2 x 128, 6 steps, CPU backends")
+    parser.add_argument("--rows", default=ROWS, help=f"the rows to run, in order, e.g. c,g (default: all, {ROWS})")
     args = parser.parse_args(argv)
+    args.rows = args.rows.replace(",", "")
+    unknown = sorted(set(args.rows) - set(ROWS))
+    if unknown or not args.rows:
+        parser.error(f"--rows {args.rows!r}: {'unknown rows ' + ','.join(unknown) if unknown else 'no rows'}; "
+                     f"give letters of {ROWS}, e.g. --rows c,g")
     if args.cpu_tiny:
         args.config, args.batch, args.seq, args.steps, args.warmup = "train_configs/debug_gla.toml", 2, 128, 6, 2
         args.compile_backend = "aot_eager"
@@ -184,25 +197,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def titan_rows(args) -> list[Row]:
+def titan_row_flags(args) -> dict[str, tuple[str, list[str], str]]:
+    """Rows (b)-(g): letter -> (name, torchtitan flags, note)."""
     compile_flags = ["--compile.enable", "--compile.backend", args.compile_backend]
     float8 = ["--model.converters", "quantize.linear.float8"]
     unmasked = ["--titan_ext.no-document_mask"]
-    rows = [torchtitan_run("(b) titan_ext bf16", args, unmasked)]
-    rows.append(torchtitan_run("(c) (b) + compile", args, unmasked + compile_flags))
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
-        rows.append(torchtitan_run("(d) (c) + Float8", args, unmasked + compile_flags + float8))
-    else:
-        # torchao's emulation is eager-only; without a float8 GPU this row is (b) + emulated Float8.
-        note = "no float8 GPU: emulated Float8, eager (emulation cannot compile)"
-        print(f"(d): {note}")
-        emulate = float8 + ["--quantize.linear.float8.emulate"]
-        rows.append(torchtitan_run("(d) (b) + Float8 emulated", args, unmasked + emulate, note))
     op_sac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
-    rows.append(torchtitan_run("(e) (c) + op-level SAC", args, unmasked + compile_flags + op_sac))
-    rows.append(torchtitan_run("(f) (b) + document mask", args, ["--titan_ext.document_mask"]))
-    chunked = ["--titan_ext.loss", "chunked"]
-    rows.append(torchtitan_run("(g) (c) + chunked loss", args, unmasked + compile_flags + chunked))
+    rows = {
+        "b": ("(b) titan_ext bf16", unmasked, ""),
+        "c": ("(c) (b) + compile", unmasked + compile_flags, ""),
+        "d": ("(d) (c) + Float8", unmasked + compile_flags + float8, ""),
+        "e": ("(e) (c) + op-level SAC", unmasked + compile_flags + op_sac, ""),
+        "f": ("(f) (b) + document mask", ["--titan_ext.document_mask"], ""),
+        "g": ("(g) (c) + chunked loss", unmasked + compile_flags + ["--titan_ext.loss", "chunked"], ""),
+    }
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        # torchao's emulation is eager-only; without a float8 GPU this row is (b) + emulated Float8.
+        rows["d"] = ("(d) (b) + Float8 emulated", unmasked + float8 + ["--quantize.linear.float8.emulate"],
+                     "no float8 GPU: emulated Float8, eager (emulation cannot compile)")
     return rows
 
 
@@ -214,11 +226,11 @@ def peak_flops() -> float:
 
 
 def print_table(rows: list[Row], flops: int, peak: float, args) -> None:
-    base = rows[0].tps
+    base = rows[0].tps  # (a) where it ran, else the first row run (the header says which)
     print(f"\nGLA {args.config}, batch {args.batch} x seq {args.seq}, median of steps {args.warmup + 1}-{args.steps}")
     peak_text = f"{peak / 1e12:.0f} TFLOP/s" if math.isfinite(peak) else "unknown (MFU shows 0)"
     print(f"FLOPs/token {flops:,}, peak {peak_text} ({device().type})")
-    print(f"| {'run':<32} | {'tokens/s':>12} | {'vs (a)':>7} | {'peak mem GiB':>12} | {'MFU %':>7} |")
+    print(f"| {'run':<32} | {'tokens/s':>12} | {'vs ' + rows[0].name[:3]:>7} | {'peak mem GiB':>12} | {'MFU %':>7} |")
     print(f"|{'-' * 34}|{'-' * 14}|{'-' * 9}|{'-' * 14}|{'-' * 9}|")
     for row in rows:
         mfu = 100 * row.tps * flops / peak
@@ -228,10 +240,20 @@ def print_table(rows: list[Row], flops: int, peak: float, args) -> None:
 def main(argv=None) -> list[Row]:
     args = parse_args(argv)
     _, _, model_args = load_flavor(args.config)
-    rows = [plain_loop(model_args, args.batch, args.seq, args.steps, args.warmup)]
-    rows += titan_rows(args)
+    flops, flags = flops_per_token(model_args, args.seq), titan_row_flags(args)
+    rows = []
+    for letter in args.rows:
+        if letter == "a":
+            row = plain_loop(model_args, args.batch, args.seq, args.steps, args.warmup)
+        else:
+            name, overrides, note = flags[letter]
+            if note:
+                print(f"({letter}): {note}")
+            row = torchtitan_run(name, args, overrides, note)
+        print(f"measured {row.name}: {row.tps:,.1f} tokens/s, peak {row.memory_gib:.2f} GiB", flush=True)
+        rows.append(row)
     assert all(math.isfinite(r.tps) for r in rows)
-    print_table(rows, flops_per_token(model_args, args.seq), peak_flops(), args)
+    print_table(rows, flops, peak_flops(), args)
     return rows
 
 

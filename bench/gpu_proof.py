@@ -16,7 +16,7 @@ Stages run in the order given:
                 launch to step 1, loss first/last, median tokens/s, peak memory, recompiles, and the kernels
                 that took the most time (fla's Triton kernels show by name). The same config twice
                 gives the cold and the warm (Triton cache filled) time to first step.
-  bench         bench/bench_train.py: rows (a)-(g) side by side, one run
+  bench         bench/bench_train.py: rows (a)-(g) side by side, one run; ``bench:c,g`` only those rows
 
 A fresh machine spends minutes autotuning fla's kernels before the first GLA step, and the machine
 is released 30 s after a call: warm-up and measurement belong in one call.
@@ -36,6 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from bench_train import ROWS as BENCH_ROWS
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py"]
@@ -44,15 +45,18 @@ STEP_ONE = re.compile(r"step:\s*1\s")
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stages", nargs="+", help="tests, bench, train:CONFIG (a file stem in train_configs/)")
+    parser.add_argument("stages", nargs="+",
+                        help="tests, bench, bench:ROWS (bench_train.py's --rows), train:CONFIG (a file stem in train_configs/)")
     parser.add_argument("--out", type=Path, required=True, help="folder for logs and summary.jsonl")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args(argv)
     for stage in args.stages:
         name, _, config = stage.partition(":")
-        if name not in ("tests", "bench", "train") or (name == "train") != bool(config):
-            parser.error(f"stage {stage!r}: use tests, bench or train:CONFIG")
-        if config and not (REPO / "train_configs" / f"{config}.toml").is_file():
+        if name not in ("tests", "bench", "train") or (name == "tests" and config) or (name == "train" and not config):
+            parser.error(f"stage {stage!r}: use tests, bench, bench:ROWS or train:CONFIG")
+        if name == "bench" and set(config.replace(",", "")) - set(BENCH_ROWS):
+            parser.error(f"stage {stage!r}: bench's rows are letters of {BENCH_ROWS}, e.g. bench:c,g")
+        if name == "train" and not (REPO / "train_configs" / f"{config}.toml").is_file():
             parser.error(f"stage {stage!r}: no train_configs/{config}.toml")
     if args.steps < 2:
         parser.error(f"--steps={args.steps}: give at least 2 (the profiler traces the last step)")
@@ -122,8 +126,9 @@ def tests(out: Path) -> dict:
     return {"stage": "tests", "exit": code, "seconds": round(seconds, 1), "summary": lines[-1:], "ops": figures}
 
 
-def bench(out: Path) -> dict:
-    code, _, seconds = run_logged([sys.executable, "bench/bench_train.py"], out / "bench.log")
+def bench(out: Path, rows: str) -> dict:
+    command = [sys.executable, "bench/bench_train.py", *(["--rows", rows] if rows else [])]
+    code, _, seconds = run_logged(command, out / "bench.log")
     table = [line for line in (out / "bench.log").read_text().splitlines() if line.startswith(("|", "GLA", "FLOPs"))]
     return {"stage": "bench", "exit": code, "seconds": round(seconds, 1), "table": table}
 
@@ -134,7 +139,8 @@ def main(argv=None) -> int:
     failed = 0
     for stage in args.stages:
         name, _, config = stage.partition(":")
-        result = train(config, args, args.out) if name == "train" else tests(args.out) if name == "tests" else bench(args.out)
+        result = train(config, args, args.out) if name == "train" else tests(args.out) if name == "tests" else \
+            bench(args.out, config)
         failed += result["exit"] != 0
         with open(args.out / "summary.jsonl", "a") as summary:
             summary.write(json.dumps(result) + "\n")

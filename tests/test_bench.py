@@ -17,10 +17,30 @@ def test_bench_cpu_tiny_prints_seven_finite_rows():
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \([a-g]\) ", line)]
     assert [r[2:5] for r in rows] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)"], proc.stdout[-3000:]
+    # each row is printed as it is measured, before the table: a run cut short keeps its finished rows
+    measured = [line[9:12] for line in proc.stdout.splitlines() if line.startswith("measured (")]
+    assert measured == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)"], proc.stdout[-3000:]
+    assert proc.stdout.index("measured (g)") < proc.stdout.index("| (a) "), proc.stdout[-3000:]
     for row in rows:
         numbers = [float(cell.replace(",", "")) for cell in row.strip("|").split("|")[1:]]
         assert len(numbers) == 4 and all(math.isfinite(n) and n >= 0 for n in numbers), row
         assert numbers[0] > 0, row
+
+
+def test_bench_rows_option_picks_rows_in_order_and_refuses_unknown_letters(capsys):
+    import pytest
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import bench_train
+    finally:
+        sys.path.pop(0)
+    assert bench_train.parse_args(["--rows", "c,g"]).rows == "cg"
+    assert bench_train.parse_args([]).rows == "abcdefg"
+    for rows, error in (("c,x", "unknown rows x"), (",", "no rows")):
+        with pytest.raises(SystemExit):
+            bench_train.parse_args(["--rows", rows])
+        assert f"--rows {rows.replace(',', '')!r}: {error}" in capsys.readouterr().err
 
 
 def test_bench_data_quick_check_prints_three_rows_of_tokens_per_second():
@@ -53,7 +73,9 @@ def test_gpu_proof_sums_kernel_time_by_name_and_refuses_unknown_stages(tmp_path,
         {"cat": "kernel", "name": "no_duration"},
     ]}))
     assert gpu_proof.top_kernels(trace) == [("sm90_gemm", 3.0), ("chunk_gla_fwd_kernel_o", 2.0)]
-    for stages, error in ([["train:nope"], "no train_configs/nope.toml"], [["bench:x"], "use tests, bench or train:CONFIG"]):
+    assert gpu_proof.parse_args(["bench:c,g", "--out", str(tmp_path)]).stages == ["bench:c,g"]
+    for stages, error in ([["train:nope"], "no train_configs/nope.toml"], [["tests:x"], "use tests, bench, bench:ROWS"],
+                          [["bench:c,x"], "bench's rows are letters of abcdefg"], [["train"], "or train:CONFIG"]):
         with pytest.raises(SystemExit):
             gpu_proof.parse_args([*stages, "--out", str(tmp_path)])
         assert error in capsys.readouterr().err

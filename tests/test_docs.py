@@ -205,6 +205,7 @@ RUN_BY = {
     "python -m pytest -q tests/test_interpret.py": "ci",
     "python -m pytest -q -rs tests/test_gla_op.py tests/test_kda_op.py tests/test_sdpa_fallback.py": "ci",  # they skip without CUDA
     "python bench/bench_train.py": "gpu",
+    "python bench/bench_train.py --rows c,g": "gpu",  # the selection: test_bench_rows_option_picks_rows_in_order...
     "python bench/bench_train.py --cpu-tiny": "test:tests/test_bench.py::test_bench_cpu_tiny_prints_seven_finite_rows",
     "python bench/gpu_proof.py --out proof tests train:gla_340M bench": "gpu",
     # docs/tested-versions.md

@@ -25,7 +25,7 @@ except ModuleNotFoundError:  # Python 3.10: the interpreter running this script 
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
-HOSTS = ("torch", "torchtitan", "flash-linear-attention", "transformers", "torchao", "datasets")
+HOSTS = ("torch", "torchtitan", "flash-linear-attention", "transformers", "torchao", "datasets", "triton")
 """The packages whose bounds are tested; pyproject.toml gives each a lower and an upper bound."""
 LATEST_LIMITS = {"torchtitan": "<0.3"}
 """Kept even by ``latest``: torchtitan 0.3 replaced the TOML configs titan_ext plugs into."""

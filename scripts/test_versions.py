@@ -84,18 +84,45 @@ def run(*command: str) -> None:
     subprocess.run(command, check=True)
 
 
+def python_release(interpreter: str) -> str | None:
+    """``interpreter``'s major.minor, or None where it does not run."""
+    try:
+        found = subprocess.run([interpreter, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                               capture_output=True, text=True, timeout=60)
+    except OSError:
+        return None
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def interpreter_problem(python: str | None, venv: Path) -> str | None:
+    """Why ``--python`` cannot give ``venv`` its interpreter (one line), or None: a reused venv keeps the Python
+    it was built with, so another one asked for would otherwise be silently ignored."""
+    if python is None:
+        return None
+    wanted = python_release(python)
+    if wanted is None:
+        return f"--python {python!r}: no Python runs by that name or path (e.g. --python python3.12)"
+    built = python_release(str(venv / "bin" / "python")) if (venv / "bin" / "python").exists() else None
+    if built not in (None, wanted):
+        return (f"--python {python!r} is Python {wanted}, but {venv} was built with Python {built}: "
+                f"name a new --venv, or remove {venv}")
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=("newest", "lowest", "latest"))
     parser.add_argument("--venv", type=Path, help="the venv to (re)use (default .venv-<mode>)")
-    parser.add_argument("--python", default=sys.executable,
-                        help="the interpreter a new venv is built with (default: this one)")
+    parser.add_argument("--python", help="the interpreter a new venv is built with (default: this one)")
     parser.add_argument("--no-tests", action="store_true", help="build the venv and print its versions only")
     args, pytest_args = parser.parse_known_args()
     pytest_args = [a for a in pytest_args if a != "--"] or ["-q", "tests"]
     venv = args.venv or REPO / f".venv-{args.mode}"
+    problem = interpreter_problem(args.python, venv)
+    if problem:
+        parser.error(problem)
     if not (venv / "bin" / "python").exists():
-        run(args.python, "-m", "venv", str(venv))
+        run(args.python or sys.executable, "-m", "venv", str(venv))
     python = str(venv / "bin" / "python")
     run(python, "-m", "pip", "install", "-q", "--upgrade", "pip")
     wanted = requirements(args.mode)

@@ -55,6 +55,15 @@ class Row:
     note: str = ""
 
 
+def row_letters(rows: str) -> str:
+    """``--rows`` as the letters to run, in order ("c,g" -> "cg"); ValueError saying what is wrong."""
+    letters = rows.replace(",", "")
+    unknown = sorted(set(letters) - set(ROWS))
+    if unknown or not letters:
+        raise ValueError(f"{'unknown rows ' + ','.join(unknown) if unknown else 'no rows'}; give letters of {ROWS}")
+    return letters
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/gla_340M.toml")
@@ -66,11 +75,10 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-tiny", action="store_true", help="debug model, 2 x 128, 6 steps, CPU backends")
     parser.add_argument("--rows", default=ROWS, help=f"the rows to run, in order, e.g. c,g (default: all, {ROWS})")
     args = parser.parse_args(argv)
-    args.rows = args.rows.replace(",", "")
-    unknown = sorted(set(args.rows) - set(ROWS))
-    if unknown or not args.rows:
-        parser.error(f"--rows {args.rows!r}: {'unknown rows ' + ','.join(unknown) if unknown else 'no rows'}; "
-                     f"give letters of {ROWS}, e.g. --rows c,g")
+    try:
+        args.rows = row_letters(args.rows)
+    except ValueError as error:
+        parser.error(f"--rows {args.rows.replace(',', '')!r}: {error}, e.g. --rows c,g")
     if args.cpu_tiny:
         args.config, args.batch, args.seq, args.steps, args.warmup = "train_configs/debug_gla.toml", 2, 128, 6, 2
         args.compile_backend = "aot_eager"

@@ -36,7 +36,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from bench_train import ROWS as BENCH_ROWS
+from bench_train import row_letters
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py"]
@@ -54,8 +54,11 @@ def parse_args(argv=None):
         name, _, config = stage.partition(":")
         if name not in ("tests", "bench", "train") or (name == "tests" and config) or (name == "train" and not config):
             parser.error(f"stage {stage!r}: use tests, bench, bench:ROWS or train:CONFIG")
-        if name == "bench" and set(config.replace(",", "")) - set(BENCH_ROWS):
-            parser.error(f"stage {stage!r}: bench's rows are letters of {BENCH_ROWS}, e.g. bench:c,g")
+        if name == "bench" and config:
+            try:
+                row_letters(config)
+            except ValueError as error:
+                parser.error(f"stage {stage!r}: {error}, e.g. bench:c,g")
         if name == "train" and not (REPO / "train_configs" / f"{config}.toml").is_file():
             parser.error(f"stage {stage!r}: no train_configs/{config}.toml")
     if args.steps < 2:

@@ -557,6 +557,8 @@ def applies(spec: str, row: str) -> bool:
         return row in SPECS[spec].rows
     specs = ROWS[row].specs if row in ROWS else None
     return specs is None or spec in specs
+
+
 def _release(package: str) -> tuple[int, int]:
     return tuple(int(n) for n in version(package).split(".")[:2])
 
@@ -570,6 +572,7 @@ UNSUPPORTED = {
     "float8_tp2": "gloo cannot all-gather float8 tensors (RuntimeError: Invalid scalar type); needs NCCL",
     "async_tp2": "needs CUDA symmetric memory (torchtitan 0.2.2 also never enables it for the TP group)",
 }
+TENSOR_PARALLEL_ROWS = tuple(row for row, r in ROWS.items() if _tensor_parallel(r.flags))
 SOFTMAX_TOP_K_ROUTED = ("hf_qwen3_moe", "hf_qwen3_next", "hf_qwen2_moe", "hf_moe_bias")
 """The specs behind transformers' softmax top-k routers (``titan_ext.moe._softmax_top_k``)."""
 UNSUPPORTED_PAIRS: dict[tuple[str, str], str] = {}
@@ -581,10 +584,10 @@ if _release("torch") < (2, 13):  # titan_ext refuses these in one line
                                  "V-shaped schedules on gloo need torch 2.13 (earlier ones send to their own rank)")
     UNSUPPORTED_PAIRS |= {(spec, row): "experts under TP behind a softmax top-k router need torch 2.13 (torch 2.11's "
                           "DTensor cannot backpropagate top-k values)"
-                          for spec in SOFTMAX_TOP_K_ROUTED for row, r in ROWS.items() if _tensor_parallel(r.flags)}
+                          for spec in SOFTMAX_TOP_K_ROUTED for row in TENSOR_PARALLEL_ROWS}
 if _release("transformers") < (5, 21):  # titan_ext refuses TP in one line, naming the plan to register
     UNSUPPORTED_PAIRS |= {("hf_qwen2_moe", row): "transformers' Qwen2-MoE plan places no experts before 5.21 (5.17 "
-                          "and 5.20.2 checked)" for row, r in ROWS.items() if _tensor_parallel(r.flags)}
+                          "and 5.20.2 checked)" for row in TENSOR_PARALLEL_ROWS}
 if _release("transformers") < (5, 24):
     UNSUPPORTED_PAIRS[("hf_qwen3_moe", "compile_aot_eager")] = (
         "transformers 5.17 (checked; 5.24 not) compiles its _can_use_grouped_mm once per expert weight shape: the "

@@ -9,6 +9,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def bench_module(name: str):
+    """A script of bench/ imported as a module (they import each other by name, as they run from there)."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 def test_bench_cpu_tiny_prints_seven_finite_rows():
     proc = subprocess.run(
         [sys.executable, "bench/bench_train.py", "--cpu-tiny"],
@@ -30,11 +41,7 @@ def test_bench_cpu_tiny_prints_seven_finite_rows():
 def test_bench_rows_option_picks_rows_in_order_and_refuses_unknown_letters(capsys):
     import pytest
 
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import bench_train
-    finally:
-        sys.path.pop(0)
+    bench_train = bench_module("bench_train")
     assert bench_train.parse_args(["--rows", "c,g"]).rows == "cg"
     assert bench_train.parse_args([]).rows == "abcdefg"
     for rows, error in (("c,x", "unknown rows x"), (",", "no rows")):
@@ -59,11 +66,7 @@ def test_gpu_proof_sums_kernel_time_by_name_and_refuses_unknown_stages(tmp_path,
 
     import pytest
 
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import gpu_proof
-    finally:
-        sys.path.pop(0)
+    gpu_proof = bench_module("gpu_proof")
     trace = tmp_path / "rank0_trace.json"
     trace.write_text(json.dumps({"traceEvents": [
         {"cat": "kernel", "name": "chunk_gla_fwd_kernel_o", "dur": 1500},
@@ -75,7 +78,7 @@ def test_gpu_proof_sums_kernel_time_by_name_and_refuses_unknown_stages(tmp_path,
     assert gpu_proof.top_kernels(trace) == [("sm90_gemm", 3.0), ("chunk_gla_fwd_kernel_o", 2.0)]
     assert gpu_proof.parse_args(["bench:c,g", "--out", str(tmp_path)]).stages == ["bench:c,g"]
     for stages, error in ([["train:nope"], "no train_configs/nope.toml"], [["tests:x"], "use tests, bench, bench:ROWS"],
-                          [["bench:c,x"], "bench's rows are letters of abcdefg"], [["train"], "or train:CONFIG"]):
+                          [["bench:c,x"], "unknown rows x; give letters of abcdefg"], [["train"], "or train:CONFIG"]):
         with pytest.raises(SystemExit):
             gpu_proof.parse_args([*stages, "--out", str(tmp_path)])
         assert error in capsys.readouterr().err

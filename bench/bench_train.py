@@ -19,7 +19,9 @@ and torchtitan's ``get_peak_flops``. (b)-(f) read per-step metrics written by
     python bench/bench_train.py --rows c,g      # only these rows (the chunked loss's decision)
     python bench/bench_train.py --cpu-tiny      # debug model on CPU: CI checks that it still runs
 
-Each row is printed as soon as it is measured, so a run cut short by a time limit keeps its finished rows.
+Each row is printed as soon as it is measured, so a run cut short by a time limit keeps its finished rows;
+torchtitan's log lines and the plain loop's first step, stamped with the seconds since start, show where
+a row's time went (autotuning, compiling, steps).
 """
 
 from __future__ import annotations
@@ -53,6 +55,13 @@ class Row:
     tps: float
     memory_gib: float
     note: str = ""
+
+
+START = time.monotonic()
+
+
+def progress(message: str) -> None:
+    print(f"[bench +{time.monotonic() - START:.0f} s] {message}", flush=True)
 
 
 def row_letters(rows: str) -> str:
@@ -145,6 +154,8 @@ def _plain_loop(model_args, dev, batch, seq, steps, warmup) -> Row:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if len(times) == 1:
+            progress(f"(a) step 1 took {times[0]:.1f} s (on a GPU: Triton's autotuning, unless its cache is warm)")
     tps = batch * seq / statistics.median(times[warmup:])
     row = Row("(a) plain PyTorch loop", tps, peak_memory_gib())
     del model, optimizer
@@ -250,7 +261,11 @@ def main(argv=None) -> list[Row]:
     _, _, model_args = load_flavor(args.config)
     flops, flags = flops_per_token(model_args, args.seq), titan_row_flags(args)
     rows = []
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # the in-process Trainer's log lines (compiling, each step) show where a row's time goes
     for letter in args.rows:
+        progress(f"row ({letter})")
         if letter == "a":
             row = plain_loop(model_args, args.batch, args.seq, args.steps, args.warmup)
         else:

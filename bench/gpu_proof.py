@@ -8,7 +8,7 @@ machine has Python 3.12 and torch 2.11 but not torchtitan, fla or torchao: fetch
         .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site && \\
         python3 bench/gpu_proof.py --out $OUT tests train:gla_340M train:gla_340M
 
-Stages run in the order given:
+Stages run in the order given, each NAME[:ARG][@SECONDS] (at most SECONDS, and within ``--deadline``):
   tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA and KDA ops, SDPA on
                 CUDA), with the ops' gradient differences from fla's chunk_gla and chunk_kda
   train:CONFIG  ``--steps`` steps of train_configs/CONFIG.toml through torchrun on one GPU, compiled,
@@ -16,10 +16,12 @@ Stages run in the order given:
                 launch to step 1, loss first/last, median tokens/s, peak memory, recompiles, and the kernels
                 that took the most time (fla's Triton kernels show by name). The same config twice
                 gives the cold and the warm (Triton cache filled) time to first step.
+  eager:CONFIG  the same without compile: Triton's autotuning apart from Inductor's compiling
   bench         bench/bench_train.py: rows (a)-(g) side by side, one run; ``bench:c,g`` only those rows
 
-A fresh machine spends minutes autotuning fla's kernels before the first GLA step, and the machine
-is released 30 s after a call: warm-up and measurement belong in one call.
+A stage that runs out of time is stopped with everything it started, and its summary line says how
+far it got; its log holds every line printed until then. A fresh machine spends minutes autotuning
+fla's kernels and compiling: ``bench/gpu_lease.sh`` carries those caches from one lease to the next.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -43,41 +47,105 @@ CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_kda_op.py", "tests/test_sdpa_f
 STEP_ONE = re.compile(r"step:\s*1\s")
 
 
+def parse_stage(stage: str) -> tuple[str, str, float | None]:
+    """"NAME[:ARG][@SECONDS]" -> (name, arg, seconds or None); ValueError saying what is wrong."""
+    spec, _, limit = stage.partition("@")
+    name, _, arg = spec.partition(":")
+    if name not in ("tests", "bench", "train", "eager") or (name == "tests" and arg) or (name in ("train", "eager") and not arg):
+        raise ValueError("use tests, bench, bench:ROWS, train:CONFIG or eager:CONFIG, each with an optional @SECONDS")
+    try:
+        seconds = float(limit) if limit else None
+    except ValueError:
+        seconds = -1.0
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"{limit!r} after @ is not a number of seconds, e.g. {spec}@300")
+    if name == "bench" and arg:
+        row_letters(arg)
+    if name in ("train", "eager") and not (REPO / "train_configs" / f"{arg}.toml").is_file():
+        raise ValueError(f"no train_configs/{arg}.toml")
+    return name, arg, seconds
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stages", nargs="+",
-                        help="tests, bench, bench:ROWS (bench_train.py's --rows), train:CONFIG (a file stem in train_configs/)")
+    parser.add_argument("stages", nargs="+", help="tests, bench, bench:ROWS (bench_train.py's --rows), train:CONFIG, "
+                        "eager:CONFIG (a file stem in train_configs/), each with an optional @SECONDS")
     parser.add_argument("--out", type=Path, required=True, help="folder for logs and summary.jsonl")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training steps of each train/eager stage and bench row")
+    parser.add_argument("--deadline", type=float, help="seconds for all stages together; a stage gets what is left")
     args = parser.parse_args(argv)
     for stage in args.stages:
-        name, _, config = stage.partition(":")
-        if name not in ("tests", "bench", "train") or (name == "tests" and config) or (name == "train" and not config):
-            parser.error(f"stage {stage!r}: use tests, bench, bench:ROWS or train:CONFIG")
-        if name == "bench" and config:
-            try:
-                row_letters(config)
-            except ValueError as error:
-                parser.error(f"stage {stage!r}: {error}, e.g. bench:c,g")
-        if name == "train" and not (REPO / "train_configs" / f"{config}.toml").is_file():
-            parser.error(f"stage {stage!r}: no train_configs/{config}.toml")
-    if args.steps < 2:
-        parser.error(f"--steps={args.steps}: give at least 2 (the profiler traces the last step)")
+        try:
+            parse_stage(stage)
+        except ValueError as error:
+            parser.error(f"stage {stage!r}: {error}")
+    if args.steps < 4:
+        parser.error(f"--steps={args.steps}: give at least 4 (the first third is warm-up; the profiler traces the last)")
+    if args.deadline is not None and not args.deadline > 0:
+        parser.error(f"--deadline={args.deadline}: give a number of seconds above 0")
     return args
 
 
-def run_logged(command: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[int, float | None, float]:
-    """Run ``command``, its output to ``log``; (exit code, seconds to torchtitan's step 1 or None, seconds)."""
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux ``/proc``): torchrun starts its workers in sessions of their own,
+    out of reach of a process-group signal."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def stop(pid: int, grace: float = 15.0) -> None:
+    """SIGTERM to ``pid``'s tree (torchrun passes it on), then SIGKILL to whatever is left after ``grace`` s."""
+    tree = process_tree(pid)
+    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+        for member in tree:
+            try:
+                os.kill(member, signal_number)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while signal_number == signal.SIGTERM and time.monotonic() < deadline and any(Path(f"/proc/{m}").exists() for m in tree):
+            time.sleep(0.5)
+
+
+def run_logged(command: list[str], log: Path, env: dict[str, str] | None = None,
+               seconds: float | None = None) -> tuple[int, float | None, float, bool]:
+    """Run ``command``, its output to ``log`` line by line (a stage cut short keeps what it printed);
+    (exit code, seconds to torchtitan's step 1 or None, seconds, whether it ran out of time and was stopped)."""
     start, first_step = time.monotonic(), None
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})}, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with open(log, "w", buffering=1) as out:
+        proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        ran_out = threading.Event()
+
+        def out_of_time():
+            ran_out.set()
+            stop(proc.pid)
+
+        timer = threading.Timer(seconds, out_of_time) if seconds is not None else None
+        if timer:
+            timer.start()
         for line in proc.stdout:
             out.write(line)
             if first_step is None and STEP_ONE.search(line):
                 first_step = time.monotonic() - start
         code = proc.wait()
-    return code, first_step, time.monotonic() - start
+        if timer:
+            timer.cancel()
+            timer.join()  # a stop under way finishes first: nothing of this stage outlives it
+        timed_out = ran_out.is_set()
+        if timed_out:
+            out.write(f"\n[gpu_proof] stopped after {seconds:.0f} s, the stage's time\n")
+    return code, first_step, time.monotonic() - start, timed_out
 
 
 def top_kernels(trace: Path, count: int = 12) -> list[tuple[str, float]]:
@@ -90,25 +158,27 @@ def top_kernels(trace: Path, count: int = 12) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda item: -item[1])[:count]
 
 
-def train(config: str, args, out: Path) -> dict:
-    dump = out / f"train_{config}_{time.strftime('%H%M%S')}"
+def train(config: str, args, out: Path, seconds: float | None, compiled: bool = True) -> dict:
+    name = "train" if compiled else "eager"
+    dump = out / f"{name}_{config}_{time.strftime('%H%M%S')}"
     metrics = dump / "metrics.jsonl"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "torchtitan.train",
         "--job.config_file", f"train_configs/{config}.toml", "--job.dump_folder", str(dump),
         "--training.steps", str(args.steps), "--metrics.log_freq", "1", "--titan_ext.metrics_jsonl", str(metrics),
-        "--checkpoint.no-enable", "--compile.enable",
+        "--checkpoint.no-enable", *(["--compile.enable"] if compiled else []),
     ]
     if torch.cuda.is_available():  # torchtitan 0.2.2's profiler asks for a device activity a CPU run lacks
         command += ["--profiling.enable_profiling", "--profiling.profile_freq", str(args.steps),
                     "--profiling.profiler_warmup", "0", "--profiling.profiler_active", "1"]
     log_file = dump.with_suffix(".log")
-    code, first_step, seconds = run_logged(command, log_file, {"TORCH_LOGS": "recompiles"})
+    code, first_step, took, timed_out = run_logged(command, log_file, {"TORCH_LOGS": "recompiles"}, seconds)
     log = log_file.read_text()
-    result = {"stage": f"train:{config}", "exit": code, "seconds": round(seconds, 1),
+    result = {"stage": f"{name}:{config}", "exit": code, "timed_out": timed_out, "seconds": round(took, 1),
               "seconds_to_step_1": None if first_step is None else round(first_step, 1),
               "recompiles": log.count("Recompiling function")}
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
+    result["steps_done"] = len(steps)
     if steps:
         steady = steps[len(steps) // 3:]
         result.update(loss_first=steps[0]["loss_metrics/global_avg_loss"], loss_last=steps[-1]["loss_metrics/global_avg_loss"],
@@ -121,30 +191,43 @@ def train(config: str, args, out: Path) -> dict:
     return result
 
 
-def tests(out: Path) -> dict:
+def tests(out: Path, seconds: float | None) -> dict:
     command = [sys.executable, "-m", "pytest", "-q", "-rsP", "-p", "no:cacheprovider", *CUDA_TESTS]
-    code, _, seconds = run_logged(command, out / "tests.log")
+    code, _, took, timed_out = run_logged(command, out / "tests.log", seconds=seconds)
     lines = (out / "tests.log").read_text().strip().splitlines()
     figures = [line for line in lines if "bit for bit" in line and line.startswith("cuda")]
-    return {"stage": "tests", "exit": code, "seconds": round(seconds, 1), "summary": lines[-1:], "ops": figures}
+    return {"stage": "tests", "exit": code, "timed_out": timed_out, "seconds": round(took, 1), "summary": lines[-1:],
+            "ops": figures}
 
 
-def bench(out: Path, rows: str) -> dict:
-    command = [sys.executable, "bench/bench_train.py", *(["--rows", rows] if rows else [])]
-    code, _, seconds = run_logged(command, out / "bench.log")
-    table = [line for line in (out / "bench.log").read_text().splitlines() if line.startswith(("|", "GLA", "FLOPs"))]
-    return {"stage": "bench", "exit": code, "seconds": round(seconds, 1), "table": table}
+def bench(out: Path, rows: str, args, seconds: float | None) -> dict:
+    command = [sys.executable, "bench/bench_train.py", "--steps", str(args.steps), "--warmup", str(args.steps // 3),
+               *(["--rows", rows] if rows else [])]
+    code, _, took, timed_out = run_logged(command, out / "bench.log", seconds=seconds)
+    lines = (out / "bench.log").read_text().splitlines()
+    return {"stage": "bench", "exit": code, "timed_out": timed_out, "seconds": round(took, 1),
+            "measured": [line for line in lines if line.startswith("measured")],
+            "table": [line for line in lines if line.startswith(("|", "GLA", "FLOPs"))]}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    failed = 0
+    failed, start = 0, time.monotonic()
     for stage in args.stages:
-        name, _, config = stage.partition(":")
-        result = train(config, args, args.out) if name == "train" else tests(args.out) if name == "tests" else \
-            bench(args.out, config)
-        failed += result["exit"] != 0
+        name, arg, seconds = parse_stage(stage)
+        if args.deadline is not None:
+            left = args.deadline - (time.monotonic() - start)
+            seconds = left if seconds is None else min(seconds, left)
+        if seconds is not None and seconds < 10:
+            result = {"stage": stage, "exit": None, "skipped": f"{seconds:.0f} s for it (its @SECONDS, or what --deadline left)"}
+        elif name in ("train", "eager"):
+            result = train(arg, args, args.out, seconds, compiled=name == "train")
+        elif name == "tests":
+            result = tests(args.out, seconds)
+        else:
+            result = bench(args.out, arg, args, seconds)
+        failed += result["exit"] != 0  # a stage skipped for time leaves the proof unfinished
         with open(args.out / "summary.jsonl", "a") as summary:
             summary.write(json.dumps(result) + "\n")
         print(json.dumps(result, indent=1), flush=True)

@@ -77,8 +77,59 @@ def test_gpu_proof_sums_kernel_time_by_name_and_refuses_unknown_stages(tmp_path,
     ]}))
     assert gpu_proof.top_kernels(trace) == [("sm90_gemm", 3.0), ("chunk_gla_fwd_kernel_o", 2.0)]
     assert gpu_proof.parse_args(["bench:c,g", "--out", str(tmp_path)]).stages == ["bench:c,g"]
+    assert gpu_proof.parse_stage("eager:debug_gla@90") == ("eager", "debug_gla", 90.0)
+    assert gpu_proof.parse_stage("tests") == ("tests", "", None)
     for stages, error in ([["train:nope"], "no train_configs/nope.toml"], [["tests:x"], "use tests, bench, bench:ROWS"],
-                          [["bench:c,x"], "unknown rows x; give letters of abcdefg"], [["train"], "or train:CONFIG"]):
+                          [["bench:c,x"], "unknown rows x; give letters of abcdefg"], [["train"], "or eager:CONFIG"],
+                          [["tests@soon"], "'soon' after @ is not a number of seconds, e.g. tests@300"],
+                          [["bench@0"], "'0' after @ is not a number"]):
         with pytest.raises(SystemExit):
             gpu_proof.parse_args([*stages, "--out", str(tmp_path)])
         assert error in capsys.readouterr().err
+
+
+def test_gpu_proof_stops_a_stage_at_its_time_with_every_process_it_started_and_keeps_its_log(tmp_path):
+    """A lease's stage that runs out of time must not hold the GPU for the next one (torchrun's workers
+    live in sessions of their own), and what it printed must survive (the first leases lost theirs)."""
+    import os
+    import time
+
+    gpu_proof = bench_module("gpu_proof")
+    child_pid = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+        f"open({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "print('step:  1  loss: 9.0', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    log = tmp_path / "stage.log"
+    start = time.monotonic()
+    code, first_step, took, timed_out = gpu_proof.run_logged([sys.executable, "-c", script], log, seconds=3)
+    assert timed_out and code != 0 and took < 30 and time.monotonic() - start < 30
+    assert first_step is not None and first_step < 3
+    assert "step:  1  loss: 9.0" in log.read_text() and "stopped after 3 s" in log.read_text()
+    pid = int(child_pid.read_text())
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    code, _, _, timed_out = gpu_proof.run_logged([sys.executable, "-c", "print('done')"], log, seconds=30)
+    assert (code, timed_out) == (0, False) and log.read_text() == "done\n"
+
+
+def test_gpu_lease_keeps_a_leases_caches_for_the_next_and_refuses_a_wrong_folder(tmp_path):
+    """What the device returns (summary.jsonl, gpu-cache.tgz.a, ...) becomes .gpu-cache, which the next lease carries."""
+    script = str(REPO / "bench" / "gpu_lease.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    returned = tmp_path / "files_at"
+    returned.mkdir()
+    wrong = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "DIR is a device call's files_at" in wrong.stdout
+    (returned / "summary.jsonl").write_text("{}\n")
+    none = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
+    assert none.returncode == 1 and ".gpu-cache unchanged" in none.stdout
+    (returned / "gpu-cache.tgz.a").write_bytes(b"part a")
+    (returned / "gpu-cache.tgz.b").write_bytes(b"part b")
+    (tmp_path / ".gpu-cache").mkdir()
+    (tmp_path / ".gpu-cache" / "gpu-cache.tgz.c").write_bytes(b"an older lease's")
+    kept = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    assert sorted(p.name for p in (tmp_path / ".gpu-cache").iterdir()) == ["gpu-cache.tgz.a", "gpu-cache.tgz.b"]

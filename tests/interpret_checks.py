@@ -392,6 +392,40 @@ def case_gla_hybrid():
     return packed_documents_on_both_paths(args)
 
 
+def case_compiled_blocks():
+    """The fla path's blocks compiled as titan_ext compiles them (GLA and fla's softmax Attention, the hybrid):
+    dynamo compiles titan_ext's and fla's layer code only, never a frame inside fla's kernel functions or
+    Triton (``kernels.tp_local``: fla's entry points are opaque; traced, they broke the graph deep inside fla and
+    dynamo compiled fla's wrappers and Triton's launcher as frames of their own); compiled against eager."""
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    from titan_ext.compile import apply_compile
+
+    args = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
+    args.config["num_hidden_layers"] = 2
+    eager = built(args, "fla")
+    compiled = built(args, "fla", like=eager)
+    apply_compile(compiled, "aot_eager")
+    frames = []
+    hook = register_bytecode_hook(lambda code, new_code: frames.append(code))
+    torch._dynamo.reset()
+    try:
+        tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
+        outs = [model(tokens) for model in (eager, compiled)]
+        for out in outs:
+            out.float().sum().backward()
+    finally:
+        hook.remove()
+    inside = sorted({f"{c.co_filename.split('site-packages/')[-1]}:{c.co_name}" for c in frames
+                     if "/triton/" in c.co_filename or "/fla/ops/" in c.co_filename or "/fla/utils/" in c.co_filename
+                     or ("/fla/modules/" in c.co_filename and "forward" not in c.co_name)})
+    if inside or not frames:
+        raise AssertionError(f"dynamo compiled frames inside fla's kernels or Triton: {inside}" if inside else
+                             "dynamo compiled no frame: the blocks did not run compiled")
+    grads = [rel(p.grad, q.grad) for p, q in zip(compiled.parameters(), eager.parameters())]
+    return max(rel(outs[1].detach(), outs[0].detach()), *grads)
+
+
 CASES = {
     "chunk_gla": (lambda: case_chunk_gla(False), 1e-4),
     "chunk_gla_packed": (lambda: case_chunk_gla(True), 1e-4),
@@ -408,6 +442,7 @@ CASES = {
     "cp": (case_cp, 1e-4),
     "tp": (case_tp, 1e-4),
     "gla_hybrid": (case_gla_hybrid, 1e-4),  # the whole hybrid model, with documents (~7 s)
+    "compiled_blocks": (case_compiled_blocks, 1e-4),
     "kda_op": (case_kda_op, 0.0),  # the same kernels on the same inputs: bit for bit
 }
 OPT_IN = {

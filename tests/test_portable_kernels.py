@@ -71,9 +71,22 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
         fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,
+        fla.ops.gla.fused_chunk.fused_chunk_gla: tp_local.fused_chunk_gla,
+        fla.ops.gla.fused_recurrent.fused_recurrent_gla: tp_local.fused_recurrent_gla,
+        fla.modules.activations.ops.swish: tp_local.swish,
+        fla.modules.activations.ops.sigmoid: tp_local.sigmoid,
+        fla.modules.activations.ops.logsigmoid: tp_local.logsigmoid,
+        fla.modules.activations.ops.swiglu: tp_local.swiglu,
+        fla.modules.rotary.ops.rotary_embedding: tp_local.rotary_embedding,
         kimi.chunk_kimi_delta_attention: transformers_kda.fla_chunk_kda,
         kimi.causal_conv1d_fn: transformers_kda.causal_conv1d_fn,
     }
+    # fla's entry points are opaque to torch.compile (tp_local): dynamo never traces into fla's kernel functions;
+    # what compile keeps in its graph is titan_ext's torch code (the GLA and KDA ops, caches, decisions)
+    traced = {fn for fn in fla_path.values() if not getattr(fn, "_torchdynamo_disable", False)}
+    assert traced == {gla_op.chunk_gla, kda_op.chunk_kda, rotary.update_cos_sin_cache, layer_cache.get_layer_cache,
+                      layer_cache.update_layer_cache, tp_local.use_fused_qkv_conv, transformers_kda.fla_chunk_kda,
+                      transformers_kda.causal_conv1d_fn}
     # the models titan_ext trains: transformers' Gated DeltaNet layers run titan_ext's forward, on the path's kernels
     assert kernels.replacements("fla", training=True) == {
         **fla_path, vars(Qwen3_5GatedDeltaNet)["forward"]: transformers_gated_deltanet.qwen3_5_forward,

@@ -9,7 +9,9 @@ only consulted when a KV cache is passed) install no guard. fla's
 ``chunk_gla`` and ``chunk_kda`` sit behind ``torch.compiler.disable``;
 titan_ext's models run them as torch ops (``titan_ext.kernels.gla_op``,
 ``kda_op``), so the GLA and KDA cores stay inside the block's graph instead
-of splitting it. A graph break elsewhere in a block
+of splitting it. fla's other kernels (norms, SwiGLU, rotary, convolutions) are
+called opaque (``kernels.tp_local``): a graph break at each call, never a
+dynamo frame inside fla or Triton. A graph break in a block
 still compiles once for all blocks (``tests/test_ac_compile.py`` forces one).
 
 A hybrid's blocks differ in their token mixer (``titan_ext.models.mixers``): one shared frame would

@@ -636,7 +636,13 @@ class Kernel:
 _TRITON = "Triton kernel; fails off CUDA with '0 active drivers'"
 _TP_LOCAL = (
     "under TP it receives DTensor shards of the conv weight/bias or A_log/dt_bias, which fla's Triton code cannot "
-    "read: fla's function, called with each DTensor argument's local shard (a pass-through without TP)"
+    "read: fla's function, called with each DTensor argument's local shard (a pass-through without TP), and opaque "
+    "to torch.compile (as _OPAQUE)"
+)
+_OPAQUE = (
+    "fla's function, opaque to torch.compile: fla launches Triton behind torch.compiler.disable inside its autograd "
+    "Functions, so a compiled block broke its graph there and compiled fla's wrappers as frames of their own, "
+    "recompiled per dtype (seen on an H100)"
 )
 _LAYER_IDX = (
     "reads module.layer_idx even without a cache; torch 2.11's dynamo guards on its value, so per-block compile "
@@ -686,8 +692,14 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
     ),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.conv:causal_conv1d", _TRITON),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.conv:causal_conv1d_update", _TRITON),
-    # Under TP the parameters these kernels read directly are DTensor shards (titan_ext.kernels.tp_local);
-    # the portable replacements above take their local shards themselves.
+    # On the fla path every fla entry point a model reaches is called opaque to torch.compile, and under TP the
+    # parameters some of them read directly are DTensor shards (titan_ext.kernels.tp_local); the portable
+    # replacements above take their local shards themselves.
+    *(Kernel(f"fla.{target}", f"titan_ext.kernels.tp_local:{target.rsplit(':', 1)[1]}", _OPAQUE, ("fla",))
+      for target in ("ops.gla.fused_chunk:fused_chunk_gla", "ops.gla.fused_recurrent:fused_recurrent_gla",
+                     "modules.activations.ops:swish", "modules.activations.ops:sigmoid",
+                     "modules.activations.ops:logsigmoid", "modules.activations.ops:swiglu",
+                     "modules.rotary.ops:rotary_embedding")),
     Kernel(
         "fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.tp_local:causal_conv1d", _TP_LOCAL, ("fla",),
     ),
@@ -716,7 +728,7 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.tp_local:rms_norm",
         "under TP (sequence parallel, or the per-head output norm) its input is a DTensor and its weight a replicated "
         "DTensor, which fla's Triton kernel cannot read: fla's kernel on the local shards, the output rewrapped "
-        "(found under Triton's interpreter)", ("fla",),
+        "(found under Triton's interpreter); opaque to torch.compile (as _OPAQUE)", ("fla",),
     ),
     Kernel(
         "fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.tp_local:rms_norm_gated",
@@ -726,7 +738,7 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.tp_local:swiglu_linear",
         "under TP fla's own SwiGLULinearParallel hands it DTensors (inputs and down_proj's weight), which its Triton "
         "kernel cannot read: fla's kernel on the local shards, a partial sum rewrapped (found under Triton's "
-        "interpreter)", ("fla",),
+        "interpreter); opaque to torch.compile (as _OPAQUE)", ("fla",),
     ),
     Kernel(
         "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv", "titan_ext.kernels.tp_local:use_fused_qkv_conv",

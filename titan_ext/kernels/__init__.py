@@ -6,7 +6,8 @@ path once (``titan_ext.job.JobPlan.kernel_path``):
 * ``fla`` (CUDA): fla's kernels as shipped, except ``chunk_gla`` and ``chunk_kda``,
   which run as torch ops around fla's own drivers (``gla_op``, ``kda_op``:
   op-level SAC and compile), and the rotary cache check (``rotary``: no graph
-  break under compile);
+  break under compile); every other fla entry point a model reaches is called
+  opaque to torch.compile (``tp_local``: one graph break, fla's code untraced);
 * ``portable`` (anything else): every Triton entry point a GLA, Gated DeltaNet or transformer
   model reaches runs torch code (``gla``, ``norms``, ``activations``, ...):
   plain differentiable ops, so autograd, DTensor and compile just work.

@@ -1,6 +1,16 @@
-"""fla's kernels under tensor parallelism: parameters arrive as DTensor shards, activations as local tensors.
+"""fla's kernels as the ``fla`` (CUDA) path calls them: opaque to torch.compile, and under tensor
+parallelism on local shards.
 
-TP (``model_plans.styles.PlaceParameters``) shards the parameters a kernel
+Opaque: fla launches its Triton kernels behind ``torch.compiler.disable``
+deep inside its autograd Functions (its backend dispatch, ``layer_norm_fwd``).
+Traced from a compiled block, each call then broke the graph inside fla, and
+dynamo compiled fla's wrappers as frames of their own, guarded on every call
+and recompiled per dtype (seen on an H100, where the 340M GLA's first
+compiled step had not finished after 2.5 minutes). Every wrapper here is therefore ``torch.compiler.disable``d as a
+whole: one graph break per call, and fla's kernels run as shipped, with fla's
+own autotuning, while Inductor compiles the torch code around them.
+
+Local shards: TP (``model_plans.styles.PlaceParameters``) shards the parameters a kernel
 reads directly, without a linear in between: ShortConvolution's weight and
 bias, Gated DeltaNet's and KDA's per-head ``A_log``/``dt_bias``. They stay DTensors with
 their global shape (meta-device build, init, DCP and FSDP see the whole
@@ -11,7 +21,8 @@ same shard. Without TP nothing is a DTensor and every call passes through.
 
 The portable kernels call ``local`` themselves; on the ``fla`` (CUDA) path
 the wrappers below give fla's own functions local shards, unchanged otherwise
-(fla's ``chunk_kda`` runs as torch ops, ``kda_op``, which takes local shards the same way).
+(fla's ``chunk_gla`` and ``chunk_kda`` run as torch ops, ``gla_op`` and ``kda_op``, which
+compile keeps in its graph, and which take local shards the same way).
 """
 
 from __future__ import annotations
@@ -23,6 +34,10 @@ import torch
 
 from fla.layers.gated_deltanet import GatedDeltaNet
 from fla.modules.activations import swiglu_linear as fla_swiglu_linear
+from fla.modules.activations.ops import logsigmoid as fla_logsigmoid
+from fla.modules.activations.ops import sigmoid as fla_sigmoid
+from fla.modules.activations.ops import swiglu as fla_swiglu
+from fla.modules.activations.ops import swish as fla_swish
 from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_conv1d_update
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
@@ -31,6 +46,9 @@ from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
+from fla.modules.rotary.ops import rotary_embedding as fla_rotary_embedding
+from fla.ops.gla.fused_chunk import fused_chunk_gla as fla_fused_chunk_gla
+from fla.ops.gla.fused_recurrent import fused_recurrent_gla as fla_fused_recurrent_gla
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -65,11 +83,23 @@ def with_local_args(fn: Callable) -> Callable:
     return call
 
 
-causal_conv1d = with_local_args(fla_causal_conv1d)
-causal_conv1d_update = with_local_args(fla_causal_conv1d_update)
-chunk_gated_delta_rule = with_local_args(fla_chunk_gated_delta_rule)
-fused_recurrent_gated_delta_rule = with_local_args(fla_fused_recurrent_gated_delta_rule)
-fused_recurrent_kda = with_local_args(fla_fused_recurrent_kda)
+def fla_entry(fn: Callable) -> Callable:
+    """fla's ``fn`` as the fla path calls it: opaque to torch.compile, each DTensor argument as its local shard."""
+    return torch.compiler.disable(with_local_args(fn))
+
+
+causal_conv1d = fla_entry(fla_causal_conv1d)
+causal_conv1d_update = fla_entry(fla_causal_conv1d_update)
+chunk_gated_delta_rule = fla_entry(fla_chunk_gated_delta_rule)
+fused_chunk_gla = fla_entry(fla_fused_chunk_gla)
+fused_recurrent_gated_delta_rule = fla_entry(fla_fused_recurrent_gated_delta_rule)
+fused_recurrent_gla = fla_entry(fla_fused_recurrent_gla)
+fused_recurrent_kda = fla_entry(fla_fused_recurrent_kda)
+logsigmoid = fla_entry(fla_logsigmoid)
+rotary_embedding = fla_entry(fla_rotary_embedding)
+sigmoid = fla_entry(fla_sigmoid)
+swiglu = fla_entry(fla_swiglu)
+swish = fla_entry(fla_swish)
 
 
 def norm_on_local_shards(fn: Callable) -> Callable:
@@ -77,8 +107,9 @@ def norm_on_local_shards(fn: Callable) -> Callable:
     (sharded over the sequence or heads, or replicated) with replicated DTensor weights, which a
     Triton kernel cannot read. Normalising runs along the last dimension, never a sharded one, so
     fla's kernel runs on the local shards; the output gets the input's layout back, and a replicated
-    weight's gradient is a partial sum over the ranks wherever the input is sharded."""
+    weight's gradient is a partial sum over the ranks wherever the input is sharded. Opaque to torch.compile."""
 
+    @torch.compiler.disable
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
         if not isinstance(x, DTensor):
@@ -103,6 +134,7 @@ rms_norm = norm_on_local_shards(fla_rms_norm)
 rms_norm_gated = norm_on_local_shards(fla_rms_norm_gated)
 
 
+@torch.compiler.disable
 def swiglu_linear(x, y, weight, bias):
     """fla's fused ``swish(x) * y @ weight.T + bias`` under TP (fla's ``SwiGLULinearParallel``): x and y
     arrive sharded on features and the weight on its input features, all DTensors, which fla's Triton

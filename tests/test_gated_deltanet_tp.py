@@ -120,7 +120,7 @@ def test_fused_qkv_conv_runs_without_tp_only(mesh):
 
 
 def test_fla_path_gives_fla_kernels_local_shards(mesh):
-    """On CUDA fla's own kernels run, called with each DTensor argument's local shard."""
+    """On CUDA fla's own kernels run, called with each DTensor argument's local shard (and opaque to compile)."""
     import fla.modules.causal_conv1d.ops as conv_ops
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 

@@ -85,7 +85,9 @@ def with_local_args(fn: Callable) -> Callable:
 
 def fla_entry(fn: Callable) -> Callable:
     """fla's ``fn`` as the fla path calls it: opaque to torch.compile, each DTensor argument as its local shard."""
-    return torch.compiler.disable(with_local_args(fn))
+    entry = torch.compiler.disable(with_local_args(fn))
+    entry.__wrapped__ = fn  # what it calls, one step down (not the local-shard wrapper between)
+    return entry
 
 
 causal_conv1d = fla_entry(fla_causal_conv1d)

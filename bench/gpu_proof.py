@@ -103,6 +103,14 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, finished but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def stop(pid: int, grace: float = 15.0) -> None:
     """SIGTERM to ``pid``'s tree (torchrun passes it on), then SIGKILL to whatever is left after ``grace`` s."""
     tree = process_tree(pid)
@@ -113,7 +121,7 @@ def stop(pid: int, grace: float = 15.0) -> None:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace
-        while signal_number == signal.SIGTERM and time.monotonic() < deadline and any(Path(f"/proc/{m}").exists() for m in tree):
+        while signal_number == signal.SIGTERM and time.monotonic() < deadline and any(alive(m) for m in tree):
             time.sleep(0.5)
 
 

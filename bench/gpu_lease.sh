@@ -29,7 +29,7 @@ if ls .gpu-cache/gpu-cache.tgz.* >/dev/null 2>&1; then
 fi
 { date -u; nvidia-smi -L; python3 -c "import sys, torch, triton, transformers, fla, torchao; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1; } | tee /tmp/proof/env.txt
 
-[ $# -gt 0 ] || set -- bench:b,c,g,a@300 train:gla_340M@150 tests
+[ $# -gt 0 ] || set -- bench:c,g,b,a@330 train:gla_340M@120 tests
 python3 bench/gpu_proof.py --out /tmp/proof --deadline "${LEASE_SECONDS:-480}" "$@"
 code=$?
 

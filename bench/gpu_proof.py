@@ -1,12 +1,11 @@
-"""The GPU proof (issue 11) in few device calls: each stage's figures and logs land under ``--out``.
+"""The GPU proof (issue 42) in few device calls: each stage's figures and logs land under ``--out``.
 
-Written and checked on a CPU machine (``--steps 4 train:debug_gla``); not yet run on a GPU. The lent
-machine has Python 3.12 and torch 2.11 but not torchtitan, fla or torchao: fetch them here with
-``../shared/tools/gpu-wheels.sh`` (it writes ``.whl``), then, with ``.whl`` carried:
+What has run on a GPU so far: ``bench/RESULTS.md``. The lent machine has Python 3.12 and torch 2.11 but
+not torchtitan, fla or torchao: fetch them here with ``../shared/tools/gpu-wheels.sh`` (it writes
+``.whl``); ``bench/gpu_lease.sh`` installs them there, runs this script within the call's time, and
+carries the caches from one lease to the next:
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site && \\
-        python3 bench/gpu_proof.py --out $OUT tests train:gla_340M train:gla_340M
+    python3 bench/gpu_proof.py --out proof --deadline 480 bench:c,g,b,a@330 train:gla_340M@120 tests
 
 Stages run in the order given, each NAME[:ARG][@SECONDS] (at most SECONDS, and within ``--deadline``):
   tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA and KDA ops, SDPA on

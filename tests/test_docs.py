@@ -208,7 +208,7 @@ RUN_BY = {
     "python bench/bench_train.py --rows c,g": "gpu",  # the selection: test_bench_rows_option_picks_rows_in_order...
     "python bench/bench_train.py --cpu-tiny": "test:tests/test_bench.py::test_bench_cpu_tiny_prints_seven_finite_rows",
     "python bench/gpu_proof.py --out proof tests train:gla_340M bench": "gpu",
-    "python bench/gpu_proof.py --out proof --deadline 480 bench:b,c,g,a@300 train:gla_340M tests": "gpu",
+    "python bench/gpu_proof.py --out proof --deadline 480 bench:c,g,b,a@330 train:gla_340M@120 tests": "gpu",
     # docs/tested-versions.md
     "python scripts/test_versions.py latest": "gpu",  # builds a venv from the registry: minutes
     "python scripts/test_versions.py newest": "gpu",

@@ -6,9 +6,10 @@ deep inside its autograd Functions (its backend dispatch, ``layer_norm_fwd``).
 Traced from a compiled block, each call then broke the graph inside fla, and
 dynamo compiled fla's wrappers as frames of their own, guarded on every call
 and recompiled per dtype (seen on an H100, where the 340M GLA's first
-compiled step had not finished after 2.5 minutes). Every wrapper here is therefore ``torch.compiler.disable``d as a
-whole: one graph break per call, and fla's kernels run as shipped, with fla's
-own autotuning, while Inductor compiles the torch code around them.
+compiled step had not finished after 2.5 minutes). Every wrapper here is
+therefore ``torch.compiler.disable``d as a whole: one graph break per call,
+and fla's kernels run as shipped, with fla's own autotuning, while Inductor
+compiles the torch code around them.
 
 Local shards: TP (``model_plans.styles.PlaceParameters``) shards the parameters a kernel
 reads directly, without a linear in between: ShortConvolution's weight and
@@ -40,13 +41,13 @@ from fla.modules.activations.ops import swiglu as fla_swiglu
 from fla.modules.activations.ops import swish as fla_swish
 from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_conv1d_update
-from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
 from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
+from fla.modules.rotary.ops import rotary_embedding as fla_rotary_embedding
+from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
-from fla.modules.rotary.ops import rotary_embedding as fla_rotary_embedding
 from fla.ops.gla.fused_chunk import fused_chunk_gla as fla_fused_chunk_gla
 from fla.ops.gla.fused_recurrent import fused_recurrent_gla as fla_fused_recurrent_gla
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda

@@ -257,13 +257,13 @@ def print_table(rows: list[Row], flops: int, peak: float, args) -> None:
 
 
 def main(argv=None) -> list[Row]:
+    from torchtitan.tools.logging import init_logger
+
     args = parse_args(argv)
     _, _, model_args = load_flavor(args.config)
     flops, flags = flops_per_token(model_args, args.seq), titan_row_flags(args)
-    rows = []
-    from torchtitan.tools.logging import init_logger
-
     init_logger()  # the in-process Trainer's log lines (compiling, each step) show where a row's time goes
+    rows = []
     for letter in args.rows:
         progress(f"row ({letter})")
         if letter == "a":

@@ -113,15 +113,19 @@ def alive(pid: int) -> bool:
 def stop(pid: int, grace: float = 15.0) -> None:
     """SIGTERM to ``pid``'s tree (torchrun passes it on), then SIGKILL to whatever is left after ``grace`` s."""
     tree = process_tree(pid)
-    for signal_number in (signal.SIGTERM, signal.SIGKILL):
+
+    def signal_all(signal_number):
         for member in tree:
             try:
                 os.kill(member, signal_number)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + grace
-        while signal_number == signal.SIGTERM and time.monotonic() < deadline and any(alive(m) for m in tree):
-            time.sleep(0.5)
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(alive(m) for m in tree):
+        time.sleep(0.5)
+    signal_all(signal.SIGKILL)
 
 
 def run_logged(command: list[str], log: Path, env: dict[str, str] | None = None,
@@ -166,8 +170,8 @@ def top_kernels(trace: Path, count: int = 12) -> list[tuple[str, float]]:
 
 
 def train(config: str, args, out: Path, seconds: float | None, compiled: bool = True) -> dict:
-    name = "train" if compiled else "eager"
-    dump = out / f"{name}_{config}_{time.strftime('%H%M%S')}"
+    stage = "train" if compiled else "eager"
+    dump = out / f"{stage}_{config}_{time.strftime('%H%M%S')}"
     metrics = dump / "metrics.jsonl"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "torchtitan.train",
@@ -181,7 +185,7 @@ def train(config: str, args, out: Path, seconds: float | None, compiled: bool = 
     log_file = dump.with_suffix(".log")
     code, first_step, took, timed_out = run_logged(command, log_file, {"TORCH_LOGS": "recompiles"}, seconds)
     log = log_file.read_text()
-    result = {"stage": f"{name}:{config}", "exit": code, "timed_out": timed_out, "seconds": round(took, 1),
+    result = {"stage": f"{stage}:{config}", "exit": code, "timed_out": timed_out, "seconds": round(took, 1),
               "seconds_to_step_1": None if first_step is None else round(first_step, 1),
               "recompiles": log.count("Recompiling function")}
     steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []

@@ -394,16 +394,18 @@ def case_gla_hybrid():
 
 def case_compiled_blocks():
     """Blocks on the fla path compiled as titan_ext compiles them (the GLA hybrid: GLA and fla's softmax
-    Attention; Gated DeltaNet; KDA): dynamo compiles titan_ext's and fla's layer code only, never a frame inside
-    fla's kernel functions or Triton (``kernels.tp_local``: fla's entry points are opaque; traced, they broke
-    the graph deep inside fla and dynamo compiled fla's wrappers and Triton's launcher as frames of their own);
-    compiled against eager."""
+    Attention; Gated DeltaNet; KDA with its short convolutions), two steps without a recompile: dynamo compiles
+    titan_ext's and fla's layer code only, never a frame inside fla's kernel functions, fla's norm, rotary or
+    convolution modules, or Triton (``kernels.tp_local``: fla's entry points and those modules' forwards are
+    opaque; traced, they broke the graph deep inside fla, and dynamo compiled fla's wrappers and Triton's
+    launcher as frames of their own, and the modules' forwards, recompiled per call variant); compiled
+    against eager."""
     from torch._dynamo.convert_frame import register_bytecode_hook
 
     from titan_ext.compile import apply_compile
 
     hybrid = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
-    hybrid.config["num_hidden_layers"] = 2
+    hybrid.config["num_hidden_layers"] = 3  # GLA, attention, GLA: the third block reuses the first's frames
     worst = {}
     for name, args in (("gla_hybrid", hybrid), ("gated_deltanet", tiny_args("gated_deltanet")), ("kda", tiny_args("kda"))):
         eager = built(args, "fla")
@@ -414,18 +416,22 @@ def case_compiled_blocks():
         torch._dynamo.reset()
         try:
             tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
-            outs = [model(tokens) for model in (eager, compiled)]
-            for out in outs:
-                out.float().sum().backward()
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                outs = [model(tokens) for model in (eager, compiled)]
+                for out in outs:
+                    out.float().sum().backward()
+                grads = [rel(p.grad, q.grad) for p, q in zip(compiled.parameters(), eager.parameters())]
+                compiled(tokens).float().sum().backward()  # step 2: filled caches, the same frames
         finally:
             hook.remove()
         inside = sorted({f"{c.co_filename.split('site-packages/')[-1]}:{c.co_name}" for c in frames
                          if "/triton/" in c.co_filename or "/fla/ops/" in c.co_filename or "/fla/utils/" in c.co_filename
+                         or "/fla/modules/norm/" in c.co_filename or "/fla/modules/rotary/" in c.co_filename
+                         or "/fla/modules/causal_conv1d/" in c.co_filename
                          or ("/fla/modules/" in c.co_filename and "forward" not in c.co_name)})
         if inside or not frames:
             raise AssertionError(f"{name}: dynamo compiled frames inside fla's kernels or Triton: {inside}" if inside
                                  else f"{name}: dynamo compiled no frame: the blocks did not run compiled")
-        grads = [rel(p.grad, q.grad) for p, q in zip(compiled.parameters(), eager.parameters())]
         worst[f"compiled_blocks_{name}"] = max(rel(outs[1].detach(), outs[0].detach()), *grads)
     return worst
 

@@ -217,3 +217,23 @@ def test_compiled_fla_transformer_blocks_have_no_graph_break():
 
 def tokens_for(model):
     return torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_compiled_hybrid_traces_each_mixer_kind_once():
+    """A GLA hybrid (attention at layers 1 and 3) compiled without AC: one frame per mixer kind, and blocks 3
+    and 4 reuse them. transformers >= 5.24 wraps every layer class's ``forward`` in one shared wrapper (the
+    frame dynamo keys on); copying the wrapper alone left both kinds on one inner ``forward``: a recompile."""
+    torch.manual_seed(0)
+    model = build_model(copy.deepcopy(gla_flavors["debugmodel_hybrid"]))
+    model.init_weights()
+    tokens = tokens_for(model)
+    ref_loss, ref_grads = loss_and_grads(copy.deepcopy(model), tokens)
+    apply_compile(model, "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # one step: the rotary cache fills in it
+        loss, grads = loss_and_grads(model, tokens)
+    assert counters["frames"]["ok"] == 2 and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -48,6 +48,9 @@ def test_every_replacement_resolves_for_both_paths():
     # Kimi Linear's KDA and convolution calls with their documents packed (transformers_kda)
     import fla.layers.utils
     from fla.layers.gated_deltanet import GatedDeltaNet
+    from fla.modules.causal_conv1d.ops import ShortConvolution
+    from fla.modules.norm.fused_norm_gate import FusedRMSNormGated
+    from fla.modules.norm.layernorm import RMSNorm
     from fla.modules.rotary.ops import RotaryEmbedding
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
@@ -78,6 +81,10 @@ def test_every_replacement_resolves_for_both_paths():
         fla.modules.activations.ops.logsigmoid: tp_local.logsigmoid,
         fla.modules.activations.ops.swiglu: tp_local.swiglu,
         fla.modules.rotary.ops.rotary_embedding: tp_local.rotary_embedding,
+        vars(RMSNorm)["forward"]: tp_local.rms_norm_forward,
+        vars(FusedRMSNormGated)["forward"]: tp_local.rms_norm_gated_forward,
+        vars(RotaryEmbedding)["forward"]: tp_local.rotary_forward,
+        vars(ShortConvolution)["forward"]: tp_local.short_convolution_forward,
         kimi.chunk_kimi_delta_attention: transformers_kda.fla_chunk_kda,
         kimi.causal_conv1d_fn: transformers_kda.causal_conv1d_fn,
     }

@@ -18,7 +18,8 @@ A hybrid's blocks differ in their token mixer (``titan_ext.models.mixers``): one
 fail its guards on the mixer's type at every block of the other kind, a recompile per kind (and
 past dynamo's cache limit, a fallback to eager). Each mixer kind's blocks get a forward of their own
 (``_per_mixer_code``: the same function, its own code object), so dynamo traces each kind once and
-reuses it for every block of that kind.
+reuses it for every block of that kind (and so the ``__call__`` or ``forward`` wrapper transformers puts
+around every layer's ``forward``).
 
 Embeddings (a gather), the final norm (already one fused kernel on CUDA)
 and ``lm_head`` (one GEMM) leave nothing to fuse, so they stay eager. The
@@ -34,6 +35,8 @@ import types
 import torch
 import torch.nn as nn
 
+from titan_ext.kernels.binding import holds
+
 logger = logging.getLogger()
 
 
@@ -41,15 +44,42 @@ _per_mixer_classes: dict[tuple[type, str], type] = {}
 
 
 def _per_mixer_code(cls: type, mixer: str) -> type:
-    """``cls`` with a ``forward`` of its own code object for the blocks of one mixer kind (dynamo keeps its
-    compiled frames per code object)."""
+    """``cls`` with a ``forward`` of its own code objects for the blocks of one mixer kind (dynamo keeps its
+    compiled frames per code object), and its own ``__call__`` where the class defines one in Python
+    (transformers < 5.24's layers do: dynamo's first frame is then that ``__call__``)."""
     if (cls, mixer) not in _per_mixer_classes:
-        fn = cls.forward
-        forward = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        forward.__kwdefaults__, forward.__qualname__, forward.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
-        forward.__dict__.update(fn.__dict__)
-        _per_mixer_classes[cls, mixer] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__})
+        own = type(cls.__name__, (cls,), {"__module__": cls.__module__})
+        for name in ("__call__", "forward"):  # set after the class is made: a class hook may wrap them (_own_code)
+            fn = getattr(cls, name)
+            if isinstance(fn, types.FunctionType) and not fn.__module__.startswith("torch."):
+                setattr(own, name, _own_code(fn))
+        _per_mixer_classes[cls, mixer] = own
     return _per_mixer_classes[cls, mixer]
+
+
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a code object of its own, and so the functions it wraps.
+
+    transformers >= 5.24 wraps each layer class's ``forward`` in a ``forward_with_checkpointing`` (a class
+    hook, also on subclasses), one code object for every layer class: dynamo's frame is the wrapper's, and
+    copying the wrapper alone left every kind on the shared inner ``forward``, a recompile per kind.
+    The wrapped function (``__wrapped__``, held in the wrapper's closure) is copied too, and a wrapper that
+    names itself (is it the outermost?) names its copy.
+    """
+    inner = fn.__dict__.get("__wrapped__")
+    cells = fn.__closure__ or ()
+    inner_copy = _own_code(inner) if isinstance(inner, types.FunctionType) and any(holds(c, inner) for c in cells) else None
+    own_cells = tuple(types.CellType(inner_copy) if inner_copy is not None and holds(c, inner)
+                      else types.CellType() if holds(c, fn) else c for c in cells)
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, own_cells or None)
+    for cell, old in zip(own_cells, cells):
+        if cell is not old and holds(old, fn):
+            cell.cell_contents = copy
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    if inner_copy is not None:
+        copy.__wrapped__ = inner_copy
+    return copy
 
 
 def model_compile_enabled(job_config) -> bool:

@@ -164,7 +164,7 @@ def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> Non
     # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel, and the
     # mixer's own call where it convolves q, k and v in one (fla's Gated DeltaNet without TP, transformers')
     convolutions = short_convolutions(mixer_module)
-    for conv in [type(c).forward.__globals__ for c in convolutions] + [scope]:
+    for conv in [_run_globals(type(c).forward) for c in convolutions] + [scope]:
         kernel = conv.get("causal_conv1d")
         if kernel is not None and kernel not in replacements:
             replacements[kernel] = conv_across_ranks(kernel, layout)

@@ -700,6 +700,15 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
                      "modules.activations.ops:swish", "modules.activations.ops:sigmoid",
                      "modules.activations.ops:logsigmoid", "modules.activations.ops:swiglu",
                      "modules.rotary.ops:rotary_embedding")),
+    *(Kernel(f"fla.modules.{target}.forward", f"titan_ext.kernels.tp_local:{name}",
+             "the module's forward only calls fla's kernels: opaque to torch.compile as a whole, else dynamo compiled "
+             "it as a frame of its own and recompiled it per call variant (with or without a residual, fp32 or bf16 "
+             "under single-GPU AMP; the rotary cache once filled; the short convolution once einops registered a tensor "
+             "type)", ("fla",))
+      for target, name in (("norm.layernorm:RMSNorm", "rms_norm_forward"),
+                           ("norm.fused_norm_gate:FusedRMSNormGated", "rms_norm_gated_forward"),
+                           ("rotary.ops:RotaryEmbedding", "rotary_forward"),
+                           ("causal_conv1d.ops:ShortConvolution", "short_convolution_forward"))),
     Kernel(
         "fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.tp_local:causal_conv1d", _TP_LOCAL, ("fla",),
     ),

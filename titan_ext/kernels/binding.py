@@ -60,8 +60,8 @@ def _rebind(fn: types.FunctionType, replacements: Replacements, names: ModuleNam
         return None
     closure = None
     if inner is not None:
-        closure = tuple(types.CellType(inner) if _holds(cell, wrapped) else cell for cell in fn.__closure__ or ())
-        if not any(_holds(cell, wrapped) for cell in fn.__closure__ or ()):
+        closure = tuple(types.CellType(inner) if holds(cell, wrapped) else cell for cell in fn.__closure__ or ())
+        if not any(holds(cell, wrapped) for cell in fn.__closure__ or ()):
             return rebased(fn, overrides) if overrides else None  # wraps it, but does not call it from a closure
     new = rebased(fn, overrides, closure)
     if inner is not None:
@@ -69,7 +69,8 @@ def _rebind(fn: types.FunctionType, replacements: Replacements, names: ModuleNam
     return new
 
 
-def _holds(cell, value) -> bool:
+def holds(cell, value) -> bool:
+    """Whether a closure cell holds ``value`` (an empty cell holds nothing)."""
     try:
         return cell.cell_contents is value
     except ValueError:  # an empty cell

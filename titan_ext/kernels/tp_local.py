@@ -39,10 +39,14 @@ from fla.modules.activations.ops import logsigmoid as fla_logsigmoid
 from fla.modules.activations.ops import sigmoid as fla_sigmoid
 from fla.modules.activations.ops import swiglu as fla_swiglu
 from fla.modules.activations.ops import swish as fla_swish
+from fla.modules.causal_conv1d.ops import ShortConvolution
 from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_conv1d_update
+from fla.modules.norm.fused_norm_gate import FusedRMSNormGated
 from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+from fla.modules.norm.layernorm import RMSNorm
 from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
+from fla.modules.rotary.ops import RotaryEmbedding
 from fla.modules.rotary.ops import rotary_embedding as fla_rotary_embedding
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 from fla.ops.gated_delta_rule.fused_recurrent import (
@@ -103,6 +107,24 @@ rotary_embedding = fla_entry(fla_rotary_embedding)
 sigmoid = fla_entry(fla_sigmoid)
 swiglu = fla_entry(fla_swiglu)
 swish = fla_entry(fla_swish)
+
+
+def opaque_forward(cls: type) -> Callable:
+    """``cls.forward`` opaque to torch.compile, for an fla module whose forward only calls fla's kernels.
+
+    Traced, it broke the graph inside, and dynamo compiled the forward as a frame of its own, guarded on
+    its arguments: recompiled per call variant (a norm with and without a residual, on fp32 and bf16 inputs
+    under single-GPU AMP; the rotary embedding once its cache was filled, at step 2; the short convolution
+    once einops had registered a tensor type). A bound model's class calls a copy of it around fla's
+    forward rebound to this module's wrappers (``kernels.binding``).
+    """
+    return torch.compiler.disable(vars(cls)["forward"])
+
+
+rms_norm_forward = opaque_forward(RMSNorm)
+rms_norm_gated_forward = opaque_forward(FusedRMSNormGated)
+rotary_forward = opaque_forward(RotaryEmbedding)
+short_convolution_forward = opaque_forward(ShortConvolution)
 
 
 def norm_on_local_shards(fn: Callable) -> Callable:

@@ -51,7 +51,7 @@ def _per_mixer_code(cls: type, mixer: str) -> type:
         own = type(cls.__name__, (cls,), {"__module__": cls.__module__})
         for name in ("__call__", "forward"):  # set after the class is made: a class hook may wrap them (_own_code)
             fn = getattr(cls, name)
-            if isinstance(fn, types.FunctionType) and not fn.__module__.startswith("torch."):
+            if isinstance(fn, types.FunctionType) and fn is not nn.Module.__call__:
                 setattr(own, name, _own_code(fn))
         _per_mixer_classes[cls, mixer] = own
     return _per_mixer_classes[cls, mixer]

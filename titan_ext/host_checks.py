@@ -83,6 +83,13 @@ FLA_SIGNATURES = {
     "fla.modules.causal_conv1d.ops:causal_conv1d_update": "x, cache, residual=None, weight=None, bias=None, "
     "activation=None",
     "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv": "self, last_state, use_cache, cu_seqlens",
+    "fla.modules.norm.layernorm:RMSNorm.forward": "self, x, residual=None, prenorm=False, residual_in_fp32=False",
+    "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward": "self, x, g, residual=None, prenorm=False, "
+    "residual_in_fp32=False",
+    "fla.modules.rotary.ops:RotaryEmbedding.forward": "self, q, k, seqlen_offset=0, cu_seqlens=None, max_seqlen=None, "
+    "chunk_indices=None",
+    "fla.modules.causal_conv1d.ops:ShortConvolution.forward": "self, x, residual=None, mask=None, cache=None, "
+    "output_final_state=False, cu_seqlens=None, chunk_indices=None, **kwargs",
     "fla.modules.fused_cross_entropy.ops:cross_entropy_loss": "logits, target, label_smoothing=0.0, logit_scale=1.0, "
     "lse_square_scale=0.0, logit_softcapping=None, ignore_index=-100, inplace_backward=False, process_group=None",
     "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "

@@ -9,7 +9,8 @@ carries the caches from one lease to the next:
 
 Stages run in the order given, each NAME[:ARG][@SECONDS] (at most SECONDS, and within ``--deadline``):
   tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA and KDA ops, SDPA on
-                CUDA), with the ops' gradient differences from fla's chunk_gla and chunk_kda
+                CUDA, autotuning with configs compiled together), with the ops' gradient differences from
+                fla's chunk_gla and chunk_kda
   train:CONFIG  ``--steps`` steps of train_configs/CONFIG.toml through torchrun on one GPU, compiled,
                 with TORCH_LOGS=recompiles and (on CUDA) the profiler on the last step: seconds from
                 launch to step 1, loss first/last, median tokens/s, peak memory, recompiles, and the kernels
@@ -42,7 +43,8 @@ import torch
 from bench_train import row_letters
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py"]
+CUDA_TESTS = ["tests/test_gla_op.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py",
+              "tests/test_autotune_compile.py"]
 STEP_ONE = re.compile(r"step:\s*1\s")
 
 

@@ -1,4 +1,5 @@
-"""The benchmarks still run: bench_train.py --cpu-tiny prints seven rows, bench_data.py three."""
+"""The benchmarks still run: bench_train.py --cpu-tiny prints seven rows, bench_data.py three,
+bench_autotune_compile.py --quick two."""
 
 import math
 import re
@@ -132,3 +133,17 @@ def test_gpu_lease_keeps_a_leases_caches_for_the_next_and_refuses_a_wrong_folder
     kept = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
     assert kept.returncode == 0, kept.stdout + kept.stderr
     assert sorted(p.name for p in (tmp_path / ".gpu-cache").iterdir()) == ["gpu-cache.tgz.a", "gpu-cache.tgz.b"]
+
+
+def test_bench_autotune_compile_quick_check_compiles_the_same_kernels_both_ways():
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_autotune_compile.py", "--quick"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in proc.stdout.splitlines()
+            if line.startswith(("| Triton as shipped", "| configs compiled together"))]
+    assert len(rows) == 2, proc.stdout[-3000:]
+    (_, _, serial_kernels, serial_threads, _), (_, _, kernels, threads, _) = rows
+    assert serial_kernels == kernels and int(kernels) > 1 and serial_threads == "0" and int(threads) > 1, rows
+    assert re.search(r"configs chosen: [1-9]\d* tuning keys, 0 differ", proc.stdout), proc.stdout[-3000:]

@@ -174,6 +174,8 @@ RUN_BY = {
     "python -m titan_ext.plan --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
     "--titan_ext.hf_config train_configs/qwen3_next_80b_a3b.json --titan_ext.no-document_mask --world 1024":
         "gpu",  # minutes of planning; tests/test_plan.py plans MoE (EP 2) and a hybrid (CP 2) against real runs
+    "python bench/bench_autotune_compile.py":  # 4 minutes on 2 cores; the test runs --quick
+        "test:tests/test_bench.py::test_bench_autotune_compile_quick_check_compiles_the_same_kernels_both_ways",
     "python bench/bench_memory.py --tokens 1024 8192": "gpu",  # minutes and ~16 GiB
     # docs/planning-sweep.md (the sweeps and the bench run for minutes: "gpu" marks what nothing here runs)
     "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
@@ -203,7 +205,8 @@ RUN_BY = {
     "train_configs/debug_gla.toml --titan_ext.kernels fla --parallelism.tensor_parallel_degree 2 "
     "--parallelism.data_parallel_shard_degree 1 --training.steps 3": "matrix:fla_gla/interpret_tp2",
     "python -m pytest -q tests/test_interpret.py": "ci",
-    "python -m pytest -q -rs tests/test_gla_op.py tests/test_kda_op.py tests/test_sdpa_fallback.py": "ci",  # they skip without CUDA
+    "python -m pytest -q -rs tests/test_gla_op.py tests/test_kda_op.py tests/test_sdpa_fallback.py tests/test_autotune_compile.py":
+        "ci",  # they skip without CUDA
     "python bench/bench_train.py": "gpu",
     "python bench/bench_train.py --rows c,g": "gpu",  # the selection: test_bench_rows_option_picks_rows_in_order...
     "python bench/bench_train.py --cpu-tiny": "test:tests/test_bench.py::test_bench_cpu_tiny_prints_seven_finite_rows",

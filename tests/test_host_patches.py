@@ -79,7 +79,7 @@ def test_import_does_not_import_fla_or_transformers():
 
 def test_every_row_says_why_and_for_which_versions():
     for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD, *host_patches.STRIDED_CHECKPOINT,
-                  *host_patches.PLANNER):
+                  *host_patches.PLANNER, *host_patches.INTERPRETER, *host_patches.CUDA):
         owner, name = patch.owner_and_name()  # the target exists in the installed version
         assert hasattr(owner, name), patch.target
         assert patch.why and patch.checked, patch.target

@@ -14,6 +14,7 @@
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
+* ``CUDA``: in a job whose fla kernels run on CUDA (Triton's autotuning).
 * ``BUILD``: only while titan_ext builds one of its own models (``building()``).
 * ``PLANNER``: only inside the planner's blocks (``scoped()``): a step peak's ``with``
   (``planner.memory.StepPeak``) and a planned step's (``planner.rank``).
@@ -354,6 +355,23 @@ INTERPRETER: tuple[Patch, ...] = (
     ),
 )
 """Triton's interpreter (``TRITON_INTERPRET=1``) running fla's kernels on the CPU (``--titan_ext.kernels fla``)."""
+
+
+def _configs_compiled_together(original):
+    return resolve("titan_ext.kernels.autotune:configs_compiled_together")(original)
+
+
+CUDA: tuple[Patch, ...] = (
+    Patch(
+        "triton.runtime.autotuner:Autotuner._bench",
+        "Triton compiles an autotuned kernel's configs one by one as it times them: on a cold Triton cache fla's "
+        "kernels spent minutes there before the first step (403 s for the CUDA tests on a fresh H200). A tuning "
+        "pass's configs are compiled together in threads (Triton's AsyncCompileMode), then timed one by one as "
+        "before (kernels.autotune); fla's code and the configs timed are unchanged",
+        TRITON, _configs_compiled_together,
+    ),
+)
+"""A job whose fla kernels run on CUDA (the ``fla`` kernel path, not interpreted)."""
 
 
 TIED_COPY = "_titan_ext_tied_copy"
@@ -816,6 +834,14 @@ def apply_cpu_mode() -> None:
     _applied.add("cpu_mode")
     apply(CPU_MODE)
     _quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])
+
+
+def apply_cuda() -> None:
+    """``CUDA``, once per process."""
+    if "cuda" in _applied:
+        return
+    _applied.add("cuda")
+    apply(CUDA)
 
 
 def apply_interpreter() -> None:

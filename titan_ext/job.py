@@ -62,6 +62,8 @@ def on_trainer_import() -> None:
         host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():
         host_patches.apply_interpreter()
+    elif path == "fla":
+        host_patches.apply_cuda()
     if _cpu_mode:
         host_patches.apply_cpu_mode()
         if rank() == 0:

@@ -91,3 +91,16 @@ def matrix_launch(request, tmp_path_factory):
 def guest_runs(request, matrix_launch):
     """The launch's root, once the jobs of this module's ``matrix_guest`` have finished in it."""
     return matrix_launch.guest_finished(request.module.__name__)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fla_kernels_tuned_as_in_cuda_jobs():
+    """On a GPU machine the CUDA tests' fla kernels autotune as titan_ext's jobs on CUDA do, their configs
+    compiled together (``host_patches.CUDA``): on a fresh H200 the tests spent 403 s compiling one by one."""
+    import torch
+
+    if torch.cuda.is_available():
+        from titan_ext import host_patches
+
+        host_patches.apply_cuda()
+    yield

@@ -111,6 +111,7 @@ def test_a_failure_compiling_in_threads_leaves_triton_to_compile_as_shipped(comp
 
 
 def test_the_cuda_row_replaces_the_autotuners_timing_loop_and_is_undone():
+    host_patches.undo()  # what the session applied (conftest, on a GPU machine)
     original = vars(Autotuner)["_bench"]
     host_patches.apply_cuda()
     assert vars(Autotuner)["_bench"] is not original

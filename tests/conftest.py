@@ -96,7 +96,8 @@ def guest_runs(request, matrix_launch):
 @pytest.fixture(scope="session", autouse=True)
 def fla_kernels_tuned_as_in_cuda_jobs():
     """On a GPU machine the CUDA tests' fla kernels autotune as titan_ext's jobs on CUDA do, their configs
-    compiled together (``host_patches.CUDA``): on a fresh H200 the tests spent 403 s compiling one by one."""
+    compiled together (``host_patches.CUDA``): on a fresh H200 they took 403 s, compiling and tuning one config
+    at a time."""
     import torch
 
     if torch.cuda.is_available():

@@ -1,0 +1,76 @@
+"""Before a GPU lease: does every fla kernel titan_ext's models reach compile for an H100? Checked on the CPU.
+
+The interpreter checks (``tests/interpret_checks.py``) run fla's kernels as NumPy, which takes what Triton's
+compiler may refuse (a type, a shape, shared memory). This script builds titan_ext's models on the ``fla``
+kernel path at 340M widths (two layers), feeds one row of 2,048 tokens in three documents, and runs
+forward and backward through a driver that compiles every kernel for an H100 and launches nothing
+(``compile_only_h100.py``): every config fla autotunes is compiled, in threads as in titan_ext's CUDA jobs.
+A kernel that does not compile stops it with Triton's error. Minutes on 2 cores; values are not computed.
+
+    python bench/compile_for_h100.py                     # gla, gla_hybrid, gated_deltanet, kda
+    python bench/compile_for_h100.py kda
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = ("gla", "gla_hybrid", "gated_deltanet", "kda")
+
+
+def model_args(name: str):
+    from titan_ext.models.gated_deltanet import gated_deltanet_flavors
+    from titan_ext.models.gla import gla_flavors
+    from titan_ext.models.kda import kda_flavors
+
+    flavor = {"gla": gla_flavors["340M"], "gla_hybrid": gla_flavors["340M_hybrid"],
+              "gated_deltanet": gated_deltanet_flavors["340M"], "kda": kda_flavors["340M"]}[name]
+    args = copy.deepcopy(flavor)
+    args.config.update(num_hidden_layers=2, vocab_size=512)
+    if name == "gla_hybrid":  # GLA, then fla's softmax Attention
+        args.config["attn"] = {**args.config["attn"], "layers": [1]}
+    args.kernel_path = "fla"
+    return args
+
+
+def main(names) -> None:
+    import fla.ops.gla  # noqa: F401 - fla reads the machine's driver when imported
+    import triton.compiler
+
+    from titan_ext import host_patches
+    from titan_ext.models.adapter import build_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compile_only_h100 import compile_only_h100
+
+    host_patches.apply_cuda()
+    compiles, compile = [], triton.compiler.compile
+    triton.compiler.compile = lambda *a, **k: (compiles.append(1), compile(*a, **k))[1]
+    tokens = torch.randint(0, 512, (1, 2048))
+    positions = torch.cat([torch.arange(700), torch.arange(800), torch.arange(548)]).view(1, 2048)
+    for name in names:
+        start, before = time.perf_counter(), len(compiles)
+        with torch.device("meta"):
+            model = build_model(model_args(name))
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        with compile_only_h100():
+            model(tokens, document_positions=positions).float().sum().backward()
+        print(f"{name}: {len(compiles) - before} kernels compiled for an H100 in {time.perf_counter() - start:.0f} s",
+              flush=True)
+
+
+if __name__ == "__main__":
+    chosen = sys.argv[1:] or list(MODELS)
+    unknown = sorted(set(chosen) - set(MODELS))
+    if unknown:
+        sys.exit(f"unknown models {unknown}: use any of {', '.join(MODELS)}")
+    with tempfile.TemporaryDirectory() as cache:  # cold: every config compiled, none read from an earlier run
+        os.environ["TRITON_CACHE_DIR"] = cache
+        main(chosen)

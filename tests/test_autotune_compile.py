@@ -34,11 +34,11 @@ CONFIGS = [triton.Config({"BLOCK": block}, num_warps=warps) for block in (32, 64
 
 def autotuned_kernel(heuristics_inside: bool):
     """A fresh autotuned kernel (its own empty kernel cache) with a heuristic inside or outside the
-    autotuner, as fla writes both; and its JITFunction."""
+    autotuner, as fla writes both."""
     jit = triton.jit(_scale)
     even = triton.heuristics({"EVEN": lambda args: args["n"] % 64 == 0})
     tune = triton.autotune(CONFIGS, key=["n"])
-    return (tune(even(jit)) if heuristics_inside else even(tune(jit))), jit
+    return tune(even(jit)) if heuristics_inside else even(tune(jit))
 
 
 def timed_by_config(fastest: tuple[int, int]):
@@ -66,7 +66,7 @@ def launch(kernel, n: int) -> None:
 @pytest.mark.parametrize("heuristics_inside", [True, False])
 def test_a_tuning_pass_compiles_its_configs_in_threads_and_then_times_them_from_the_cache(compile_only, monkeypatch,
                                                                                       heuristics_inside):
-    kernel, _ = autotuned_kernel(heuristics_inside)
+    kernel = autotuned_kernel(heuristics_inside)
     compiled_on = []
     compile = triton.compiler.compile  # what the kernel binds when first run
     monkeypatch.setattr(triton.compiler, "compile",
@@ -89,7 +89,7 @@ def test_a_tuning_pass_compiles_its_configs_in_threads_and_then_times_them_from_
 def test_a_config_chosen_is_the_one_triton_alone_chooses(compile_only, monkeypatch):
     chosen = []
     for bench in (timed_by_config((64, 1)), configs_compiled_together(timed_by_config((64, 1)), workers=2)):
-        kernel, _ = autotuned_kernel(heuristics_inside=True)
+        kernel = autotuned_kernel(heuristics_inside=True)
         monkeypatch.setattr(Autotuner, "_bench", bench)
         launch(kernel, 100)
         chosen.append(kernel.best_config)
@@ -101,7 +101,7 @@ def test_a_failure_compiling_in_threads_leaves_triton_to_compile_as_shipped(comp
         def __init__(self):
             pass
 
-    kernel, _ = autotuned_kernel(heuristics_inside=True)
+    kernel = autotuned_kernel(heuristics_inside=True)
     monkeypatch.setattr(triton, "AsyncCompileMode", Changed)
     monkeypatch.setattr(Autotuner, "_bench", configs_compiled_together(timed_by_config((32, 2)), workers=2))
     launch(kernel, 100)

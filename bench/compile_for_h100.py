@@ -2,12 +2,12 @@
 
 The interpreter checks (``tests/interpret_checks.py``) run fla's kernels as NumPy, which takes what Triton's
 compiler may refuse (a type, a shape, shared memory). This script builds titan_ext's models on the ``fla``
-kernel path at 340M widths (two layers), feeds one row of 2,048 tokens in three documents, and runs
+kernel path (fla's at 340M widths, Qwen3.5's and Kimi Linear's at transformers' own; two layers), feeds one row of 2,048 tokens in three documents, and runs
 forward and backward through a driver that compiles every kernel for an H100 and launches nothing
 (``compile_only_h100.py``): every config fla autotunes is compiled, in threads as in titan_ext's CUDA jobs.
 A kernel that does not compile stops it with Triton's error. Minutes on 2 cores; values are not computed.
 
-    python bench/compile_for_h100.py                     # gla, gla_hybrid, gated_deltanet, kda
+    python bench/compile_for_h100.py                     # gla, gla_hybrid, gated_deltanet, kda, qwen3_5, kimi_linear
     python bench/compile_for_h100.py kda
 """
 
@@ -22,17 +22,25 @@ from pathlib import Path
 
 import torch
 
-MODELS = ("gla", "gla_hybrid", "gated_deltanet", "kda")
+MODELS = ("gla", "gla_hybrid", "gated_deltanet", "kda", "qwen3_5", "kimi_linear")
 
 
 def model_args(name: str):
+    from titan_ext.models.args import transformers_model
     from titan_ext.models.gated_deltanet import gated_deltanet_flavors
     from titan_ext.models.gla import gla_flavors
     from titan_ext.models.kda import kda_flavors
 
-    flavor = {"gla": gla_flavors["340M"], "gla_hybrid": gla_flavors["340M_hybrid"],
-              "gated_deltanet": gated_deltanet_flavors["340M"], "kda": kda_flavors["340M"]}[name]
-    args = copy.deepcopy(flavor)
+    if name in ("qwen3_5", "kimi_linear"):  # transformers' own widths (train_configs/qwen3_5.json, kimi_linear.json)
+        args = transformers_model("qwen3_5_text" if name == "qwen3_5" else "kimi_linear",
+                                  layer_types=["linear_attention", "full_attention"])
+        if name == "kimi_linear":  # its special tokens' ids lie beyond the cut vocabulary
+            args.config.update(mlp_layer_types=["dense", "dense"], pad_token_id=None, bos_token_id=None,
+                               eos_token_id=None)
+    else:
+        flavor = {"gla": gla_flavors["340M"], "gla_hybrid": gla_flavors["340M_hybrid"],
+                  "gated_deltanet": gated_deltanet_flavors["340M"], "kda": kda_flavors["340M"]}[name]
+        args = copy.deepcopy(flavor)
     args.config.update(num_hidden_layers=2, vocab_size=512)
     if name == "gla_hybrid":  # GLA, then fla's softmax Attention
         args.config["attn"] = {**args.config["attn"], "layers": [1]}

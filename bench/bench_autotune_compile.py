@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -60,35 +59,30 @@ def gla_340m_block(device: str, quick: bool = False) -> None:
 
 def run_side(side: str, cuda: bool, quick: bool) -> dict:
     import fla.ops.gla  # noqa: F401 - fla reads the machine's driver when imported
-    import triton.compiler
+    import torch
+    from compile_only_h100 import compile_only_h100, compiles_recorded
     from triton.runtime.autotuner import Autotuner
 
     from titan_ext import host_patches
-    from titan_ext.kernels.autotune import compile_workers
+    from titan_ext.kernels.autotune import COMPILE_THREADS, compile_workers
 
-    compiles, compile = [], triton.compiler.compile
-    triton.compiler.compile = lambda *a, **k: (compiles.append(threading.current_thread().name), compile(*a, **k))[1]
     if side == "together":
         host_patches.apply_cuda()
     start = time.perf_counter()
-    if cuda:
-        gla_340m_block("cuda", quick)
-        import torch
-
-        torch.cuda.synchronize()
-    else:
-        sys.path.insert(0, str(REPO / "bench"))
-        from compile_only_h100 import compile_only_h100
-
-        with compile_only_h100():
-            gla_340m_block("cpu", quick)
+    with compiles_recorded() as compiles:
+        if cuda:
+            gla_340m_block("cuda", quick)
+            torch.cuda.synchronize()
+        else:
+            with compile_only_h100():
+                gla_340m_block("cpu", quick)
     seconds = time.perf_counter() - start
     chosen = {
         f"{tuner.base_fn.__name__}{list(key)}": str(config.all_kwargs())
         for tuner in gc.get_objects() if isinstance(tuner, Autotuner) for key, config in tuner.cache.items()
     }
     return {"side": side, "seconds": seconds, "compiles": len(compiles), "workers": compile_workers(),
-            "in_threads": sum(name.startswith("titan_ext-triton-compile") for name in compiles), "chosen": chosen}
+            "in_threads": sum(name.startswith(COMPILE_THREADS) for name in compiles), "chosen": chosen}
 
 
 def main(argv=None) -> list[dict]:

@@ -6,15 +6,17 @@ on CPU tensors whose values nothing computes. What it is for: measuring and test
 autotuning compiles (``titan_ext.kernels.autotune``), not results.
 
     import fla.ops.gla                       # first: fla reads the real driver when imported
-    with compile_only_h100(): ...
+    with compile_only_h100(), compiles_recorded() as threads: ...
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
+import triton.compiler
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -85,3 +87,20 @@ def compile_only_h100() -> Iterator[CompileOnlyH100]:
         yield fake
     finally:
         driver._active = previous
+
+
+@contextlib.contextmanager
+def compiles_recorded() -> Iterator[list[str]]:
+    """Every Triton compile started inside (on any driver), as the name of the thread that ran it. A kernel
+    binds Triton's ``compile`` at its first run, so one first run inside goes on recording after the ``with``."""
+    threads, compile = [], triton.compiler.compile
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return compile(*args, **kwargs)
+
+    triton.compiler.compile = recorded
+    try:
+        yield threads
+    finally:
+        triton.compiler.compile = compile

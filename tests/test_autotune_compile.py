@@ -5,7 +5,6 @@ Triton's compiler and ptxas run on the CPU."""
 from __future__ import annotations
 
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,11 @@ import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
 from titan_ext import host_patches
-from titan_ext.kernels.autotune import compile_workers, configs_compiled_together
+from titan_ext.kernels.autotune import COMPILE_THREADS, compile_workers, configs_compiled_together
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from compile_only_h100 import compile_only_h100  # noqa: E402
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+from compile_only_h100 import compile_only_h100, compiles_recorded  # noqa: E402
 
 sys.path.pop(0)
 
@@ -67,23 +67,20 @@ def launch(kernel, n: int) -> None:
 def test_a_tuning_pass_compiles_its_configs_in_threads_and_then_times_them_from_the_cache(compile_only, monkeypatch,
                                                                                       heuristics_inside):
     kernel = autotuned_kernel(heuristics_inside)
-    compiled_on = []
-    compile = triton.compiler.compile  # what the kernel binds when first run
-    monkeypatch.setattr(triton.compiler, "compile",
-                        lambda *a, **k: (compiled_on.append(threading.current_thread().name), compile(*a, **k))[1])
     monkeypatch.setattr(Autotuner, "_bench", configs_compiled_together(timed_by_config((64, 2)),
                                                                        workers=2))
-    launch(kernel, 100)
-    assert len(compiled_on) == len(CONFIGS)  # once each: the timing loop found every config compiled
-    assert all(name.startswith("titan_ext-triton-compile") for name in compiled_on), compiled_on
-    autotuner = kernel if heuristics_inside else kernel.fn
-    assert autotuner.best_config == triton.Config({"BLOCK": 64}, num_warps=2)
+    with compiles_recorded() as compiled_on:
+        launch(kernel, 100)
+        assert len(compiled_on) == len(CONFIGS)  # once each: the timing loop found every config compiled
+        assert all(name.startswith(COMPILE_THREADS) for name in compiled_on), compiled_on
+        autotuner = kernel if heuristics_inside else kernel.fn
+        assert autotuner.best_config == triton.Config({"BLOCK": 64}, num_warps=2)
 
-    launch(kernel, 100)  # the same key: tuned already, nothing compiled
-    assert len(compiled_on) == len(CONFIGS)
-    launch(kernel, 128)  # a new key (and n now divisible by 16 and 64: new kernels): a new pass, in threads again
-    assert len(compiled_on) == 2 * len(CONFIGS)
-    assert all(name.startswith("titan_ext-triton-compile") for name in compiled_on), compiled_on
+        launch(kernel, 100)  # the same key: tuned already, nothing compiled
+        assert len(compiled_on) == len(CONFIGS)
+        launch(kernel, 128)  # a new key (and n now divisible by 16 and 64: new kernels): a new pass, in threads again
+        assert len(compiled_on) == 2 * len(CONFIGS)
+        assert all(name.startswith(COMPILE_THREADS) for name in compiled_on), compiled_on
 
 
 def test_a_config_chosen_is_the_one_triton_alone_chooses(compile_only, monkeypatch):
@@ -127,12 +124,13 @@ def test_ranks_on_one_node_share_its_cores(monkeypatch):
 
 
 GPU_CHECK = """
-import json, sys, threading, torch, triton.compiler
+import json, sys, torch
 from fla.modules.norm.layernorm import rms_norm
 from titan_ext import host_patches
-device = sys.argv[1]
-names, compile = [], triton.compiler.compile
-triton.compiler.compile = lambda *a, **k: (names.append(threading.current_thread().name), compile(*a, **k))[1]
+from titan_ext.kernels.autotune import COMPILE_THREADS
+device, bench = sys.argv[1:]
+sys.path.insert(0, bench)
+from compile_only_h100 import compiles_recorded
 if device == "cuda":
     host_patches.apply_cuda()
 else:  # the script itself, under Triton's interpreter
@@ -140,11 +138,12 @@ else:  # the script itself, under Triton's interpreter
 x = torch.randn(4, 256, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
 residual = torch.randn_like(x).requires_grad_()
 weight = torch.randn(1024, device=device, requires_grad=True)
-out, new_residual = rms_norm(x, weight, None, residual=residual, prenorm=True, eps=1e-5)
-(out.float().square().sum() + new_residual.float().sum()).backward()
+with compiles_recorded() as names:
+    out, new_residual = rms_norm(x, weight, None, residual=residual, prenorm=True, eps=1e-5)
+    (out.float().square().sum() + new_residual.float().sum()).backward()
 summed = x.float() + residual.float()
 expected = summed * torch.rsqrt(summed.square().mean(-1, keepdim=True) + 1e-5) * weight
-print(json.dumps({"compiled": len(names), "in_threads": sum(n.startswith("titan_ext-triton-compile") for n in names),
+print(json.dumps({"compiled": len(names), "in_threads": sum(n.startswith(COMPILE_THREADS) for n in names),
                   "error": ((out.float() - expected).abs().max() / expected.abs().max()).item(),
                   "grad_finite": bool(x.grad.isfinite().all() and weight.grad.isfinite().all())}))
 """
@@ -157,8 +156,8 @@ def test_on_a_gpu_fla_kernels_tuned_with_configs_compiled_together_compute_as_fl
     import subprocess
 
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, "-c", GPU_CHECK, "cuda"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", GPU_CHECK, "cuda", str(BENCH)], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)

@@ -18,6 +18,8 @@ import triton
 
 logger = logging.getLogger(__name__)
 _MAX_WORKERS = 32
+COMPILE_THREADS = "titan_ext-triton-compile"
+"""The name the compiling threads' names start with."""
 
 
 def compile_workers() -> int:
@@ -32,7 +34,7 @@ def compile_configs(autotuner, configs, args: tuple, meta: dict, workers: int) -
     kernel cache its timing reads. A config that fails to compile here is left for Triton's own
     timing loop, which compiles it again and handles the failure as it always has."""
     meta = {name: value for name, value in meta.items() if name != "warmup"}
-    with ThreadPoolExecutor(workers, thread_name_prefix="titan_ext-triton-compile") as pool, \
+    with ThreadPoolExecutor(workers, thread_name_prefix=COMPILE_THREADS) as pool, \
             triton.AsyncCompileMode(pool, ignore_errors=True):
         for config in configs:
             try:

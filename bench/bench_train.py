@@ -8,8 +8,8 @@ Rows, all at the same model, batch and sequence length:
   (e) (c) + op-level selective AC (saves GLA's core and every other matmul: memory for speed);
   (f) (b) + document masking (``[titan_ext] document_mask``: fla's packed
       ``cu_seqlens`` path; the shipped GPU configs turn it on, so (b)-(e) and (g) turn it off);
-  (g) (c) + the chunked loss (``[titan_ext] loss = "chunked"``: no full logits; the shipped GPU
-      configs keep torchtitan's loss until this row shows it at least as fast as (c)).
+  (g) (c) + the chunked loss (``[titan_ext] loss = "chunked"``: no full logits; 0.71x (c) on an H200,
+      so the shipped GPU configs keep torchtitan's loss: bench/RESULTS.md).
 Each row: median tokens/s over the steps after warm-up, ratio to (a), peak
 memory, and MFU from the spec's FLOPs per token (``get_nparams_and_flops``)
 and torchtitan's ``get_peak_flops``. (b)-(f) read per-step metrics written by

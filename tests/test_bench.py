@@ -115,24 +115,45 @@ def test_gpu_proof_stops_a_stage_at_its_time_with_every_process_it_started_and_k
     assert (code, timed_out) == (0, False) and log.read_text() == "done\n"
 
 
-def test_gpu_lease_keeps_a_leases_caches_for_the_next_and_refuses_a_wrong_folder(tmp_path):
-    """What the device returns (summary.jsonl, gpu-cache.tgz.a, ...) becomes .gpu-cache, which the next lease carries."""
+def test_gpu_lease_adds_a_leases_autotuning_results_to_the_carried_ones_and_refuses_a_wrong_folder(tmp_path):
+    """What the device returns (summary.jsonl, autotune.tgz, ...) joins .gpu-cache/autotune.tgz, which the next
+    lease carries: results of earlier leases stay, a broken archive changes nothing."""
+    import tarfile
+
     script = str(REPO / "bench" / "gpu_lease.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
+
+    def keep():
+        return subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
+
+    def archive(path: Path, *names: str):
+        with tarfile.open(path, "w:gz") as tar:
+            for name in names:
+                member = tmp_path / "member"
+                member.write_text(name)
+                tar.add(member, arcname=f"./triton/{name}")
+
+    def kept() -> list[str]:
+        with tarfile.open(tmp_path / ".gpu-cache" / "autotune.tgz") as tar:
+            return sorted(name.split("/", 2)[2] for name in tar.getnames() if name.endswith(".json"))
+
     returned = tmp_path / "files_at"
     returned.mkdir()
-    wrong = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
+    wrong = keep()
     assert wrong.returncode == 2 and "DIR is a device call's files_at" in wrong.stdout
     (returned / "summary.jsonl").write_text("{}\n")
-    none = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
+    none = keep()
     assert none.returncode == 1 and ".gpu-cache unchanged" in none.stdout
-    (returned / "gpu-cache.tgz.a").write_bytes(b"part a")
-    (returned / "gpu-cache.tgz.b").write_bytes(b"part b")
     (tmp_path / ".gpu-cache").mkdir()
-    (tmp_path / ".gpu-cache" / "gpu-cache.tgz.c").write_bytes(b"an older lease's")
-    kept = subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
-    assert kept.returncode == 0, kept.stdout + kept.stderr
-    assert sorted(p.name for p in (tmp_path / ".gpu-cache").iterdir()) == ["gpu-cache.tgz.a", "gpu-cache.tgz.b"]
+    archive(tmp_path / ".gpu-cache" / "autotune.tgz", "OLD/chunk_fwd_kernel_h.autotune.json")
+    archive(returned / "autotune.tgz", "NEW/chunk_gla_fwd_kernel_o.autotune.json")
+    added = keep()
+    assert added.returncode == 0 and "2 autotuning results" in added.stdout, added.stdout + added.stderr
+    assert kept() == ["NEW/chunk_gla_fwd_kernel_o.autotune.json", "OLD/chunk_fwd_kernel_h.autotune.json"]
+    (returned / "autotune.tgz").write_bytes(b"cut short")
+    broken = keep()
+    assert broken.returncode == 1 and ".gpu-cache unchanged" in broken.stdout
+    assert kept() == ["NEW/chunk_gla_fwd_kernel_o.autotune.json", "OLD/chunk_fwd_kernel_h.autotune.json"]
 
 
 def test_bench_autotune_compile_quick_check_compiles_the_same_kernels_both_ways():

@@ -1,13 +1,20 @@
 """Throughput of titan_ext_stream's data path alone (read, shuffle, tokenize, pack, batch), in one run.
 
 A generated folder of parquet shards (the shipped corpus repeated up to ``--mb``
-megabytes) is read through torchtitan's dataloader as a training job builds it,
-in stream order, with the shuffle buffer, and with the buffer and document
-masking (``document_positions`` and boundary labels per window). Each row: tokens/s over ``--batches``
-batches after the first, and its ratio to the first row. The model never runs:
-this is the ceiling the data path puts on training throughput.
+megabytes; ``--doc-texts`` of its texts per document) is read through torchtitan's
+dataloader as a training job builds it, in stream order, with the shuffle buffer,
+and with the buffer and document masking (``document_positions`` and boundary
+labels per window). Each row: tokens/s over ``--batches`` batches after the first,
+and its ratio to the first row. The model never runs: this is the ceiling the data
+path puts on training throughput.
+
+A second table is what the training loop waits for each batch while a step of
+``--step-ms`` runs (a sleep: the GPU's time, 370 ms for GLA 340M at 16 x 2048 on an
+H200), with the buffer and document masking, without a dataloader worker and with
+one (``[training.dataloader] num_workers = 1``, as the shipped GPU TOMLs set it).
 
     python bench/bench_data.py               # 100 MB, 8 shards, batch 16 x 2048
+    python bench/bench_data.py --mb 30 --doc-texts 20 --batches 20   # long documents (8 KB)
     python bench/bench_data.py --mb 1 --batches 20 --seq 128 --batch 4   # quick check (CI)
 """
 
@@ -31,18 +38,21 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batches", type=int, default=200, help="batches timed (after the first)")
     parser.add_argument("--buffer", type=int, default=10000, help="the shuffle buffer of the buffered row")
+    parser.add_argument("--doc-texts", type=int, default=1, help="the shipped corpus's texts joined into each document")
+    parser.add_argument("--step-ms", type=float, default=370.0, help="the training step the wait table sleeps for")
+    parser.add_argument("--wait-batches", type=int, default=20, help="batches of the wait table (after the first)")
     return parser.parse_args(argv)
 
 
-def write_shards(folder: Path, mb: float, shards: int) -> int:
-    """Parquet shards of about ``mb`` MB of text; returns the document count."""
+def write_shards(folder: Path, mb: float, shards: int, doc_texts: int = 1) -> int:
+    """Parquet shards of about ``mb`` MB of text, ``doc_texts`` corpus texts a document; returns the document count."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     texts = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines() if line.strip()]
     docs, size, i = [], 0, 0
     while size < mb * 1e6:
-        text = texts[i % len(texts)]
+        text = " ".join(texts[(i + j) % len(texts)] for j in range(doc_texts))
         docs.append({"text": f"{i} {text}"})
         size += len(text) + 1
         i += 1
@@ -51,7 +61,7 @@ def write_shards(folder: Path, mb: float, shards: int) -> int:
     return len(docs)
 
 
-def measure(folder: Path, args, buffer: int, document_mask: bool = False) -> float:
+def loader(folder: Path, args, buffer: int, document_mask: bool = False, workers: int = 0):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import ConfigManager
 
@@ -62,9 +72,14 @@ def measure(folder: Path, args, buffer: int, document_mask: bool = False) -> flo
         "--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder),
         "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
         "--titan_ext.shuffle_buffer", str(buffer), *(["--titan_ext.document_mask"] if document_mask else []),
+        "--training.dataloader.num_workers", str(workers),
     ])
     tokenizer = HuggingFaceTokenizer(str(REPO / "titan_ext" / "assets" / "tiny"))
-    batches = iter(build_stream_dataloader(1, 0, tokenizer, config))
+    return build_stream_dataloader(1, 0, tokenizer, config)
+
+
+def measure(folder: Path, args, buffer: int, document_mask: bool = False) -> float:
+    batches = iter(loader(folder, args, buffer, document_mask))
     next(batches)  # opening the stream and filling the buffer are not throughput
     start = time.perf_counter()
     for _ in range(args.batches):
@@ -72,22 +87,44 @@ def measure(folder: Path, args, buffer: int, document_mask: bool = False) -> flo
     return args.batches * args.batch * args.seq / (time.perf_counter() - start)
 
 
+def wait_per_batch(folder: Path, args, workers: int) -> float:
+    """Median seconds the training loop waits for a batch, each after a step of ``--step-ms``."""
+    import statistics
+
+    batches = iter(loader(folder, args, args.buffer, document_mask=True, workers=workers))
+    next(batches)
+    waits = []
+    for _ in range(args.wait_batches):
+        time.sleep(args.step_ms / 1000)
+        start = time.perf_counter()
+        next(batches)
+        waits.append(time.perf_counter() - start)
+    return statistics.median(waits)
+
+
 def main(argv=None) -> list[tuple[str, float]]:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        count = write_shards(folder, args.mb, args.shards)
+        count = write_shards(folder, args.mb, args.shards, args.doc_texts)
         rows = [
             ("stream order", measure(folder, args, 0)),
             (f"shuffle buffer {args.buffer}", measure(folder, args, args.buffer)),
             (f"shuffle buffer {args.buffer} + document mask", measure(folder, args, args.buffer, document_mask=True)),
         ]
-    print(f"titan_ext_stream: {args.mb:g} MB in {args.shards} parquet shards ({count} documents), "
-          f"batch {args.batch} x {args.seq}, {args.batches} batches timed")
+        waits = [(f"{workers} dataloader worker{'s' * (workers != 1)}", wait_per_batch(folder, args, workers))
+                 for workers in (0, 1)]
+    print(f"titan_ext_stream: {args.mb:g} MB in {args.shards} parquet shards ({count} documents of "
+          f"{args.mb * 1e6 / count / 1e3:.1f} KB), batch {args.batch} x {args.seq}, {args.batches} batches timed")
     print(f"{'row':<40}{'tokens/s':>14}{'ratio':>8}")
     for name, tps in rows:
         print(f"{name:<40}{tps:>14,.0f}{tps / rows[0][1]:>8.2f}")
-    return rows
+    print(f"the training loop's wait for a batch after a {args.step_ms:g} ms step (shuffle buffer {args.buffer} + "
+          f"document mask), median of {args.wait_batches}")
+    print(f"{'row':<40}{'wait ms':>14}{'ratio':>8}")
+    for name, wait in waits:
+        print(f"{name:<40}{wait * 1000:>14,.1f}{wait / waits[0][1]:>8.2f}")
+    return rows + waits
 
 
 if __name__ == "__main__":

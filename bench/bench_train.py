@@ -55,6 +55,8 @@ class Row:
     tps: float
     memory_gib: float
     note: str = ""
+    data_loading_percent: float = 0.0
+    """torchtitan's share of each step spent waiting for the batch (median; 0 for the plain loop's GPU tokens)."""
 
 
 START = time.monotonic()
@@ -199,7 +201,8 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
     steady = [s for s in steps if s["step"] > args.warmup]
     tps = statistics.median(s["throughput(tps)"] for s in steady)
     memory = max(s["memory/max_reserved(GiB)"] for s in steady)
-    return Row(name, tps, memory, note)
+    data = statistics.median(s.get("time_metrics/data_loading(%)", math.nan) for s in steady)
+    return Row(name, tps, memory, note, data)
 
 
 def single_rank():
@@ -273,7 +276,8 @@ def main(argv=None) -> list[Row]:
             if note:
                 print(f"({letter}): {note}")
             row = torchtitan_run(name, args, overrides, note)
-        print(f"measured {row.name}: {row.tps:,.1f} tokens/s, peak {row.memory_gib:.2f} GiB", flush=True)
+        print(f"measured {row.name}: {row.tps:,.1f} tokens/s, peak {row.memory_gib:.2f} GiB, "
+              f"waiting for data {row.data_loading_percent:.1f}% of the step", flush=True)
         rows.append(row)
     assert all(math.isfinite(r.tps) for r in rows)
     print_table(rows, flops, peak_flops(), args)

@@ -199,7 +199,9 @@ def train(config: str, args, out: Path, seconds: float | None, compiled: bool = 
         result.update(loss_first=steps[0]["loss_metrics/global_avg_loss"], loss_last=steps[-1]["loss_metrics/global_avg_loss"],
                       tokens_per_s=round(statistics.median(s["throughput(tps)"] for s in steady)),
                       peak_memory_gib=max(s["memory/max_reserved(GiB)"] for s in steps),
-                      mfu_percent=round(statistics.median(s.get("mfu(%)", 0.0) for s in steady), 2))
+                      mfu_percent=round(statistics.median(s.get("mfu(%)", 0.0) for s in steady), 2),
+                      data_loading_percent=round(statistics.median(s.get("time_metrics/data_loading(%)", 0.0)
+                                                                   for s in steady), 1))
     traces = sorted(dump.glob("profile_traces/iteration_*/rank0_trace.json"))
     if traces:
         result["top_kernels_ms"] = [[name[:120], round(ms, 2)] for name, ms in top_kernels(traces[-1])]

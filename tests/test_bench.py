@@ -33,6 +33,9 @@ def test_bench_cpu_tiny_prints_seven_finite_rows():
     measured = [line[9:12] for line in proc.stdout.splitlines() if line.startswith("measured (")]
     assert measured == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)"], proc.stdout[-3000:]
     assert proc.stdout.index("measured (g)") < proc.stdout.index("| (a) "), proc.stdout[-3000:]
+    # torchtitan's own data-loading share, read from the rows' metrics: what a dataloader worker removes
+    waits = re.findall(r"measured \([b-g]\).*waiting for data (\d+\.\d)% of the step", proc.stdout)
+    assert len(waits) == 6 and all(0 <= float(w) < 100 for w in waits), proc.stdout[-3000:]
     for row in rows:
         numbers = [float(cell.replace(",", "")) for cell in row.strip("|").split("|")[1:]]
         assert len(numbers) == 4 and all(math.isfinite(n) and n >= 0 for n in numbers), row
@@ -51,15 +54,18 @@ def test_bench_rows_option_picks_rows_in_order_and_refuses_unknown_letters(capsy
         assert f"--rows {rows.replace(',', '')!r}: {error}" in capsys.readouterr().err
 
 
-def test_bench_data_quick_check_prints_three_rows_of_tokens_per_second():
+def test_bench_data_quick_check_prints_three_rows_of_tokens_per_second_and_two_of_waits():
     proc = subprocess.run(
-        [sys.executable, "bench/bench_data.py", "--mb", "0.3", "--batches", "10", "--seq", "128", "--batch", "4"],
+        [sys.executable, "bench/bench_data.py", "--mb", "0.3", "--batches", "10", "--seq", "128", "--batch", "4",
+         "--wait-batches", "3", "--step-ms", "20"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("stream order", "shuffle buffer"))]
     assert len(rows) == 3, proc.stdout[-3000:]
     assert all(float(row[-2].replace(",", "")) > 0 and math.isfinite(float(row[-1])) for row in rows), rows
+    waits = [line.split() for line in proc.stdout.splitlines() if line.startswith(("0 dataloader", "1 dataloader"))]
+    assert len(waits) == 2 and all(float(row[-2]) >= 0 for row in waits), proc.stdout[-3000:]
 
 
 def test_gpu_proof_sums_kernel_time_by_name_and_refuses_unknown_stages(tmp_path, capsys):
@@ -168,3 +174,16 @@ def test_bench_autotune_compile_quick_check_compiles_the_same_kernels_both_ways(
     (_, _, serial_kernels, serial_threads, _), (_, _, kernels, threads, _) = rows
     assert serial_kernels == kernels and int(kernels) > 1 and serial_threads == "0" and int(threads) > 1, rows
     assert re.search(r"configs chosen: [1-9]\d* tuning keys, 0 differ", proc.stdout), proc.stdout[-3000:]
+
+
+def test_gpu_proof_summarises_a_training_stage_from_its_metrics(tmp_path):
+    """A lease's figures come from this summary: it is checked here, on a debug model without compile."""
+    import json
+
+    gpu_proof = bench_module("gpu_proof")
+    assert gpu_proof.main(["--out", str(tmp_path), "--steps", "4", "eager:debug_gla@240"]) == 0
+    (summary,) = [json.loads(line) for line in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    assert summary["stage"] == "eager:debug_gla" and summary["exit"] == 0 and summary["steps_done"] == 4, summary
+    assert summary["seconds_to_step_1"] > 0 and summary["recompiles"] == 0, summary
+    assert summary["tokens_per_s"] > 0 and 0 <= summary["data_loading_percent"] < 100, summary
+    assert math.isfinite(summary["loss_first"]) and math.isfinite(summary["loss_last"]), summary

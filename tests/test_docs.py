@@ -66,7 +66,7 @@ RUN_BY = {
     "--validation.enable --validation.dataset titan_ext_tiny --validation.freq 5 --validation.steps 2":
         "matrix:fla_gla/fsdp2",
     "python bench/bench_data.py":
-        "test:tests/test_bench.py::test_bench_data_quick_check_prints_three_rows_of_tokens_per_second",
+        "test:tests/test_bench.py::test_bench_data_quick_check_prints_three_rows_of_tokens_per_second_and_two_of_waits",
     # docs/parallelism.md
     "torchrun --nproc_per_node=4 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2":

@@ -175,6 +175,11 @@ def test_preflight_checks_the_stream_and_its_options(tmp_path):
                         "--titan_ext.text_field", "body", "--titan_ext.shuffle_buffer", "-1")  # fmt: skip
     with pytest.raises(ConfigError, match="--titan_ext.shuffle_buffer=-1 is negative"):
         preflight.check_job_config(config, world_size=1)
+    for data in (("titan_ext_stream", "--training.dataset_path", str(folder)), ("titan_ext_tiny",)):
+        config = job_config("--training.dataset", *data, "--titan_ext.text_field", "body",
+                            "--training.dataloader.num_workers", "2")  # every worker would read the whole stream
+        with pytest.raises(ConfigError, match=f"--training.dataloader.num_workers=2: {data[0]} reads one stream .* use 1"):
+            preflight.check_job_config(config, world_size=1)
 
 
 def test_a_rank_without_documents_stops_instead_of_spinning(tmp_path):
@@ -227,20 +232,107 @@ def test_skipped_bad_records_are_counted_and_the_rest_trains(tmp_path, caplog):
     assert "part-0.jsonl line 12 is not JSON" in caplog.text and "(1 skipped so far)" in caplog.text
 
 
-def test_in_a_training_job_a_bad_record_pads_the_step_and_defers_the_stop(tmp_path):
-    """The rank that meets it keeps the step's collectives company with windows that train nothing; every rank
-    then stops at the step's end (titan_ext.nonfinite's per-step agreement)."""
-    from titan_ext import errors
+@pytest.mark.parametrize("workers", [0, 1])
+def test_in_a_training_job_a_bad_record_pads_the_step_and_defers_the_stop(tmp_path, workers):
+    """The rank that meets it keeps the step's collectives company with windows that train nothing; the loader, in
+    the training loop's process (the dataset may run in a worker, whose own deferral nobody reads), defers the
+    stop to the step's end (titan_ext.nonfinite's per-step agreement), or stops this rank alone."""
+    from titan_ext import errors, text_stream
 
-    path = write_with_bad_line(tmp_path / "d", 12)
-    dataset = StreamedTextDataset(path, CharTokenizer(), 16, 0, 1, infinite=False)
-    dataset.bad_records.in_job = "defer"
-    windows = iter(dataset)
-    samples = [next(windows) for _ in range(60)]  # past the bad line: padding windows from then on
-    assert (samples[-1][1] == -100).all() and samples[-1][0]["input"].shape == (16,)
-    deferred = errors.take_deferred()
-    assert deferred is not None and "part-0.jsonl line 12 is not JSON" in str(deferred)
-    assert errors.take_deferred() is None
+    errors.take_deferred()
+    for policy in ("defer", "exit"):
+        dataset = StreamedTextDataset(write_with_bad_line(tmp_path / "d", 12), CharTokenizer(), 16, 0, 1, infinite=False)
+        dataset.bad_records.in_job = policy
+        stopped = []
+        batches = iter(text_stream.StreamDataloader(dataset, dp_rank=0, dp_world_size=1, batch_size=4, num_workers=workers))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(text_stream, "exit_with", stopped.append)  # the process would end here, in one line
+            for _ in range(40):  # past the bad line: padding windows from then on
+                inputs, labels = next(batches)
+                assert set(inputs) == {"input"}  # nothing but the batch reaches the model
+                stopped += [error for error in [errors.take_deferred()] if error is not None]
+                if stopped:
+                    break
+        assert stopped and "part-0.jsonl line 12 is not JSON" in str(stopped[0]), policy
+        assert (labels[-1] == -100).all()
+        del batches
+
+
+def loader_of(folder, workers, document_mask=True):
+    from titan_ext.text_stream import StreamDataloader
+
+    dataset = StreamedTextDataset(folder, CharTokenizer(), 16, 0, 1, shuffle_buffer=5, seed=3, infinite=False,
+                                  document_mask=document_mask)
+    return StreamDataloader(dataset, dp_rank=0, dp_world_size=1, batch_size=2, num_workers=workers)
+
+
+def as_lists(batch):
+    inputs, labels = batch
+    return [inputs["input"].tolist(), inputs["document_positions"].tolist(), labels.tolist()]
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [(1, 1), (1, 0), (0, 1)])
+def test_a_worker_gives_the_same_batches_and_a_resume_across_worker_counts_replays_them(tmp_path, saved_with, resumed_with):
+    """``[training.dataloader] num_workers = 1`` (the shipped GPU TOMLs) reads ahead in a worker: the batches
+    are the training loop's own, and a position saved with 0 or 1 worker resumes with either (torchdata alone
+    refuses another count)."""
+    folder = str(write_shards(tmp_path / "d", "parquet"))
+    reference = [as_lists(batch) for batch in loader_of(folder, 0)]
+    first = loader_of(folder, saved_with)
+    batches = iter(first)
+    head = [as_lists(next(batches)) for _ in range(5)]
+    saved = first.state_dict()
+    del batches
+    second = loader_of(folder, resumed_with)
+    second.load_state_dict(saved)
+    assert head + [as_lists(batch) for batch in second] == reference
+
+
+def test_a_workers_saved_position_is_the_datasets_as_without_a_worker(tmp_path):
+    """What a resume over another number of ranks re-splits (``load_resharded``) is read from either layout."""
+    import pickle
+
+    from titan_ext.compat import dataloader_dataset_state
+
+    folder = str(write_shards(tmp_path / "d", "jsonl"))
+    states = []
+    for workers in (0, 1):
+        data = loader_of(folder, workers)
+        batches = iter(data)
+        for _ in range(4):
+            next(batches)
+        states.append(dataloader_dataset_state(pickle.loads(data.state_dict()["dp_rank_0"])))
+        del batches
+    (without, none), (within, one) = states
+    assert (none, one) == (0, 1) and within == without and without["tokens"]
+
+
+def test_the_shuffle_buffers_state_changes_by_group_and_older_list_states_load():
+    """A worker sends its dataset's state with every batch as the dict entries that changed: replacing one
+    document changes one group of slots, not the whole buffer."""
+    from titan_ext.text_stream import BUFFER_SLOTS_PER_ENTRY, buffer_state, buffered_documents
+
+    docs = [{"text": str(i)} for i in range(40)]
+    replaced = list(docs)
+    replaced[17] = {"text": "new"}
+    before, after = buffer_state(docs), buffer_state(replaced)
+    assert [group for group in after if after[group] != before[group]] == [17 // BUFFER_SLOTS_PER_ENTRY]
+    assert buffered_documents({"buffer": after}) == replaced
+    assert buffered_documents({"buffer": docs}) == docs and buffered_documents({"buffer": {}}) == []
+
+    class Stream(list):
+        def state_dict(self):
+            return {}
+
+    stream = ShuffledStream(Stream(range(100)), 64, seed=0)
+    taken = iter(stream)
+    for _ in range(40):  # the stream has ended: the buffer drains
+        next(taken)
+    for _ in range(20):
+        before = buffer_state(stream.buffer)
+        next(taken)
+        after = buffer_state(stream.buffer)
+        assert len({group for group in before if after.get(group) != before[group]}) <= 2
 
 
 def test_a_parquet_row_without_text_is_a_bad_record(tmp_path):

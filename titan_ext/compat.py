@@ -21,6 +21,7 @@ SUPPORTED = {
     "flash-linear-attention": "0.6.0 (0.6.x)",
     "torch": "2.11-2.15",
     "transformers": "5.17-5.24",
+    "torchdata": "0.11 (torchtitan 0.2.2's)",
 }
 
 
@@ -526,3 +527,21 @@ def pipeline_metadata() -> types.SimpleNamespace:
     neighbours on another rank before its first step; the planner hands it over itself."""
     return _lookup("torch", "torch.distributed.pipelining._utils", "InferenceMode", "_StageForwardMeta",
                    "_StageBackwardMeta", "_derive_grad_metas", "extract_tensor_metas")
+
+
+def dataloader_dataset_state(loader_state: dict) -> tuple[object, int]:
+    """(its dataset's state, its number of workers) from a torchdata ``StatefulDataLoader``'s state, whose
+    layout is private: at the top without workers, in worker 0's snapshot with one (taken every batch)."""
+    try:
+        snapshot = loader_state.get("_snapshot")
+        if snapshot is None:
+            loader_state["_num_yielded"]  # the single-process layout's mark
+            return loader_state["dataset_state"], 0
+        if loader_state.get("_steps_since_snapshot", 0):
+            raise KeyError("_steps_since_snapshot is not 0: the workers' snapshot is behind the loader")
+        return snapshot["_worker_snapshots"]["worker_0"]["dataset_state"], snapshot["_main_snapshot"]["_num_workers"]
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CompatError(
+            f"titan_ext reads torchdata's StatefulDataLoader state ({error!r}); installed torchdata "
+            f"{_version('torchdata')}, supported {SUPPORTED['torchdata']}: install a supported version"
+        ) from None

@@ -58,19 +58,25 @@ def sections(job_config) -> tuple[str, ...]:
     return ("training", "validation") if job_config.validation.enable else ("training",)
 
 
+def streamed(job_config, section: str) -> bool:
+    """Whether the section's data comes through titan_ext's streaming dataloader: ``titan_ext_stream``, and
+    ``titan_ext_tiny`` with document masking (torchtitan's does not emit document boundaries)."""
+    from titan_ext import documents
+    from titan_ext.text_stream import STREAM_DATASET
+
+    dataset = getattr(job_config, section).dataset
+    return dataset == STREAM_DATASET or (dataset == TINY_DATASET and documents.enabled(job_config))
+
+
 def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, section: str = "training",
                      infinite: bool = True, **kwargs):
-    """The dataloader of ``[training]`` (or of ``[validation]``): torchtitan's text dataloader; titan_ext's
-    streaming one for ``titan_ext_stream``, and for ``titan_ext_tiny`` with document masking
-    (torchtitan's does not emit document boundaries)."""
-    from titan_ext import documents
+    """The dataloader of ``[training]`` (or of ``[validation]``): titan_ext's streaming one where the section
+    is ``streamed``, else torchtitan's text dataloader."""
     from titan_ext.text_stream import STREAM_DATASET, build_stream_dataloader
 
     options = getattr(job_config, section)
-    if options.dataset == STREAM_DATASET:
-        return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section=section, infinite=infinite)
-    if options.dataset == TINY_DATASET and documents.enabled(job_config):
-        path = dataset_file(options.dataset_path)
+    if streamed(job_config, section):
+        path = None if options.dataset == STREAM_DATASET else dataset_file(options.dataset_path)
         return build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, section=section,
                                        infinite=infinite, path=path)
     if section == "validation":

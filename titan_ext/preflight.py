@@ -73,6 +73,13 @@ def _check_dataset(job_config) -> None:
             jsonl.check_jsonl_dataset(dataset_file(options.dataset_path), option=option)
         if options.dataset == STREAM_DATASET:
             check_stream(options.dataset_path, text_field, option, bad_records)
+        workers = options.dataloader.num_workers
+        if options.dataset in (TINY_DATASET, STREAM_DATASET) and workers > 1:
+            raise ConfigError(
+                f"--{section}.dataloader.num_workers={workers}: {options.dataset} reads one stream per data-parallel "
+                "rank, and each worker would read all of it (every document that many times); use 1 (the data "
+                "off the training loop's thread) or 0"
+            )
 
 
 def _check_tokenizer(job_config) -> None:

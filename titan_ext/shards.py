@@ -34,9 +34,9 @@ class BadRecords:
     def __init__(self, policy: str = "stop", option: str = "--training.dataset_path"):
         self.policy, self.option, self.skipped = policy, option, 0
         self.in_job = ""
-        """In a job, how a stop ends it: "defer" (training: at the step's end, where every rank learns of it,
-        the dataset padding the step with windows that train nothing) or "exit" (this rank, in one line);
-        "" outside a job: the ``ConfigError`` is raised."""
+        """In a job, how a stop ends it: "defer" (training: at the step's end, where every rank learns of it)
+        or "exit" (this rank, in one line); there the dataset pads with windows that train nothing, carrying the
+        line to ``StreamDataloader``, which stops the job. "" outside a job: the ``ConfigError`` is raised."""
 
     def meet(self, where: str, problem: str, what: str = "record") -> None:
         """Raise (stop), or log and count (skip); ``where`` is the file and line or row (``what``: "record",

@@ -36,6 +36,9 @@ from titan_ext.shards import (
 )
 
 STREAM_DATASET = "titan_ext_stream"
+BAD_RECORD = "titan_ext_bad_record"
+"""The window key carrying a bad record's one line from the dataset, which may run in a dataloader worker,
+to ``StreamDataloader`` in the training loop's process, which stops the job with it."""
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
 OPTION = "--training.dataset_path"
 
@@ -193,7 +196,7 @@ class ShuffledStream:
 
     def __iter__(self):
         while len(self.buffer) > self.size:  # buffers merged on a resume over fewer ranks: back to size first
-            yield self.buffer.pop(self.rng.randrange(len(self.buffer)))
+            yield self._take(self.rng.randrange(len(self.buffer)))
         for sample in self.data:
             if len(self.buffer) < self.size:
                 self.buffer.append(sample)
@@ -202,15 +205,41 @@ class ShuffledStream:
             out, self.buffer[index] = self.buffer[index], sample
             yield out
         while self.buffer:  # the stream ended: drain in random order
-            yield self.buffer.pop(self.rng.randrange(len(self.buffer)))
+            yield self._take(self.rng.randrange(len(self.buffer)))
+
+    def _take(self, index: int) -> dict:
+        """Slot ``index``'s document, the last slot's moved into it: two slots change, not every slot after it
+        (``buffer_state``)."""
+        self.buffer[index], self.buffer[-1] = self.buffer[-1], self.buffer[index]
+        return self.buffer.pop()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data": self.data.state_dict(), "buffer": list(self.buffer), "rng": self.rng.getstate()}
+        return {"data": self.data.state_dict(), "buffer": buffer_state(self.buffer), "rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state["data"])
-        self.buffer = list(state["buffer"])
+        self.buffer = buffered_documents(state)
         self.rng.setstate(state["rng"])
+
+
+BUFFER_SLOTS_PER_ENTRY = 16
+
+
+def buffer_state(buffer: list[dict]) -> dict[int, tuple]:
+    """A shuffle buffer as state: its slots in groups of ``BUFFER_SLOTS_PER_ENTRY``, keyed by group.
+
+    A dataloader worker sends its dataset's state with every batch, as the entries of its dicts that changed
+    (torchdata diffs dicts, not lists): a batch replaces a few slots, so a few groups travel instead of the
+    whole buffer (a 10,000-document buffer of 8 KB documents is 66 MB). Groups, not single slots: the
+    training loop's process rebuilds the state from its entries every batch, at a cost per entry."""
+    size = BUFFER_SLOTS_PER_ENTRY
+    return {group: tuple(buffer[group * size:(group + 1) * size]) for group in range(-(-len(buffer) // size))}
+
+
+def buffered_documents(state: dict[str, Any]) -> list[dict]:
+    """The shuffle buffer of a ``ShuffledStream`` state (a plain list in checkpoints before 2026-11-27)."""
+    buffer = state.get("buffer") or []
+    return [doc for group in sorted(buffer) for doc in buffer[group]] if isinstance(buffer, dict) else list(buffer)
 
 
 class StreamedTextDataset(IterableDataset, Stateful):
@@ -237,21 +266,23 @@ class StreamedTextDataset(IterableDataset, Stateful):
     def __iter__(self):
         try:
             yield from self._windows()
+        except GeneratorExit:  # closed (at exit, too, when this module's names may be gone already)
+            raise
         except ConfigError as error:
-            if self.bad_records.in_job != "defer":
-                if self.bad_records.in_job == "exit":
-                    exit_with(error)
+            if not self.bad_records.in_job:
                 raise
-            defer(error)  # every rank stops at this step's end (titan_ext.nonfinite); until then:
-            while True:  # windows whose labels are all ignored: they add no token and no gradient
-                yield self._ignored_window()
+            # In a job the loader stops it (StreamDataloader, in the training loop's process: this may run in a
+            # dataloader worker); until then, windows whose labels are all ignored add no token and no gradient.
+            while True:
+                yield self._ignored_window(str(error))
 
-    def _ignored_window(self):
+    def _ignored_window(self, bad_record: str):
         x = torch.zeros(self.seq_len, dtype=torch.long)
         labels = torch.full((self.seq_len,), documents.IGNORE_INDEX, dtype=torch.long)
+        window = {"input": x, BAD_RECORD: bad_record}
         if self.document_mask:
-            return {"input": x, "document_positions": torch.zeros_like(x)}, labels
-        return {"input": x}, labels
+            window["document_positions"] = torch.zeros_like(x)
+        return window, labels
 
     def _windows(self):
         window = self.seq_len + 1
@@ -314,9 +345,9 @@ class StreamedTextDataset(IterableDataset, Stateful):
             starts += head + [len(tokens) + start for start in state["starts"]]
             tokens += state["tokens"]
         if shuffled:
-            buffer = [doc for state in mine for doc in (state["documents"].get("buffer") or [])]
+            buffer = [doc for state in mine for doc in buffered_documents(state["documents"])]
             rng = random.Random(f"{self.seed}:{rank}:{len(old)}->{world}").getstate()
-            documents = {"data": local, "buffer": buffer, "rng": rng}
+            documents = {"data": local, "buffer": buffer_state(buffer), "rng": rng}
         else:
             documents = local
         self.load_state_dict({"tokens": tokens, "starts": starts if self.document_mask else [], "documents": documents})
@@ -382,17 +413,41 @@ def _parallel_aware_dataloader():
     return ParallelAwareDataloader
 
 
-class StreamDataloader(_parallel_aware_dataloader()):
-    """torchtitan's data-parallel dataloader, resuming from a checkpoint saved over another number of ranks.
+def collate_windows(samples):
+    """torch's default collate, a bad record's line set apart first: only the windows after the record carry
+    it, and the default collate drops or refuses a key that some of a batch's samples lack."""
+    from torch.utils.data import default_collate
 
-    torchtitan keeps one position per rank (``dataloader.dp_rank_<n>``) and refuses another degree. Here,
-    when the checkpoint to resume was saved by ``saved_degree`` ranks, the first ``state_dict`` (the one
-    DCP fills on load) asks for all of theirs, and ``load_state_dict`` hands them to the dataset
-    (``StreamedTextDataset.load_resharded``)."""
+    bad = [inputs.pop(BAD_RECORD) for inputs, _ in samples if BAD_RECORD in inputs]
+    batch = default_collate(samples)
+    if bad:
+        batch[0][BAD_RECORD] = bad[0]
+    return batch
+
+
+class StreamDataloader(_parallel_aware_dataloader()):
+    """torchtitan's data-parallel dataloader over ``StreamedTextDataset``, in or out of one worker process.
+
+    - A bad record's line reaches the training loop's process with the batch after it, and stops the job
+      there (``errors.defer``: every rank at the step's end; or this rank alone): the dataset may run in a
+      worker, whose own ``defer`` nobody would read.
+    - torchtitan keeps one position per rank (``dataloader.dp_rank_<n>``) and refuses another degree. When
+      the checkpoint to resume was saved by ``saved_degree`` ranks, the first ``state_dict`` (the one DCP fills
+      on load) asks for all of theirs, and ``load_state_dict`` hands them to the dataset
+      (``StreamedTextDataset.load_resharded``). A position saved with another number of workers (0 or 1) is
+      the dataset's too, loaded into it directly (torchdata refuses it)."""
 
     def __init__(self, dataset, dp_rank: int, dp_world_size: int, saved_degree: int | None = None, **kwargs):
-        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, **kwargs)
+        super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, collate_fn=collate_windows, **kwargs)
         self.saved_degree = saved_degree if saved_degree != dp_world_size else None
+
+    def __iter__(self):
+        for inputs, labels in super().__iter__():
+            bad_record = inputs.pop(BAD_RECORD, None)
+            if bad_record is not None:
+                stop = defer if self.dataset.bad_records.in_job == "defer" else exit_with
+                stop(ConfigError(bad_record))
+            yield inputs, labels
 
     def state_dict(self) -> dict[str, Any]:
         if self.saved_degree:  # the load's template: every old rank's position
@@ -400,14 +455,23 @@ class StreamDataloader(_parallel_aware_dataloader()):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved, self.saved_degree = self.saved_degree, None
-        if not saved or not state_dict:
-            return super().load_state_dict(state_dict)
         import pickle
 
-        old = [pickle.loads(state_dict[f"dp_rank_{r}"])["dataset_state"] for r in range(saved)]
-        self.dataset.load_resharded(old)
-        logging.getLogger().info(
-            f"titan_ext: data-parallel rank {self.dp_rank} of {self.dp_world_size} resumes its share of the "
-            f"data positions of {saved} saved ranks (titan_ext_stream re-split them)"
-        )
+        from titan_ext.compat import dataloader_dataset_state
+
+        saved, self.saved_degree = self.saved_degree, None
+        if not state_dict or (not saved and self._rank_id not in state_dict):
+            return super().load_state_dict(state_dict)
+        log = logging.getLogger().info
+        if saved:
+            old = [dataloader_dataset_state(pickle.loads(state_dict[f"dp_rank_{r}"]))[0] for r in range(saved)]
+            self.dataset.load_resharded(old)
+            log(f"titan_ext: data-parallel rank {self.dp_rank} of {self.dp_world_size} resumes its share of the "
+                f"data positions of {saved} saved ranks (titan_ext_stream re-split them)")
+            return
+        dataset_state, workers = dataloader_dataset_state(pickle.loads(state_dict[self._rank_id]))
+        if workers == self.num_workers:
+            return super().load_state_dict(state_dict)
+        self.dataset.load_state_dict(dataset_state)
+        log(f"titan_ext: data-parallel rank {self.dp_rank} resumes the data position saved with {workers} dataloader "
+            f"worker(s) with {self.num_workers}")

@@ -11,7 +11,7 @@ path puts on training throughput.
 A second table is what the training loop waits for each batch while a step of
 ``--step-ms`` runs (a sleep: the GPU's time, 370 ms for GLA 340M at 16 x 2048 on an
 H200), with the buffer and document masking, without a dataloader worker and with
-one (``[training.dataloader] num_workers = 1``, as the shipped GPU TOMLs set it).
+one (``[training.dataloader] num_workers = 1``).
 
     python bench/bench_data.py               # 100 MB, 8 shards, batch 16 x 2048
     python bench/bench_data.py --mb 30 --doc-texts 20 --batches 20   # long documents (8 KB)

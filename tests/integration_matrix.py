@@ -458,11 +458,10 @@ ROWS = {
                       log_expect="Applied MyGLATPPlan (registered by my_gla, for model_type 'my_gla')"),
     "float8_emulate": Row(1, (*parallel(), "--model.converters", "quantize.linear.float8",
                               "--quantize.linear.float8.emulate"), kind="trains", specs=("fla_gla",)),
-    # titan_ext_stream over parquet shards with a shuffle buffer and document masking, read ahead by one dataloader
-    # worker per rank (as the GPU TOMLs do): a resumed run replays the same batches (positions included).
+    # titan_ext_stream over parquet shards with a shuffle buffer and document masking: a resumed run replays
+    # the same batches (positions included).
     "stream_resume": Row(2, (*parallel(shard=2), "--training.dataset", "titan_ext_stream", "--training.dataset_path",
-                             "{shards}", "--titan_ext.shuffle_buffer", "16", "--titan_ext.document_mask",
-                             "--training.dataloader.num_workers", "1"),
+                             "{shards}", "--titan_ext.shuffle_buffer", "16", "--titan_ext.document_mask"),
                          kind="stream_resume", cost=4, specs=("fla_gla",)),
     # Sequences split across ranks, GLA's states exchanged (titan_ext.context_parallel): torchtitan's
     # head-tail pieces (2 per rank), contiguous pieces, and CP with FSDP and with TP.

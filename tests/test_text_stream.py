@@ -273,7 +273,7 @@ def as_lists(batch):
 
 @pytest.mark.parametrize("saved_with,resumed_with", [(1, 1), (1, 0), (0, 1)])
 def test_a_worker_gives_the_same_batches_and_a_resume_across_worker_counts_replays_them(tmp_path, saved_with, resumed_with):
-    """``[training.dataloader] num_workers = 1`` (the shipped GPU TOMLs) reads ahead in a worker: the batches
+    """``[training.dataloader] num_workers = 1`` reads ahead in a worker: the batches
     are the training loop's own, and a position saved with 0 or 1 worker resumes with either (torchdata alone
     refuses another count)."""
     folder = str(write_shards(tmp_path / "d", "parquet"))

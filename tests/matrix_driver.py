@@ -29,8 +29,10 @@ job's log; rank 0 of a job writes its metrics (``--titan_ext.metrics_jsonl``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import gc
 import importlib
 import itertools
 import json
@@ -87,8 +89,11 @@ def train(argv: list[str], log: Path) -> dict:
     """One torchtitan job through its own ``main``; never raises.
 
     Each job starts with an empty dynamo cache (a job must not reuse another's
-    compiled frames) and fails on any recompile, unless its spec documents why
+    compiled frames: each job empties it at its end) and fails on any recompile, unless its spec documents why
     it recompiles (``MATRIX_ALLOW_RECOMPILES``, see ``integration_matrix.Spec``).
+    It ends with its process groups freed, not only destroyed: DTensor's caches
+    hold the job's meshes, and through them its gloo groups, whose threads and
+    sockets would otherwise live on through every later job (``job_threads``).
     """
     import torch._dynamo
     import torchtitan.train as titan_train
@@ -96,9 +101,6 @@ def train(argv: list[str], log: Path) -> dict:
 
     from titan_ext import compat
 
-    torch._dynamo.reset()
-    # DTensor's cached sharding decisions hold the first of equal meshes: an earlier job's, whose groups are gone.
-    compat.clear_dtensor_sharding_cache()
     begin = time.monotonic()
     result = {"status": "ok", "error": ""}
     with open(log, "w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -117,8 +119,31 @@ def train(argv: list[str], log: Path) -> dict:
         finally:
             if dist.is_initialized():  # main() leaves it up when the job fails
                 dist.destroy_process_group()
+            torch._dynamo.reset()  # the job's compiled frames, whose guards hold its modules
+            forget_dynamo_scopes()
+            # DTensor's cached sharding decisions hold the first of equal meshes: a later job's collectives
+            # would go to this job's groups. Its other caches keep the groups alive.
+            compat.clear_dtensor_caches()
     result["seconds"] = round(time.monotonic() - begin, 2)
     return result
+
+
+def forget_dynamo_scopes() -> None:
+    """Remove the globals dynamo installed for the job's functions without a module (``___unnamed_scope_*``:
+    titan_ext's rebound kernels, ``kernels.binding.rebased``) in the modules of the frames it compiled:
+    ``torch._dynamo.reset`` leaves them (torch 2.13), and they hold the job's context-parallel layout and
+    so its process group."""
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if isinstance(names, dict):
+            for name in [n for n in names if isinstance(n, str) and n.startswith("___unnamed_scope_")]:
+                del names[name]
+
+
+def job_threads() -> dict[str, int]:
+    """This process's threads that belong to process groups and stores, by name: what a finished job leaves."""
+    names = collections.Counter(path.read_text().strip() for path in Path("/proc/self/task").glob("*/comm"))
+    return {name: n for name, n in names.items() if name.startswith(("gloo", "pt_gloo", "pt_tcpstore"))}
 
 
 def run_job(store: dist.Store, key: str, job: dict, ranks: list[int], rank: int, root: Path) -> None:
@@ -129,6 +154,12 @@ def run_job(store: dist.Store, key: str, job: dict, ranks: list[int], rank: int,
     port = int(store.get(port_key))
     with job_env(lane_rank, len(ranks), port, job["env"]):
         result = train(job["argv"], root / "logs" / f"{job['id']}.rank{lane_rank}.log")
+    # The job's groups are in reference cycles, some freed only by a later collection than the one that frees
+    # what held them: their threads end when no collection finds more.
+    for _ in range(8):
+        if not gc.collect():
+            break
+    result["threads"] = job_threads()
     path = root / "results" / f"{job['id']}.rank{lane_rank}.json"
     path.with_suffix(".tmp").write_text(json.dumps(result))
     path.with_suffix(".tmp").replace(path)  # whole, for a reader waiting for it (``Launch.guest_finished``)

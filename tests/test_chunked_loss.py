@@ -149,6 +149,22 @@ def test_a_model_whose_head_runs_in_the_loss_equals_its_logits_through_torchtita
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_finished_jobs_loss_keeps_no_head():
+    """The loss being built is held weakly: once the job's trainer drops it, its head (under FSDP with the
+    job's process groups) is not kept for the next job of a process, nor bound to that job's model."""
+    import gc
+
+    from titan_ext import loss as job_loss
+    from titan_ext.job_plan import LossChoice
+
+    loss_fn = job_loss.build_loss(job_config(config_file=DEBUG_LLAMA_TOML))
+    job_loss.apply_chunked_loss(_tiny_llama(False), LossChoice(chunk_tokens=7))
+    assert loss_fn.head is not None
+    del loss_fn
+    gc.collect()
+    assert job_loss._building() is None
+
+
 # ---- refusals --------------------------------------------------------------------------------------
 
 

@@ -80,6 +80,24 @@ def test_activation_memory_per_rank_halves_under_cp2(cp_mesh):
     assert 0.45 < ratio < 0.6  # half, plus the exchanged states
 
 
+def test_a_bound_model_is_the_only_holder_of_its_layout(cp_mesh):
+    """The CP bindings' classes hold the job's layout and group: once the blocks have them, the binding cache
+    keeps none, and the rest of the process (the next job, a benchmark's next row) none of the job's group."""
+    import gc
+    import weakref
+
+    from titan_ext.kernels import binding
+
+    model = gla()
+    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    layout = weakref.ref(model.cp_layout)
+    assert not any(key.startswith("context_parallel:") for _, key in binding._bound_classes)
+    model(torch.randint(0, 2048, (2, 128)))
+    del model
+    gc.collect()
+    assert layout() is None
+
+
 def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
     model = gla(layers=2, short_conv=True)
     apply_cp(model, cp_mesh, CPChoice(2, 1))

@@ -247,20 +247,6 @@ def test_an_entry_point_is_quiet_for_its_call_alone(caplog):
     assert emitted() == everything
 
 
-def test_a_new_context_parallel_binding_drops_the_last_ones_classes():
-    """Each CP binding's classes hold its job's group: the cache keeps none of a finished job's."""
-    import torch
-
-    from titan_ext import context_parallel
-    from titan_ext.kernels import binding
-
-    first = context_parallel._binding_key()
-    binding.bound_class(torch.nn.Linear, {torch.nn.Linear.forward: lambda self, x: x}, key=first)
-    assert (torch.nn.Linear, first) in binding._bound_classes
-    second = context_parallel._binding_key()
-    assert second != first and not any(key.startswith("context_parallel:") for _, key in binding._bound_classes)
-
-
 def test_document_positions_reach_every_pipeline_stage():
     """``TRAINER_BATCH``: torchtitan forwards its extra kwargs (not its extra inputs) to every PP stage; with
     document masking the boundaries join them, on the one Trainer of the job."""

@@ -162,7 +162,7 @@ def test_the_private_torch_apis_the_planner_uses_are_there():
         assert compat.resolve_process_group(dist.group.WORLD.group_name).size() == 3
     finally:
         dist.destroy_process_group()
-    compat.clear_dtensor_sharding_cache()
+    compat.clear_dtensor_caches()
 
 
 def test_recorded_bytes_are_the_whole_buffer_for_c10d_and_functional_collectives():
@@ -205,13 +205,13 @@ def test_a_step_peak_counts_no_dtensor_shape_inference():
     dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=0, world_size=2)
     try:
         x = DTensor.from_local(torch.zeros(8, 64), init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False)
-        compat.clear_dtensor_sharding_cache()
+        compat.clear_dtensor_caches()
         with StepPeak() as peak:
             y = torch.sin(x)
         assert y.to_local().shape == (8, 64) and peak.peak_bytes() == 8 * 64 * 4
     finally:
         dist.destroy_process_group()
-        compat.clear_dtensor_sharding_cache()
+        compat.clear_dtensor_caches()
 
 
 def test_import_titan_ext_does_not_import_the_planner():

@@ -465,15 +465,19 @@ def fake_tensor_mode() -> types.SimpleNamespace:
     )
 
 
-def clear_dtensor_sharding_cache() -> None:
-    """Forget DTensor's cached sharding decisions (``DTensor._op_dispatcher.sharding_propagator``'s Python
-    caches and the C++ fast path's copy).
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's process-wide caches, which are keyed by meshes or hold them.
 
-    They are keyed by meshes that compare equal across process groups, and hold the first mesh seen: a
-    job planned after another in the same process would issue its collectives on the previous job's
-    (destroyed) groups."""
+    The sharding propagator's (its Python caches and the C++ fast path's copy) are keyed by meshes that compare
+    equal across process groups, and hold the first mesh seen: a job planned or run after another in the same
+    process would issue its collectives on the previous job's (destroyed) groups. The redistribution caches
+    (``_redistribute``'s planners and transform steps, ``MeshTopoInfo``'s) hold meshes too, and through them
+    their process groups: in a process that runs job after job (the planner's sweep, the test matrix's driver)
+    each job's gloo groups, with their threads, sockets and stores, lived on (a 4-process matrix held 80
+    groups a process, their loops busy). Those three are cleared where the installed torch has them: a release
+    without one has nothing there to hold."""
     import torch
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
 
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     caches = [getattr(propagator, name, None) for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached")]
@@ -486,6 +490,11 @@ def clear_dtensor_sharding_cache() -> None:
     for cache in caches:
         cache.cache_clear()
     native()
+    getattr(_redistribute, "_planner_cache", {}).clear()
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def transformers_masking_module() -> types.ModuleType:

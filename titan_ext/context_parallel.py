@@ -115,6 +115,7 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     model's modules change): state passing for a recurrence, ring or all-gathered attention for softmax
     attention, one CP mesh and one ``PieceLayout`` for all. Each path counts its runs; the model checks
     them after its first forward (``PieceLayout.check_paths``)."""
+    from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import PieceLayout
 
     layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
@@ -137,6 +138,9 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
         else:  # refused before the build (check_cp): never silently local
             raise ValueError(f"layer {index} ({mixer.name}) has no context-parallel path")
         layout.expected[path] = layout.expected.get(path, 0) + 1
+    # The blocks keep their bound classes; the cache lets go of them, and with them of this job's group and
+    # layout, which would otherwise outlive the job in a process that runs another (the test matrix's driver).
+    binding.forget(f"{key}:")
     model.cp_layout = layout  # the model's forward records each step's positions in it (``models.packing.step_inputs``)
     logger.info(
         f"Applied context parallelism ({layout.world} ranks, {layout.per_rank} piece(s) per rank), per layer: "
@@ -308,12 +312,8 @@ _bindings = itertools.count()
 
 
 def _binding_key() -> str:
-    """A key of its own for each binding: the bound classes hold this job's group and layout (a
-    process may run several jobs, and group names repeat once a process group is destroyed). The
-    earlier bindings' classes leave the cache, so no finished job's group stays reachable from it."""
-    from titan_ext.kernels import binding
-
-    binding.forget(_BINDING_PREFIX)
+    """A key of its own for each binding: the bound classes hold this job's group and layout (a process may
+    run several jobs, and group names repeat once a process group is destroyed)."""
     return f"{_BINDING_PREFIX}{next(_bindings)}"
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.nn as nn
@@ -72,8 +73,10 @@ class JobLoss:
         return self.head(pred, labels=labels)
 
 
-_building: JobLoss | None = None
-"""The loss of the job being built (torchtitan builds one job at a time, its loss before its model parts)."""
+_building: weakref.ref[JobLoss] | None = None
+"""The loss of the job being built (torchtitan builds one job at a time, its loss before its model parts).
+Held weakly: the trainer owns it, and a process that runs another job (a benchmark's rows, the test matrix)
+must not keep this one's head, with its sharded weight and process groups, alive."""
 
 
 def build_loss(job_config, **kwargs) -> JobLoss:
@@ -81,8 +84,9 @@ def build_loss(job_config, **kwargs) -> JobLoss:
     global _building
     from torchtitan.components.loss import build_cross_entropy_loss
 
-    _building = JobLoss(build_cross_entropy_loss(job_config, **kwargs))
-    return _building
+    loss = JobLoss(build_cross_entropy_loss(job_config, **kwargs))
+    _building = weakref.ref(loss)
+    return loss
 
 
 def apply_chunked_loss(model: nn.Module, choice: LossChoice) -> None:
@@ -93,8 +97,9 @@ def apply_chunked_loss(model: nn.Module, choice: LossChoice) -> None:
         return
     model.head_in_loss = True
     head.forward = functools.partial(_head_loss, head, choice.chunk_tokens)
-    if _building is not None:  # a job's (outside a job, e.g. in a benchmark, the caller calls the head)
-        _building.head = head
+    loss = _building() if _building is not None else None
+    if loss is not None:  # a job's (outside a job, e.g. in a benchmark, the caller calls the head)
+        loss.head = head
     logger.info(f"Chunked loss: the head runs in the loss, {choice.chunk_tokens or 'automatic'} tokens per chunk")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -411,8 +412,7 @@ class RouterRecords:
 
     def __init__(self) -> None:
         self.choice: MoEChoice | None = None
-        self.cp_group: dist.ProcessGroup | None = None
-        """The context-parallel ranks holding pieces of the same sequences (None: no CP)."""
+        self._cp_group: weakref.ref | None = None
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor | None, list[int]]] = []
         """Per forward of the model's last part: its routers' logits, the carried statistics, its MoE layers' slots."""
         self.live = True
@@ -420,6 +420,17 @@ class RouterRecords:
         microbatches are: torch 2.13 first runs each stage once for its metadata inference, on uninitialized
         receive buffers, and that forward must neither count its routing nor leave logits for a loss."""
         self.reset_step()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel ranks holding pieces of the same sequences (None: no CP). Held weakly: the job's
+        mesh owns its groups, and a process that runs one job after another (the planner's sweep, the test
+        matrix) frees each job's groups, their threads and sockets, with the job."""
+        return self._cp_group() if self._cp_group is not None else None
+
+    @cp_group.setter
+    def cp_group(self, group: dist.ProcessGroup | None) -> None:
+        self._cp_group = weakref.ref(group) if group is not None else None
 
     def reset_step(self) -> None:
         self.stats: torch.Tensor | None = None

@@ -79,8 +79,9 @@ def matrix_launch(request, tmp_path_factory):
     from integration_matrix import ALL_ROWS, SPECS, start_matrix
 
     root = tmp_path_factory.mktemp("matrix")
-    # 3000 s: the launch took about 450 s on CI machines until 2026-11-26, and ran past 1500 s (the default
-    # limit) on 2026-11-27's, with hundreds of gloo threads runnable at once; CI's own limit is 5400 s.
+    # 3000 s: the launch took about 450 s on CI machines until 2026-11-26; on 2026-11-27's, about 2.5x slower,
+    # it took about 1400 s beside the other tests once jobs freed their process groups (past 1500 s before,
+    # with hundreds of gloo threads left by earlier jobs); CI's own limit is 5400 s.
     launch = start_matrix(root, list(SPECS), ALL_ROWS if with_rows else [], timeout=3000, niceness=10,
                           guests={name: guest(root / name) for name, guest in guests.items()})
     try:

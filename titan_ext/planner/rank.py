@@ -92,7 +92,7 @@ def fake_group(world: int, rank: int):
     # torch's init_process_group wraps sys.excepthook to prefix "[rankN]: " to a traceback's lines; a sweep
     # inits hundreds of groups in one process, so the wrappers stacked up on its error's every line
     with mock.patch.dict(os.environ, env), mock.patch.object(sys, "excepthook", sys.excepthook):
-        compat.clear_dtensor_caches()  # another job's meshes, planned earlier in this process
+        compat.clear_dtensor_caches()  # meshes of whatever ran before in this process (a layout clears its own)
         dist.init_process_group("fake", store=fake.FakeStore(), rank=rank, world_size=world)
         try:
             with host_patches.scoped((host_patches.FAKE_GROUPS_OF_OTHER_RANKS,)):

@@ -10,7 +10,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Pr
 from torch.distributed.tensor.placement_types import Placement
 
 from model_plans.styles import (
-    Composed, LocalShare, MoEBlockParallel, NormParallel, PlacedElsewhere, PlaceParameters, ScalesShares, float8_styles,
+    Composed, LocalShare, MoEBlockParallel, NormParallel, PlacedElsewhere, PlaceParameters, Replicated, ScalesShares,
+    float8_styles,
 )
 
 Plan = dict[str, "ParallelStyle | IfPresent"]
@@ -140,6 +141,11 @@ class TPPlan:
             )
         return {module: style}
 
+    def replicated(self) -> Replicated:
+        """A module kept whole on every rank (a token mixer titan_ext does not know): its input gathered from the
+        residual layout, its output handed back in it."""
+        return Replicated(self.activation, use_local_output=self.local_residual)
+
     def moe_block(self) -> "MoEBlockParallel":
         """A MoE block: its input all-gathered (every TP rank routes every token), its output a sum of the TP
         ranks' token shares (reduce-scattered with SP, else all-reduced)."""
@@ -188,7 +194,7 @@ def with_layer_mixers(plan_cls: type[TPPlan], layer_mixers: dict[int, Callable[[
                                                    "layer_mixers": tuple(sorted(layer_mixers.items()))})
 
 
-def short_conv_plan() -> Plan:
-    """fla's ShortConvolutions on q/k/v (``use_short_conv``): depthwise, so each rank convolves the
-    channels its colwise projection produced (weight ``[C, 1, W]`` and bias sharded on ``C``)."""
-    return {f"attn.{name}": IfPresent(PlaceParameters(Shard(0))) for name in ("q_conv1d", "k_conv1d", "v_conv1d")}
+def short_conv_plan(at: str = "attn") -> Plan:
+    """fla's ShortConvolutions on q/k/v (``use_short_conv``) of the mixer at ``at``: depthwise, so each rank
+    convolves the channels its colwise projection produced (weight ``[C, 1, W]`` and bias sharded on ``C``)."""
+    return {f"{at}.{name}": IfPresent(PlaceParameters(Shard(0))) for name in ("q_conv1d", "k_conv1d", "v_conv1d")}

@@ -60,7 +60,7 @@ _TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_e
 """The block strategies with a titan_ext counterpart (see the module docstring)."""
 
 _PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm", "router", "experts", "shared_rowwise",
-                  "shared_gate")
+                  "shared_gate", "replicated")
 """Roles whose style places a module's parameters (``gather`` only lays out an input)."""
 
 
@@ -101,6 +101,7 @@ class HFTPPlan(TPPlan):
         if entry.role == "gather":
             return self.gather(module, entry.keyword)[module]
         styles = {"colwise": self.colwise, "rowwise": self.out_proj, "head_norm": self.head_norm,
+                  "replicated": self.replicated,
                   "residual_norm": self.norm, "moe_block": self.moe_block, "router": self.router,
                   "shared_rowwise": self.shared_out_proj, "shared_gate": self.shared_gate}
         return styles[entry.role]()
@@ -110,26 +111,33 @@ class HFTPPlan(TPPlan):
         return NormParallel(Shard(-2), use_local_output=True)
 
 
-def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, str] = {}) -> type[TPPlan] | None:
-    """The ``TPPlan`` subclass translated from ``model.config.base_model_tp_plan`` (None without one).
+def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] = {},
+                  layers: str | None = None) -> type[TPPlan] | None:
+    """The ``TPPlan`` subclass translated from ``model.config.base_model_tp_plan``.
 
-    ``model`` is a transformers causal LM, possibly on the meta device. A strategy or a layout the
-    translation does not cover is a one-line ``ValueError`` naming the model type and the module.
-    ``other_mixers``: block index -> the attribute of a token mixer whose entries come from elsewhere
+    ``model`` is a transformers causal LM, possibly on the meta device. A block's module whose entries do not
+    translate, or that the HF plan leaves out, is kept whole on every rank; a layout the translation does not
+    cover otherwise is a one-line ``ValueError`` naming the model type and the module.
+    ``other_mixers``: block index -> the paths of token mixers whose entries come from elsewhere
     (``TPPlan.layer_mixers``: a hybrid's layers); the HF plan's entries under it are not translated.
+    ``layers``: the layer stack's path in the base model, for a model without an HF plan (None: no plan then).
     """
     config = model.config
-    hf_plan = getattr(config, "base_model_tp_plan", None)
-    if not hf_plan:
+    hf_plan = getattr(config, "base_model_tp_plan", None) or {}
+    if not hf_plan and layers is None:
         return None
     model_type = config.model_type
     base = model.base_model
     prefix = "" if base is model else model.base_model_prefix
     embeddings = _name_in(base, base.get_input_embeddings(), model_type, "input embeddings")
-    layers, block_plan = _split_plan(hf_plan, embeddings, model_type, prefix)
+    if any(".*." in key for key in hf_plan):
+        layers, block_plan = _split_plan(hf_plan, embeddings, model_type, prefix)
+    else:  # a plan of model-level entries only, or none: every block module kept whole but its norms
+        _check_model_level(hf_plan, embeddings, model_type, prefix)
+        block_plan = {}
     stack = f"{_join(prefix, layers)}.*"
     blocks = list(base.get_submodule(layers))
-    per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index))
+    per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index, ()))
                  for index, block in enumerate(blocks)]
     entries, optional = _merge(per_block, model_type, stack)
     name = _class_name(model_type)
@@ -146,6 +154,11 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, str] = {}) -> typ
         optional=frozenset(optional),
     )
     return type(name, (HFTPPlan,), attributes)
+
+
+def _under(path: str, roots: tuple[str, ...]) -> bool:
+    """Whether ``path`` is one of ``roots`` or lies beneath one."""
+    return any(path == root or path.startswith(f"{root}.") for root in roots)
 
 
 def _join(*parts: str) -> str:
@@ -177,26 +190,27 @@ def _name_in(root: nn.Module, module: nn.Module | None, model_type: str, what: s
 
 
 def _split_plan(hf_plan: dict[str, str], embeddings: str, model_type: str, prefix: str) -> tuple[str, dict[str, str]]:
-    """(the layer stack's name, its per-block entries) from ``layers.*.<path>`` keys.
-
-    A model-level entry translates only if it is what the base class does anyway: a
-    vocab-sharded embedding.
-    """
+    """(the layer stack's name, its per-block entries) from ``layers.*.<path>`` keys."""
+    _check_model_level(hf_plan, embeddings, model_type, prefix)
     stacks, block_plan = set(), {}
     for key, strategy in hf_plan.items():
-        if ".*." not in key:
-            if not (key == embeddings and strategy == "embedding_rowwise"):
-                raise _untranslated(model_type, _join(prefix, key), strategy, "the model-level plan is titan_ext's own")
-            continue
-        stack, _, path = key.partition(".*.")
-        stacks.add(stack)
-        block_plan[path] = strategy
+        if ".*." in key:
+            stack, _, path = key.partition(".*.")
+            stacks.add(stack)
+            block_plan[path] = strategy
     if len(stacks) != 1:
         raise ValueError(
             f"{model_type}: base_model_tp_plan names {len(stacks)} layer stacks {sorted(stacks)}, the translation "
             f"handles one; {_register_hint(model_type)}"
         )
     return stacks.pop(), block_plan
+
+
+def _check_model_level(hf_plan: dict[str, str], embeddings: str, model_type: str, prefix: str) -> None:
+    """A model-level entry translates only if it is what the base class does anyway: a vocab-sharded embedding."""
+    for key, strategy in hf_plan.items():
+        if ".*." not in key and not (key == embeddings and strategy == "embedding_rowwise"):
+            raise _untranslated(model_type, _join(prefix, key), strategy, "the model-level plan is titan_ext's own")
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -223,17 +237,38 @@ def _final_norm(base: nn.Module, placed: set[str], model_type: str, prefix: str)
 
 
 def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str,
-                   other_mixer: str | None = None) -> dict[str, BlockEntry]:
-    """One block's entries, in module order (none under ``other_mixer``, planned elsewhere)."""
-    if other_mixer is not None:
-        block_plan = {path: s for path, s in block_plan.items() if not path.startswith(f"{other_mixer}.")}
-    named = _translated(block, block_plan, model_type, stack)
-    groups = _groups(named, model_type, stack)
+                   other_mixers: tuple[str, ...] = ()) -> dict[str, BlockEntry]:
+    """One block's entries, in module order (none under ``other_mixers``, planned elsewhere).
+
+    Each of the block's modules is translated from its own HF entries; one whose entries do not translate,
+    or that the HF plan leaves out, is kept whole on every rank (``replicated``, as HF's own TP leaves it),
+    except a MoE block, which expert placement needs translated.
+    """
+    block_plan = {path: s for path, s in block_plan.items() if not _under(path, other_mixers)}
+    by_child: dict[str, dict[str, str]] = {}
+    for path, strategy in block_plan.items():
+        by_child.setdefault(path.partition(".")[0], {})[path] = strategy
+    named, groups, whole = {}, set(), []
+    for child, child_plan in by_child.items():
+        try:
+            child_named = _translated(block, child_plan, model_type, stack)
+            child_groups = _groups(child_named, model_type, stack)
+            _check_coverage(block, child_named, child_groups, child, model_type, stack)
+        except ValueError:
+            if _holds_experts(block, child):
+                raise
+            whole.append(child)
+            continue
+        named.update(child_named)
+        groups |= child_groups
     residual_norms = {
         name
         for name, child in block.named_children()
         if name not in named and name not in groups and _is_norm(child) and _holds_parameters(child)
     }
+    placed = [*named, *groups, *residual_norms, *whole, *other_mixers]
+    whole += [name for name, child in block.named_children()
+              if _holds_parameters(child) and not any(_under(p, (name,)) for p in placed)]
     entries = {}
     for name, _ in block.named_modules():
         if name in groups:
@@ -242,8 +277,18 @@ def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str
             entries[name] = named[name]
         elif name in residual_norms:
             entries[name] = BlockEntry("residual_norm")
-    _check_coverage(block, entries, model_type, stack, other_mixer)
+        elif name in whole:
+            entries[name] = BlockEntry("replicated")
     return entries
+
+
+def _holds_experts(block: nn.Module, child: str) -> bool:
+    """Whether the block's module ``child`` is (or holds) a MoE block, whose experts expert placement needs."""
+    try:
+        module = block.get_submodule(child)
+    except AttributeError:
+        return False
+    return any(name.rpartition(".")[2] == "experts" for name, _ in module.named_modules())
 
 
 def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str) -> dict[str, BlockEntry]:
@@ -349,15 +394,17 @@ def _groups(named: dict[str, BlockEntry], model_type: str, stack: str) -> set[st
     return colwise
 
 
-def _check_coverage(block: nn.Module, entries: dict[str, BlockEntry], model_type: str, stack: str,
-                    other_mixer: str | None = None) -> None:
-    """Every parameter must be placed: the HF plan replicates what it leaves out, which TP here cannot mix in."""
-    placed = {name for name, entry in entries.items() if entry.role in _PLACING_ROLES}
-    for param_name, _ in block.named_parameters():
-        owner = _parent(param_name)
-        if other_mixer is not None and f"{owner}.".startswith(f"{other_mixer}."):
-            continue  # planned elsewhere
-        if owner not in placed:
+def _check_coverage(block: nn.Module, named: dict[str, BlockEntry], groups: set[str], child: str, model_type: str,
+                    stack: str) -> None:
+    """Every parameter under the block's module ``child`` must be placed by its translated entries."""
+    placed = {name for name, entry in named.items() if entry.role in _PLACING_ROLES}
+    try:
+        module = block.get_submodule(child)
+    except AttributeError:
+        return
+    for param_name, _ in module.named_parameters():
+        owner = _parent(_join(child, param_name))
+        if owner not in placed and not any(_under(owner, (e,)) for e, entry in named.items() if entry.role == "experts"):
             raise ValueError(
                 f"{model_type}: {_join(stack, owner)} holds parameters that the HF plan does not place and that are "
                 f"not a residual norm; {_register_hint(model_type)}"

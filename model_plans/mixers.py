@@ -1,9 +1,10 @@
 """Each token mixer's tensor-parallel entries (the ``attn`` part of a block's plan), one function per mixer.
 
-A function takes the model's ``TPPlan`` (its options and residual layout) and returns the entries of the
-block's mixer module. A model's plan class names its own mixer's function in ``attn_plan``; a hybrid
-model's plan gives other layers other functions (``TPPlan.layer_mixers``), so a block's plan is assembled
-from what mixes tokens in that block.
+A function takes the model's ``TPPlan`` (its options and residual layout) and the mixer module's path in the
+block (``at``: where the layer holds it, found from the layer's modules), and returns the entries of that
+module. A model's plan class names its own mixer's function in ``attn_plan``; a hybrid model's plan gives
+other layers other functions (``TPPlan.layer_mixers``), so a block's plan is assembled from what mixes
+tokens in that block.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _gather_hidden_states(plan: TPPlan) -> PrepareModuleInput:
     )
 
 
-def gla(plan: TPPlan) -> Plan:
+def gla(plan: TPPlan, at: str = "attn") -> Plan:
     """fla's ``GatedLinearAttention``: heads split across ranks, q/k/v/g and the gate's up-projection
     colwise, o_proj rowwise.
 
@@ -39,22 +40,22 @@ def gla(plan: TPPlan) -> Plan:
 
     head_norm = NormParallel(Shard(-2), use_local_output=True)
     return {
-        "attn": _gather_hidden_states(plan),
-        "attn.q_proj": plan.colwise(),
-        "attn.k_proj": plan.colwise(),
-        "attn.v_proj": plan.colwise(),
-        "attn.g_proj": plan.colwise(),
-        "attn.gk_proj.0": PrepareModuleWeight(layouts=Replicate()),
-        "attn.gk_proj.1": plan.colwise(),
-        **short_conv_plan(),
+        at: _gather_hidden_states(plan),
+        f"{at}.q_proj": plan.colwise(),
+        f"{at}.k_proj": plan.colwise(),
+        f"{at}.v_proj": plan.colwise(),
+        f"{at}.g_proj": plan.colwise(),
+        f"{at}.gk_proj.0": PrepareModuleWeight(layouts=Replicate()),
+        f"{at}.gk_proj.1": plan.colwise(),
+        **short_conv_plan(at),
         # fla builds one of the two: the fused norm-and-gate when fuse_norm is on, else a plain norm.
-        "attn.g_norm_swish_gate": IfPresent(head_norm),
-        "attn.g_norm": IfPresent(head_norm),
-        "attn.o_proj": plan.out_proj(),
+        f"{at}.g_norm_swish_gate": IfPresent(head_norm),
+        f"{at}.g_norm": IfPresent(head_norm),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def gated_deltanet(plan: TPPlan) -> Plan:
+def gated_deltanet(plan: TPPlan, at: str = "attn") -> Plan:
     """fla's ``GatedDeltaNet``: heads split across ranks, q/k/v, the per-value-head gate and beta (a/b) and
     the output gate colwise, o_proj rowwise; the short convolutions and ``A_log``/``dt_bias`` (one per
     value head) are sharded with them. Splitting query/key heads and value heads contiguously keeps each
@@ -67,20 +68,20 @@ def gated_deltanet(plan: TPPlan) -> Plan:
     and ``b_proj`` (``num_v_heads`` outputs) are usually too narrow for Float8Linear.
     """
     return {
-        "attn": Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
-        "attn.q_proj": plan.colwise(),
-        "attn.k_proj": plan.colwise(),
-        "attn.v_proj": plan.colwise(),
-        "attn.a_proj": plan.colwise(),
-        "attn.b_proj": plan.colwise(),
-        **short_conv_plan(),
-        "attn.g_proj": IfPresent(plan.colwise()),  # present with use_gate
-        "attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
-        "attn.o_proj": plan.out_proj(),
+        at: Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
+        f"{at}.q_proj": plan.colwise(),
+        f"{at}.k_proj": plan.colwise(),
+        f"{at}.v_proj": plan.colwise(),
+        f"{at}.a_proj": plan.colwise(),
+        f"{at}.b_proj": plan.colwise(),
+        **short_conv_plan(at),
+        f"{at}.g_proj": IfPresent(plan.colwise()),  # present with use_gate
+        f"{at}.o_norm": NormParallel(Shard(-2), use_local_output=True),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def kda(plan: TPPlan) -> Plan:
+def kda(plan: TPPlan, at: str = "attn") -> Plan:
     """fla's ``KimiDeltaAttention``: heads split across ranks, as in ``gated_deltanet``: q/k/v, beta
     (``b_proj``) and the up-projections of the low-rank decay gate (``f_proj.1``, ``num_v_heads *
     head_dim`` outputs) and output gate (``g_proj.1``) colwise, o_proj rowwise; the short convolutions
@@ -95,48 +96,48 @@ def kda(plan: TPPlan) -> Plan:
     from fla.modules.parallel import PrepareModuleWeight
 
     return {
-        "attn": Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
-        "attn.q_proj": plan.colwise(),
-        "attn.k_proj": plan.colwise(),
-        "attn.v_proj": plan.colwise(),
-        "attn.b_proj": plan.colwise(),
-        "attn.f_proj.0": PrepareModuleWeight(layouts=Replicate()),
-        "attn.f_proj.1": plan.colwise(),
-        "attn.g_proj.0": PrepareModuleWeight(layouts=Replicate()),
-        "attn.g_proj.1": plan.colwise(),
-        **short_conv_plan(),
-        "attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
-        "attn.o_proj": plan.out_proj(),
+        at: Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
+        f"{at}.q_proj": plan.colwise(),
+        f"{at}.k_proj": plan.colwise(),
+        f"{at}.v_proj": plan.colwise(),
+        f"{at}.b_proj": plan.colwise(),
+        f"{at}.f_proj.0": PrepareModuleWeight(layouts=Replicate()),
+        f"{at}.f_proj.1": plan.colwise(),
+        f"{at}.g_proj.0": PrepareModuleWeight(layouts=Replicate()),
+        f"{at}.g_proj.1": plan.colwise(),
+        **short_conv_plan(at),
+        f"{at}.o_norm": NormParallel(Shard(-2), use_local_output=True),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def fla_attention(plan: TPPlan) -> Plan:
+def fla_attention(plan: TPPlan, at: str = "attn") -> Plan:
     """fla's softmax ``Attention`` (its transformer's, and a hybrid's ``attn`` layers): heads split across
     ranks; the optional q/k norms run per local head."""
     return {
-        **plan.gather("attn", kwarg="hidden_states"),
-        "attn.q_proj": plan.colwise(),
-        "attn.k_proj": plan.colwise(),
-        "attn.v_proj": plan.colwise(),
+        **plan.gather(at, kwarg="hidden_states"),
+        f"{at}.q_proj": plan.colwise(),
+        f"{at}.k_proj": plan.colwise(),
+        f"{at}.v_proj": plan.colwise(),
         # present with qk_norm only
-        "attn.q_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
-        "attn.k_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
-        "attn.o_proj": plan.out_proj(),
+        f"{at}.q_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+        f"{at}.k_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def transformers_attention(plan: TPPlan) -> Plan:
+def transformers_attention(plan: TPPlan, at: str = "self_attn") -> Plan:
     """transformers' Llama-style ``self_attn``: heads split across ranks."""
     return {
-        **plan.gather("self_attn", kwarg="hidden_states"),
-        "self_attn.q_proj": plan.colwise(),
-        "self_attn.k_proj": plan.colwise(),
-        "self_attn.v_proj": plan.colwise(),
-        "self_attn.o_proj": plan.out_proj(),
+        **plan.gather(at, kwarg="hidden_states"),
+        f"{at}.q_proj": plan.colwise(),
+        f"{at}.k_proj": plan.colwise(),
+        f"{at}.v_proj": plan.colwise(),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def transformers_mla(plan: TPPlan) -> Plan:
+def transformers_mla(plan: TPPlan, at: str = "self_attn") -> Plan:
     """transformers' multi-head latent attention (DeepSeek-V3, Kimi Linear): heads split after the latent
     projections. The down-projections and their norms (``q_a_proj``/``q_a_layernorm``,
     ``kv_a_proj_with_mqa``/``kv_a_layernorm``: hidden -> rank, small) are replicated; the up-projections
@@ -146,19 +147,19 @@ def transformers_mla(plan: TPPlan) -> Plan:
     from fla.modules.parallel import PrepareModuleWeight
 
     return {
-        "self_attn": Composed(_gather_hidden_states(plan), SharedKeyLatent()),
-        "self_attn.q_proj": IfPresent(plan.colwise()),  # without q_lora_rank
-        "self_attn.q_a_proj": IfPresent(PrepareModuleWeight(layouts=Replicate())),
-        "self_attn.q_a_layernorm": IfPresent(NormParallel(Replicate())),
-        "self_attn.q_b_proj": IfPresent(plan.colwise()),
-        "self_attn.kv_a_proj_with_mqa": PlaceParameters(Replicate()),  # its output: SharedKeyLatent
-        "self_attn.kv_a_layernorm": NormParallel(Replicate()),
-        "self_attn.kv_b_proj": plan.colwise(),
-        "self_attn.o_proj": plan.out_proj(),
+        at: Composed(_gather_hidden_states(plan), SharedKeyLatent()),
+        f"{at}.q_proj": IfPresent(plan.colwise()),  # without q_lora_rank
+        f"{at}.q_a_proj": IfPresent(PrepareModuleWeight(layouts=Replicate())),
+        f"{at}.q_a_layernorm": IfPresent(NormParallel(Replicate())),
+        f"{at}.q_b_proj": IfPresent(plan.colwise()),
+        f"{at}.kv_a_proj_with_mqa": PlaceParameters(Replicate()),  # its output: SharedKeyLatent
+        f"{at}.kv_a_layernorm": NormParallel(Replicate()),
+        f"{at}.kv_b_proj": plan.colwise(),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def transformers_kda(plan: TPPlan) -> Plan:
+def transformers_kda(plan: TPPlan, at: str = "self_attn") -> Plan:
     """transformers' KDA layer (Kimi Linear's ``linear_attention`` layers, ``self_attn``): heads split, as
     fla's ``kda``: q/k/v, ``b_proj`` and the gates' up-projections (``forget_gate.f_b_proj``, ``g_b_proj``)
     colwise, o_proj rowwise, the gates' down-projections replicated, the gated output norm on the local heads.
@@ -172,23 +173,23 @@ def transformers_kda(plan: TPPlan) -> Plan:
     from fla.modules.parallel import PrepareModuleWeight
 
     return {
-        "self_attn": Composed(_gather_hidden_states(plan), LocalWidth("qkv_dim")),
-        "self_attn.q_proj": plan.colwise(),
-        "self_attn.k_proj": plan.colwise(),
-        "self_attn.v_proj": plan.colwise(),
-        "self_attn.conv1d": PlaceParameters(Replicate()),
-        "self_attn.forget_gate": PlaceEach({"dt_bias": Shard(0), "A_log": Shard(2)}),
-        "self_attn.forget_gate.f_a_proj": PrepareModuleWeight(layouts=Replicate()),
-        "self_attn.forget_gate.f_b_proj": plan.colwise(use_local_output=False),
-        "self_attn.b_proj": plan.colwise(),
-        "self_attn.g_a_proj": PrepareModuleWeight(layouts=Replicate()),
-        "self_attn.g_b_proj": plan.colwise(),
-        "self_attn.o_norm": NormParallel(Shard(-2), use_local_output=True),
-        "self_attn.o_proj": plan.out_proj(),
+        at: Composed(_gather_hidden_states(plan), LocalWidth("qkv_dim")),
+        f"{at}.q_proj": plan.colwise(),
+        f"{at}.k_proj": plan.colwise(),
+        f"{at}.v_proj": plan.colwise(),
+        f"{at}.conv1d": PlaceParameters(Replicate()),
+        f"{at}.forget_gate": PlaceEach({"dt_bias": Shard(0), "A_log": Shard(2)}),
+        f"{at}.forget_gate.f_a_proj": PrepareModuleWeight(layouts=Replicate()),
+        f"{at}.forget_gate.f_b_proj": plan.colwise(use_local_output=False),
+        f"{at}.b_proj": plan.colwise(),
+        f"{at}.g_a_proj": PrepareModuleWeight(layouts=Replicate()),
+        f"{at}.g_b_proj": plan.colwise(),
+        f"{at}.o_norm": NormParallel(Shard(-2), use_local_output=True),
+        f"{at}.o_proj": plan.out_proj(),
     }
 
 
-def transformers_gated_deltanet(plan: TPPlan) -> Plan:
+def transformers_gated_deltanet(plan: TPPlan, at: str = "linear_attn") -> Plan:
     """transformers' Gated DeltaNet (Qwen3.5's and Qwen3-Next's ``linear_attn``): heads split across ranks, as in
     ``gated_deltanet``, for the layer's titan_ext forward (``titan_ext.kernels.transformers_gated_deltanet``):
     the output gate, beta and the decay's input colwise (Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba`` too: their
@@ -201,14 +202,14 @@ def transformers_gated_deltanet(plan: TPPlan) -> Plan:
     gradients are summed over the TP ranks.
     """
     return {
-        "linear_attn": Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
-        "linear_attn.in_proj_qkv": IfPresent(PlaceParameters(Replicate())),  # Qwen3.5
-        "linear_attn.in_proj_z": IfPresent(plan.colwise()),
-        "linear_attn.in_proj_b": IfPresent(plan.colwise()),
-        "linear_attn.in_proj_a": IfPresent(plan.colwise()),
-        "linear_attn.in_proj_qkvz": IfPresent(plan.colwise()),  # Qwen3-Next
-        "linear_attn.in_proj_ba": IfPresent(plan.colwise()),
-        "linear_attn.conv1d": PlaceParameters(Replicate()),
-        "linear_attn.norm": NormParallel(Shard(-2), use_local_output=True),
-        "linear_attn.out_proj": plan.out_proj(),
+        at: Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, dt_bias
+        f"{at}.in_proj_qkv": IfPresent(PlaceParameters(Replicate())),  # Qwen3.5
+        f"{at}.in_proj_z": IfPresent(plan.colwise()),
+        f"{at}.in_proj_b": IfPresent(plan.colwise()),
+        f"{at}.in_proj_a": IfPresent(plan.colwise()),
+        f"{at}.in_proj_qkvz": IfPresent(plan.colwise()),  # Qwen3-Next
+        f"{at}.in_proj_ba": IfPresent(plan.colwise()),
+        f"{at}.conv1d": PlaceParameters(Replicate()),
+        f"{at}.norm": NormParallel(Shard(-2), use_local_output=True),
+        f"{at}.out_proj": plan.out_proj(),
     }

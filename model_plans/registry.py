@@ -56,14 +56,15 @@ def plan_source(plan_cls: type[TPPlan]) -> str:
     return "shipped with titan_ext" if _shipped(plan_cls) else f"registered by {plan_cls.__module__}"
 
 
-def plan_for_model(model, other_mixers: dict[int, str] = {}) -> type[TPPlan]:
+def plan_for_model(model, other_mixers: dict[int, tuple[str, ...]] = {}, layers: str | None = None) -> type[TPPlan]:
     """The TP plan of a model (on any device, the meta device included), in this order: the plan
     registered for its ``config.model_type`` (a user's wins over a shipped one), else its HF
-    ``base_model_tp_plan`` translated (``model_plans.hf_plan``), else a one-line ``ValueError``."""
+    ``base_model_tp_plan`` translated (``model_plans.hf_plan``; given the layer stack's path in the base
+    model, ``layers``, also without one: every block module kept whole), else a one-line ``ValueError``."""
     model_type = model.config.model_type
     if model_type in _PLANS:
         return _PLANS[model_type]
-    translated = hf_plan_class(model, other_mixers)  # a hybrid's other mixers: their own entries
+    translated = hf_plan_class(model, other_mixers, layers)  # a hybrid's other mixers: their own entries
     if translated is None:
         raise ValueError(
             f"no tensor-parallel plan for model_type {model_type!r}: none is registered (registered: "

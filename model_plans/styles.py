@@ -234,6 +234,67 @@ class _SumTailGradient(torch.autograd.Function):
         return torch.cat([grad[..., :-ctx.width], tail], dim=-1), None, None
 
 
+class Replicated(ParallelStyle):
+    """A module TP keeps whole on every rank, run as it is (a token mixer titan_ext does not know): every
+    parameter beneath it a replicated DTensor, handed to its code as the plain local tensor; its tensor inputs
+    gathered from the residual ``layout``, its output given back in it.
+
+    Each rank computes the same output and, from the same output gradient, the same parameter and input
+    gradients: the parameters' gradients are whole on every rank (replicated), as FSDP then reduces them.
+    """
+
+    covers_children = True
+    """It places the parameters of every module beneath it (``model_plans.validate`` counts them covered)."""
+
+    def __init__(self, layout: Placement, use_local_output: bool = False):
+        super().__init__()
+        self.layout = layout
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        owners = []
+        for owner in module.modules():
+            for name, param in list(owner.named_parameters(recurse=False)):
+                dparam = distribute_tensor(param, device_mesh, (Replicate(),), src_data_rank=self.src_data_rank)
+                owner.register_parameter(name, nn.Parameter(dparam, requires_grad=param.requires_grad))
+                owners.append((owner, name))
+        held = []
+
+        def gathered(x):
+            return x.redistribute(placements=(Replicate(),)).to_local() if isinstance(x, DTensor) else x
+
+        def pre_hook(mod, args, kwargs):
+            # the parameters as their local tensors for the module's own code (restored after its forward)
+            held.append([(owner, name, owner._parameters[name]) for owner, name in owners])
+            for owner, name in owners:
+                param = owner._parameters[name]
+                if isinstance(param, DTensor):
+                    owner._parameters[name] = param.to_local()
+            return tree_map(gathered, args), tree_map(gathered, kwargs)
+
+        def post_hook(mod, args, kwargs, output):
+            for owner, name, param in held.pop():
+                owner._parameters[name] = param
+
+            def laid_out(x):
+                if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or x.dim() < 2:
+                    return x
+                out = DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False)
+                out = out.redistribute(placements=(self.layout,))
+                return out.to_local() if self.use_local_output else out
+
+            if isinstance(output, tuple):  # (hidden states, extras): the hidden states go back to the residual
+                return (laid_out(output[0]), *output[1:])
+            return laid_out(output)
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        module.register_forward_hook(post_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"Replicated(layout={self.layout}, use_local_output={self.use_local_output})"
+
+
 class PlacedElsewhere(ParallelStyle):
     """A module whose parameters another parallelism places (MoE experts under expert parallelism, applied
     before TP): TP leaves it as it is, and the plan still says where each parameter goes."""

@@ -62,10 +62,12 @@ def _uncovered_parameter(model: nn.Module, plan: TPPlan, block_plans: dict[str, 
     (``block_plans``: each block's resolved plan, by its name in the block list)."""
     covered = {fqn for fqn, style in resolve(plan.model_plan(), model, type(plan).__name__).items()
                if not isinstance(style, _LAYOUT_ONLY)}
+    whole = set()  # modules whose style places everything beneath them (``Replicated``)
     for index, block_plan in block_plans.items():
         covered |= {f"{plan.layers}.{index}.{fqn}" for fqn, style in block_plan.items() if not isinstance(style, _LAYOUT_ONLY)}
+        whole |= {f"{plan.layers}.{index}.{fqn}." for fqn, style in block_plan.items() if getattr(style, "covers_children", False)}
     for param_name, _ in model.named_parameters():
-        if param_name.rpartition(".")[0] not in covered:
+        if param_name.rpartition(".")[0] not in covered and not any(param_name.startswith(w) for w in whole):
             return param_name
     return None
 

@@ -179,7 +179,7 @@ def test_an_attention_that_does_not_read_the_registry_stops_the_job():
     model = nn.Module()
     model.arch = types.SimpleNamespace(packed_layout="position_ids")
     model.config = types.SimpleNamespace(_attn_implementation="sdpa")
-    model.get_decoder = lambda: types.SimpleNamespace(layers=nn.ModuleList([block]))
-    model.mixers = (mixers.TransformersAttention(),)
+    model.blocks = lambda: nn.ModuleList([block])
+    model.mixers = (mixers.TransformersAttention("self_attn", block.self_attn),)
     with pytest.raises(HostChanged, match="Linear.forward does not read ALL_ATTENTION_FUNCTIONS"):
         documents.apply_document_attention(model)

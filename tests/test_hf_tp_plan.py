@@ -123,19 +123,13 @@ def qwen2_moe_plan(**changes):
 @pytest.mark.parametrize(
     "model_type,overrides,expected",
     [
-        ("qwen3", qwen3_plan(**{"layers.*.mlp.gate_proj": "colwise_gather_output"}),
-         "qwen3: HF TP strategy 'colwise_gather_output' on model.layers.*.mlp.gate_proj has no titan_ext translation"),
         # Qwen2-MoE's shared expert takes its dense FFN's entries (matrix hf_qwen2_moe/ep2_tp2): without a rowwise one
         ("qwen2_moe", qwen2_moe_plan(**{"layers.*.mlp.down_proj": None}), "qwen2_moe: HF TP strategy 'moe_tp_experts' "
          "on model.layers.*.mlp.experts has no titan_ext translation (its block holds ['shared_expert'] beside the "
          "experts and one router, which the HF plan does not place as a shared expert"),
         ("qwen3", qwen3_plan(**{"embed_tokens": "replicate"}), "HF TP strategy 'replicate' on model.embed_tokens"),
-        ("qwen3", qwen3_plan(**{"layers.*.mlp.down_proj": None}),
-         "qwen3: model.layers.*.mlp does not pair colwise projections with a rowwise output"),
-        ("cohere", {"use_qk_norm": True},
-         "cohere: model.layers.*.self_attn.q_norm holds parameters that the HF plan does not place"),
     ],
-    ids=["block_strategy", "shared_experts", "model_level", "unpaired", "uncovered"],
+    ids=["shared_experts", "model_level"],
 )
 def test_an_untranslatable_plan_is_a_one_line_error_naming_it(model_type, overrides, expected):
     if model_type == "qwen2_moe":
@@ -148,6 +142,35 @@ def test_an_untranslatable_plan_is_a_one_line_error_naming_it(model_type, overri
     message = str(e.value)
     assert expected in message and f"@model_plans.register_tp_plan('{model_type}')" in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides,whole",
+    [
+        ("qwen3", qwen3_plan(**{"layers.*.mlp.gate_proj": "colwise_gather_output"}), "mlp"),  # a strategy
+        ("qwen3", qwen3_plan(**{"layers.*.mlp.down_proj": None}), "mlp"),  # colwise without a rowwise output
+        ("cohere", {"use_qk_norm": True}, "self_attn"),  # per-head norms the HF plan leaves out
+        ("qwen3", qwen3_plan(**{f"layers.*.mlp.{p}": None for p in ("gate_proj", "up_proj", "down_proj")}), "mlp"),
+    ],
+    ids=["block_strategy", "unpaired", "uncovered", "left_out"],
+)
+def test_a_block_module_the_plan_cannot_split_is_kept_whole(model_type, overrides, whole):
+    """A module of a block whose HF entries do not translate, or that the HF plan leaves out, is kept whole on
+    every rank (HF's own TP leaves it so); the block's other modules are split as their entries say."""
+    model = build(model_type, "meta", **overrides)
+    entries = dict(hf_plan_class(model).entries)
+    assert entries[whole].role == "replicated" and not any(p.startswith(f"{whole}.") for p in entries)
+    other = "self_attn" if whole == "mlp" else "mlp"
+    assert entries[f"{other}.o_proj" if other == "self_attn" else f"{other}.down_proj"].role == "rowwise"
+    validate_tp(model, hf_plan_class(model)(), 2, 64)
+
+
+def test_a_model_without_an_hf_plan_keeps_its_blocks_whole_given_its_layers():
+    model = build("qwen3", "meta", base_model_tp_plan={})
+    assert hf_plan_class(model) is None
+    entries = dict(hf_plan_class(model, layers="layers").entries)
+    assert {p: e.role for p, e in entries.items()} == {"input_layernorm": "residual_norm", "self_attn": "replicated",
+                                                      "post_attention_layernorm": "residual_norm", "mlp": "replicated"}
 
 
 def test_the_gather_follows_how_the_block_passes_the_input():
@@ -257,9 +280,13 @@ def _relative_error(actual, expected):
 
 
 EXACT_CASES = [("qwen3", "sp"), ("qwen3", "no_sp"), ("gemma3_text", "sp"),
-               ("qwen3+tied", "sp"), ("qwen3+tied", "no_sp"), ("llama+tied", "sp")]
+               ("qwen3+tied", "sp"), ("qwen3+tied", "no_sp"), ("llama+tied", "sp"),
+               ("qwen3+mlp_whole", "sp"), ("qwen3+mlp_whole", "no_sp"), ("cohere+qk_norm", "sp")]
 """``+tied``: ``tie_word_embeddings`` (Llama 3.2, Qwen3 0.6-4B, Gemma): one weight, sharded once on the vocabulary,
-serves the embedding and the head, with sequence and loss parallel on or off."""
+serves the embedding and the head, with sequence and loss parallel on or off. ``+mlp_whole``: the HF plan leaves
+the MLP out, ``+qk_norm``: Cohere's per-head norms, which its plan leaves out: that module kept whole on every rank."""
+VARIANTS = {"tied": {"tie_word_embeddings": True}, "qk_norm": {"use_qk_norm": True},
+            "mlp_whole": qwen3_plan(**{f"layers.*.mlp.{p}": None for p in ("gate_proj", "up_proj", "down_proj")})}
 STEPS = 3
 
 
@@ -267,7 +294,7 @@ def _compare(model_type, options, mesh):
     """Worst relative error of the loss, the gradients and the parameters over a few AdamW steps."""
     torch.manual_seed(0)
     name, _, variant = model_type.partition("+")
-    whole = build(name, num_hidden_layers=2, **({"tie_word_embeddings": True} if variant == "tied" else {}))
+    whole = build(name, num_hidden_layers=2, **VARIANTS.get(variant, {}))
     with torch.no_grad():  # away from ones/zeros, so every norm weight matters
         for p in whole.parameters():
             p.add_(0.1 * torch.randn_like(p))

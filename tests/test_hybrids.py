@@ -57,7 +57,7 @@ def test_flops_count_each_layers_mixer():
 
 
 def test_tp_plan_is_assembled_per_layer():
-    from model_plans import GLATPPlan, GatedDeltaNetTPPlan, TPOptions, validate_tp, mixers as plan_mixers
+    from model_plans import GLATPPlan, GatedDeltaNetTPPlan, TPOptions, validate_tp
 
     from titan_ext.models.gated_deltanet import gated_deltanet_flavors
     from titan_ext.tensor_parallel import plan_class
@@ -71,8 +71,7 @@ def test_tp_plan_is_assembled_per_layer():
 
     model = meta_model(gla_hybrid())
     plan_cls = plan_class(model, 2)
-    assert issubclass(plan_cls, GLATPPlan) and dict(plan_cls.layer_mixers) == {1: plan_mixers.fla_attention,
-                                                                                3: plan_mixers.fla_attention}
+    assert issubclass(plan_cls, GLATPPlan) and layer_entries(plan_cls) == {1: ["fla attention"], 3: ["fla attention"]}
     plan = plan_cls(TPOptions())
     assert "attn.gk_proj.1" in plan.block_plan(0) and "attn.gk_proj.1" not in plan.block_plan(1)
     assert "attn.q_norm" in plan.block_plan(3)
@@ -84,13 +83,13 @@ def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gate
     """Qwen3.5: its own HF plan (translated) for the attention layers and MLPs; its Gated DeltaNet layers (whose HF
     entries, ``colwise_gather_output``, do not translate) take ``model_plans.mixers.transformers_gated_deltanet``;
     whole heads per rank."""
-    from model_plans import TPOptions, validate_tp, mixers as plan_mixers
+    from model_plans import TPOptions, validate_tp
 
     from titan_ext.tensor_parallel import plan_class
 
     model = meta_model(transformers_model("qwen3_5_text", **QWEN3_5))
     plan_cls = plan_class(model, 2)
-    assert dict(plan_cls.layer_mixers) == {0: plan_mixers.transformers_gated_deltanet}
+    assert layer_entries(plan_cls) == {0: ["transformers' gated deltanet"]}
     plan = plan_cls(TPOptions())
     assert "linear_attn.in_proj_qkv" in plan.block_plan(0) and "self_attn.q_proj" in plan.block_plan(1)
     assert not any(name.startswith("linear_attn") for name in plan.block_plan(1))
@@ -131,9 +130,14 @@ def test_a_layer_without_a_path_is_refused_naming_it(monkeypatch):
                               linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"])
     assert qwen.document_mask_blocker() is None and qwen.context_parallel_blocker() is None  # both paths now
     monkeypatch.setattr(mixers.TransformersGatedDeltaNet, "tp_plan", None)  # a mixer without TP entries
-    with pytest.raises(ConfigError, match=r"layer 0 \(transformers' gated deltanet \(linear_attn\)\) has no "
-                                          "tensor-parallel plan in titan_ext; set the degree to 1"):
+    with pytest.raises(ConfigError, match=r"layer 0's token mixer 'linear_attn' \(transformers' gated deltanet\) has "
+                                          "no tensor-parallel plan in titan_ext; set the degree to 1"):
         plan_class(meta_model(qwen), 2)
+
+
+def layer_entries(plan_cls) -> dict[int, list[str]]:
+    """The layers whose token mixers bring their own TP entries, and those mixers."""
+    return {index: [part.name for part in entries.args[0]] for index, entries in plan_cls.layer_mixers}
 
 
 def test_pipeline_stages_balance_each_layers_cost():

@@ -171,12 +171,11 @@ def test_fla_kda_spec_flavors_and_flops():
     per token MFU counts for every KDA layer: fla's chunk of 64, grouped values counted per value head."""
     from fla.models import KDAConfig
 
-    from titan_ext.models.architecture import architecture_of
-    from titan_ext.models.mixers.kda import kda_flops
+    from titan_ext.models.mixers.kda import KDA, kda_flops
     from titan_ext.train_specs import FLAVORS
 
     assert set(FLAVORS["fla_kda"]) == {"debugmodel", "340M", "1.3B"}
     assert "kda-340M" in FLAVORS["fla"]
     assert kda_flops(1, 16, 32) == 3 * (4 * 64 * 16 + 2 * 64 * (16 + 32) + 2 * 64 * 32 + 6 * 16 * 32 + 4 * 16)
     config = KDAConfig(hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=16, num_v_heads=8, expand_v=2.0)
-    assert architecture_of(KDAConfig).mixer_flops_per_token(config, 80) == 2 * kda_flops(8, 16, 32)
+    assert KDA().flops_per_token(config, 0, 80) == kda_flops(8, 16, 32)

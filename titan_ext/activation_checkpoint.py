@@ -101,7 +101,7 @@ def wrap_block(block: nn.Module, index: int, choice: ACChoice, base_fqn: str) ->
 
 
 def apply_ac(model: nn.Module, choice: ACChoice, dump_folder: str = "") -> None:
-    """Checkpoint the blocks of ``model.get_decoder().layers`` as the job plan chose."""
+    """Checkpoint the model's blocks as the job plan chose."""
     if choice.mode == "none":
         return
     decoder = model.get_decoder()
@@ -109,15 +109,10 @@ def apply_ac(model: nn.Module, choice: ACChoice, dump_folder: str = "") -> None:
         # torchtitan's apply_ac only sets the partitioner's budget in this mode.
         compat.torchtitan_ac().apply_ac(decoder, choice.config, model_compile_enabled=True, base_folder=dump_folder)
         return
-    layers = decoder.layers
-    prefix = layers_fqn(model)
+    layers = model.blocks()
+    prefix = model.structure.layers
     for index, (name, block) in enumerate(list(layers.named_children())):
         layers.register_module(name, wrap_block(block, index, choice, base_fqn=f"{prefix}.{name}"))
     option = f" ({choice.config.selective_ac_option})" if choice.mode == "selective" else ""
     logger.info(f"Applied {choice.mode}{option} activation checkpointing to {len(layers)} blocks")
 
-
-def layers_fqn(model: nn.Module) -> str:
-    """The FQN of the decoder's block list (``model.layers`` in HF layouts), found rather than assumed."""
-    layers = model.get_decoder().layers
-    return next(name for name, module in model.named_modules() if module is layers)

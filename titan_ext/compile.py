@@ -88,12 +88,12 @@ def model_compile_enabled(job_config) -> bool:
 
 def apply_compile(model: nn.Module, backend: str) -> None:
     """Replace each decoder block with its compiled version (the compiled module is what runs)."""
-    layers = model.get_decoder().layers
-    mixers = getattr(model, "mixers", ())
-    hybrid = len({type(mixer) for mixer in mixers}) > 1
+    layers = model.blocks()
+    mixers = model.mixers
+    hybrid = model.structure.hybrid
     for name, block in list(layers.named_children()):
         if hybrid:
-            block.__class__ = _per_mixer_code(type(block), type(mixers[int(name)]).__name__)
+            block.__class__ = _per_mixer_code(type(block), repr(mixers[int(name)]))
         # No fullgraph: an fla Triton op dynamo cannot trace must stay a graph break, not an error.
         layers.register_module(name, torch.compile(block, backend=backend))
     logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {backend})")

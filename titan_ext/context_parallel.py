@@ -87,9 +87,7 @@ def check_cp(model_args, job_config) -> None:
     from titan_ext.data import sections
 
     pieces = degree * PIECES_PER_RANK[balancer]
-    config = model_args.to_hf_config()
-    halo = config.conv_size - 1 if getattr(config, "use_short_conv", False) else 0
-    halo = max(halo, getattr(config, "linear_conv_kernel_dim", 1) - 1)  # transformers' Gated DeltaNet layers
+    halo = model_args.structure().halo()
     tp = p.tensor_parallel_degree if sequence_parallel_enabled(job_config) else 1
     for section in sections(job_config):
         option, seq_len = f"--{section}.seq_len", getattr(job_config, section).seq_len
@@ -119,13 +117,12 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     from titan_ext.kernels.state_passing import PieceLayout
 
     layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
-    blocks = {int(index): block for index, block in model.get_decoder().layers.named_children()}  # a stage's keep theirs
-    mixers = {index: model.mixers[index] for index in blocks}
-    attend = attention_across_ranks(cp_mesh, layout, choice) if any(m.cp_attention for m in mixers.values()) else None
+    blocks = {int(index): block for index, block in model.blocks().named_children()}  # a stage's keep theirs
+    parts = [(index, part) for index in blocks for part in model.mixers[index].parts if part.mixes_tokens]
+    attend = attention_across_ranks(cp_mesh, layout, choice) if any(p.cp_attention for _, p in parts) else None
     key = _binding_key()  # one for all blocks: blocks of one class share one bound class, so compiled code too
-    for index, block in blocks.items():
-        mixer = mixers[index]
-        module, path = getattr(block, mixer.attribute), _path_of(mixer)
+    for index, mixer in parts:
+        module, path = blocks[index].get_submodule(mixer.path), _path_of(mixer)
         bound_key = f"{key}:{path}"  # a mixer's bound classes see its own replacements only
         if mixer.cp_kernels:
             _bind_state_passing(module, mixer, layout, bound_key)
@@ -248,6 +245,8 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
                 f"(rotate method {choice.rotate_method})")
 
     def attend(query, key, value, scale=None, window=None, dropout=0.0):
+        if window:  # a window makes the attention masked: planned as all-gathered (ring_attention_blocker)
+            raise ValueError("torch's ring attention runs causal attention only, not a sliding window")
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # the ring's kernels take as many key/value heads as query heads (torchtitan repeats too)
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -275,9 +274,15 @@ def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str,
     (and calls ``replacements`` for its own methods)."""
     from titan_ext.kernels import binding
 
-    def across_ranks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    def across_ranks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                     **kwargs):
         layout.mark("transformers attention")
-        return attend(query, key, value, scale=scaling, dropout=dropout).transpose(1, 2).contiguous(), None
+        unread = sorted(name for name, value in kwargs.items() if name in _UNREAD_ATTENTION_OPTIONS and value is not None)
+        if unread:  # refused before the build where the model says so (Mixer.context_parallel_blocker)
+            raise HostChanged("transformers", f"{type(module).__qualname__} passes its attention {unread}, which "
+                                              "titan_ext's context-parallel attention does not apply")
+        window = {"window": sliding_window} if sliding_window else {}  # masked attention (ring_attention_blocker)
+        return attend(query, key, value, scale=scaling, dropout=dropout, **window).transpose(1, 2).contiguous(), None
 
     cls = type(attention)
     registry = (cls.__module__, "ALL_ATTENTION_FUNCTIONS")  # the modeling file's attention registry
@@ -288,6 +293,10 @@ def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str,
             "transformers", f"{cls.__qualname__}.forward no longer reads {registry[1]} from {registry[0]}, "
             "where context parallelism puts its attention"
         )
+
+
+_UNREAD_ATTENTION_OPTIONS = ("s_aux", "sinks", "softcap")
+"""Options a transformers attention may hand its attention function that CP's attention would drop."""
 
 
 def _bind_gathered_latents(attention: nn.Module, method: str, layout, key: str) -> None:
@@ -302,8 +311,8 @@ def _bind_gathered_latents(attention: nn.Module, method: str, layout, key: str) 
     def expand_gathered(self, latent, rotary_key):
         return expand(self, *cp_attention.gathered_latents(latent, rotary_key, layout))
 
-    def attend(query, key, value, scale=None, dropout=0.0):  # the keys and values are the whole sequence's
-        return cp_attention.per_document_sdpa(query, key, value, layout, scale, dropout=dropout)
+    def attend(query, key, value, scale=None, dropout=0.0, window=None):  # the keys and values are the whole sequence's
+        return cp_attention.per_document_sdpa(query, key, value, layout, scale, window, dropout=dropout)
 
     _bind_transformers_attention(attention, layout, attend, key, {expand: expand_gathered})
 

@@ -85,20 +85,22 @@ def apply_document_attention(model) -> None:
     from titan_ext.kernels.document_attention import document_attention
 
     implementation = model.config._attn_implementation
-    for index, block in model.get_decoder().layers.named_children():  # a pipeline stage's keep their indices
-        if model.mixers[int(index)].recurrent_documents:  # its own kernels take cu_seq_lens_q
-            continue
-        module = sys.modules[type(block.self_attn).__module__]
-        registry = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
-        fallback = registry and registry.get_interface(implementation, getattr(module, "eager_attention_forward", None))
-        interface = OneAttention(functools.partial(document_attention, fallback=fallback))
-        names = {module.__name__: {"ALL_ATTENTION_FUNCTIONS": interface}}
-        used = binding.bind(block.self_attn, {}, key=f"documents:{implementation}", names=names)
-        if (module.__name__, "ALL_ATTENTION_FUNCTIONS") not in used:  # documents would attend to each other
-            raise HostChanged(
-                "transformers", f"{type(block.self_attn).__qualname__}.forward does not read ALL_ATTENTION_FUNCTIONS "
-                f"from {module.__name__}, where {OPTION} puts its per-document attention"
-            )
+    for index, block in model.blocks().named_children():  # a pipeline stage's keep their indices
+        for mixer in model.mixers[int(index)].parts:
+            if mixer.recurrent_documents or not mixer.mixes_tokens:  # its own kernels take cu_seq_lens_q; or no mixing
+                continue
+            attention = block.get_submodule(mixer.path)
+            module = sys.modules[type(attention).__module__]
+            registry = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+            fallback = registry and registry.get_interface(implementation, getattr(module, "eager_attention_forward", None))
+            interface = OneAttention(functools.partial(document_attention, fallback=fallback))
+            names = {module.__name__: {"ALL_ATTENTION_FUNCTIONS": interface}}
+            used = binding.bind(attention, {}, key=f"documents:{implementation}", names=names)
+            if (module.__name__, "ALL_ATTENTION_FUNCTIONS") not in used:  # documents would attend to each other
+                raise HostChanged(
+                    "transformers", f"{type(attention).__qualname__}.forward does not read ALL_ATTENTION_FUNCTIONS "
+                    f"from {module.__name__}, where {OPTION} puts its per-document attention"
+                )
     model.document_attention = True
 
 

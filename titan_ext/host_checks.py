@@ -172,12 +172,16 @@ def check_transformers_attention(model_args) -> None:
     the ``position_ids`` given (CP's global positions, documents' restarting ones), and (3) use a given
     boolean 4D ``attention_mask`` as the mask (document masking's block-causal one)."""
     from titan_ext.kernels import binding
+    from titan_ext.models.mixers import TransformersAttention
+    from titan_ext.models.structure import layer_stack
 
-    # a hybrid's first attention layer (Qwen3.5's layer 0 is linear attention, with no self_attn)
-    layer = next((i for i, mixer in enumerate(model_args.layer_mixers()) if mixer.attribute == "self_attn"), None)
-    model = None if layer is None else _tiny(model_args, layer)
+    # a hybrid's first attention layer (Qwen3.5's layer 0 is linear attention)
+    found = next(((i, part) for i, mixer in enumerate(model_args.layer_mixers()) for part in mixer.parts
+                  if isinstance(part, TransformersAttention)), None)
+    model = None if found is None else _tiny(model_args, found[0])
     if model is None:
         return
+    attention = layer_stack(model)[0].get_submodule(found[1].path)
     seen = []
 
     def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -190,10 +194,9 @@ def check_transformers_attention(model_args) -> None:
         return out.transpose(1, 2).contiguous(), None
 
     interface = types.SimpleNamespace(get_interface=lambda name, default: record)
-    layers = model.get_decoder().layers
-    cls, name = type(layers[0].self_attn).__qualname__, type(layers[0].self_attn).__module__
+    cls, name = type(attention).__qualname__, type(attention).__module__
     binding.forget("host_checks:")  # the last probe's class holds its recorder: not kept once done
-    used = binding.bind(layers[0].self_attn, {}, key=f"host_checks:{next(_probes)}", names={name: {"ALL_ATTENTION_FUNCTIONS": interface}})
+    used = binding.bind(attention, {}, key=f"host_checks:{next(_probes)}", names={name: {"ALL_ATTENTION_FUNCTIONS": interface}})
     T = 6
     tokens = torch.arange(1, T + 1)[None]
     with torch.no_grad():
@@ -289,8 +292,13 @@ def _transformers_model(model_args) -> bool:
 
 
 def _fla_model(model_args) -> bool:
-    """An fla model, or one whose mixers call kernels titan_ext replaces (transformers' Gated DeltaNet)."""
-    return model_args.library == "fla" or any(mixer.portable_kernels for mixer in model_args.layer_mixers())
+    """An fla model, or one with a token mixer other than softmax attention (whose kernels may be fla's)."""
+    from titan_ext.models.mixers import TransformersAttention
+
+    return model_args.library == "fla" or any(
+        part.mixes_tokens and not isinstance(part, TransformersAttention)
+        for mixer in model_args.layer_mixers() for part in mixer.parts
+    )
 
 
 HOST_CHECKS: tuple[HostCheck, ...] = (

@@ -793,12 +793,6 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
            "titan_ext.kernels.transformers_kda:causal_conv1d_fn",
            "its convolution takes packed documents as cu_seq_lens_q and convolves across them: titan_ext's torch "
            "convolution (transformers' own fallback is torch too), each document from zero", ("portable", "fla")),
-    *(Kernel(f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward",
-             f"titan_ext.kernels.transformers_gated_deltanet:{model}_forward",
-             "in training, transformers' Gated DeltaNet layer convolves without document resets and takes packed "
-             "documents in one row only: the same layer on fla's kernel contracts (this path's kernels; documents, "
-             "TP shares and CP as fla's Gated DeltaNet has them); no cache", ("portable", "fla"), training_only=True)
-      for model, cls in (("qwen3_5", "Qwen3_5"), ("qwen3_next", "Qwen3Next"))),
     Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
     Kernel(
         "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss",

@@ -460,7 +460,7 @@ RECORDS = RouterRecords()
 
 def moe_layer_indices(model: nn.Module) -> list[int]:
     """The decoder layers (their indices in the whole model, also in a pipeline stage) holding a MoE block."""
-    return [int(name) for name, layer in model.get_decoder().layers.named_children() if moe_blocks(layer)]
+    return [int(name) for name, layer in model.blocks().named_children() if moe_blocks(layer)]
 
 
 def apply_router_records(model: nn.Module, choice: MoEChoice | None,

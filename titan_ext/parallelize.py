@@ -1,7 +1,7 @@
 """``parallelize_fn`` for HF-layout models: TP, CP, AC, compile, then FSDP/HSDP or DDP.
 
 The order is torchtitan's. Each step is a small function over the HF layout
-(``model.model.layers``, ``model.model.norm``, ``model.lm_head``), because
+(the layer stack, final norm and head found in the model: ``models.structure``), because
 torchtitan's own ``apply_tp``/``apply_fsdp`` hard-code its Llama names. Every
 choice was made once, in the job plan the model's args carry (``titan_ext.job_plan``).
 """
@@ -88,19 +88,18 @@ def apply_fsdp(
         # Pinned host memory needs an accelerator; without one the offload is a plain copy.
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if dp.cpu_offload else OffloadPolicy(),
     }
-    decoder = model.get_decoder()
     tied = model.config.tie_word_embeddings
     # A pipeline stage holds the embedding, the final norm or the head only where it runs them (and a tied
     # head's stage the embedding too, as the owner of the head's weight: the root group owns both).
     embeddings = model.get_input_embeddings()
     if not tied and embeddings is not None:
         fully_shard(embeddings, **config, reshard_after_forward=dp.reshard_blocks)
-    for block in decoder.layers:
+    for block in model.blocks():
         if expert_mesh is not None:
             for moe_block in moe_blocks(block):
                 fully_shard(moe_block.experts, **{**config, "mesh": expert_mesh}, reshard_after_forward=dp.reshard_blocks)
         fully_shard(block, **config, reshard_after_forward=dp.reshard_blocks)
-    head = [m for m in (decoder.norm, model.get_output_embeddings()) if m is not None and any(True for _ in m.parameters())]
+    head = [m for m in (model.final_norm(), model.get_output_embeddings()) if m is not None and any(True for _ in m.parameters())]
     if head_alone:
         head = [m for m in head if m is model.get_output_embeddings()]
     if not tied and head:

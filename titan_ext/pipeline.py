@@ -63,14 +63,8 @@ class StageLayers(nn.Module):
 
 def model_parts_of(model: nn.Module) -> tuple[str, str, str, str]:
     """FQNs of (input embedding, block list, final norm, output head), found in the model."""
-    names = {id(module): name for name, module in model.named_modules()}
-    decoder = model.get_decoder()
-    return (
-        names[id(model.get_input_embeddings())],
-        names[id(decoder.layers)],
-        names[id(decoder.norm)],
-        names[id(model.get_output_embeddings())],
-    )
+    s = model.structure
+    return s.embeddings, s.layers, s.final_norm, s.head
 
 
 def _schedule_class(name: str):
@@ -111,8 +105,8 @@ def _balanced_stages(model: nn.Module, p, count: int, seq_len: int) -> list[list
     from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
 
     embeddings, layers, norm, head = model_parts_of(model)
-    num_layers = len(model.get_decoder().layers)
-    if model.arch.hybrid(model.config):
+    num_layers = len(model.blocks())
+    if model.structure.hybrid:
         return _cost_balanced(model, p, count, seq_len)
     try:
         generic = generate_llm_fqn_per_model_part(
@@ -130,7 +124,7 @@ def _balanced_stages(model: nn.Module, p, count: int, seq_len: int) -> list[list
 def layer_costs(model: nn.Module, seq_len: int) -> list[int]:
     """Training FLOPs per token of each block: 6 per matmul weight plus its token mixer's own
     (``titan_ext.models.mixers``; a hybrid's attention layers cost more than its recurrent ones)."""
-    blocks = model.get_decoder().layers
+    blocks = model.blocks()
     return [6 * sum(p.numel() for p in block.parameters()) + (mixer.flops_per_token(model.config, i, seq_len) or 0)
             for i, (block, mixer) in enumerate(zip(blocks, model.mixers))]
 
@@ -170,7 +164,7 @@ def _cost_balanced(model: nn.Module, p, count: int, seq_len: int) -> list[list[s
 def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
     """``module_fqns_per_model_part``: every part named once, each name a part of this model."""
     embeddings, layers, norm, head = model_parts_of(model)
-    parts = [embeddings, *(f"{layers}.{i}" for i in range(len(model.get_decoder().layers))), norm, head]
+    parts = [embeddings, *(f"{layers}.{i}" for i in range(len(model.blocks()))), norm, head]
     named = [name for stage in stages for name in stage]
     option = "--parallelism.module_fqns_per_model_part"
     for name in named:
@@ -213,7 +207,7 @@ def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
         stages = [list(stage) for stage in p.module_fqns_per_model_part]
         _check_given_stages(model, stages)
     else:
-        per_rank = _stages_per_rank(p, len(model.get_decoder().layers), issubclass(schedule_class, PipelineScheduleSingle))
+        per_rank = _stages_per_rank(p, len(model.blocks()), issubclass(schedule_class, PipelineScheduleSingle))
         stages = _balanced_stages(model, p, per_rank * p.pipeline_parallel_degree, training.seq_len)
     if len(stages) % p.pipeline_parallel_degree:
         raise ConfigError(

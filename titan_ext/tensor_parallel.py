@@ -7,6 +7,7 @@ compile and FSDP), as torchtitan orders them. The plans themselves live in
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch.nn as nn
@@ -52,24 +53,39 @@ def check_tp(model: nn.Module, job_config) -> None:
 
 
 def plan_class(model: nn.Module, degree: int) -> type:
-    """The model's plan class (``model_plans.plan_for_model``), its layers of another token mixer than the
-    architecture's own (a hybrid's) taking their mixer's entries (``model_plans.mixers``)."""
-    import model_plans
-    from model_plans import plan_for_model, with_layer_mixers
+    """The model's plan class (``model_plans.plan_for_model``), each layer's token mixers other than the one the
+    plan covers (a hybrid's, an unknown mixer's) taking their own entries (``Mixer.tp_entries``)."""
+    from model_plans import TPPlan, plan_for_model, with_layer_mixers
 
-    own = type(model.arch.own_mixer(model.config))
-    others = {}
+    own = model.arch.mixer
+    others, paths = {}, {}
     for index, mixer in enumerate(model.mixers):
-        if type(mixer) is own:
-            continue
-        if mixer.tp_plan is None:
-            raise ConfigError(
-                f"--parallelism.tensor_parallel_degree={degree}: layer {index} ({mixer.name}) has no "
-                "tensor-parallel plan in titan_ext; set the degree to 1"
-            )
-        others[index] = getattr(model_plans.mixers, mixer.tp_plan)
-    attributes = {index: model.mixers[index].attribute for index in others}
-    return with_layer_mixers(plan_for_model(model, attributes), others)
+        parts = [part for part in mixer.parts if own is None or type(part) is not own]
+        for part in parts:
+            if part.mixes_tokens and part.tp_entries(TPPlan()) is None:
+                raise ConfigError(
+                    f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer {part.path!r} "
+                    f"({part.name}) has no tensor-parallel plan in titan_ext; set the degree to 1"
+                )
+        if parts:
+            others[index] = functools.partial(_entries_of, tuple(parts))
+            paths[index] = tuple(part.path for part in parts if part.mixes_tokens)
+    layers = None
+    if model.arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
+        base = model.base_model_prefix if model.base_model is not model else ""
+        layers = model.structure.layers.removeprefix(f"{base}.") if base else model.structure.layers
+    try:
+        plan_cls = plan_for_model(model, paths, layers)
+    except ValueError:
+        if model.arch.library != "fla" or len(others) != len(model.mixers):
+            raise
+        plan_cls = TPPlan  # an fla model type without a plan: fla's block names, every mixer's own entries
+    return with_layer_mixers(plan_cls, others)
+
+
+def _entries_of(parts: tuple, plan) -> dict:
+    """The TP entries of a layer's token mixers, for a plan (``TPPlan.layer_mixers``)."""
+    return {path: style for part in parts for path, style in part.tp_entries(plan).items()}
 
 
 def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
@@ -108,5 +124,6 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = F
         f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
         f"float8={options.float8}, async={choice.async_tp}, head_in_loss={head_in_loss}"
-        + "".join(f"; layer {index} takes model_plans.mixers.{entries.__name__}" for index, entries in plan.layer_mixers)
+        + "".join(f"; layer {index}'s {', '.join(part.name for part in entries.args[0])} take their own entries"
+                  for index, entries in plan.layer_mixers)
     )

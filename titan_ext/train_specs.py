@@ -7,14 +7,12 @@ from collections.abc import Iterator, Mapping
 
 from titan_ext.errors import config_boundary
 from titan_ext.job import JobModelArgs
-from titan_ext.models import deepseek_v3, kimi_linear  # noqa: F401  (register their architectures)
 from titan_ext.models.architecture import LIBRARIES
 from titan_ext.models.args import HFModelArgs
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
 from titan_ext.models.kda import kda_flavors
 from titan_ext.models.llama import llama_flavors
-from titan_ext.models import qwen3_5, qwen3_moe  # noqa: F401  (register the Qwen3.5, Qwen3-Next and Qwen3-MoE architectures)
 from titan_ext.models.transformer import transformer_flavors
 
 

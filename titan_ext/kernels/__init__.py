@@ -76,10 +76,12 @@ def default_path() -> str:
     return "fla" if torch.cuda.is_available() and not cpu_mode.forced() else "portable"
 
 
-def bind(model: nn.Module, path: str, training: bool = False) -> nn.Module:
+def bind(model: nn.Module, path: str, training: bool = False, forwards: dict | None = None) -> nn.Module:
     """Make ``model`` (in place) run the kernels of ``path`` (``training``: as a model titan_ext trains);
-    returns it."""
-    _bind(model, replacements(path, training), f"{path}:training" if training else path, global_names(path))
+    returns it. ``forwards``: a module class's ``forward`` -> the one titan_ext's training models run instead
+    (a mixer's ``training_forward``), itself seeing the path's kernels."""
+    chosen = {**replacements(path, training), **(forwards or {})}
+    _bind(model, chosen, f"{path}:training" if training else path, global_names(path))
     return model
 
 
@@ -139,7 +141,7 @@ def unported(model: nn.Module) -> dict[str, str]:
     layer's ``forward`` in a checkpointing closure whose code names no kernel).
     """
     found, read = {}, set()
-    for module in model.get_decoder().layers.modules():
+    for module in model.get_decoder().modules():
         cls = type(module)
         if cls in read:  # the blocks' modules share their classes: each class read once
             continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ from titan_ext import compat, kernels
 from titan_ext.errors import ConfigError, HostChanged, defer
 from titan_ext.models import packing
 from titan_ext.models.args import HFModelArgs
+from titan_ext.models.structure import structure_of
 
 
 class TitanCausalLM:
@@ -34,12 +36,27 @@ class TitanCausalLM:
             super().__init__(model_args.to_hf_config())
         self.model_args = model_args
         self.arch = model_args.arch
-        self.mixers = self.arch.layer_mixers(self.config)  # each layer's token mixer, by index
-        fla = any(klass.__module__.startswith("fla.") for klass in type(self).__mro__)
-        if fla or any(mixer.portable_kernels for mixer in self.mixers):
-            kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True)
+        self.structure = structure_of(self)
+        self.mixers = self.structure.mixers  # each layer's token mixer, by index, recognised from its modules
+        if "fla" in sys.modules:  # only fla's kernels are replaced, and only a process that imported fla calls them
+            forwards = {part.module_class.forward: forward for mixer in self.mixers for part in mixer.parts
+                        if (forward := part.training_forward()) is not None}
+            kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True, forwards=forwards)
         if self.config.tie_word_embeddings:
             self.register_state_dict_post_hook(_without_tied_head)
+
+    def blocks(self) -> nn.Module:
+        """The layer stack (a pipeline stage's: its own blocks, under their indices)."""
+        return self.get_submodule(self.structure.layers)
+
+    def final_norm(self) -> nn.Module | None:
+        """The final norm, where this model (or pipeline stage) holds one."""
+        if self.structure.final_norm is None:
+            return None
+        try:
+            return self.get_submodule(self.structure.final_norm)
+        except AttributeError:  # a pipeline stage without it
+            return None
 
     residual_layout = None
     """Set by TP with sequence parallel: (mesh, placements) of the residual stream. A pipeline stage
@@ -89,7 +106,7 @@ class TitanCausalLM:
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
             mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
-            if any(mixer.cp_kernels for mixer in self.mixers):  # a hybrid's recurrent layers: one packed row
+            if any(part.cp_kernels for mixer in self.mixers for part in mixer.parts):  # recurrent layers: one packed row
                 inputs["cu_seq_lens_q"] = packing.cu_seqlens(document_positions)
         hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.cp_layout is not None and (missed := self.cp_layout.check_paths()):

@@ -2,17 +2,14 @@
 
 A model is its HF config: transformers' Auto classes give the config and
 causal-LM classes of any ``model_type`` (fla registers its models there when
-imported). What the config cannot say lives in an ``Architecture``: the map from
-each layer to its token mixer (``titan_ext.models.mixers``: TP entries, CP path,
-FLOPs, documents), read from the config, and what is the model's as a whole
-(how packed documents reach it, what training forces, Float8's exceptions).
-A pure model maps every layer to its own ``mixer``; a hybrid maps some layers to
-another (fla's ``attn`` config makes those layers fla's softmax ``Attention``;
-transformers' ``config.layer_types`` names each layer's kind). Each shipped
-architecture module (``gla``, ``gated_deltanet``, ``kda``, ``transformer``, ``llama``)
-registers one together with its flavor table; any other model type gets its
-library's generic architecture. A subclass of a known config class (a user's
-variant under a new ``model_type``) inherits its parent's architecture.
+imported). Each layer's token mixer is recognised from the modules it holds
+(``models.structure``, ``models.mixers``), never from the model type. What the
+model has as a whole lives in an ``Architecture``: how packed documents reach it,
+what training forces, Float8's exceptions, the mixer its registered TP plan covers.
+Each shipped architecture module (``gla``, ``gated_deltanet``, ``kda``,
+``transformer``, ``llama``) registers one together with its flavor table; any other
+model type gets its library's generic architecture. A subclass of a known config
+class (a user's variant under a new ``model_type``) inherits its parent's.
 """
 
 from __future__ import annotations
@@ -29,12 +26,14 @@ LIBRARIES = {"fla": "fla", "hf": "transformers"}
 
 
 class Architecture:
-    """Per-model-type knowledge; methods read the built HF config (defaults filled in)."""
+    """Per-model-type knowledge beyond each layer's mixer (which is recognised from the layer's modules:
+    ``models.structure``); methods read the built HF config (defaults filled in)."""
 
     model_type: ClassVar[str] = ""
     library: ClassVar[str] = "transformers"
-    mixer: ClassVar[Mixer | None] = None
-    """The architecture's own token mixer (None: a model type titan_ext does not know: ``mixers.Unknown``)."""
+    mixer: ClassVar[type[Mixer] | None] = None
+    """The token mixer the model type's registered TP plan covers in its ``attn_plan`` (its other layers' mixers
+    bring their own entries, ``tensor_parallel.plan_class``)."""
 
     packed_layout: ClassVar[str] = "position_ids"
     """How the model takes packed documents (``titan_ext.documents``): fla's ``cu_seqlens`` over one
@@ -43,86 +42,31 @@ class Architecture:
     """Linears (FQN parts) Float8 training keeps in high precision unless the job names its own
     filters: the output head, for the precision of the logits."""
 
-    def config_overrides(self) -> dict[str, Any]:
+    def config_overrides(self, model_class: type) -> dict[str, Any]:
         """Config fields forced by training under torchtitan (e.g. no fused loss inside the model)."""
         return {}
 
-    def own_mixer(self, config) -> Mixer:
-        return self.mixer if self.mixer is not None else mixers.Unknown(config.model_type)
-
-    def layer_mixers(self, config) -> tuple[Mixer, ...]:
-        """Each layer's token mixer, by index: the architecture's own, in a pure model."""
-        return (self.own_mixer(config),) * config.num_hidden_layers
-
-    def hybrid(self, config) -> bool:
-        return len({type(m) for m in self.layer_mixers(config)}) > 1
-
-    def _first_blocker(self, config, reason_of) -> str | None:
-        """The first layer's reason (``reason_of(mixer, layer)``); in a hybrid it names the layer and its mixer."""
-        for layer, mixer in enumerate(self.layer_mixers(config)):
-            reason = reason_of(mixer, layer)
-            if reason:
-                return f"layer {layer} ({mixer.name}): {reason}" if self.hybrid(config) else reason
-        return None
-
-    def mixer_flops_per_token(self, config, seq_len: int) -> int | None:
-        """Training FLOPs per token of every layer's token mixer beyond its projections; None if one is unknown."""
-        counts = [m.flops_per_token(config, layer, seq_len) for layer, m in enumerate(self.layer_mixers(config))]
-        return None if None in counts else sum(counts)
-
-    def document_mask_blocker(self, config) -> str | None:
-        """Why this model cannot keep packed documents apart (a one-line reason and fix), or None."""
-        return self._first_blocker(config, lambda mixer, layer: mixer.document_mask_blocker(config, layer))
-
-    def ring_attention_blocker(self, config) -> str | None:
-        """Why this model's attention under CP is not plain causal SDPA, which torch's ring runs (it then
-        attends over all-gathered keys and values, masked), or None."""
-        for layer, mixer in enumerate(self.layer_mixers(config)):
-            if mixer.cp_attention and (reason := mixer.ring_attention_blocker(config, layer)):
-                return reason
-        return None
-
-    def context_parallel_blocker(self, config) -> str | None:
-        """Why this model cannot split sequences across ranks (a one-line reason and fix), or None."""
-        return self._first_blocker(config, lambda mixer, layer: mixer.context_parallel_blocker(config, layer))
-
 
 class FlaArchitecture(Architecture):
-    """Any fla causal LM: packed documents as ``cu_seqlens``; the loss stays out of the model; the layers
-    fla's ``attn`` config names are fla's softmax ``Attention``."""
+    """Any fla causal LM: packed documents as ``cu_seqlens``; the loss stays out of the model."""
 
     library = "fla"
     packed_layout = "cu_seqlens"
 
-    def config_overrides(self):
+    def config_overrides(self, model_class):
         # torchtitan computes the loss from the logits; the model must not.
         return {"fuse_cross_entropy": False, "fuse_linear_cross_entropy": False}
 
-    def layer_mixers(self, config):
-        own, attention = self.own_mixer(config), set(mixers.attention_layers(config))
-        return tuple(FLA_ATTENTION if layer in attention else own for layer in range(config.num_hidden_layers))
-
-
-FLA_ATTENTION = mixers.FlaAttention()
-
 
 class TransformersArchitecture(Architecture):
-    """Any transformers causal LM: softmax attention through torch's SDPA; a hybrid's other layers by
-    ``config.layer_types``."""
+    """Any transformers causal LM: softmax attention through torch's SDPA where the model supports it, else
+    the attention implementation the model needs (attention sinks: eager)."""
 
-    mixer = mixers.TransformersAttention(context_parallel=False)
-    layer_types: ClassVar[dict[str, Mixer]] = {"linear_attention": mixers.TransformersGatedDeltaNet()}
-    """``config.layer_types`` entries whose layer is not the architecture's own attention."""
+    mixer = mixers.TransformersAttention
 
-    def config_overrides(self):
+    def config_overrides(self, model_class):
         # torch's fused SDPA kernels on every device; no flash-attn package needed.
-        return {"attn_implementation": "sdpa"}
-
-    def layer_mixers(self, config):
-        kinds = getattr(config, "layer_types", None) or ()
-        own = self.own_mixer(config)
-        return tuple(self.layer_types.get(kinds[layer] if layer < len(kinds) else "", own)
-                     for layer in range(config.num_hidden_layers))
+        return {"attn_implementation": "sdpa"} if getattr(model_class, "_supports_sdpa", False) else {}
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -14,6 +16,7 @@ from torchtitan.protocols.model import BaseModelArgs
 from titan_ext.inputs import hf_config
 from titan_ext.errors import ConfigError, config_boundary
 from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes
+from titan_ext.models.structure import Structure, structure_of
 
 logger = logging.getLogger()
 
@@ -116,7 +119,7 @@ class HFModelArgs(BaseModelArgs):
     def to_hf_config(self):
         """The config the model is built from: the architecture and what training forces (over what a
         checkpoint's config.json says, e.g. GLA-340M's ``fuse_cross_entropy``)."""
-        return self.hf_config_class(**{**self.architecture(), **self.arch.config_overrides()})
+        return self.hf_config_class(**{**self.architecture(), **self.arch.config_overrides(self.hf_model_class)})
 
     def update_from_hf_config(self, given: dict[str, Any], source: str) -> None:
         """Take the architecture of a config.json: it sets the model type of a blank flavor, and overrides
@@ -158,21 +161,26 @@ class HFModelArgs(BaseModelArgs):
             self.update_from_hf_config(load_hf_config_json(assets, option), f"{option}={assets!r}")
         self.classes()  # an unknown model type is one line here
 
+    def structure(self) -> Structure:
+        """Where the model these args build keeps its parts, and each layer's token mixer (``models.structure``),
+        read from the model built on the meta device (once per architecture)."""
+        return _structure(self.library, json.dumps(self.config, sort_keys=True))
+
     def layer_mixers(self) -> tuple:
         """Each layer's token mixer (``titan_ext.models.mixers``), by index."""
-        return self.arch.layer_mixers(self.to_hf_config())
+        return self.structure().mixers
 
     def document_mask_blocker(self) -> str | None:
-        return self.arch.document_mask_blocker(self.to_hf_config())
+        return self.structure().document_mask_blocker(self.to_hf_config())
 
     def context_parallel_blocker(self) -> str | None:
-        return self.arch.context_parallel_blocker(self.to_hf_config())
+        return self.structure().context_parallel_blocker(self.to_hf_config())
 
     def ring_attention_blocker(self) -> str | None:
-        return self.arch.ring_attention_blocker(self.to_hf_config())
+        return self.structure().ring_attention_blocker(self.to_hf_config())
 
-    def mixer_flops_per_token(self, seq_len: int) -> int | None:
-        return self.arch.mixer_flops_per_token(self.to_hf_config(), seq_len)
+    def mixer_flops_per_token(self, seq_len: int) -> int:
+        return self.structure().mixer_flops_per_token(self.to_hf_config(), seq_len)[0]
 
     def get_nparams_and_flops(self, model, seq_len: int) -> tuple[int, int]:
         """Parameters, and training FLOPs per token: 6 per matmul weight plus the mixer's term.
@@ -185,14 +193,27 @@ class HFModelArgs(BaseModelArgs):
         embedding = model.get_input_embeddings().weight.numel()
         matmul_params = nparams if model.config.tie_word_embeddings else nparams - embedding
         matmul_params -= idle_expert_params(model)
-        mixer = self.arch.mixer_flops_per_token(model.config, seq_len)
-        if mixer is None:
+        mixer, uncounted = model.structure.mixer_flops_per_token(model.config, seq_len)
+        if uncounted:
             logger.warning(
-                f"titan_ext: no FLOP count for the token mixer of {self.model_type!r} models; "
-                "MFU counts 6 FLOPs per matmul weight only (register an Architecture or a mixer to count it)"
+                f"titan_ext: no FLOP count beyond their weights for the token mixers of layers {uncounted} "
+                f"({model.mixers[uncounted[0]].name}); MFU counts 6 FLOPs per matmul weight there"
             )
-            mixer = 0
         return nparams, 6 * matmul_params + mixer
+
+
+@functools.lru_cache(maxsize=16)
+def _structure(library: str, config: str) -> Structure:
+    import torch
+
+    args = HFModelArgs(library=library, config=json.loads(config))
+    building = contextlib.nullcontext()
+    if library == "fla":
+        from titan_ext.host_patches import building  # fla's Attention refuses to build without flash-attn
+
+        building = building()
+    with building, torch.device("meta"):
+        return structure_of(args.hf_model_class(args.to_hf_config()))
 
 
 def idle_expert_params(model) -> int:

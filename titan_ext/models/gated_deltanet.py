@@ -10,7 +10,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class GatedDeltaNet(FlaArchitecture):
     model_type = "gated_deltanet"
-    mixer = mixers.GatedDeltaNet()
+    mixer = mixers.GatedDeltaNet
 
 
 def gated_deltanet(**fields):

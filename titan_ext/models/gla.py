@@ -10,7 +10,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class GLA(FlaArchitecture):
     model_type = "gla"
-    mixer = mixers.GLA()
+    mixer = mixers.GLA
     # and the low-rank gate (gk_proj.0/.1, rank 16): too little work to pay for the casts
     float8_high_precision = ("gk_proj", "lm_head")
 

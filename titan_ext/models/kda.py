@@ -10,7 +10,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class KDA(FlaArchitecture):
     model_type = "kda"
-    mixer = mixers.KDA()
+    mixer = mixers.KDA
     # and the low-rank gates' down-projections and beta (num_v_heads outputs): too little work to pay for the casts
     float8_high_precision = ("f_proj", "g_proj.0", "b_proj", "lm_head")
 

@@ -1,16 +1,8 @@
-"""transformers' Llama (``model_type "llama"``, Llama 3.x architecture): architecture and flavors."""
+"""transformers' Llama (``model_type "llama"``, Llama 3.x architecture): its flavors."""
 
 from __future__ import annotations
 
-from titan_ext.models import mixers
-from titan_ext.models.architecture import TransformersArchitecture, register_architecture
 from titan_ext.models.args import transformers_model
-
-
-@register_architecture
-class Llama(TransformersArchitecture):
-    model_type = "llama"
-    mixer = mixers.TransformersAttention()
 
 
 def llama3_rope(factor: float, original_context: int = 8192, theta: float = 500000.0) -> dict:

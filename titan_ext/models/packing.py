@@ -57,14 +57,15 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
     layout = model.cp_layout
     layout.record(positions, document_positions)
     local = layout.local_document_positions
-    if any(mixer.cp_attention == "transformers" for mixer in model.mixers):  # rotary at position_ids: global,
+    parts = [part for mixer in model.mixers for part in mixer.parts]
+    if any(part.cp_attention == "transformers" for part in parts):  # rotary at position_ids: global,
         if local is None:  # or within each document
             return {**first, "position_ids": positions}
         inputs = {**first, "position_ids": local, "attention_mask": _MASKED_BY_LAYOUT.to(local.device)}
-        if any(mixer.cp_kernels for mixer in model.mixers):  # a hybrid's recurrent layers: piece rows as one packed row
+        if any(part.cp_kernels for part in parts):  # a hybrid's recurrent layers: piece rows as one packed row
             inputs["cu_seq_lens_q"] = packed_cu_seqlens(layout)
         return inputs
-    if local is None or not any(mixer.cp_kernels for mixer in model.mixers):  # fla's attention reads the layout
+    if local is None or not any(part.cp_kernels for part in parts):  # fla's attention reads the layout
         return first
     # recurrent mixers on packed documents: the piece rows as one row (fla's attention layers read the layout)
     flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}

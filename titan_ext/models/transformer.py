@@ -15,7 +15,7 @@ from titan_ext.models.args import fla_model
 @register_architecture
 class Transformer(FlaArchitecture):
     model_type = "transformer"
-    mixer = mixers.FlaAttention()
+    mixer = mixers.FlaAttention
 
 
 def transformer(**fields):

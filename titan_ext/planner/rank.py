@@ -1046,7 +1046,7 @@ def _blocks_alike(model_args, plan) -> bool:
     """Every block the same module: one token mixer throughout, every FFN alike (no dense layers among MoE
     ones), and AC the same for each (not every Nth)."""
     config = model_args.to_hf_config()
-    if len({type(m) for m in model_args.arch.layer_mixers(config)}) != 1:
+    if model_args.structure().hybrid:
         return False
     if len(set(getattr(config, "layer_types", None) or [None])) != 1 or getattr(config, "attn", None):
         return False

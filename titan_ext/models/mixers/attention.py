@@ -3,7 +3,7 @@ transformers' attention modules."""
 
 from __future__ import annotations
 
-from titan_ext.models.mixers.base import Mixer
+from titan_ext.models.mixers.base import Mixer, forward_globals
 
 
 def attention_flops(heads: int, head_dim: int, keys: int) -> int:
@@ -21,6 +21,7 @@ class FlaAttention(Mixer):
     (a hybrid) the ``attn`` entry naming the layer (``fla.models.configuration_utils``)."""
 
     name = "fla attention"
+    classes = ("fla.layers.attn:Attention",)
     tp_plan = "fla_attention"
     cp_attention = "fla"
 
@@ -55,31 +56,48 @@ def attention_layers(config) -> list[int]:
 
 
 class TransformersAttention(Mixer):
-    """A transformers attention module (``self_attn``), through torch's SDPA.
-
-    ``context_parallel``: whether titan_ext binds its CP attention for the model types using it (checked
-    by ``host_checks.check_transformers_attention`` and the matrix: Llama's, Qwen3.5's and Qwen3-Next's).
-    """
+    """A transformers attention module: one whose forward calls the attention its modeling file looks up in
+    ``ALL_ATTENTION_FUNCTIONS`` (where context parallelism and document masking put theirs; that it does, and
+    rotates at the positions given, is probed at every job's start: ``host_checks``). A sliding window is
+    honoured (masked attention over all-gathered keys and values under CP); attention sinks and logit
+    softcapping have no CP or per-document path here."""
 
     name = "transformers attention"
-    attribute = "self_attn"
     tp_plan = "transformers_attention"
+    cp_attention = "transformers"
 
-    def __init__(self, context_parallel: bool = True):
-        self.cp_attention = "transformers" if context_parallel else ""
+    def __init__(self, path: str = "", module=None):
+        super().__init__(path, module)
+        self.window = getattr(module, "sliding_window", None)
+        self.unsupported = [what for what, present in (
+            ("attention sinks", module is not None and getattr(module, "sinks", None) is not None),
+            ("logit softcapping", getattr(getattr(module, "config", None), "attn_logit_softcapping", None) is not None),
+        ) if present]
+
+    @classmethod
+    def recognizes(cls, module):
+        return "ALL_ATTENTION_FUNCTIONS" in forward_globals(module)
 
     def ring_attention_blocker(self, config, layer):
         dropout = getattr(config, "attention_dropout", 0.0)
-        return f"attention_dropout={dropout}" if dropout else None
+        if dropout:
+            return f"attention_dropout={dropout}"
+        return f"sliding_window={self.window}" if self.window else None
+
+    def _refusal(self, what: str, fix: str) -> str | None:
+        if not self.unsupported:
+            return None
+        return (f"{self.module_name}'s {', '.join(self.unsupported)} has no {what} in titan_ext; {fix}")
 
     def context_parallel_blocker(self, config, layer):
-        if not self.cp_attention:
-            return f"titan_ext has no context-parallel path for {config.model_type!r} models yet; set it to 1"
-        return None
+        return self._refusal("context-parallel path", "set the degree to 1")
+
+    def document_mask_blocker(self, config, layer):
+        return self._refusal("per-document path", "turn document_mask off")
 
     def flops_per_token(self, config, layer, seq_len):
         heads = getattr(config, "num_attention_heads", None)
         if not heads:
             return None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return attention_flops(heads, head_dim, seq_len)
+        return attention_flops(heads, head_dim, min(seq_len, self.window or seq_len))

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from titan_ext.kernels.state_passing import AffineState
-from titan_ext.models.mixers.base import Mixer
+from titan_ext.models.mixers.base import Mixer, forward_globals, kernel_name
 
 
 def delta_rule_flops(heads: int, key_dim: int, value_dim: int, chunk: int | None = None) -> int:
@@ -26,6 +28,7 @@ def delta_rule_flops(heads: int, key_dim: int, value_dim: int, chunk: int | None
 
 class GatedDeltaNet(Mixer):
     name = "gated deltanet"
+    classes = ("fla.layers.gated_deltanet:GatedDeltaNet",)
     tp_plan = "gated_deltanet"
     cp_kernels = {"chunk_gated_delta_rule": AffineState(), "fused_recurrent_gated_delta_rule": AffineState()}
 
@@ -35,18 +38,41 @@ class GatedDeltaNet(Mixer):
 
 
 class TransformersGatedDeltaNet(Mixer):
-    """transformers' Gated DeltaNet layer (``linear_attn``: Qwen3.5's, Qwen3-Next's). In titan_ext's jobs it runs
-    ``kernels.transformers_gated_deltanet``'s forward (``host_patches.MODEL_KERNELS``), which calls the delta
-    rule and its short convolution by fla's contracts, under the names fla's Gated DeltaNet uses: the same
-    state passing and halo under CP, and packed documents (``cu_seq_lens_q``) restart both; under TP it runs on
-    its rank's heads."""
+    """transformers' Gated DeltaNet layer in Qwen3.5's layout (Qwen3.5, Qwen3.5-MoE, Qwen4, LaRA-mini: whatever
+    the family, a module whose forward calls the ``chunk_gated_delta_rule`` kernel and that holds Qwen3.5's
+    projections). In titan_ext's training models it runs ``kernels.transformers_gated_deltanet``'s forward,
+    which calls the delta rule and its short convolution by fla's contracts, under the names fla's Gated
+    DeltaNet uses: the same state passing and halo under CP, and packed documents (``cu_seq_lens_q``) restart
+    both; under TP it runs on its rank's heads."""
 
-    name = "transformers' gated deltanet (linear_attn)"
-    attribute = "linear_attn"
+    name = "transformers' gated deltanet"
+    projections: ClassVar[tuple[str, ...]] = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d")
     tp_plan = "transformers_gated_deltanet"
-    portable_kernels = True
     recurrent_documents = True
     cp_kernels = {"chunk_gated_delta_rule": AffineState()}
 
+    @classmethod
+    def recognizes(cls, module):
+        calls = {kernel_name(value) for value in forward_globals(module).values()}
+        held = {name for name, _ in module.named_children()} | {name for name, _ in module.named_parameters(recurse=False)}
+        return "chunk_gated_delta_rule" in calls and set(cls.projections) | {"A_log", "dt_bias"} <= held
+
+    def training_forward(self):
+        from titan_ext.kernels import transformers_gated_deltanet
+
+        return transformers_gated_deltanet.qwen3_5_forward
+
     def flops_per_token(self, config, layer, seq_len):
         return delta_rule_flops(config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+
+
+class TransformersGatedDeltaNetGrouped(TransformersGatedDeltaNet):
+    """transformers' Gated DeltaNet layer in Qwen3-Next's layout: its projections grouped by key head
+    (``in_proj_qkvz``, ``in_proj_ba``)."""
+
+    projections = ("in_proj_qkvz", "in_proj_ba", "conv1d")
+
+    def training_forward(self):
+        from titan_ext.kernels import transformers_gated_deltanet
+
+        return transformers_gated_deltanet.qwen3_next_forward

@@ -9,6 +9,7 @@ from titan_ext.models.mixers.base import Mixer
 
 class GLA(Mixer):
     name = "gla"
+    classes = ("fla.layers.gla:GatedLinearAttention",)
     tp_plan = "gla"
     cp_kernels = {"chunk_gla": DiagonalDecay("g"), "fused_recurrent_gla": DiagonalDecay("gk")}
 

@@ -19,6 +19,7 @@ def kda_flops(heads: int, key_dim: int, value_dim: int) -> int:
 
 class KDA(Mixer):
     name = "kda"
+    classes = ("fla.layers.kda:KimiDeltaAttention",)
     tp_plan = "kda"
     cp_kernels = {"chunk_kda": AffineState(), "fused_recurrent_kda": AffineState()}
 
@@ -35,8 +36,7 @@ class TransformersKDA(Mixer):
     from the layout."""
 
     name = "transformers' kda"
-    attribute = "self_attn"
-    portable_kernels = True
+    classes = ("transformers.models.kimi_linear.modeling_kimi_linear:KimiLinearDeltaAttention",)
     tp_plan = "transformers_kda"
     cp_kernels = {"chunk_kimi_delta_attention": AffineState()}
     cp_contract = "transformers"

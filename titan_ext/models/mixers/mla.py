@@ -29,6 +29,11 @@ class TransformersMLA(TransformersAttention):
     tp_plan = "transformers_mla"
     cp_latents = "expand_kv"
 
+    @classmethod
+    def recognizes(cls, module):
+        """An attention whose keys and values come from one latent, expanded by its ``expand_kv``."""
+        return super().recognizes(module) and callable(getattr(type(module), cls.cp_latents, None))
+
     def flops_per_token(self, config, layer, seq_len):
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         return mla_flops(config.num_attention_heads, qk_head_dim, config.v_head_dim, seq_len)

@@ -85,10 +85,14 @@ class HFTPPlan(TPPlan):
     entries: tuple[tuple[str, BlockEntry], ...] = ()
     optional: frozenset[str] = frozenset()
     """Modules only some blocks have (their entries are ``IfPresent``)."""
+    per_block: tuple[tuple[tuple[str, BlockEntry], ...], ...] = ()
+    """Each block's own entries, by index, where blocks differ in what one module is (a hybrid's dense and MoE
+    FFNs under one name); else empty, and every block takes ``entries``."""
 
     def block_plan(self, index: int | None = None) -> Plan:
         plan = {}
-        for module, entry in self.entries:
+        entries = self.per_block[index] if self.per_block and index is not None else self.entries
+        for module, entry in entries:
             if entry.role == "experts":
                 plan[module] = experts_placed(self.options)
                 continue
@@ -139,7 +143,8 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
     blocks = list(base.get_submodule(layers))
     per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index, ()))
                  for index, block in enumerate(blocks)]
-    entries, optional = _merge(per_block, model_type, stack)
+    merged = _merge(per_block)
+    entries, optional = merged if merged is not None else (per_block[0], set())
     name = _class_name(model_type)
     attributes = dict(
         __module__=__name__,
@@ -152,6 +157,7 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
         layers=_join(prefix, layers),
         entries=tuple(entries.items()),
         optional=frozenset(optional),
+        per_block=() if merged is not None else tuple(tuple(block.items()) for block in per_block),
     )
     return type(name, (HFTPPlan,), attributes)
 
@@ -463,17 +469,13 @@ def _convention(call: ast.Call, first_parameter: str | None) -> str | None:
     return None
 
 
-def _merge(
-    per_block: list[dict[str, BlockEntry]], model_type: str, stack: str
-) -> tuple[dict[str, BlockEntry], set[str]]:
-    """One plan for every block: entries some blocks lack become optional; blocks must not disagree."""
+def _merge(per_block: list[dict[str, BlockEntry]]) -> tuple[dict[str, BlockEntry], set[str]] | None:
+    """One plan for every block: entries some blocks lack become optional; None where blocks disagree (a
+    hybrid's dense and MoE FFNs under one name: each block then keeps its own entries)."""
     merged, counts = {}, {}
     for entries in per_block:
         for path, entry in entries.items():
             if merged.setdefault(path, entry) != entry:
-                raise ValueError(
-                    f"{model_type}: the blocks of {stack} disagree on {path} ({merged[path]} vs {entry}); "
-                    f"{_register_hint(model_type)}"
-                )
+                return None
             counts[path] = counts.get(path, 0) + 1
     return merged, {path for path, count in counts.items() if count < len(per_block)}

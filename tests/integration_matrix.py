@@ -71,6 +71,11 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   documents' seed and single process 2.5 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
+- ``hf_mistral_window``: a sliding window on every layer, under CP masked over all-gathered keys and values
+  (``cp2``, ``cp2_docs``); ``hf_qwen2_moe``'s ``cp2``: attention with a MoE FFN, by no model type's name.
+- ``hf_nemotron_h``: a family titan_ext never names, known by what its layers hold (transformers' Nemotron-H:
+  a Mamba2 mixer titan_ext does not know, kept whole on every rank under TP; attention; an FFN-only layer) in
+  ``single``, ``fsdp2``, ``tp2`` and ``pp2``.
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
@@ -266,6 +271,20 @@ TINY_KIMI_LINEAR_DENSE = {"model_type": "kimi_linear", "hidden_size": 64, "inter
                           "mlp_layer_types": ["dense", "dense"], "vocab_size": 2048, "max_position_embeddings": 512,
                           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 
+# A family titan_ext's code never names (transformers' Nemotron-H): a Mamba2 mixer titan_ext does not know (kept
+# whole on every TP rank), attention and an FFN-only layer each held as ``mixer``, the final norm ``norm_f``.
+TINY_NEMOTRON_H = {"model_type": "nemotron_h", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+                   "layers_block_type": ["linear_attention", "full_attention", "mlp"], "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                   "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16, "vocab_size": 2048,
+                   "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+# A sliding window on every layer (Mistral's): under CP the attention is masked by it over all-gathered keys and
+# values, with and without documents.
+TINY_MISTRAL_WINDOW = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24,
+                       "vocab_size": 2048, "max_position_embeddings": 512}
+
 
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
@@ -292,7 +311,9 @@ SPECS = {
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
                           rows=("single", "fsdp2", "pp2", "hf", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
-                         rows=("single", "ep2_tp2")),
+                         rows=("single", "ep2_tp2", "cp2")),
+    "hf_mistral_window": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_MISTRAL_WINDOW,
+                              rows=("single", "cp2", "cp2_docs")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2")),
     "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2")),
@@ -306,6 +327,8 @@ SPECS = {
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
+    "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
+                          rows=("single", "fsdp2", "tp2", "pp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -368,7 +391,7 @@ EP2 = ("--parallelism.expert_parallel_degree", "2")
 # ~4e-6 (the gradients themselves agree to 2e-7; DDP2's grad norms equal one process's bit for bit), and
 # the clip at max_norm 1.0 carries it into every update. In fp64 CP equals one process to 1e-15
 # (tests/test_context_parallel.py).
-CP_ATTENTION_RTOL = (("hf_llama", 2e-5),)
+CP_ATTENTION_RTOL = (("hf_llama", 2e-5), ("hf_mistral_window", 2e-5), ("hf_qwen2_moe", 2e-5))
 # Gated DeltaNet's gate gradients (A_log, dt_bias, a_proj) carry fp32 noise of ~1e-5 in the kernel itself
 # (its one-pass and per-document paths each differ from fp64 by 7e-6); head-tail pieces of packed documents
 # reorder them so that five AdamW steps move the loss by up to 4.8e-5. In fp64 the exchange is exact to

@@ -18,6 +18,7 @@ import copy
 import contextlib
 import inspect
 import itertools
+import sys
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -179,9 +180,9 @@ def check_transformers_attention(model_args) -> None:
     found = next(((i, part) for i, mixer in enumerate(model_args.layer_mixers()) for part in mixer.parts
                   if isinstance(part, TransformersAttention)), None)
     model = None if found is None else _tiny(model_args, found[0])
-    if model is None:
+    if model is None or len(layer_stack(model)) > 1 and found[0] > 0:  # earlier layers would mix the probe's tokens
         return
-    attention = layer_stack(model)[0].get_submodule(found[1].path)
+    attention = layer_stack(model)[-1].get_submodule(found[1].path)
     seen = []
 
     def record(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -267,15 +268,19 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 
 
 def _tiny(model_args, layer: int = 0, **sizes):
-    """The job's transformers model at ``TINY`` sizes (and ``sizes``) with one layer, of the kind of the job's
-    ``layer``, in fp32 with eager-built weights; None when its config does not take them (an architecture
-    these sizes do not fit is not probed)."""
+    """The job's transformers model at ``TINY`` sizes (and ``sizes``) with one layer of the kind of the job's
+    ``layer`` (or, where the config derives its layers' kinds from their count, its first ``layer + 1``), in fp32
+    with eager-built weights; None when its config does not take them (an architecture these sizes do not fit
+    is not probed)."""
     config = model_args.to_hf_config()
     fields = {name: value for name, value in {**TINY, **sizes}.items() if hasattr(config, name)}
     # the job's token ids lie beyond the tiny vocabulary (transformers warns of them): the probe reads none
     fields.update({name: None for name in ("bos_token_id", "eos_token_id", "pad_token_id") if hasattr(config, name)})
-    if isinstance(getattr(config, "layer_types", None), list):
-        fields["layer_types"] = config.layer_types[layer:layer + 1]
+    settable = not isinstance(inspect.getattr_static(type(config), "layer_types", None), property)
+    if isinstance(getattr(config, "layer_types", None), list) and settable:  # one layer, of the kind of ``layer``
+        fields.update(num_hidden_layers=1, layer_types=config.layer_types[layer:layer + 1])
+    else:  # kinds derived from the layer count (Jamba's period): the first ``layer + 1``
+        fields["num_hidden_layers"] = layer + 1
     try:
         tiny = type(config)(**{**config.to_dict(), **fields})
         tiny._attn_implementation = "sdpa"
@@ -284,6 +289,10 @@ def _tiny(model_args, layer: int = 0, **sizes):
             model = model_args.hf_model_class(tiny).float().eval()
     except Exception:  # noqa: BLE001  (the library's own refusal: this architecture is not probed)
         return None
+    if "fla" in sys.modules:  # its other layers may call fla's kernels: the job's kernel path, as the job's model
+        from titan_ext import kernels
+
+        kernels.bind(model, model_args.kernel_path or kernels.default_path())
     return model
 
 

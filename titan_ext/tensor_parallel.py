@@ -60,16 +60,16 @@ def plan_class(model: nn.Module, degree: int) -> type:
     own = model.arch.mixer
     others, paths = {}, {}
     for index, mixer in enumerate(model.mixers):
-        parts = [part for part in mixer.parts if own is None or type(part) is not own]
+        parts = [part for part in mixer.parts if part.mixes_tokens and (own is None or type(part) is not own)]
         for part in parts:
-            if part.mixes_tokens and part.tp_entries(TPPlan()) is None:
+            if part.tp_entries(TPPlan()) is None:
                 raise ConfigError(
                     f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer {part.path!r} "
                     f"({part.name}) has no tensor-parallel plan in titan_ext; set the degree to 1"
                 )
         if parts:
             others[index] = functools.partial(_entries_of, tuple(parts))
-            paths[index] = tuple(part.path for part in parts if part.mixes_tokens)
+            paths[index] = tuple(part.path for part in parts)
     layers = None
     if model.arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
         base = model.base_model_prefix if model.base_model is not model else ""
@@ -124,6 +124,8 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = F
         f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
         f"float8={options.float8}, async={choice.async_tp}, head_in_loss={head_in_loss}"
-        + "".join(f"; layer {index}'s {', '.join(part.name for part in entries.args[0])} take their own entries"
-                  for index, entries in plan.layer_mixers)
+        + "".join(f"; layer {index}: {', '.join(f'{part.path} ({part.name})' for part in entries.args[0])} by its own "
+                  "entries" for index, entries in plan.layer_mixers)
+        + "".join(f"; {path} kept whole on every rank" for path, entry in getattr(plan, "entries", ())
+                  if getattr(entry, "role", "") == "replicated")
     )

@@ -68,10 +68,11 @@ class TransformersAttention(Mixer):
 
     def __init__(self, path: str = "", module=None):
         super().__init__(path, module)
-        self.window = getattr(module, "sliding_window", None)
+        config = getattr(module, "config", None)  # a window per layer on the module, else the model's (Mistral)
+        self.window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
         self.unsupported = [what for what, present in (
             ("attention sinks", module is not None and getattr(module, "sinks", None) is not None),
-            ("logit softcapping", getattr(getattr(module, "config", None), "attn_logit_softcapping", None) is not None),
+            ("logit softcapping", getattr(config, "attn_logit_softcapping", None) is not None),
         ) if present]
 
     @classmethod

@@ -18,7 +18,7 @@ import types
 
 import torch.nn as nn
 
-from titan_ext.models.mixers.attention import FlaAttention, TransformersAttention, attention_layers
+from titan_ext.models.mixers.attention import FlaAttention, TransformersAttention
 from titan_ext.models.mixers.base import Mixer, NoMixer, Parallel, Unknown, class_names, forward_globals
 from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGatedDeltaNet, TransformersGatedDeltaNetGrouped
 from titan_ext.models.mixers.gla import GLA
@@ -43,24 +43,23 @@ FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
-           "TransformersMLA", "Unknown", "attention_layers", "recognize"]
+           "TransformersMLA", "Unknown", "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:
     """The token mixer of one decoder layer, from the modules it holds."""
-    known, unknown = [], []
+    known, unknown, feed_forward = [], [], []
     for name, child in block.named_children():
         if next(child.parameters(), None) is None or _norm(child):
             continue
         mixer = _known(child)
         if mixer is not None:
             known.append(mixer(name, child))
-        elif not _feed_forward(child):
-            unknown.append(name)
-    if not known and len(unknown) > 1:  # several candidates, none known: none may be taken for a feed-forward
-        parts = tuple(Unknown(name, block.get_submodule(name)) for name in unknown)
-    else:
-        parts = (*known, *(Unknown(name, block.get_submodule(name)) for name in unknown))
+        else:
+            (feed_forward if _feed_forward(child) else unknown).append(name)
+    if not known and not unknown and len(feed_forward) > 1:  # which one mixes cannot be told: neither is trusted
+        unknown = feed_forward
+    parts = (*known, *(Unknown(name, block.get_submodule(name)) for name in unknown))
     if not parts:
         return NoMixer()
     return parts[0] if len(parts) == 1 else Parallel(parts)

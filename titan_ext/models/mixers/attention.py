@@ -17,42 +17,24 @@ def attention_flops(heads: int, head_dim: int, keys: int) -> int:
 
 
 class FlaAttention(Mixer):
-    """fla's ``Attention``: in fla's transformer its settings are the model's, in any other fla model
-    (a hybrid) the ``attn`` entry naming the layer (``fla.models.configuration_utils``)."""
+    """fla's ``Attention`` (its transformer's layers, and a hybrid's ``attn`` layers): its window and width are
+    the module's own."""
 
     name = "fla attention"
     classes = ("fla.layers.attn:Attention",)
     tp_plan = "fla_attention"
     cp_attention = "fla"
 
-    def settings(self, config, layer: int) -> dict:
-        """heads and window of the layer (fla's head_dim is hidden_size / heads)."""
-        spec = _attention_spec(config, layer)
-        if spec is None:
-            return {"num_heads": config.num_heads, "window_size": config.window_size}
-        return {"num_heads": spec["num_heads"], "window_size": spec.get("window_size")}
+    def __init__(self, path: str = "", module=None):
+        super().__init__(path, module)
+        self.window = getattr(module, "window_size", None)
+        self.width = getattr(module, "hidden_size", None)  # its heads x head_dim
 
     def ring_attention_blocker(self, config, layer):
-        window = self.settings(config, layer)["window_size"]
-        return f"window_size={window}" if window else None
+        return f"window_size={self.window}" if self.window else None
 
     def flops_per_token(self, config, layer, seq_len):
-        window = self.settings(config, layer)["window_size"]
-        return attention_flops(1, config.hidden_size, min(seq_len, window or seq_len))
-
-
-def _attention_spec(config, layer: int) -> dict | None:
-    attn = getattr(config, "attn", None)
-    if attn is None or config.model_type == "transformer":
-        return None
-    from fla.models.configuration_utils import get_attention_spec
-
-    return get_attention_spec(attn, layer_idx=layer)
-
-
-def attention_layers(config) -> list[int]:
-    """The layers fla's ``attn`` config makes softmax attention (none without one)."""
-    return [layer for layer in range(config.num_hidden_layers) if _attention_spec(config, layer) is not None]
+        return attention_flops(1, self.width or config.hidden_size, min(seq_len, self.window or seq_len))
 
 
 class TransformersAttention(Mixer):

@@ -152,7 +152,7 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
         __doc__=f"TP plan translated from {model_type}'s base_model_tp_plan (model_plans.hf_plan).",
         model_type=model_type,
         embeddings=_join(prefix, embeddings),
-        final_norm=_join(prefix, _final_norm(base, {embeddings, layers}, model_type, prefix)),
+        final_norm=_join(prefix, _final_norm(base, embeddings, layers, model_type, prefix)),
         lm_head=_name_in(model, model.get_output_embeddings(), model_type, "output embeddings (lm_head)"),
         layers=_join(prefix, layers),
         entries=tuple(entries.items()),
@@ -227,12 +227,14 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def _final_norm(base: nn.Module, placed: set[str], model_type: str, prefix: str) -> str:
-    """The base model's one other child that is a norm or holds parameters (Olmo's final norm holds none)."""
+def _final_norm(base: nn.Module, embeddings: str, layers: str, model_type: str, prefix: str) -> str:
+    """The one other module beside the embedding and the layers, in the module holding the layers, that is a
+    norm or holds parameters (Olmo's final norm holds none)."""
+    owner = _parent(layers)
     others = [
-        name
-        for name, child in base.named_children()
-        if name not in placed and (_is_norm(child) or _holds_parameters(child))
+        _join(owner, name)
+        for name, child in (base.get_submodule(owner) if owner else base).named_children()
+        if _join(owner, name) not in (embeddings, layers) and (_is_norm(child) or _holds_parameters(child))
     ]
     if len(others) != 1 or not _is_norm(base.get_submodule(others[0])):
         raise ValueError(

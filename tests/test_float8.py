@@ -18,7 +18,7 @@ from titan_ext.float8 import CONVERTER, check_float8, float8_choice, keep_high_p
 from titan_ext.job_plan import Float8Choice
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import GLA, gla_flavors
-from titan_ext.models.llama import Llama
+from titan_ext.models.architecture import TransformersArchitecture
 
 
 def job(converters=(CONVERTER,), emulate=True, filter_fqns=(), compile_enable=False):
@@ -58,7 +58,7 @@ def test_emulate_with_compile_is_one_line_error():
 def test_default_filters_per_architecture_without_rewriting_the_config():
     config = job()
     assert float8_choice(config, GLA.float8_high_precision) == Float8Choice(("gk_proj", "lm_head"), ("gk_proj", "lm_head"))
-    assert float8_choice(config, Llama.float8_high_precision) == Float8Choice(("lm_head",), ("lm_head",))
+    assert float8_choice(config, TransformersArchitecture.float8_high_precision) == Float8Choice(("lm_head",), ("lm_head",))
     assert config.quantize.linear.float8.filter_fqns == []  # the job config is left as the user gave it
 
 

@@ -460,7 +460,9 @@ RECORDS = RouterRecords()
 
 def moe_layer_indices(model: nn.Module) -> list[int]:
     """The decoder layers (their indices in the whole model, also in a pipeline stage) holding a MoE block."""
-    return [int(name) for name, layer in model.blocks().named_children() if moe_blocks(layer)]
+    from titan_ext.models.structure import layer_stack
+
+    return [int(name) for name, layer in layer_stack(model).named_children() if moe_blocks(layer)]
 
 
 def apply_router_records(model: nn.Module, choice: MoEChoice | None,

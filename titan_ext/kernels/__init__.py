@@ -141,7 +141,8 @@ def unported(model: nn.Module) -> dict[str, str]:
     layer's ``forward`` in a checkpointing closure whose code names no kernel).
     """
     found, read = {}, set()
-    for module in model.get_decoder().modules():
+    stacks = [child for child in model.get_decoder().children() if isinstance(child, nn.ModuleList)]
+    for module in (m for stack in stacks for m in stack.modules()):
         cls = type(module)
         if cls in read:  # the blocks' modules share their classes: each class read once
             continue

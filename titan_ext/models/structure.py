@@ -84,7 +84,11 @@ def structure_of(model: nn.Module) -> Structure:
 
 
 def layer_stack(model: nn.Module) -> nn.Module:
-    """The decoder's list of layers: of the classes the model declares unsplittable, else its longest list."""
+    """The decoder's list of layers: of the classes the model declares unsplittable, else its longest list (a
+    model titan_ext built: where its structure says, a pipeline stage's own blocks)."""
+    found = getattr(model, "structure", None)
+    if isinstance(found, Structure):
+        return model.get_submodule(found.layers)
     decoder = model.get_decoder()
     lists = [child for child in decoder.children() if isinstance(child, nn.ModuleList) and len(child)]
     declared = set(getattr(model, "_no_split_modules", None) or ())

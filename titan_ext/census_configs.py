@@ -98,7 +98,7 @@ off, e.g. no ``q_lora_rank``). Integers only shrink: a default below the tiny va
 _KV_HEADS = {"num_key_value_heads", "num_kv_heads", "kv_n_heads"}
 _KEEP_IF_ONE = _KV_HEADS
 """Multi-query attention (one kv head) stays multi-query."""
-_FILL_NONE = {"head_dim", "num_key_value_heads"}
+_FILL_NONE = {"head_dim", "num_key_value_heads", "num_kv_heads"}
 """Set even where the default is None (derived from other fields, or read as is by some modeling files)."""
 _ONLY_SHRINK = {
     "num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
@@ -273,44 +273,55 @@ def tiny_config(model_type: str, library: str = "transformers") -> dict[str, Any
 
 
 def tiny_config_object(model_type: str, library: str = "transformers"):
-    config_class = (transformers_classes if library == "transformers" else fla_classes)(model_type)[0]
-    fields = shrink(config_class, model_type)
-    config = config_class(**fields)
+    """The type's config class with the tiny fields: 2 kv heads, or as many as query heads where the family
+    allows no grouped-query attention (its config or model refuses the first)."""
+    config_class, model_class = (transformers_classes if library == "transformers" else fla_classes)(model_type)
+    for gqa in (True, False):
+        try:
+            config = config_class(**shrink(config_class, model_type, gqa))
+            if gqa:
+                _build_on_meta(model_class, config, library)
+            break
+        except ImportError:  # a package the model needs even to be built (fla's MLA: flash-attn): no verdict
+            break
+        except Exception:  # noqa: BLE001  (multi-head only: the second try, whose error is the caller's)
+            if not gqa:
+                raise
     config.model_type = model_type  # types that share a class (exaone -> LlamaConfig) keep their own name
     return config
 
 
-def shrink(config_class: type, model_type: str) -> dict[str, Any]:
+def shrink(config_class: type, model_type: str, gqa: bool = True) -> dict[str, Any]:
     """The constructor arguments of ``config_class``'s tiny config."""
     defaults = config_class().to_dict()
-    fields = _shrink_fields(defaults)
+    fields = _shrink_fields(defaults, gqa)
     sub_configs = getattr(config_class, "sub_configs", None) or {}
     for key, sub in sub_configs.items():
         if isinstance(defaults.get(key), dict) and isinstance(sub, type):
-            fields[key] = {**defaults[key], **_shrink_fields(defaults[key]), **_keep_layers(defaults[key], None)}
+            fields[key] = {**defaults[key], **_shrink_fields(defaults[key], gqa),
+                           **_keep_layers(defaults[key], None)}
     for key, value in defaults.items():  # plain dicts of attention settings (fla's ``attn``, YOCO's)
         if key not in sub_configs and isinstance(value, dict) and _HEAD_KEYS & value.keys():
-            fields[key] = {**value, **_shrink_fields(value)}
+            fields[key] = {**value, **_shrink_fields(value, gqa)}
     overrides = dict(OVERRIDES.get(model_type, {}))
     layers = overrides.pop("_LAYERS", None)
-    fields.update(_keep_layers(defaults, layers))
+    fields.update(_keep_layers(defaults, layers, gqa))
     for key, value in overrides.items():  # a sub-config's override merges into it
         fields[key] = {**fields[key], **value} if isinstance(value, dict) and key in sub_configs else value
     _tie_derived_dims(defaults, fields)
     return {k: v for k, v in fields.items() if k not in ("transformers_version", "model_type")}
 
 
-def _shrink_fields(defaults: dict[str, Any]) -> dict[str, Any]:
+def _shrink_fields(defaults: dict[str, Any], gqa: bool = True) -> dict[str, Any]:
     fields: dict[str, Any] = {}
-    heads = defaults.get("num_attention_heads", defaults.get("num_heads"))
-    mha = any(defaults.get(k) is not None and defaults.get(k) == heads for k in _KV_HEADS)
+    gqa = gqa and defaults.get("kv_lora_rank") is None  # latent attention (MLA) has a kv head per query head
     for key, value in defaults.items():
         tiny = GENERIC.get(key)
         if tiny is not None and (_is_number(value) or value is None and key in _FILL_NONE):
             if key in _KEEP_IF_ONE and value == 1:
                 continue
-            if key in _KV_HEADS and mha:
-                tiny = HEADS  # multi-head attention stays multi-head (some families require it)
+            if key in _KV_HEADS and not gqa:
+                tiny = HEADS  # a family whose attention is multi-head only
             fields[key] = min(value, tiny) if key in _ONLY_SHRINK and value is not None else tiny
         elif _is_dropout(key) and _is_number(value) and value:
             fields[key] = 0.0
@@ -358,7 +369,7 @@ def _layer_count(defaults: dict[str, Any]) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _keep_layers(defaults: dict[str, Any], layers: int | None) -> dict[str, Any]:
+def _keep_layers(defaults: dict[str, Any], layers: int | None, gqa: bool = True) -> dict[str, Any]:
     """The layer count and every per-layer field, truncated to the layers that keep each kind of layer the
     default names (its first occurrence), filled up to 4 in the default's order (2 for a model of one kind).
 
@@ -391,13 +402,13 @@ def _keep_layers(defaults: dict[str, Any], layers: int | None) -> dict[str, Any]
     for key, indices in index_lists.items():
         remapped = [new for new, old in enumerate(keep) if old in indices]
         if key == "attn.layers":
-            out["attn"] = {**defaults["attn"], **_shrink_fields(defaults["attn"]), "layers": remapped}
+            out["attn"] = {**defaults["attn"], **_shrink_fields(defaults["attn"], gqa), "layers": remapped}
         else:
             out[key] = remapped
     if defaults.get("moe_layer_end_index") is not None:
         out["moe_layer_end_index"] = len(keep) - 1
     if isinstance(defaults.get("per_layer_config"), dict):
-        out["per_layer_config"] = {f"{new:02d}": _shrink_fields(defaults["per_layer_config"][f"{old:02d}"])
+        out["per_layer_config"] = {f"{new:02d}": _shrink_fields(defaults["per_layer_config"][f"{old:02d}"], gqa)
                                    for new, old in enumerate(keep) if f"{old:02d}" in defaults["per_layer_config"]}
     return out
 
@@ -432,14 +443,18 @@ def _building(library: str):
     return building()
 
 
-def check_tiny(model_type: str, library: str = "transformers") -> tuple[Any, int]:
-    """Build the tiny config with the type's own causal-LM class on the meta device: (model, parameters)."""
+def _build_on_meta(model_class: type, config, library: str):
     import torch
 
+    with torch.device("meta"), _building(library):
+        return model_class(config)
+
+
+def check_tiny(model_type: str, library: str = "transformers") -> tuple[Any, int]:
+    """Build the tiny config, read back from its ``config.json`` as a user's job reads it, with the type's own
+    causal-LM class on the meta device: (model, parameters)."""
     config_class, model_class = (transformers_classes if library == "transformers" else fla_classes)(model_type)
     fields = copy.deepcopy(tiny_config(model_type, library))
     fields.pop("model_type", None)
-    config = config_class(**fields)
-    with torch.device("meta"), _building(library):
-        model = model_class(config)
+    model = _build_on_meta(model_class, config_class(**fields), library)
     return model, sum(p.numel() for p in model.parameters())

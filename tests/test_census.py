@@ -128,6 +128,36 @@ def test_every_fla_types_tiny_config_builds_small_on_the_meta_device():
     assert not failures, failures
 
 
+def test_every_kept_types_tiny_config_trains_in_plain_transformers():
+    """A step of transformers' own model on the CPU, no titan_ext: a census cell that fails is titan_ext's,
+    not the tiny config's. (Modeling files that call fla's Triton kernels when fla is installed fail here
+    with Triton's "0 active drivers": titan_ext's portable kernels are what runs them on the CPU.)"""
+    import copy
+
+    import torch
+
+    failures = []
+    for model_type in census_configs.causal_lm_types():
+        if census_configs.left_out_reason(model_type):
+            continue
+        config_class, model_class = census_configs.transformers_classes(model_type)
+        fields = copy.deepcopy(census_configs.tiny_config(model_type))
+        fields.pop("model_type")
+        torch.manual_seed(0)
+        try:
+            model = model_class(config_class(**fields))
+            tokens = torch.randint(0, census_configs.VOCAB, (2, 64))
+            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            assert torch.isfinite(loss), loss
+        except RuntimeError as error:
+            if "active drivers" not in str(error):
+                failures.append(f"{model_type}: {error}"[:300])
+        except Exception as error:  # noqa: BLE001
+            failures.append(f"{model_type}: {type(error).__name__}: {error}"[:300])
+    assert not failures, failures
+
+
 def test_a_tiny_config_is_the_shared_sizes_and_keeps_every_kind_of_layer():
     llama = census_configs.tiny_config("llama")
     assert (llama["hidden_size"], llama["num_hidden_layers"], llama["num_attention_heads"],

@@ -34,8 +34,10 @@ dump folder (what parsing those flags gives; ``job_config``), and torchtitan's 2
 other ranks" is skipped (there are none). Importing fla registers fla's ``mamba``, ``mamba2`` and ``bitnet``
 under transformers' names (and titan_ext's TP plans and some transformers modeling files import fla): a
 transformers type whose name a worker's fla import took over runs in a fresh worker (``shadowed``), as in a
-user's fresh process. A step that sends nothing for ``--timeout`` seconds ends its worker: that cell is
-``TIMEOUT`` and the type's cells after it ``not run``. Timings go to stderr, never into the table.
+user's fresh process. A step that runs ``--timeout`` seconds of its worker's CPU time (or sits 10 times that
+long on the wall clock: a deadlock uses no CPU) ends its worker: that cell is ``TIMEOUT`` and the type's cells
+after it ``not run``. CPU time, not the wall clock, so that a loaded machine (CI runs the integration matrix
+beside the tests) does not turn a slow step into a ``TIMEOUT``. Timings go to stderr, never into the table.
 """
 
 from __future__ import annotations
@@ -400,15 +402,30 @@ class Worker:
         self.process.start()
         child.close()
         self.task: tuple[str, str] | None = None
-        self.deadline = 0.0
+        self.cpu_mark = self.wall_mark = 0.0
         self.step = 0
         self.requeue = False
         self.started = 0.0
 
-    def give(self, task, timeout: float) -> None:
+    def give(self, task) -> None:
         self.task, self.step, self.started = task, 0, time.monotonic()
-        self.deadline = self.started + timeout
+        self.mark()
         self.conn.send(task)
+
+    def mark(self) -> None:
+        """A step starts now."""
+        self.cpu_mark, self.wall_mark = self.cpu_seconds(), time.monotonic()
+
+    def cpu_seconds(self) -> float:
+        """The worker's CPU time (its threads' user and system time; Linux's /proc), else the wall clock."""
+        try:
+            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return time.monotonic()
+
+    def overdue(self, timeout: float) -> bool:
+        return self.cpu_seconds() - self.cpu_mark > timeout or time.monotonic() - self.wall_mark > 10 * timeout
 
     def stop(self, kill: bool = False) -> None:
         if not kill:
@@ -440,11 +457,11 @@ def run_census(tasks: list[tuple[str, str]], jobs: int, timeout: float, root: Pa
             for i, worker in enumerate(workers):
                 if worker.task or not pending:
                     continue
-                worker.give(pending.popleft(), timeout)
+                worker.give(pending.popleft())
             busy = [w for w in workers if w.task]
             from multiprocessing.connection import wait
 
-            ready = wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
+            ready = wait([w.conn for w in busy], timeout=1.0)
             for worker in busy:
                 if worker.conn in ready:
                     try:
@@ -453,7 +470,7 @@ def run_census(tasks: list[tuple[str, str]], jobs: int, timeout: float, root: Pa
                         died(worker, results, f"TRACEBACK: worker died (exit code {worker.process.exitcode})")
                         workers[workers.index(worker)] = Worker(context, root, threads)
                         continue
-                    worker.deadline = time.monotonic() + timeout
+                    worker.mark()
                     cells = results.setdefault(worker.task, {})
                     if kind == "cell":
                         cells[key] = value
@@ -479,7 +496,8 @@ def run_census(tasks: list[tuple[str, str]], jobs: int, timeout: float, root: Pa
                                 f"{cells.get(ONE_PROCESS, cells.get('left_out', ''))[:100]} "
                                 f"({seconds[worker.task]:.1f} s)")
                         worker.task = None
-                elif time.monotonic() > worker.deadline:
+                elif worker.overdue(timeout):
+                    log(f"census: {worker.task[0]} {worker.task[1]}: TIMEOUT in its {STEPS[worker.step]} step")
                     died(worker, results, "TIMEOUT")
                     worker.stop(kill=True)
                     workers[workers.index(worker)] = Worker(context, root, threads)
@@ -563,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", default="", help="exit 1 if this file differs from what the run produces")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--timeout", type=float, default=30.0,
-                        help="seconds a type's step may send nothing before it is a TIMEOUT (default 30)")
+                        help="CPU seconds one step of a type may take before it is a TIMEOUT (default 30)")
     parser.add_argument("--logs", default="", help="keep each type's config, job log and results.json here")
     parser.add_argument("--library", choices=["all", "transformers", "fla"], default="all")
     options = parser.parse_args(argv)

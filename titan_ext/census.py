@@ -180,7 +180,8 @@ def census_type(library: str, model_type: str, root: Path, send) -> None:
         if column == "EP" and not moe:
             send("cell", column, "n/a")
             continue
-        send("cell", column, plan_result(lambda: job_config(library, config_path, dump, settings), world))
+        send("cell", column, plan_result(lambda: job_config(library, config_path, dump, settings), world,
+                                         folder / f"plan-{column}.log"))
     send("cell", ONE_PROCESS, train_one_step(job_config(library, config_path, dump), folder / "train.log"))
 
 
@@ -218,9 +219,10 @@ def model_structure(library: str, config_path: Path) -> tuple[list[str] | None, 
     return layer_mixers_of(model), moe
 
 
-def plan_result(make_config, world: int) -> str:
+def plan_result(make_config, world: int, log: Path) -> str:
     """``plans``, or the one line a job with this config on ``world`` ranks stops with before its build
-    (what ``tests/helpers.py: first_error`` runs: preflight, then planning the job against its model)."""
+    (what ``tests/helpers.py: first_error`` runs: preflight, then planning the job against its model); a
+    traceback is kept in ``log``."""
     with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}), quiet():
         try:
             from torchtitan.protocols.train_spec import get_train_spec
@@ -240,6 +242,7 @@ def plan_result(make_config, world: int) -> str:
         except BaseException as error:  # noqa: BLE001
             if isinstance(error, KeyboardInterrupt):
                 raise
+            log.write_text(traceback.format_exc())
             return traceback_cell(error)
 
 

@@ -200,23 +200,33 @@ def shadowed(model_type: str) -> bool:
 
 def model_structure(library: str, config_path: Path) -> tuple[list[str] | None, bool]:
     """(each layer's mixer, whether it has experts) of the model titan_ext's train spec builds from the config,
-    on the meta device; (None, False) if it builds none (the one-process cell then says why)."""
+    on the meta device; where it builds none (the one-process cell says why): (None, whether the config names
+    more than one expert)."""
     import torch
     from torchtitan.protocols.train_spec import get_train_spec
 
     import titan_ext  # noqa: F401  (train specs)
     from titan_ext.models.args import load_hf_config_json
 
+    config = load_hf_config_json(str(config_path))
     try:
         spec = get_train_spec(LIBRARIES[library])
         args = spec.model_args["from_config"]
-        args.update_from_hf_config(load_hf_config_json(str(config_path)), "census")
-        with torch.device("meta"):
+        args.update_from_hf_config(config, "census")
+        with quiet(), torch.device("meta"):
             model = spec.model_cls(args)
     except Exception:  # noqa: BLE001  (reported by the one-process cell)
-        return None, False
+        return None, names_experts(config)
     moe = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules())
     return layer_mixers_of(model), moe
+
+
+def names_experts(config: dict) -> bool:
+    """Whether a config (or one of its sub-configs) sets more than one expert."""
+    from titan_ext.census_configs import EXPERT_COUNTS
+
+    return any(isinstance(v, int) and v > 1 for k, v in config.items() if k in EXPERT_COUNTS) or \
+        any(names_experts(v) for v in config.values() if isinstance(v, dict))
 
 
 def plan_result(make_config, world: int, log: Path) -> str:

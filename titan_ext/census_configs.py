@@ -44,6 +44,9 @@ MAX_PARAMS = 5_000_000
 
 _LAYER_COUNT_FIELDS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_blocks")
 
+EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+"""Fields that count a mixture of experts' experts."""
+
 GENERIC: dict[str, Any] = {
     # widths
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "embedding_dim", "emb_dim", "lru_width",
@@ -60,7 +63,7 @@ GENERIC: dict[str, Any] = {
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "feed_forward_size", "dim_ff",
                      "intermediate_size_mlp", "dense_intermediate_size", "dff", "dim_fx"), INTERMEDIATE),
     # mixture of experts
-    **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), EXPERTS),
+    **dict.fromkeys(EXPERT_COUNTS, EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "num_experts_per_token",
                      "moe_top_k"), TOP_K),
     **dict.fromkeys(("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",

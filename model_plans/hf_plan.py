@@ -89,6 +89,13 @@ class HFTPPlan(TPPlan):
     """Each block's own entries, by index, where blocks differ in what one module is (a hybrid's dense and MoE
     FFNs under one name); else empty, and every block takes ``entries``."""
 
+    kept_whole: tuple[str, ...] = ()
+    """Model-level modules beside the embedding, the layers, the final norm and the head, kept whole on every
+    rank (GPT-2's position embedding)."""
+
+    def model_plan(self) -> Plan:
+        return {**super().model_plan(), **{name: self.replicated() for name in self.kept_whole}}
+
     def block_plan(self, index: int | None = None) -> Plan:
         plan = {}
         entries = self.per_block[index] if self.per_block and index is not None else self.entries
@@ -139,6 +146,7 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
     else:  # a plan of model-level entries only, or none: every block module kept whole but its norms
         _check_model_level(hf_plan, embeddings, model_type, prefix)
         block_plan = {}
+    final_norm, kept_whole = _model_level(base, embeddings, layers, model_type, prefix)
     stack = f"{_join(prefix, layers)}.*"
     blocks = list(base.get_submodule(layers))
     per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index, ()))
@@ -152,7 +160,8 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
         __doc__=f"TP plan translated from {model_type}'s base_model_tp_plan (model_plans.hf_plan).",
         model_type=model_type,
         embeddings=_join(prefix, embeddings),
-        final_norm=_join(prefix, _final_norm(base, embeddings, layers, model_type, prefix)),
+        final_norm=_join(prefix, final_norm),
+        kept_whole=tuple(_join(prefix, name) for name in kept_whole),
         lm_head=_name_in(model, model.get_output_embeddings(), model_type, "output embeddings (lm_head)"),
         layers=_join(prefix, layers),
         entries=tuple(entries.items()),
@@ -227,21 +236,21 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def _final_norm(base: nn.Module, embeddings: str, layers: str, model_type: str, prefix: str) -> str:
-    """The one other module beside the embedding and the layers, in the module holding the layers, that is a
-    norm or holds parameters (Olmo's final norm holds none)."""
+def _model_level(base: nn.Module, embeddings: str, layers: str, model_type: str, prefix: str) -> tuple[str, list[str]]:
+    """(the final norm, the other modules holding parameters) beside the embedding and the layers, in the module
+    holding the layers: the final norm is the last module of vector parameters (or, without one, of none: Olmo's);
+    the others (GPT-2's position embedding, BLOOM's embedding norm) are kept whole on every rank."""
     owner = _parent(layers)
-    others = [
-        _join(owner, name)
-        for name, child in (base.get_submodule(owner) if owner else base).named_children()
-        if _join(owner, name) not in (embeddings, layers) and (_is_norm(child) or _holds_parameters(child))
-    ]
-    if len(others) != 1 or not _is_norm(base.get_submodule(others[0])):
-        raise ValueError(
-            f"{model_type}: expected one final norm beside the embedding and the layers, found "
-            f"{[_join(prefix, n) for n in others]}; {_register_hint(model_type)}"
-        )
-    return others[0]
+    others = [(_join(owner, name), child)
+              for name, child in (base.get_submodule(owner) if owner else base).named_children()
+              if _join(owner, name) not in (embeddings, layers) and (_is_norm(child) or _holds_parameters(child))]
+    norms = [name for name, child in others
+             if _holds_parameters(child) and all(p.dim() == 1 for p in child.parameters())]
+    norms = norms or [name for name, child in others if _is_norm(child)]
+    if not norms:
+        raise ValueError(f"{model_type}: found no final norm beside the embedding and the layers; "
+                         f"{_register_hint(model_type)}")
+    return norms[-1], [name for name, child in others if name != norms[-1] and _holds_parameters(child)]
 
 
 def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str,

@@ -60,9 +60,10 @@ _LAYOUT_ONLY = (PrepareModuleInput, PrepareModuleOutput)
 def _uncovered_parameter(model: nn.Module, plan: TPPlan, block_plans: dict[str, dict]) -> str | None:
     """The first parameter whose module no parameter-placing plan entry names, or None
     (``block_plans``: each block's resolved plan, by its name in the block list)."""
-    covered = {fqn for fqn, style in resolve(plan.model_plan(), model, type(plan).__name__).items()
-               if not isinstance(style, _LAYOUT_ONLY)}
-    whole = set()  # modules whose style places everything beneath them (``Replicated``)
+    model_plan = resolve(plan.model_plan(), model, type(plan).__name__)
+    covered = {fqn for fqn, style in model_plan.items() if not isinstance(style, _LAYOUT_ONLY)}
+    # modules whose style places everything beneath them (``Replicated``)
+    whole = {f"{fqn}." for fqn, style in model_plan.items() if getattr(style, "covers_children", False)}
     for index, block_plan in block_plans.items():
         covered |= {f"{plan.layers}.{index}.{fqn}" for fqn, style in block_plan.items() if not isinstance(style, _LAYOUT_ONLY)}
         whole |= {f"{plan.layers}.{index}.{fqn}." for fqn, style in block_plan.items() if getattr(style, "covers_children", False)}

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_ext.errors import HostChanged
+from titan_ext.errors import ConfigError, HostChanged
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,14 @@ def check_transformers_experts(model_args) -> None:
     block = blocks[0]
     x = torch.randn(5, model.config.hidden_size)
     with torch.no_grad():
-        logits, weights, index = block.gate(x)
+        try:
+            logits, weights, index = block.gate(x)
+        except (TypeError, ValueError) as error:  # a router of another contract (MiniMax-M2's takes its bias)
+            raise ConfigError(
+                f"{model_args.model_type!r} models' MoE router {type(block.gate).__qualname__} is not called as "
+                f"gate(hidden_states) -> (logits, weights, experts), which titan_ext's MoE support reads "
+                f"({type(error).__name__}: {error}); train a MoE model whose router is"
+            ) from None
         if not torch.equal(logits.float().softmax(-1).topk(block.gate.top_k, -1).indices.sort(-1).values,
                            index.sort(-1).values):
             raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer returns its logits first or no "

@@ -118,7 +118,8 @@ def _balanced_stages(model: nn.Module, p, count: int, seq_len: int) -> list[list
             "use fewer stages or a model with more blocks"
         ) from None
     rename = {"tok_embeddings": embeddings, "norm": norm, "output": head}
-    return [[rename.get(name) or name.replace("layers.", f"{layers}.", 1) for name in stage] for stage in generic]
+    stages = [[rename.get(name, name.replace("layers.", f"{layers}.", 1)) for name in stage] for stage in generic]
+    return [[name for name in stage if name is not None] for stage in stages]  # no final norm of parameters
 
 
 def layer_costs(model: nn.Module, seq_len: int) -> list[int]:
@@ -157,14 +158,14 @@ def _cost_balanced(model: nn.Module, p, count: int, seq_len: int) -> list[list[s
     bounds = [0, *best(0, count)[1], n]
     stages = [[f"{layers}.{i}" for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
     stages[0].insert(0, embeddings)
-    stages[-1] += [norm, head]
+    stages[-1] += [name for name in (norm, head) if name is not None]
     return stages
 
 
 def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
     """``module_fqns_per_model_part``: every part named once, each name a part of this model."""
     embeddings, layers, norm, head = model_parts_of(model)
-    parts = [embeddings, *(f"{layers}.{i}" for i in range(len(model.blocks()))), norm, head]
+    parts = [embeddings, *(f"{layers}.{i}" for i in range(len(model.blocks()))), *([norm] if norm else []), head]
     named = [name for stage in stages for name in stage]
     option = "--parallelism.module_fqns_per_model_part"
     for name in named:
@@ -297,7 +298,7 @@ def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     model.takes_hidden_states = embeddings not in keep
     if embeddings not in keep and not (model.config.tie_word_embeddings and head in keep):
         _replace(model, embeddings, None)
-    if norm not in keep:
+    if norm is not None and norm not in keep:
         _replace(model, norm, nn.Identity())
     if head not in keep:
         _replace(model, head, None)

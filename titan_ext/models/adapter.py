@@ -108,7 +108,7 @@ class TitanCausalLM:
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
             if any(part.cp_kernels for mixer in self.mixers for part in mixer.parts):  # recurrent layers: one packed row
                 inputs["cu_seq_lens_q"] = packing.cu_seqlens(document_positions)
-        hidden = self.model(**inputs, use_cache=False, return_dict=True).last_hidden_state
+        hidden = self.base_model(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.cp_layout is not None and (missed := self.cp_layout.check_paths()):
             # every rank stops at this step's end, together, in one line (``errors.defer``)
             defer(HostChanged(
@@ -116,11 +116,12 @@ class TitanCausalLM:
                 f"under context parallelism a layer's path did not run in step 1's forward ({missed}): that layer "
                 "would see only this rank's piece of the sequence",
             ))
-        if self.lm_head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
+        head = self.get_output_embeddings()
+        if head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         if self.head_in_loss:  # the chunked loss applies the head (titan_ext.loss)
             return hidden
-        return self.lm_head(hidden).view(*tokens.shape[:2], -1)
+        return head(hidden).view(*tokens.shape[:2], -1)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Initialize every parameter and buffer in place (also on DTensor shards).
@@ -136,13 +137,13 @@ class TitanCausalLM:
             if self.config.tie_word_embeddings:
                 self.tie_weights()
             return
-        for module in self.modules():
+        for owner, module in _with_initializer(self, self):
             try:
-                self._init_weights(module)
+                owner._init_weights(module)
             except RuntimeError:
                 if not _sharded_parameters(module):
                     raise
-                self._init_on_whole_tensors(module)
+                self._init_on_whole_tensors(owner, module)
             if hasattr(module, "init_titan_ext_buffers"):  # state titan_ext adds to a module (titan_ext.moe's expert bias)
                 module.init_titan_ext_buffers()
         if self.config.tie_word_embeddings and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
@@ -150,7 +151,7 @@ class TitanCausalLM:
         if buffer_device is not None:
             move_buffers(self, buffer_device)
 
-    def _init_on_whole_tensors(self, module: nn.Module) -> None:
+    def _init_on_whole_tensors(self, owner: nn.Module, module: nn.Module) -> None:
         """``_init_weights`` of a module whose initializer mixes its DTensor parameters with plain tensors
         (Qwen3.5's ``A_log``: ``init.copy_(A_log, torch.empty(...).uniform_(...))``): on whole plain tensors,
         each then distributed as its parameter is (rank 0's values, one scatter each, on every rank in turn)."""
@@ -160,13 +161,24 @@ class TitanCausalLM:
         for name, p in sharded.items():
             module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device))
         try:
-            self._init_weights(module)
+            owner._init_weights(module)
         finally:
             with torch.no_grad():
                 for name, p in sharded.items():
                     whole = module._parameters[name].detach()
                     module._parameters[name] = p
                     p.copy_(distribute_tensor(whole, p.device_mesh, p.placements))
+
+
+def _with_initializer(owner: nn.Module, module: nn.Module):
+    """(the innermost HF model holding it, module) for ``module`` and everything beneath it: each module is
+    initialized by its own model's ``_init_weights``, as transformers does (xLSTM's and Gemma3n's base models
+    read their own attributes there)."""
+    from transformers import PreTrainedModel
+
+    yield owner, module
+    for child in module.children():
+        yield from _with_initializer(child if isinstance(child, PreTrainedModel) else owner, child)
 
 
 def _sharded_parameters(module: nn.Module) -> dict[str, DTensor]:
@@ -198,6 +210,7 @@ def titan_class(hf_class: type) -> type:
     """``TitanCausalLM`` + an HF causal-LM class, e.g. ``GLAForTitan``; an MoE's experts run as in
     ``hf_class`` (transformers' grouped GEMM, not its loop over the experts: ``compat.experts_dispatch_of``)."""
     name = hf_class.__name__.replace("ForCausalLM", "ForTitan")
+    name = name if name != hf_class.__name__ else f"{name}ForTitan"  # GPT2LMHeadModel
     return type(name, (TitanCausalLM, hf_class), {"__module__": __name__, **compat.experts_dispatch_of(hf_class)})
 
 

@@ -100,10 +100,14 @@ def layer_stack(model: nn.Module) -> nn.Module:
 
 
 def final_norm(model: nn.Module, stack: nn.Module) -> nn.Module | None:
-    """The decoder's module of vector parameters beside its embedding and layers (None: it has none)."""
+    """The decoder's module of vector parameters beside its embedding and layers, else its module of no
+    parameters and no buffers (Olmo's norm; not a dropout), which PP must still keep off the earlier stages
+    (None: it has neither)."""
     decoder = model.get_decoder()
     skip = {id(stack), id(model.get_input_embeddings())}
-    norms = [child for child in decoder.children()
-             if id(child) not in skip and next(child.parameters(), None) is not None
-             and all(p.dim() == 1 for p in child.parameters())]
-    return norms[-1] if norms else None
+    others = [child for child in decoder.children() if id(child) not in skip]
+    norms = [child for child in others
+             if next(child.parameters(), None) is not None and all(p.dim() == 1 for p in child.parameters())]
+    stateless = [child for child in others if not isinstance(child, (nn.Dropout, nn.Identity, nn.ModuleList))
+                 and next(child.parameters(), None) is None and next(child.buffers(), None) is None]
+    return norms[-1] if norms else stateless[-1] if stateless else None

@@ -95,15 +95,9 @@ FLA_SIGNATURES = {
     "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
     "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
     "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
-    **{f"transformers.models.{model}.modeling_{model}:torch_{kind}_gated_delta_rule":
-       f"query, key, value, g, beta, {'chunk_size=64, ' if kind == 'chunk' else ''}initial_state=None, "
-       "output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs"
-       for model in ("qwen3_5", "qwen3_next") for kind in ("chunk", "recurrent")},
     "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention":
     "query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, "
     "use_qk_l2norm_in_kernel=False, **kwargs",
-    "transformers.models.kimi_linear.modeling_kimi_linear:recurrent_kimi_delta_attention":
-    "query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False, **kwargs",
     "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
     "hidden_states, weight, bias=None, activation=None, **kwargs",
     **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward": (

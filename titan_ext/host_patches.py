@@ -774,21 +774,12 @@ MODEL_KERNELS: tuple[Kernel, ...] = (
         "else fla's choice",
         ("portable", "fla"),
     ),
-    *(Kernel(f"transformers.models.{model}.modeling_{model}:{name}", f"titan_ext.kernels.gated_delta:{portable}",
-             "transformers' Gated DeltaNet layer calls fla's Triton kernel through this wrapper whenever fla is "
-             "installed (fails off CUDA with '0 active drivers'): titan_ext's portable kernel, fla's call contract")
-      for model in ("qwen3_5", "qwen3_next")
-      for name, portable in (("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
-                             ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule"))),
     *(Kernel("transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention",
              f"titan_ext.kernels.transformers_kda:{name}",
              "transformers' Kimi Linear KDA layer calls fla's Triton kernel through this wrapper whenever fla is "
              "installed (fails off CUDA with '0 active drivers'), and hands it packed documents as cu_seq_lens_q, "
              "which no KDA kernel reads: the kernel of the path on one packed row with cu_seqlens", (path,))
       for name, path in (("chunk_kda", "portable"), ("fla_chunk_kda", "fla"))),
-    Kernel("transformers.models.kimi_linear.modeling_kimi_linear:recurrent_kimi_delta_attention",
-           "titan_ext.kernels.kda:fused_recurrent_kda",
-           "the same wrapper for decoding (fails off CUDA): titan_ext's portable kernel, fla's call contract"),
     Kernel("transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn",
            "titan_ext.kernels.transformers_kda:causal_conv1d_fn",
            "its convolution takes packed documents as cu_seq_lens_q and convolves across them: titan_ext's torch "

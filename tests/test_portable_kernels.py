@@ -351,7 +351,7 @@ def test_rms_norm(mode):
         return (rms(s, 1e-6) * w, s) if mode == "prenorm" else rms(s, 1e-6) * w
 
     check_same(ours, ref, x, res, w)
-    check_same(lambda x, w: norms.rms_norm(x, w, eps=1e-6), lambda x, w: rms(x, 1e-6) * w, x, w)
+    check_same(lambda x, w: norms.rms_norm(x, w, None, eps=1e-6), lambda x, w: rms(x, 1e-6) * w, x, w)
 
 
 def test_rms_norm_weight_grad_and_dtype():

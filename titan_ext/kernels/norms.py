@@ -3,6 +3,7 @@
 fla's kernels add the residual, normalise and scale in fp32 and write the
 output in the input dtype; these functions do the same with plain torch ops,
 so autograd (and DTensor / ``torch.compile``) handle them like any other code.
+Each takes fla 0.6.0's parameters, names and defaults.
 """
 
 from __future__ import annotations
@@ -38,13 +39,12 @@ def _rms_norm_core(x, weight, bias, residual, eps, residual_in_fp32):
 
 def rms_norm(
     x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-5,
     prenorm: bool = False,
     residual_in_fp32: bool = False,
-    **kwargs,
 ):
     """Torch version of ``fla.modules.norm.layernorm.rms_norm`` (what ``fla.modules.RMSNorm`` calls).
 
@@ -59,14 +59,13 @@ def rms_norm(
 def rms_norm_gated(
     x: torch.Tensor,
     g: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     activation: str = "swish",
     residual: torch.Tensor | None = None,
     prenorm: bool = False,
     residual_in_fp32: bool = False,
     eps: float = 1e-6,
-    **kwargs,
 ):
     """Torch version of ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` (``FusedRMSNormGated``).
 
@@ -83,3 +82,4 @@ def rms_norm_gated(
         raise ValueError(f"Unsupported activation: {activation}")
     y = y.to(x.dtype)
     return (y, res_out) if prenorm else y
+

@@ -119,3 +119,14 @@ def test_the_bound_wrapper_keeps_transformers_contract():
                                               use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(state, state_ref)
+    # the copies are kept only while something holds them: a replacement holding a job's state goes with its job
+    import gc
+    import weakref
+
+    def job_kernel(*args, **kwargs):
+        return chunk_gated_delta_rule(*args, **kwargs)
+
+    copy_of_job, alive = binding.hub_wrapper(wrapper, job_kernel), weakref.ref(job_kernel)
+    del job_kernel, copy_of_job
+    gc.collect()
+    assert alive() is None

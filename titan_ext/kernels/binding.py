@@ -12,6 +12,7 @@ shipped, so any other model in the process runs fla untouched.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch.nn as nn
@@ -122,21 +123,25 @@ def hub_implementation(value) -> object | None:
     return value.__closure__[code.co_freevars.index("implementation")].cell_contents
 
 
-_hub_wrappers: dict[tuple[types.FunctionType, object], types.FunctionType] = {}
+_hub_wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""(transformers' wrapper, replacement) -> its copy, while a bound class holds the copy (a replacement that
+holds a job's state, e.g. a process group, is not kept alive past its classes: ``forget``)."""
 
 
 def hub_wrapper(wrapper: types.FunctionType, replacement) -> types.FunctionType:
     """A copy of transformers' hub ``wrapper`` calling ``replacement`` instead of its implementation: the same
     code, so the same contract (the caller's keywords filtered to the implementation's parameter names, which
     a replacement taking fla's signature whole shares; the torch path under ``torch.export``)."""
-    key = (wrapper, replacement)
-    if key not in _hub_wrappers:
+    key = (wrapper, replacement) if _hashable(replacement) else None
+    new = None if key is None else _hub_wrappers.get(key)
+    if new is None:
         cells = tuple(types.CellType(replacement) if var == "implementation" else cell
                       for var, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__))
         new = rebased(wrapper, {}, cells)
         new.__wrapped__ = wrapper.__wrapped__  # transformers' torch function, as functools.wraps left it
-        _hub_wrappers[key] = new
-    return _hub_wrappers[key]
+        if key is not None:
+            _hub_wrappers[key] = new
+    return new
 
 
 def _hashable(value) -> bool:

@@ -62,7 +62,7 @@ def write_inputs(tmp):
         "no_model_type.json": json.dumps({"hidden_size": 64}),
         "qwen3_moe.json": (CONFIGS / "debug_qwen3_moe.json").read_text(),
         "unknown_type.json": json.dumps({"model_type": "gla_typo"}),
-        "delta_net.json": json.dumps({"model_type": "delta_net", "hidden_size": 64, "num_heads": 4, "num_hidden_layers": 1}),
+        "hgrn.json": json.dumps({"model_type": "hgrn", "hidden_size": 64, "num_heads": 4, "num_hidden_layers": 1}),
         "mamba2_unbuildable.json": json.dumps({"model_type": "mamba2", "hidden_size": 64, "num_heads": 4, "head_dim": 8}),
         "opt.json": json.dumps({"model_type": "opt", "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128,
                                 "num_hidden_layers": 1, "vocab_size": 2048, "word_embed_proj_dim": 64}),
@@ -203,7 +203,7 @@ CASES = {
     ),
     "fla model under the hf spec": (generic("hf", "hf_mismatch"), 1, "is a fla model; train it with --model.name='fla'"),
     "fla model without a portable kernel on cpu": (
-        generic("fla", "delta_net.json"), 1, "fla's Triton kernel fla.ops.delta_rule"
+        generic("fla", "hgrn.json"), 1, "fla's Triton kernel fla.ops.hgrn"
     ),
     "fla model its library cannot build": (
         generic("fla", "mamba2_unbuildable.json"), 1, "Mamba2ForCausalLM cannot be built from this config"

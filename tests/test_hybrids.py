@@ -242,8 +242,9 @@ def test_transformers_gated_deltanet_runs_titan_ext_forward_equal_to_transformer
         model.init_weights()
         assert type(model.model.layers[0].linear_attn).forward.__name__ == f"{short}_forward"
         theirs = []
-        for key, kernel in (("portable", gated_delta.chunk_gated_delta_rule),
-                            ("fallback", modeling.torch_chunk_gated_delta_rule.__wrapped__)):
+        wrapper = modeling.torch_chunk_gated_delta_rule  # transformers' hub wrapper: fla's kernel, keywords filtered
+        for key, kernel in (("portable", binding.hub_wrapper(wrapper, gated_delta.chunk_gated_delta_rule)),
+                            ("fallback", wrapper.__wrapped__)):
             reference = AutoModelForCausalLM.from_config(model.config)
             reference.load_state_dict(model.state_dict())
             used = binding.bind(reference, {}, key=f"test:{key}", names={modeling.__name__: {

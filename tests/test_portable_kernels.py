@@ -351,7 +351,7 @@ def test_rms_norm(mode):
         return (rms(s, 1e-6) * w, s) if mode == "prenorm" else rms(s, 1e-6) * w
 
     check_same(ours, ref, x, res, w)
-    check_same(lambda x, w: norms.rms_norm(x, w, eps=1e-6), lambda x, w: rms(x, 1e-6) * w, x, w)
+    check_same(lambda x, w: norms.rms_norm(x, w, None, eps=1e-6), lambda x, w: rms(x, 1e-6) * w, x, w)
 
 
 def test_rms_norm_weight_grad_and_dtype():
@@ -591,3 +591,32 @@ def test_from_pretrained_and_generate_keep_the_console_quiet(tmp_path):
     noise = [line for line in lines if not line.startswith("Loading weights") and "s own warning" not in line]
     assert noise == [], "\n".join(noise)
     assert any("the user's own warning" in line for line in lines)  # the quiet ends with the call
+
+
+# --- fla's other linear-attention layers on the portable kernels -------------------------------------------
+
+@pytest.mark.parametrize(("model_type", "options"), [
+    ("delta_net", dict(num_heads=2)),  # chunk/fused_recurrent_delta_rule, l2norm
+    ("linear_attn", dict(num_heads=2)),  # chunk/fused_recurrent_linear_attn
+    ("retnet", dict(num_heads=2)),  # chunk/fused_recurrent retention
+    ("mamba2", dict(num_heads=8, head_dim=16, n_groups=1)),  # fla's Mamba2: its torch scan, RMSNormGated's rmsnorm_fn
+])
+def test_fla_linear_attention_models_train_and_decode_on_the_portable_kernels(model_type, options):
+    """Each of these fla model types reached a Triton kernel on the CPU; bound, none is left (``unported``), a
+    training step's gradients are finite, and decoding from the cache equals the full forward."""
+    import fla  # noqa: F401  (registers fla's model types)
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = kernels.portable(AutoModelForCausalLM.from_config(
+        CONFIG_MAPPING[model_type](hidden_size=64, num_hidden_layers=2, vocab_size=64, **options)))
+    assert kernels.unported(model) == {}
+    x = torch.randint(0, 64, (2, 70), generator=torch.Generator().manual_seed(0))  # > 64: the layers' chunk mode
+    model(input_ids=x, labels=x).loss.backward()
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+        prefix = model(input_ids=x[:, :69], use_cache=True)
+        step = model(input_ids=x[:, 69:], past_key_values=prefix.past_key_values, use_cache=True).logits
+    assert_rel_close(step[:, -1], full[:, 69], tol=1e-5, what="cached decoding step")

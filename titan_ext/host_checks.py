@@ -83,6 +83,49 @@ FLA_SIGNATURES = {
     "chunk_indices=None, cp_context=None, **kwargs",
     "fla.modules.causal_conv1d.ops:causal_conv1d_update": "x, cache, residual=None, weight=None, bias=None, "
     "activation=None",
+    "fla.ops.simple_gla.chunk:chunk_simple_gla":
+    "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
+    "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs",
+    "fla.ops.simple_gla.fused_chunk:fused_chunk_simple_gla":
+    "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
+    "cu_seqlens=None",
+    "fla.ops.simple_gla.fused_recurrent:fused_recurrent_simple_gla":
+    "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
+    "reverse=False, state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.ops.simple_gla.parallel:parallel_simple_gla":
+    "q, k, v, g=None, scale=None, output_attentions=False, cu_seqlens=None, cu_seqlens_cpu=None",
+    "fla.ops.linear_attn.chunk:chunk_linear_attn":
+    "q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True, cu_seqlens=None",
+    "fla.ops.linear_attn.fused_chunk:fused_chunk_linear_attn":
+    "q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True, cu_seqlens=None",
+    "fla.ops.linear_attn.fused_recurrent:fused_recurrent_linear_attn":
+    "q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False, normalize=False, "
+    "cu_seqlens=None",
+    "fla.ops.lightning_attn.chunk:chunk_lightning_attn":
+    "q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False, "
+    "cu_seqlens=None, **kwargs",
+    "fla.ops.lightning_attn.fused_recurrent:fused_recurrent_lightning_attn":
+    "q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False, "
+    "reverse=False, cu_seqlens=None",
+    "fla.ops.retention.chunk:chunk_retention":
+    "q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs",
+    "fla.ops.retention.fused_chunk:fused_chunk_retention":
+    "q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None",
+    "fla.ops.retention.fused_recurrent:fused_recurrent_retention":
+    "q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False, "
+    "state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.ops.retention.parallel:parallel_retention": "q, k, v, scale=None, output_attentions=False, cu_seqlens=None",
+    "fla.ops.delta_rule.chunk:chunk_delta_rule":
+    "q, k, v, beta, scale=None, initial_state=None, output_final_state=False, "
+    "use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs",
+    "fla.ops.delta_rule.fused_recurrent:fused_recurrent_delta_rule":
+    "q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False, "
+    "use_qk_l2norm_in_kernel=False, cu_seqlens=None",
+    "fla.modules.norm.l2norm:l2norm": "x, eps=1e-06, output_dtype=None",
+    "fla.modules.norm.layernorm_gated:rmsnorm_fn":
+    "x, weight, bias, z=None, eps=1e-06, group_size=None, norm_before_gate=True",
+    "fla.modules.norm.layernorm_gated:layernorm_fn":
+    "x, weight, bias, z=None, eps=1e-06, group_size=None, norm_before_gate=True, is_rms_norm=False",
     "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv": "self, last_state, use_cache, cu_seqlens",
     "fla.modules.norm.layernorm:RMSNorm.forward": "self, x, residual=None, prenorm=False, residual_in_fp32=False",
     "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward": "self, x, g, residual=None, prenorm=False, "
@@ -96,15 +139,9 @@ FLA_SIGNATURES = {
     "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
     "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
     "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
-    **{f"transformers.models.{model}.modeling_{model}:torch_{kind}_gated_delta_rule":
-       f"query, key, value, g, beta, {'chunk_size=64, ' if kind == 'chunk' else ''}initial_state=None, "
-       "output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs"
-       for model in ("qwen3_5", "qwen3_next") for kind in ("chunk", "recurrent")},
     "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention":
     "query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, "
     "use_qk_l2norm_in_kernel=False, **kwargs",
-    "transformers.models.kimi_linear.modeling_kimi_linear:recurrent_kimi_delta_attention":
-    "query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel=False, **kwargs",
     "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
     "hidden_states, weight, bias=None, activation=None, **kwargs",
     **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward": (

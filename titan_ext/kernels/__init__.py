@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from titan_ext.host_patches import MODEL_KERNELS, resolve
 from titan_ext.kernels.binding import bind as _bind
+from titan_ext.kernels.binding import hub_implementation
 
 PATHS = ("fla", "portable")
 
@@ -138,7 +139,10 @@ def unported(model: nn.Module) -> dict[str, str]:
     ``utils`` are torch code). A kernel titan_ext replaces is no longer there
     once ``bind`` ran, so on the portable path what remains needs a GPU.
     Decorated methods are read through (transformers >= 5.2x wraps each
-    layer's ``forward`` in a checkpointing closure whose code names no kernel).
+    layer's ``forward`` in a checkpointing closure whose code names no kernel),
+    and so are transformers' hub wrappers (a modeling file's global such as
+    ``torch_chunk_gated_delta_rule`` calls fla's kernel from its closure:
+    ``binding.hub_implementation``).
     """
     found, read = {}, set()
     stacks = [child for child in model.get_decoder().children() if isinstance(child, nn.ModuleList)]
@@ -154,6 +158,7 @@ def unported(model: nn.Module) -> dict[str, str]:
             for fn in functions_run(method):
                 for global_name in fn.__code__.co_names:
                     value = fn.__globals__.get(global_name)
+                    value = hub_implementation(value) or value  # transformers' hub wrapper: what it calls
                     where = getattr(value, "__module__", None) or ""
                     if callable(value) and where.startswith("fla.ops.") and not where.startswith("fla.ops.utils"):
                         kernel = f"{where}.{value.__qualname__}"

@@ -1,6 +1,7 @@
 """Torch-native versions of fla's Triton activations (``fla.modules.activations``).
 
-Like fla's kernels they compute in fp32 and return the input dtype.
+Like fla's kernels they compute in fp32 and return the input dtype. Each takes fla 0.6.0's parameters
+(where fla's function is an autograd ``Function.apply``, the parameters of its ``forward``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,6 @@ def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (F.silu(_upcast(x)) * _upcast(y)).to(x.dtype)
 
 
-def swiglu_linear(x, y, weight, bias=None):
+def swiglu_linear(x, y, weight, bias):
     """``F.linear(swiglu(x, y), weight, bias)``; fla fuses this to save memory, here autograd keeps it."""
     return F.linear(swiglu(x, y), weight, bias)

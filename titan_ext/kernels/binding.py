@@ -12,6 +12,7 @@ shipped, so any other model in the process runs fla untouched.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable, Mapping
 
 import torch.nn as nn
@@ -78,7 +79,8 @@ def holds(cell, value) -> bool:
 
 
 def _global_overrides(fn: types.FunctionType, replacements: Replacements, names: ModuleNames, used: set) -> dict[str, object]:
-    """The global names ``fn`` reads that hold an object ``replacements`` replaces, or that ``names`` sets."""
+    """The global names ``fn`` reads that hold an object ``replacements`` replaces, that ``names`` sets, or
+    that hold a transformers hub wrapper calling a function ``replacements`` replaces (``hub_wrapper``)."""
     module = fn.__globals__.get("__name__")
     by_name = names.get(module, {})
     overrides = {}
@@ -90,7 +92,56 @@ def _global_overrides(fn: types.FunctionType, replacements: Replacements, names:
         elif value is not None and _hashable(value) and value in replacements:
             overrides[name] = replacements[value]
             used.add(value)
+        elif (implementation := hub_implementation(value)) is not None and _hashable(implementation) and (
+                implementation in replacements):
+            overrides[name] = hub_wrapper(value, replacements[implementation])
+            used.add(implementation)
     return overrides
+
+
+_HUB_WRAPPER = ("transformers.integrations.hub_kernels", "wrapped", {"implementation", "applicable_params"})
+"""transformers' ``use_kernel_func_from_hub_with_fallback(func_name, package)`` wrapper: its module, its
+code's name, and the closure variables it calls through (the package's function, found by name at import,
+and that function's parameter names, to which it filters the caller's keywords)."""
+
+
+def hub_implementation(value) -> object | None:
+    """The function a transformers hub wrapper calls (fla's ``chunk_gated_delta_rule``, ...), or None where
+    ``value`` is no such wrapper.
+
+    transformers >= 5.2x modeling files call fla's kernels through module globals
+    (``torch_chunk_gated_delta_rule = use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule",
+    "fla")(torch_fn)``) whose ``__module__`` and name are the modeling file's (``functools.wraps``), while the
+    closure holds the package's function whenever the package imports (else ``torch_fn`` itself).
+    """
+    if not isinstance(value, types.FunctionType):
+        return None
+    module, name, free = _HUB_WRAPPER
+    code = value.__code__
+    if code.co_name != name or value.__globals__.get("__name__") != module or not free <= set(code.co_freevars):
+        return None
+    return value.__closure__[code.co_freevars.index("implementation")].cell_contents
+
+
+_hub_wrappers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""(transformers' wrapper, replacement) -> its copy, while a bound class holds the copy (a replacement that
+holds a job's state, e.g. a process group, is not kept alive past its classes: ``forget``)."""
+
+
+def hub_wrapper(wrapper: types.FunctionType, replacement) -> types.FunctionType:
+    """A copy of transformers' hub ``wrapper`` calling ``replacement`` instead of its implementation: the same
+    code, so the same contract (the caller's keywords filtered to the implementation's parameter names, which
+    a replacement taking fla's signature whole shares; the torch path under ``torch.export``)."""
+    key = (wrapper, replacement) if _hashable(replacement) else None
+    new = None if key is None else _hub_wrappers.get(key)
+    if new is None:
+        cells = tuple(types.CellType(replacement) if var == "implementation" else cell
+                      for var, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__))
+        new = rebased(wrapper, {}, cells)
+        new.__wrapped__ = wrapper.__wrapped__  # transformers' torch function, as functools.wraps left it
+        if key is not None:
+            _hub_wrappers[key] = new
+    return new
 
 
 def _hashable(value) -> bool:

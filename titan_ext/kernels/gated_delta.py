@@ -1,86 +1,48 @@
-"""fla's Gated DeltaNet core off CUDA: the chunked gated delta rule as plain torch ops.
+"""fla's Gated DeltaNet entry points off CUDA: ``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule``.
 
-Same arguments and conventions as ``fla.ops.gated_delta_rule``'s
-``chunk_gated_delta_rule`` and ``fused_recurrent_gated_delta_rule``: ``q``/``k``
-are ``[B, T, H, K]``, ``v`` is ``[B, T, HV, V]`` (grouped values: value head
-``i`` reads query/key head ``i // (HV // H)``), ``g`` (log decay) and ``beta``
-are ``[B, T, HV]``, states are ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
-``state_v_first``). The options fla's ``GatedDeltaNet`` layer asks its kernel
-to fuse (L2-normalised q/k, the gate ``-exp(A_log) * softplus(g + dt_bias)``,
-``sigmoid(beta)``, doubled for negative eigenvalues) are applied first.
-With ``cu_seqlens`` (batch 1) each packed sequence runs from its own state.
+Same parameters as fla 0.6.0's, names and defaults (the keys fla reads from ``**kwargs`` listed as
+keyword-only: ``kernels.signature``), and fla's conventions: ``q``/``k`` are ``[B, T, H, K]``, ``v`` is
+``[B, T, HV, V]`` (grouped values: value head ``i`` reads query/key head ``i // (HV // H)``), ``g`` (log
+decay) and ``beta`` are ``[B, T, HV]``, states are ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+``state_v_first``, or its deprecated alias ``transpose_state_layout``). The options fla's ``GatedDeltaNet``
+layer asks its kernel to fuse (L2-normalised q/k, the gate ``-exp(A_log) * softplus(g + dt_bias)``,
+``sigmoid(beta)``, doubled for negative eigenvalues) are applied first. With ``cu_seqlens`` (batch 1) each
+packed sequence runs from its own state. What fla checks, these check (same messages); what they do not
+honour (fla's ``cp_context``) is refused in one line.
 
-Per chunk of ``C`` tokens with in-chunk cumulative decay ``G`` and start
-state ``S``, the delta rule's corrections ``U`` solve one unit-lower-triangular
-system, ``(I + A) U = diag(beta) V - diag(beta * exp(G)) K S`` with
-``A[t, s] = beta_t exp(G_t - G_s) k_t.k_s`` for ``s < t``; then
-``O = exp(G) * (Q S) + (QK^T * decay mask) U`` and the state moves on. The core
-is one op to op-level SAC (``titan_ext.kernels.delta_rule_op``); autograd
-differentiates it; fla's naive recurrent form is the reference in the tests.
+The recurrence (``delta_rules``: the chunked core, one op to op-level SAC) is what
+``titan_ext.kernels.state_passing`` calls ``AffineState``.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
-import torch.nn.functional as F
 
-from titan_ext.kernels import delta_rule_op
-from titan_ext.kernels.tp_local import local
-from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
+from titan_ext.kernels import delta_rule_op, signature
+from titan_ext.kernels.delta_rules import (  # noqa: F401  (CHUNK, softplus: read by the models' FLOPs and layers)
+    CHUNK,
+    KEY_DECAY,
+    SCALAR_DECAY,
+    SCALAR_DECAY_SIZES,
+    delta_rule_inputs,
+    gdn_gate,
+    recurrent_delta_rule,
+    run_delta_rule,
+    softplus as _softplus,
+)
+from titan_ext.kernels.signature import ABSENT, check_neg_eigval, check_varlen, refuse
 
-CHUNK = 64
-L2NORM_EPS = 1e-6
-"""fla's ``l2norm_fwd`` default."""
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    """``F.softplus`` (threshold 20) in elementwise ops: compiled (aot) backward graphs assume a
-    contiguous ``softplus_backward`` output, which CPU's kernel does not give a strided gradient."""
-    return torch.where(x > 20, x, torch.log1p(torch.exp(x.clamp(max=20))))
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2NORM_EPS)
+_CP = "titan_ext's context parallelism passes the states between ranks itself (kernels.state_passing)"
 
 
-def _delta_rule(q, k, v, g, beta, state, sequence=None):
-    """``[B, H, T, *]`` float32 (or float64) inputs (T a multiple of ``CHUNK``), state ``[B, H, K, V]`` -> (o, final state).
-
-    ``sequence`` (``[T]``, batch 1): each token's packed sequence. Then a token
-    mixes only with tokens of its own sequence (``same``) and takes the incoming
-    chunk state only while its sequence began before the chunk (``carry``);
-    the final state is the last sequence's. One pass for any number of sequences.
-    """
-    B, H, T, K = k.shape
-    n = T // CHUNK
-    q, k, v = (x.reshape(B, H, n, CHUNK, -1) for x in (q, k, v))
-    g, beta = (x.reshape(B, H, n, CHUNK) for x in (g, beta))
-    G = g.cumsum(-1)
-    mask = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    carry = torch.ones(n, CHUNK, dtype=q.dtype, device=q.device)
-    if sequence is not None:
-        seq = sequence.reshape(n, CHUNK)
-        before = torch.cat([seq[:1, :1], seq[:-1, -1:]])  # the sequence of the token before each chunk
-        mask = mask & (seq.unsqueeze(-1) == seq.unsqueeze(-2))
-        carry = (seq == before).to(q.dtype)
-    # exp(G_t - G_s) for s <= t in one sequence, else 0 (masked before exp: no overflow)
-    decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~mask, float("-inf")).exp()
-    eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
-    A = beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay * (1 - eye)  # strictly lower
-    solve = lambda rhs: torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)  # noqa: E731
-    reads_state = G.exp() * carry  # how much of the incoming state each token sees
-    w_v = solve(beta.unsqueeze(-1) * v)  # U = w_v - w_k @ S
-    w_k = solve((beta * reads_state).unsqueeze(-1) * k)
-    qk = (q @ k.transpose(-1, -2)) * decay
-    outputs = []
-    for i in range(n):
-        u = w_v[:, :, i] - w_k[:, :, i] @ state
-        outputs.append(reads_state[:, :, i].unsqueeze(-1) * (q[:, :, i] @ state) + qk[:, :, i] @ u)
-        to_last = decay[:, :, i, -1]  # exp(G_last - G_s) for the last token's sequence, else 0
-        state = reads_state[:, :, i, -1:].unsqueeze(-1) * state + (to_last.unsqueeze(-1) * k[:, :, i]).transpose(-1, -2) @ u
-    return torch.stack(outputs, dim=2).reshape(B, H, T, -1), state
+def _check_heads(q, k, v) -> None:
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have the same number of heads, but got q.shape[2]={q.shape[2]} and "
+                         f"k.shape[2]={k.shape[2]}")
+    H, HV = q.shape[2], v.shape[2]
+    if HV % H != 0:
+        raise ValueError(f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_heads (H={H}), but got "
+                         f"HV % H = {HV % H}")
 
 
 def chunk_gated_delta_rule(
@@ -96,91 +58,39 @@ def chunk_gated_delta_rule(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    chunk_indices: torch.LongTensor | None = None,
+    cp_context=None,
+    *,
+    transpose_state_layout=ABSENT,
+    head_first=ABSENT,
+    chunk_size: int = 64,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
-    **unused,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's ``chunk_gated_delta_rule`` in torch; under TP, ``A_log``/``dt_bias`` are DTensor shards (``tp_local``)."""
-    if unused.get("cp_context") is not None:
-        raise ValueError("the gated delta rule off CUDA does not support context parallel (cp_context)")
-    if unused.get("gk") is not None or unused.get("gv") is not None:
-        raise ValueError("the gated delta rule off CUDA supports a per-head scalar gate g, not gk/gv")
+    """fla's ``chunk_gated_delta_rule`` in torch; under TP, ``A_log``/``dt_bias`` are DTensor shards (``tp_local``).
+
+    ``chunk_size`` (16, 32 or 64, as fla) is the chunk the core runs; ``cu_seqlens_cpu`` and
+    ``chunk_indices`` are fla's precomputed forms of ``cu_seqlens`` (read from ``cu_seqlens`` here).
+    """
+    state_v_first = signature.state_v_first(state_v_first, transpose_state_layout)
+    _check_heads(q, k, v)
+    signature.no_head_first(head_first)
+    signature.check_chunk_size("Gated Delta Rule", chunk_size, SCALAR_DECAY_SIZES)
+    if cp_context is not None:
+        refuse("chunk_gated_delta_rule", "fla's context parallel (cp_context)", _CP)
+    check_varlen(q, initial_state, cu_seqlens)
+    if use_gate_in_kernel and A_log is None:
+        raise ValueError("A_log must be provided when use_gate_in_kernel=True.")
+    check_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
     out_dtype = v.dtype
     q, k, v, beta = delta_rule_inputs(q, k, v, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                                       allow_neg_eigval)
-    g = g.to(v.dtype)
-    if use_gate_in_kernel:  # fla's gate, -exp(A_log) * softplus(g + dt_bias), at the working precision
-        g = -local(A_log).to(v.dtype).exp() * _softplus(g if dt_bias is None else g + local(dt_bias).to(v.dtype))
-    return delta_rule_op.delta_rule(_RULE, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                                    state_v_first, out_dtype)
-
-
-def delta_rule_inputs(q, k, v, beta, scale, l2norm_qk: bool, beta_sigmoid: bool, allow_neg_eigval: bool):
-    """What fla's delta-rule kernels (Gated DeltaNet's, KDA's) fuse before the recurrence, in torch: q, k, v and
-    beta at the working precision (fp32; fp64 stays fp64), q and k L2-normalised if asked and repeated over
-    grouped value heads, q scaled (default ``K ** -0.5``), ``sigmoid(beta)`` (doubled for negative eigenvalues)."""
-    H, HV = q.shape[2], v.shape[2]
-    if HV % H:
-        raise ValueError(f"num_v_heads (HV={HV}) must be divisible by num_heads (H={H})")
-    if scale is None:
-        scale = k.shape[-1] ** -0.5
-    wide = torch.promote_types(v.dtype, torch.float32)  # fla computes in fp32; fp64 inputs stay fp64
-    q, k = q.to(wide), k.to(wide)
-    if l2norm_qk:
-        q, k = _l2norm(q), _l2norm(k)
-    if HV > H:
-        q, k = (x.repeat_interleave(HV // H, dim=2) for x in (q, k))
-    beta = beta.to(wide)
-    if beta_sigmoid:
-        beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
-    return q * scale, k, v.to(wide), beta
-
-
-def run_delta_rule(rule, chunk, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, state_v_first,
-                   out_dtype):
-    """What the chunked delta rules (Gated DeltaNet's, KDA's) share around their ``rule``: spans padded to
-    whole chunks of ``chunk`` tokens, packed sequences in one pass (training) or one by one (states given or
-    wanted), states in fla's layout. ``rule(q, k, v, g, beta, state, sequence)`` takes ``[B, H, T, *]``
-    spans; inputs are ``[B, T, H, *]``, already scaled and at the working precision."""
-    h0 = initial_state
-    if h0 is not None:
-        h0 = h0.to(q.dtype).transpose(-1, -2) if state_v_first else h0.to(q.dtype)
-
-    def run(span, state, sequence=None):
-        """``[B, T, H, *]`` slices -> (o ``[B, H, T, V]``, final state); ``sequence``: packed sequences in the slice."""
-        T = q[:, span].shape[1]
-        pad = -T % chunk  # padded tokens: zero k, v, beta and log decay leave the state untouched
-        qs, ks, vs, gs, bs = (F.pad(x[:, span].transpose(1, 2), (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
-                              for x in (q, k, v, g, beta))
-        if sequence is not None:
-            sequence = torch.cat([sequence, sequence[-1:].expand(pad)])
-        if state is None:
-            state = qs.new_zeros(qs.shape[0], vs.shape[1], ks.shape[-1], vs.shape[-1])
-        o, state = rule(qs, ks, vs, gs, bs, state, sequence)
-        return o[:, :, :T], state
-
-    if cu_seqlens is None:
-        o, ht = run(slice(None), h0)
-    elif h0 is None and not output_final_state:  # training: every packed sequence from zero, in one pass
-        check_packed_batch(q.shape[0])
-        o, ht = run(slice(None), None, token_sequences(cu_seqlens, q.shape[1])[0])
-    else:  # each packed sequence from its own initial state, or with its own final state
-        o, ht = _each_sequence(run, cu_seqlens, h0, q.shape[0])
-    o = o.transpose(1, 2).to(out_dtype)
-    final = (ht.transpose(-1, -2) if state_v_first else ht) if output_final_state else None
-    return o, final
-
-
-@torch.compiler.disable  # a loop over the sequences: one graph break, instead of a recompile per document count
-def _each_sequence(run, cu_seqlens, h0, batch_size):
-    spans = sequence_spans(cu_seqlens, batch_size=batch_size)
-    runs = [run(slice(bos, eos), None if h0 is None else h0[n : n + 1]) for n, (bos, eos) in enumerate(spans)]
-    return torch.cat([o for o, _ in runs], dim=2), torch.cat([h for _, h in runs], dim=0)
-
-
-_RULE = delta_rule_op.register_rule("gated_delta", partial(run_delta_rule, _delta_rule, CHUNK))
+    g = gdn_gate(g, A_log, dt_bias, v.dtype) if use_gate_in_kernel else g.to(v.dtype)
+    return delta_rule_op.delta_rule(SCALAR_DECAY[chunk_size], q, k, v, g, beta, initial_state, output_final_state,
+                                    cu_seqlens, state_v_first, out_dtype)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -194,11 +104,49 @@ def fused_recurrent_gated_delta_rule(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    **options,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    *,
+    transpose_state_layout=ABSENT,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's decoding entry point (its own argument order); the math is the chunked form's."""
-    if g is None or beta is None:
-        raise ValueError("the gated delta rule off CUDA needs both g and beta")
-    return chunk_gated_delta_rule(
-        q, k, v, g, beta, scale, initial_state, output_final_state, gk=gk, gv=gv, **options
-    )
+    """fla's decoding entry point (its own argument order), every gate it takes: a scalar ``g`` per head
+    (raw, with ``use_gate_in_kernel``), a per-key ``gk`` and a per-value ``gv`` log decay (``[B, T, HV, K]``,
+    ``[B, T, HV, V]``), each optional; ``beta`` per head or per value (``[B, T, HV, V]``), ones if absent.
+
+    The chunked cores run what they can express (no ``gv``, ``beta`` per head: the scalar-decay core, or the
+    per-key one when ``gk`` is given); the rest runs token by token.
+    """
+    state_v_first = signature.state_v_first(state_v_first, transpose_state_layout)
+    check_varlen(q, initial_state, cu_seqlens)
+    if beta is None:
+        beta = torch.ones(v.shape[:3], dtype=v.dtype, device=v.device)
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True`.")
+        if g is None:
+            raise ValueError("`g` (raw pre-activation) must be provided when `use_gate_in_kernel=True`.")
+    check_neg_eigval(allow_neg_eigval, use_beta_sigmoid_in_kernel)
+    out_dtype = v.dtype
+    q, k, v, beta = delta_rule_inputs(q, k, v, beta, scale, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval)
+    wide = v.dtype
+    if g is not None:
+        g = gdn_gate(g, A_log, dt_bias, wide) if use_gate_in_kernel else g.to(wide)
+    gk = None if gk is None else gk.to(wide)
+    gv = None if gv is None else gv.to(wide)
+    if gv is None and beta.dim() == 3:
+        if gk is None:
+            g = torch.zeros(v.shape[:3], dtype=wide, device=v.device) if g is None else g
+            rule = SCALAR_DECAY[CHUNK]
+        else:
+            g, rule = (gk if g is None else gk + g.unsqueeze(-1)), KEY_DECAY
+        return delta_rule_op.delta_rule(rule, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                        state_v_first, out_dtype)
+    return recurrent_delta_rule(q, k, v, beta, g, gk, gv, initial_state, output_final_state, cu_seqlens,
+                                state_v_first, out_dtype)

@@ -17,10 +17,13 @@ calls ``exp`` on a large positive number, whatever the gate values. The math
 runs in fp32 (or fp64 for fp64 inputs) and uses plain differentiable torch ops,
 so autograd supplies the backward pass and ``torch.compile`` can trace it.
 
-The public functions mirror fla 0.6's ``chunk_gla``, ``fused_chunk_gla`` and
-``fused_recurrent_gla``: inputs ``[B, T, H, K]`` / ``[B, T, H, V]``, states
+The public functions take fla 0.6's parameters (``chunk_gla``, ``fused_recurrent_gla``; ``fused_chunk_gla``
+takes ``chunk_gla``'s): inputs ``[B, T, H, K]`` / ``[B, T, H, V]``, states
 ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first``), outputs
 ``(o, final_state)`` with ``o`` in the input dtype and the state in fp32.
+
+The state decays per key channel (and per value channel with ``gv``): what
+``titan_ext.kernels.state_passing`` calls ``DiagonalDecay``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_ext.kernels import signature
+from titan_ext.kernels.signature import ABSENT, check_varlen
 from titan_ext.kernels.varlen import sequence_spans
 
 CHUNK_SIZE = 16
@@ -159,10 +164,11 @@ def gla(
 
 
 def chunk_gla(
-    q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
-    cu_seqlens=None, cu_seqlens_cpu=None, **kwargs,
+    q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False, cu_seqlens=None,
+    cu_seqlens_cpu=None,
 ):
-    """Torch version of ``fla.ops.gla.chunk_gla`` (same arguments and returns)."""
+    """Torch version of ``fla.ops.gla.chunk_gla`` (same parameters and returns)."""
+    check_varlen(q, initial_state, cu_seqlens)
     return gla(
         q, k, v, gk=g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -170,26 +176,26 @@ def chunk_gla(
 
 
 def fused_chunk_gla(
-    q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False,
-    cu_seqlens=None, **kwargs,
+    q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False, cu_seqlens=None,
+    cu_seqlens_cpu=None,
 ):
-    """Torch version of ``fla.ops.gla.fused_chunk_gla``.
+    """Torch version of ``fla.ops.gla.fused_chunk_gla``, with ``chunk_gla``'s parameters.
 
-    fla 0.6 deprecated this entry point (it raises and points to ``chunk_gla``);
-    off CUDA it is simply ``chunk_gla``, so ``attn_mode="fused_chunk"`` still runs.
+    fla 0.6 deprecated this entry point: its ``fused_chunk_gla(**kwargs)`` raises and points to
+    ``chunk_gla`` (so fla's own GLA layers with ``attn_mode="fused_chunk"``, which still call it with
+    ``chunk_gla``'s arguments, fail on CUDA). Off CUDA it is ``chunk_gla``, so such a layer still runs.
     """
-    return chunk_gla(
-        q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-    )
+    return chunk_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu)
 
 
 def fused_recurrent_gla(
     q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False, reverse=False,
-    state_v_first=False, cu_seqlens=None, **kwargs,
+    state_v_first=False, cu_seqlens=None, *, transpose_state_layout=ABSENT,
 ):
-    """Torch version of ``fla.ops.gla.fused_recurrent_gla`` (same math, computed chunk-wise)."""
-    state_v_first = kwargs.pop("transpose_state_layout", state_v_first)
+    """Torch version of ``fla.ops.gla.fused_recurrent_gla`` (same parameters; the math computed chunk-wise);
+    ``transpose_state_layout`` is fla's deprecated alias of ``state_v_first``."""
+    state_v_first = signature.state_v_first(state_v_first, transpose_state_layout)
+    check_varlen(q, initial_state, cu_seqlens)
     return gla(
         q, k, v, gk=gk, gv=gv, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         reverse=reverse, state_v_first=state_v_first, cu_seqlens=cu_seqlens,

@@ -2,8 +2,8 @@
 
 GLAConfig defaults to ``fuse_cross_entropy=True``, so an fla model's own loss
 reaches Triton too. Same options as fla's kernels (logit scale, softcapping,
-label smoothing, z-loss, ignore_index); vocabulary parallelism
-(``process_group``) is CUDA-only.
+label smoothing, z-loss, ignore_index) and fla 0.6.0's parameters; vocabulary
+parallelism (a ``process_group`` of more than one rank) is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from fla.modules.fused_cross_entropy.ops import FusedCrossEntropyLoss as _FlaCrossEntropyLoss
 from fla.modules.fused_linear_cross_entropy.ops import FusedLinearCrossEntropyLoss as _FlaLinearCrossEntropyLoss
 from fla.modules.l2warp import l2_warp
+
+from titan_ext.kernels.signature import refuse
 
 
 def cross_entropy_loss(
@@ -27,9 +29,9 @@ def cross_entropy_loss(
     inplace_backward: bool = False,
     process_group=None,
 ):
-    """Per-row fp32 ``(loss, z_loss)`` for ``[N, V]`` logits, 0 where ``target == ignore_index``."""
-    if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
-        raise NotImplementedError("vocab-parallel cross entropy is not supported off CUDA")
+    """Per-row fp32 ``(loss, z_loss)`` for ``[N, V]`` logits, 0 where ``target == ignore_index``
+    (``inplace_backward``, a memory hint of fla's kernel, changes nothing here)."""
+    _one_rank("cross_entropy_loss", process_group)
     z = logits.float() * logit_scale
     if logit_softcapping is not None:
         z = logit_softcapping * torch.tanh(z / logit_softcapping)
@@ -75,6 +77,11 @@ class FusedLinearCrossEntropyLoss(_FlaLinearCrossEntropyLoss):
         )
 
 
+def _one_rank(kernel: str, process_group) -> None:
+    if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
+        refuse(kernel, "a vocabulary-parallel process_group of more than one rank")
+
+
 def fused_linear_cross_entropy_loss(
     x, target, weight, bias=None, ignore_index=-100, label_smoothing=0.0, logit_scale=1.0,
     logit_softcapping=None, num_chunks=8, reduction="mean", use_l2warp=False, l2_penalty_factor=1e-4,
@@ -82,8 +89,11 @@ def fused_linear_cross_entropy_loss(
 ):
     """Torch version of ``fla.modules.fused_linear_cross_entropy.ops.fused_linear_cross_entropy_loss``.
 
-    Materialises the ``[N, V]`` logits (fla chunks them to save memory).
+    Materialises the ``[N, V]`` logits (fla chunks them to save memory: ``num_chunks`` changes nothing
+    here); autograd accumulates the weight's gradient in the logits' fp32 (``accumulate_grad_in_fp32``).
+    ``reduction`` is ``"mean"`` (over the valid tokens) or anything else, a sum, as fla's.
     """
+    _one_rank("fused_linear_cross_entropy_loss", process_group)
     logits = F.linear(x, weight, bias)
     loss, _ = cross_entropy_loss(
         logits, target, label_smoothing, logit_scale, 0.0, logit_softcapping, ignore_index,

@@ -3,6 +3,10 @@
 fla's kernels add the residual, normalise and scale in fp32 and write the
 output in the input dtype; these functions do the same with plain torch ops,
 so autograd (and DTensor / ``torch.compile``) handle them like any other code.
+Each takes fla 0.6.0's parameters, names and defaults: ``rms_norm`` and
+``rms_norm_gated`` (``fla.modules.norm``), ``l2norm`` (``fla.modules.norm.l2norm``),
+``rmsnorm_fn`` and ``layernorm_fn`` (``fla.modules.norm.layernorm_gated``: Mamba2's
+gated norm, ``RMSNormGated``).
 """
 
 from __future__ import annotations
@@ -38,13 +42,12 @@ def _rms_norm_core(x, weight, bias, residual, eps, residual_in_fp32):
 
 def rms_norm(
     x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     residual: torch.Tensor | None = None,
     eps: float = 1e-5,
     prenorm: bool = False,
     residual_in_fp32: bool = False,
-    **kwargs,
 ):
     """Torch version of ``fla.modules.norm.layernorm.rms_norm`` (what ``fla.modules.RMSNorm`` calls).
 
@@ -59,14 +62,13 @@ def rms_norm(
 def rms_norm_gated(
     x: torch.Tensor,
     g: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
     activation: str = "swish",
     residual: torch.Tensor | None = None,
     prenorm: bool = False,
     residual_in_fp32: bool = False,
     eps: float = 1e-6,
-    **kwargs,
 ):
     """Torch version of ``fla.modules.norm.fused_norm_gate.rms_norm_gated`` (``FusedRMSNormGated``).
 
@@ -83,3 +85,53 @@ def rms_norm_gated(
         raise ValueError(f"Unsupported activation: {activation}")
     y = y.to(x.dtype)
     return (y, res_out) if prenorm else y
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch version of ``fla.modules.norm.l2norm.l2norm`` (also ``l2_norm``): ``x / sqrt(sum(x^2) + eps)``
+    over the last dimension in fp32, in ``output_dtype`` (default ``x``'s)."""
+    xf = _upcast(x)
+    y = xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)
+    return y.to(x.dtype if output_dtype is None else output_dtype)
+
+
+def layernorm_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = True,
+    is_rms_norm: bool = False,
+) -> torch.Tensor:
+    """Torch version of ``fla.modules.norm.layernorm_gated.layernorm_fn``: a LayerNorm (or RMSNorm) over
+    groups of ``group_size`` channels (all of them by default), gated by ``silu(z)`` after the norm
+    (``norm_before_gate``) or before it; fp32 inside, ``x``'s dtype out."""
+    dtype, shape = x.dtype, x.shape
+    xf = _upcast(x)
+    zf = None if z is None else _upcast(z)
+    if zf is not None and not norm_before_gate:
+        xf = xf * F.silu(zf)
+    groups = xf.unflatten(-1, (-1, shape[-1] if group_size is None else group_size))
+    if not is_rms_norm:
+        groups = groups - groups.mean(-1, keepdim=True)
+    y = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + eps)).flatten(-2) * _upcast(weight)
+    if bias is not None:
+        y = y + _upcast(bias)
+    if zf is not None and norm_before_gate:
+        y = y * F.silu(zf)
+    return y.to(dtype)
+
+
+def rmsnorm_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = True,
+) -> torch.Tensor:
+    """Torch version of ``fla.modules.norm.layernorm_gated.rmsnorm_fn`` (what ``RMSNormGated`` calls)."""
+    return layernorm_fn(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm=True)

@@ -13,6 +13,8 @@ def rotary_embedding(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
 
     Offsets are one integer or one per sequence (``[N]``); with ``cu_seqlens``
     (batch 1, packed sequences) positions restart at each sequence, as in fla.
+    ``inplace`` writes the result into ``x`` and returns it, as fla does;
+    ``chunk_indices`` is fla's precomputed form of ``cu_seqlens``.
     """
     T = x.shape[1]
     if cu_seqlens is None:
@@ -22,7 +24,8 @@ def rotary_embedding(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         check_packed_batch(x.shape[0])
         sequence, positions = token_sequences(cu_seqlens, T)
         positions = positions + (seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[sequence])
-    return rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
+    y = rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
+    return x.copy_(y) if inplace else y
 
 
 def update_cos_sin_cache(self, seqlen, device=None, dtype=None):

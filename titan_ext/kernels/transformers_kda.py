@@ -11,6 +11,9 @@ at every document; without them it is the plain call. ``host_patches.MODEL_KERNE
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
@@ -40,12 +43,26 @@ def rows_as_packed(kernel, q, k, v, g, beta, cu_seqlens, **kwargs):
 
 def chunk_kda(q, k, v, g=None, beta=None, cu_seq_lens_q=None, cu_seqlens=None, **kwargs):
     """The portable KDA kernel (``kernels.kda``), documents from ``cu_seq_lens_q``."""
-    return rows_as_packed(kda.chunk_kda, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **kwargs)
+    return rows_as_packed(kda.chunk_kda, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **_fla_keywords(kwargs))
 
 
 def fla_chunk_kda(q, k, v, g=None, beta=None, cu_seq_lens_q=None, cu_seqlens=None, **kwargs):
     """fla's ``chunk_kda`` (CUDA; as torch ops around fla's drivers, ``kda_op``), documents from ``cu_seq_lens_q``."""
-    return rows_as_packed(kda_op.chunk_kda, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q), **kwargs)
+    return rows_as_packed(kda_op.chunk_kda, q, k, v, g, beta, _bounds(cu_seq_lens_q, cu_seqlens, q),
+                          **_fla_keywords(kwargs))
+
+
+@functools.cache
+def _fla_parameters() -> frozenset[str]:
+    from fla.ops.kda.chunk import chunk_kda as fla_chunk_kda
+
+    return frozenset(inspect.signature(fla_chunk_kda).parameters)
+
+
+def _fla_keywords(kwargs: dict) -> dict:
+    """The keywords transformers' hub wrapper hands fla's ``chunk_kda``: those it names (the layer's other
+    keywords, e.g. ``position_ids``, never reach a kernel)."""
+    return {name: value for name, value in kwargs.items() if name in _fla_parameters()}
 
 
 def _bounds(cu_seq_lens_q, cu_seqlens, q):

@@ -218,13 +218,6 @@ CASES = {
         [*GLA, *TP2, "--parallelism.expert_tensor_parallel_degree", "2"], 2,
         "--parallelism.expert_tensor_parallel_degree=2 needs --parallelism.expert_parallel_degree > 1",
     ),
-    # no HF plan: every block module is kept whole, but OPT's decoder holds a learned position embedding
-    # beside its final norm, which titan_ext's model-level plan does not place
-    "tp for a model with no plan": (
-        [*generic("hf", "opt.json"), *TP2], 2,
-        "opt: expected one final norm beside the embedding and the layers, found ['model.decoder.embed_positions', "
-        "'model.decoder.final_layer_norm']; register a plan with @model_plans.register_tp_plan('opt')"
-    ),
     # [titan_ext] hf_config
     "hf_config path missing": ([*GLA, "--titan_ext.hf_config", "{tmp}/nowhere.json"], 1, "no such file"),
     "hf_config not json": ([*GLA, "--titan_ext.hf_config", "{tmp}/bad.json"], 1, "is not valid JSON"),

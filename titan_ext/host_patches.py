@@ -646,9 +646,6 @@ class Kernel:
     why: str
     paths: tuple[str, ...] = ("portable",)
     """Kernel paths that use it: ``portable`` (any non-CUDA run), ``fla`` (CUDA)."""
-    training_only: bool = False
-    """Only in the models titan_ext trains (``kernels.bind(..., training=True)``), not in a model made
-    ``kernels.portable`` to run as its library runs it (e.g. generating with a cache)."""
 
 
 _TRITON = "Triton kernel; fails off CUDA with '0 active drivers'"

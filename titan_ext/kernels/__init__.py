@@ -45,13 +45,12 @@ __all__ = ["PATHS", "bind", "default_path", "from_pretrained", "portable", "repl
 
 
 @functools.cache
-def replacements(path: str, training: bool = False) -> dict[object, Callable]:
-    """fla object -> titan_ext's replacement, for one kernel path (``training``: with the rows only the models
-    titan_ext trains take, ``Kernel.training_only``)."""
+def replacements(path: str) -> dict[object, Callable]:
+    """fla object -> titan_ext's replacement, for one kernel path."""
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; one of {PATHS}")
     return {resolve(k.fla): resolve(k.replacement) for k in MODEL_KERNELS
-            if path in k.paths and (training or not k.training_only)}
+            if path in k.paths}
 
 
 @functools.cache
@@ -81,7 +80,7 @@ def bind(model: nn.Module, path: str, training: bool = False, forwards: dict | N
     """Make ``model`` (in place) run the kernels of ``path`` (``training``: as a model titan_ext trains);
     returns it. ``forwards``: a module class's ``forward`` -> the one titan_ext's training models run instead
     (a mixer's ``training_forward``), itself seeing the path's kernels."""
-    chosen = {**replacements(path, training), **(forwards or {})}
+    chosen = {**replacements(path), **(forwards or {})}
     _bind(model, chosen, f"{path}:training" if training else path, global_names(path))
     return model
 

@@ -83,6 +83,20 @@ def fla_kda_drivers() -> types.SimpleNamespace:
     return types.SimpleNamespace(**{name: value for part in parts for name, value in vars(part).items()})
 
 
+def transformers_own_classes(model_type: str) -> tuple[type, type] | None:
+    """(config class, causal-LM class) transformers itself ships for ``model_type`` (None: it ships none),
+    whatever another library registered under that name since (importing fla registers its Mamba, Mamba2 and
+    BitNet as ``mamba``, ``mamba2`` and ``bitnet``): read from transformers' own name tables."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    config_name = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
+    model_name = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if not (config_name and model_name):
+        return None
+    module = importlib.import_module(f"transformers.models.{configuration_auto.model_type_to_module_name(model_type)}")
+    return getattr(module, config_name), getattr(module, model_name)
+
+
 def metrics_rank(parallel_dims, job_config) -> int:
     """The rank torchtitan's metrics logger writes from (the last pipeline stage's first rank under PP)."""
     return _lookup("torchtitan", "torchtitan.components.metrics", "_get_metrics_rank")._get_metrics_rank(

@@ -15,6 +15,7 @@ changed (``errors.HostChanged``).
 from __future__ import annotations
 
 import copy
+import functools
 import contextlib
 import inspect
 import itertools
@@ -37,6 +38,12 @@ class HostCheck:
     """model args -> whether the job uses this behaviour."""
     check: Callable[[object], None]
     """model args -> None, or raises ``HostChanged``."""
+    needed_by: str = ""
+    """The job's feature that relies on it (``FEATURES``); empty: every job."""
+
+
+FEATURES = ("context parallelism or documents", "routing bias")
+"""What a job may use that some rows alone rely on (``check_host(model_args, uses)``)."""
 
 
 # fla functions titan_ext replaces (host_patches.MODEL_KERNELS) or calls by keyword, and the parameters
@@ -264,9 +271,10 @@ def check_transformers_attention(model_args) -> None:
 _probes = itertools.count()  # a binding key per probe: a bound class holds its probe's recorder
 
 
-def check_transformers_experts(model_args) -> None:
+def check_transformers_experts(model_args, bias: bool = False) -> None:
     """A MoE block's router returns its logits first and picks the top-k of their softmax (the balancing loss
-    recomputes the choice from them; the biased router the weights too), and its experts module computes, per token, the sum over its top-k of
+    recomputes the choice from them; with ``bias``, the biased router the weights too), and its experts module
+    computes, per token, the sum over its top-k of
     weight x ``down(act(gate) * up)`` with ``gate`` the first half of ``gate_up_proj``'s rows (expert
     parallelism computes exactly that, rank by rank)."""
     from titan_ext.moe import ROUTER_FIELDS, bias_router, moe_blocks
@@ -290,7 +298,7 @@ def check_transformers_experts(model_args) -> None:
                            index.sort(-1).values):
             raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer returns its logits first or no "
                                               "longer picks the top-k of their softmax, which the balancing loss reads")
-        if all(hasattr(block.gate, name) for name in ROUTER_FIELDS):  # what moe_balance = "bias" recomputes
+        if bias and all(hasattr(block.gate, name) for name in ROUTER_FIELDS):  # what moe_balance = "bias" recomputes
             _, biased_weights, biased_index = bias_router(copy.deepcopy(block.gate))(x)
             if not (torch.equal(biased_index, index) and torch.allclose(biased_weights, weights)):
                 raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer weighs its top-k experts by "
@@ -361,19 +369,24 @@ HOST_CHECKS: tuple[HostCheck, ...] = (
               "replaces or calls", _fla_model, check_fla_signatures),
     HostCheck("transformers", "attention modules call the attention their modeling file looks up in "
               "ALL_ATTENTION_FUNCTIONS, rotate queries and keys at the position_ids given, and use a boolean 4D "
-              "attention_mask as given", _transformers_model, check_transformers_attention),
+              "attention_mask as given", _transformers_model, check_transformers_attention, FEATURES[0]),
     HostCheck("transformers", "a MoE block's router returns its logits first and picks the top-k of their "
               "softmax; its experts compute the weighted sum of their top-k down(act(gate) * up) from stacked "
               "gate_up_proj and down_proj", _transformers_model, check_transformers_experts),
+    HostCheck("transformers", "a MoE block's router weighs its top-k experts by their softmax probabilities "
+              "(renormalized if norm_topk_prob), as titan_ext's biased router recomputes them",
+              _transformers_model, functools.partial(check_transformers_experts, bias=True), FEATURES[1]),
 )
 
 
-def check_host(model_args) -> None:
-    """Every row of ``HOST_CHECKS`` that applies to this model; the first change found ends the job.
+def check_host(model_args, uses: frozenset[str] = frozenset(FEATURES)) -> None:
+    """Every row of ``HOST_CHECKS`` that applies to this model and to what the job ``uses`` (``FEATURES``); the
+    first change found ends the job (a model whose attention does not read the registry trains, and CP or
+    documents for it stop here).
 
     The probes draw random weights: the job's random state is left as it was (``fork_rng``).
     """
     with torch.random.fork_rng(devices=[]):
         for row in HOST_CHECKS:
-            if row.applies(model_args):
+            if (not row.needed_by or row.needed_by in uses) and row.applies(model_args):
                 row.check(model_args)

@@ -168,7 +168,9 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
-    host_checks.check_host(model_args)  # a host release that changed what titan_ext relies on stops here
+    uses = {host_checks.FEATURES[0]: job_config.parallelism.context_parallel_degree > 1 or documents.enabled(job_config),
+            host_checks.FEATURES[1]: moe.balance_option(job_config) == "bias"}
+    host_checks.check_host(model_args, frozenset(feature for feature, used in uses.items() if used))
     if kernel_path == "portable":
         _check_portable(model_args, model)
     _check_vocabulary(model_args, model, job_config)

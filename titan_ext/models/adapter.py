@@ -42,7 +42,7 @@ class TitanCausalLM:
             forwards = {part.module_class.forward: forward for mixer in self.mixers for part in mixer.parts
                         if (forward := part.training_forward()) is not None}
             kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True, forwards=forwards)
-        if self.config.tie_word_embeddings:
+        if getattr(self.config, "tie_word_embeddings", False):
             self.register_state_dict_post_hook(_without_tied_head)
 
     def blocks(self) -> nn.Module:
@@ -134,7 +134,7 @@ class TitanCausalLM:
         meta initializers is a Python decomposition (two thirds of a 7B model's build).
         """
         if all(p.is_meta for p in self.parameters()):
-            if self.config.tie_word_embeddings:
+            if getattr(self.config, "tie_word_embeddings", False):
                 self.tie_weights()
             return
         for owner, module in _with_initializer(self, self):
@@ -146,7 +146,7 @@ class TitanCausalLM:
                 self._init_on_whole_tensors(owner, module)
             if hasattr(module, "init_titan_ext_buffers"):  # state titan_ext adds to a module (titan_ext.moe's expert bias)
                 module.init_titan_ext_buffers()
-        if self.config.tie_word_embeddings and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
+        if getattr(self.config, "tie_word_embeddings", False) and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
             self.tie_weights()  # a pipeline stage may hold the embedding alone
         if buffer_device is not None:
             move_buffers(self, buffer_device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any, ClassVar
 
+from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.models import mixers
 from titan_ext.models.mixers import Mixer
@@ -106,6 +107,9 @@ def causal_lm_classes(model_type: str, library: str, source: str) -> tuple[type,
     """
     if library == "fla":
         import fla  # noqa: F401  (registers fla's model types with transformers' Auto classes)
+    elif (own := compat.transformers_own_classes(model_type)) is not None:  # fla takes over mamba, mamba2, bitnet
+        _check_config_subclass(own[0], source)
+        return own
     from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:

@@ -191,7 +191,7 @@ class HFModelArgs(BaseModelArgs):
         """
         nparams = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
-        matmul_params = nparams if model.config.tie_word_embeddings else nparams - embedding
+        matmul_params = nparams if getattr(model.config, "tie_word_embeddings", False) else nparams - embedding
         matmul_params -= idle_expert_params(model)
         mixer, uncounted = model.structure.mixer_flops_per_token(model.config, seq_len)
         if uncounted:

@@ -4,9 +4,9 @@ transformers and fla name the parts of a decoder differently (``embed_tokens`` /
 ``layers`` / ``h`` / ``blocks``, ``norm`` / ``final_layernorm`` / ``norm_f``). Every feature that needs one
 (FSDP's groups, pipeline stages, TP's model-level plan, activation checkpointing, compile) reads it from the
 model's ``Structure``, found once when the model is built: the embedding and the head from transformers'
-``get_input_embeddings`` / ``get_output_embeddings``, the layer stack as the decoder's list of the classes
-the model declares unsplittable (``_no_split_modules``), the final norm as the decoder's one other module of
-vector parameters, and each layer's token mixer from the modules the layer holds (``mixers.recognize``).
+``get_input_embeddings`` / ``get_output_embeddings``, the layer stack as the base model's list of the classes
+the model declares unsplittable (``_no_split_modules``), the final norm as the last module of vector
+parameters beside it, and each layer's token mixer from the modules the layer holds (``mixers.recognize``).
 """
 
 from __future__ import annotations
@@ -84,28 +84,29 @@ def structure_of(model: nn.Module) -> Structure:
 
 
 def layer_stack(model: nn.Module) -> nn.Module:
-    """The decoder's list of layers: of the classes the model declares unsplittable, else its longest list (a
-    model titan_ext built: where its structure says, a pipeline stage's own blocks)."""
+    """The base model's list of layers: of the classes the model declares unsplittable, else its longest list
+    (a model titan_ext built: where its structure says, a pipeline stage's own blocks)."""
     found = getattr(model, "structure", None)
     if isinstance(found, Structure):
         return model.get_submodule(found.layers)
-    decoder = model.get_decoder()
-    lists = [child for child in decoder.children() if isinstance(child, nn.ModuleList) and len(child)]
+    base = model.base_model
+    lists = [module for module in base.modules() if isinstance(module, nn.ModuleList) and len(module)]
     declared = set(getattr(model, "_no_split_modules", None) or ())
-    layered = [child for child in lists if any(type(block).__name__ in declared for block in child)]
-    found = max(layered or lists, key=len, default=None)
+    layered = [stack for stack in lists if any(type(block).__name__ in declared for block in stack)]
+    found = max(layered or lists, key=len, default=None)  # (the first of equals: the outermost)
     if found is None:
-        raise ValueError(f"{type(decoder).__name__} holds no list of layers")
+        raise ValueError(f"{type(base).__name__} holds no list of layers")
     return found
 
 
 def final_norm(model: nn.Module, stack: nn.Module) -> nn.Module | None:
-    """The decoder's module of vector parameters beside its embedding and layers, else its module of no
-    parameters and no buffers (Olmo's norm; not a dropout), which PP must still keep off the earlier stages
-    (None: it has neither)."""
-    decoder = model.get_decoder()
+    """The last module of vector parameters beside the embedding and the layers (in the module holding the
+    layers), else one of no parameters and no buffers (Olmo's norm; not a dropout), which PP must still keep
+    off the earlier stages (None: there is neither)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    owner = model.get_submodule(names[id(stack)].rpartition(".")[0])  # the module holding the layers
     skip = {id(stack), id(model.get_input_embeddings())}
-    others = [child for child in decoder.children() if id(child) not in skip]
+    others = [child for child in owner.children() if id(child) not in skip]
     norms = [child for child in others
              if next(child.parameters(), None) is not None and all(p.dim() == 1 for p in child.parameters())]
     stateless = [child for child in others if not isinstance(child, (nn.Dropout, nn.Identity, nn.ModuleList))

@@ -24,7 +24,7 @@ MODELS_MD = REPO / "docs" / "models.md"
 CENSUS_LIMIT_S = 600
 """Far above the census's budget (3 minutes): a limit for a hang, not the budget."""
 
-XFAIL_WHILE_TITAN_EXT_FAILS = True
+XFAIL_WHILE_TITAN_EXT_FAILS = False
 """While titan_ext still dies on some model types (a ``TRACEBACK`` or ``TIMEOUT`` cell), the zero-traceback
 test is an expected failure naming them; set False (strict) once none is left."""
 

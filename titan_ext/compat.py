@@ -94,7 +94,8 @@ def transformers_own_classes(model_type: str) -> tuple[type, type] | None:
     if not (config_name and model_name):
         return None
     module = importlib.import_module(f"transformers.models.{configuration_auto.model_type_to_module_name(model_type)}")
-    return getattr(module, config_name), getattr(module, model_name)
+    classes = importlib.import_module("transformers")  # a type may reuse another's class (EXAONE: Llama's)
+    return getattr(module, config_name, None) or getattr(classes, config_name), getattr(classes, model_name)
 
 
 def metrics_rank(parallel_dims, job_config) -> int:

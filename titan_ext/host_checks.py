@@ -42,7 +42,7 @@ class HostCheck:
     """The job's feature that relies on it (``FEATURES``); empty: every job."""
 
 
-FEATURES = ("context parallelism or documents", "routing bias")
+FEATURES = ("context parallelism or documents", "routing bias", "experts placed by EP or TP")
 """What a job may use that some rows alone rely on (``check_host(model_args, uses)``)."""
 
 
@@ -223,7 +223,7 @@ def check_transformers_attention(model_args) -> None:
     # a hybrid's first attention layer (Qwen3.5's layer 0 is linear attention)
     found = next(((i, part) for i, mixer in enumerate(model_args.layer_mixers()) for part in mixer.parts
                   if isinstance(part, TransformersAttention)), None)
-    model = None if found is None else _tiny(model_args, found[0])
+    model = None if found is None else tiny_copy(model_args, found[0])
     if model is None or len(layer_stack(model)) > 1 and found[0] > 0:  # earlier layers would mix the probe's tokens
         return
     attention = layer_stack(model)[-1].get_submodule(found[1].path)
@@ -271,15 +271,15 @@ def check_transformers_attention(model_args) -> None:
 _probes = itertools.count()  # a binding key per probe: a bound class holds its probe's recorder
 
 
-def check_transformers_experts(model_args, bias: bool = False) -> None:
+def check_transformers_experts(model_args, bias: bool = False, placed: bool = False) -> None:
     """A MoE block's router returns its logits first and picks the top-k of their softmax (the balancing loss
-    recomputes the choice from them; with ``bias``, the biased router the weights too), and its experts module
-    computes, per token, the sum over its top-k of
+    recomputes the choice from them; with ``bias``, the biased router the weights too), and (with ``placed``:
+    experts placed by EP or split by TP) its experts module computes, per token, the sum over its top-k of
     weight x ``down(act(gate) * up)`` with ``gate`` the first half of ``gate_up_proj``'s rows (expert
     parallelism computes exactly that, rank by rank)."""
     from titan_ext.moe import ROUTER_FIELDS, bias_router, moe_blocks
 
-    model = _tiny(model_args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    model = tiny_copy(model_args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     blocks = moe_blocks(model) if model is not None else []
     if not blocks:
         return
@@ -288,12 +288,19 @@ def check_transformers_experts(model_args, bias: bool = False) -> None:
     with torch.no_grad():
         try:
             logits, weights, index = block.gate(x)
-        except (TypeError, ValueError) as error:  # a router of another contract (MiniMax-M2's takes its bias)
+        except Exception as error:  # noqa: BLE001  (a router of another contract: MiniMax-M2 takes its bias, Zaya [B, T, D])
             raise ConfigError(
                 f"{model_args.model_type!r} models' MoE router {type(block.gate).__qualname__} is not called as "
                 f"gate(hidden_states) -> (logits, weights, experts), which titan_ext's MoE support reads "
                 f"({type(error).__name__}: {error}); train a MoE model whose router is"
             ) from None
+        experts = getattr(block.experts, "gate_up_proj", None)
+        if experts is not None and logits.shape[-1] != experts.shape[0]:  # Zaya's router scores a null expert too
+            raise ConfigError(
+                f"{model_args.model_type!r} models' MoE router {type(block.gate).__qualname__} scores "
+                f"{logits.shape[-1]} choices for {experts.shape[0]} experts, which titan_ext's balancing loss cannot "
+                "count; train a MoE model whose router scores its experts"
+            )
         if not torch.equal(logits.float().softmax(-1).topk(block.gate.top_k, -1).indices.sort(-1).values,
                            index.sort(-1).values):
             raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer returns its logits first or no "
@@ -304,9 +311,19 @@ def check_transformers_experts(model_args, bias: bool = False) -> None:
                 raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer weighs its top-k experts by "
                                                   "their softmax probabilities (renormalized if norm_topk_prob), which "
                                                   "titan_ext's biased router (moe_balance = 'bias') computes")
+        if not placed:
+            return
         experts = block.experts
-        gate, up = torch.einsum("th,eih->tei", x, experts.gate_up_proj).chunk(2, dim=-1)
-        each = torch.einsum("tei,ehi->teh", experts.act_fn(gate) * up, experts.down_proj)  # [T, E, H]
+        try:
+            gate, up = torch.einsum("th,eih->tei", x, experts.gate_up_proj).chunk(2, dim=-1)
+            each = torch.einsum("tei,ehi->teh", experts.act_fn(gate) * up, experts.down_proj)  # [T, E, H]
+        except Exception as error:  # noqa: BLE001  (experts of another layout: Inkling's two-input activation)
+            raise ConfigError(
+                f"{model_args.model_type!r} models' experts ({type(experts).__qualname__}) are not the sum of "
+                f"down(act(gate) * up) over stacked gate_up_proj and down_proj ({type(error).__name__}: {error}), "
+                "which expert parallelism and TP compute; set --parallelism.expert_parallel_degree and "
+                "--parallelism.tensor_parallel_degree to 1"
+            ) from None
         expected = (each.gather(1, index[..., None].expand(-1, -1, each.shape[-1])) * weights[..., None]).sum(1)
         if not torch.allclose(experts(x, index, weights), expected, atol=1e-5):
             raise HostChanged("transformers", f"{type(experts).__qualname__} no longer computes the weighted sum of "
@@ -319,25 +336,34 @@ TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_laye
 """A one-layer, 32-wide copy of the job's architecture: the same modeling code in a few milliseconds."""
 
 
-def _tiny(model_args, layer: int = 0, **sizes):
+def tiny_copy(model_args, layer: int = 0, **sizes):
     """The job's transformers model at ``TINY`` sizes (and ``sizes``) with one layer of the kind of the job's
     ``layer`` (or, where the config derives its layers' kinds from their count, its first ``layer + 1``), in fp32
     with eager-built weights; None when its config does not take them (an architecture these sizes do not fit
     is not probed)."""
     config = model_args.to_hf_config()
-    fields = {name: value for name, value in {**TINY, **sizes}.items() if hasattr(config, name)}
+    tries = [{**TINY, **sizes}, TINY]  # the sizes asked for, else TINY's (Zaya routes to one expert only)
+    if (getattr(config, "hidden_size", 0) or 0) <= 256:  # a small model whose widths TINY's do not fit (fla's CAT)
+        tries.append({"num_hidden_layers": 1})
+    return next((model for fields in tries if (model := _tiny_copy(model_args, config, fields, layer)) is not None), None)
+
+
+def _tiny_copy(model_args, config, sizes: dict, layer: int):
+    fields = {name: value for name, value in sizes.items() if hasattr(config, name)}
     # the job's token ids lie beyond the tiny vocabulary (transformers warns of them): the probe reads none
     fields.update({name: None for name in ("bos_token_id", "eos_token_id", "pad_token_id") if hasattr(config, name)})
     settable = not isinstance(inspect.getattr_static(type(config), "layer_types", None), property)
-    if isinstance(getattr(config, "layer_types", None), list) and settable:  # one layer, of the kind of ``layer``
+    if isinstance(getattr(config, "layer_types", None), (list, tuple)) and settable:  # one layer, of ``layer``'s kind
         fields.update(num_hidden_layers=1, layer_types=config.layer_types[layer:layer + 1])
     else:  # kinds derived from the layer count (Jamba's period): the first ``layer + 1``
         fields["num_hidden_layers"] = layer + 1
+    from titan_ext.models.adapter import build_context
+
     try:
         tiny = type(config)(**{**config.to_dict(), **fields})
-        tiny._attn_implementation = "sdpa"
+        tiny._attn_implementation = config._attn_implementation  # the job's (SDPA where the model supports it)
         torch.manual_seed(0)
-        with torch.device("cpu"):
+        with torch.device("cpu"), build_context(model_args):
             model = model_args.hf_model_class(tiny).float().eval()
     except Exception:  # noqa: BLE001  (the library's own refusal: this architecture is not probed)
         return None
@@ -371,8 +397,10 @@ HOST_CHECKS: tuple[HostCheck, ...] = (
               "ALL_ATTENTION_FUNCTIONS, rotate queries and keys at the position_ids given, and use a boolean 4D "
               "attention_mask as given", _transformers_model, check_transformers_attention, FEATURES[0]),
     HostCheck("transformers", "a MoE block's router returns its logits first and picks the top-k of their "
-              "softmax; its experts compute the weighted sum of their top-k down(act(gate) * up) from stacked "
-              "gate_up_proj and down_proj", _transformers_model, check_transformers_experts),
+              "softmax", _transformers_model, check_transformers_experts),
+    HostCheck("transformers", "a MoE block's experts compute the weighted sum of their top-k down(act(gate) * up) "
+              "from stacked gate_up_proj and down_proj", _transformers_model,
+              functools.partial(check_transformers_experts, placed=True), FEATURES[2]),
     HostCheck("transformers", "a MoE block's router weighs its top-k experts by their softmax probabilities "
               "(renormalized if norm_topk_prob), as titan_ext's biased router recomputes them",
               _transformers_model, functools.partial(check_transformers_experts, bias=True), FEATURES[1]),

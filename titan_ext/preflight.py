@@ -169,11 +169,15 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 
     model = meta_model(model_args)  # a config the library refuses stops here
     uses = {host_checks.FEATURES[0]: job_config.parallelism.context_parallel_degree > 1 or documents.enabled(job_config),
-            host_checks.FEATURES[1]: moe.balance_option(job_config) == "bias"}
+            host_checks.FEATURES[1]: moe.balance_option(job_config) == "bias",
+            host_checks.FEATURES[2]: job_config.parallelism.expert_parallel_degree > 1
+            or job_config.parallelism.tensor_parallel_degree > 1}
     host_checks.check_host(model_args, frozenset(feature for feature, used in uses.items() if used))
     if kernel_path == "portable":
         _check_portable(model_args, model)
+        _check_runs_here(model_args)
     _check_vocabulary(model_args, model, job_config)
+    _check_initialized(model_args, job_config)
     documents.check_model(model_args, job_config)
     moe.check_moe(model, job_config)
     context_parallel.check_cp(model_args, job_config)
@@ -182,6 +186,50 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     float8.check_float8(job_config)
     _check_checkpoint_to_load(model_args, model, job_config, world_size)
     return model
+
+
+def _check_initialized(model_args, job_config) -> None:
+    """A parameter only its module's constructor sets holds garbage after the meta-device build torchtitan
+    trains from, unless a checkpoint loads it: checked on a small copy of the model."""
+    from titan_ext.host_checks import tiny_copy
+    from titan_ext.models.adapter import unset_by_initializers
+
+    model = None if checkpoints.checkpoint_to_load(job_config) else tiny_copy(model_args)
+    unset = unset_by_initializers(model) if model is not None else []
+    if unset:
+        raise ConfigError(
+            f"{model_args.model_type!r} models' {', '.join(unset[:3])} are set by their modules' constructors only, "
+            "which torchtitan's meta-device build skips: training would start from garbage; load a checkpoint "
+            "that holds them (--checkpoint.initial_load_path, or --checkpoint.initial_load_in_hf)"
+        )
+
+
+def _check_runs_here(model_args) -> None:
+    """Off CUDA an fla model must run on the CPU: a small copy's forward and backward, on the portable kernels,
+    meets a Triton kernel titan_ext has no version of, an op fla runs on CUDA only, or a package it lacks
+    here, before the build (transformers' models run their own torch code; fla's GLA, Gated DeltaNet, KDA
+    and transformer, titan_ext's own architectures, are tested)."""
+    from titan_ext.models.architecture import FlaArchitecture
+
+    if type(model_args.arch) is not FlaArchitecture:
+        return
+    import torch
+
+    from titan_ext.host_checks import tiny_copy
+
+    model = tiny_copy(model_args)
+    if model is None:
+        return
+    try:
+        with torch.random.fork_rng(devices=[]):
+            out = model.train()(input_ids=torch.randint(0, 64, (1, 16)), use_cache=False)
+            out.logits.float().sum().backward()
+    except Exception as error:  # noqa: BLE001  (whatever fla raises: its message is the diagnosis)
+        detail = " ".join(str(error).split())[:200] or "no message"
+        raise ConfigError(
+            f"{model_args.model_type!r} models cannot train on the CPU ({type(error).__name__}: {detail}); train "
+            "this model on a CUDA GPU, or pick one titan_ext runs on the CPU (docs/models.md)"
+        ) from None
 
 
 def _check_portable(model_args, model) -> None:

@@ -79,7 +79,11 @@ def plan_class(model: nn.Module, degree: int) -> type:
     except ValueError:
         if model.arch.library != "fla" or len(others) != len(model.mixers):
             raise
-        plan_cls = TPPlan  # an fla model type without a plan: fla's block names, every mixer's own entries
+        # an fla model type without a plan: fla's block names, the model's parts where it keeps them, every
+        # layer's mixer its own entries
+        s = model.structure
+        plan_cls = type("FlaTPPlan", (TPPlan,), {"__module__": __name__, "embeddings": s.embeddings,
+                                                  "layers": s.layers, "final_norm": s.final_norm, "lm_head": s.head})
     return with_layer_mixers(plan_cls, others)
 
 

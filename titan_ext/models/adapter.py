@@ -108,7 +108,8 @@ class TitanCausalLM:
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
             if any(part.cp_kernels for mixer in self.mixers for part in mixer.parts):  # recurrent layers: one packed row
                 inputs["cu_seq_lens_q"] = packing.cu_seqlens(document_positions)
-        hidden = self.base_model(**inputs, use_cache=False, return_dict=True).last_hidden_state
+        base = self.get_submodule(self.structure.layers.partition(".")[0])  # the model under the head (Llama 4's too)
+        hidden = base(**inputs, use_cache=False, return_dict=True).last_hidden_state
         if self.cp_layout is not None and (missed := self.cp_layout.check_paths()):
             # every rank stops at this step's end, together, in one line (``errors.defer``)
             defer(HostChanged(
@@ -168,6 +169,17 @@ class TitanCausalLM:
                     whole = module._parameters[name].detach()
                     module._parameters[name] = p
                     p.copy_(distribute_tensor(whole, p.device_mesh, p.placements))
+
+
+def unset_by_initializers(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` (a small copy, on the CPU) that no ``_init_weights`` sets: those its modules'
+    constructors alone set (Apertus's xIELU activation), lost in torchtitan's meta-device build."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+        for owner, module in _with_initializer(model, model):
+            owner._init_weights(module)
+    return [name for name, p in model.named_parameters() if torch.isnan(p).any()]
 
 
 def _with_initializer(owner: nn.Module, module: nn.Module):

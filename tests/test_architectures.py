@@ -8,7 +8,7 @@ from helpers import REPO, job_config
 
 from titan_ext.train_specs import TRAIN_SPECS
 
-DEBUG_SPECS = ["fla_gla", "fla_gated_deltanet", "fla_transformer", "hf_llama"]
+DEBUG_SPECS = ["fla_gla", "fla_gated_deltanet", "fla_kda", "fla_transformer", "hf_llama"]
 
 
 def debug_model(spec: str, device: str) -> torch.nn.Module:

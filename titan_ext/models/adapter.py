@@ -138,6 +138,7 @@ class TitanCausalLM:
             if getattr(self.config, "tie_word_embeddings", False):
                 self.tie_weights()
             return
+        _forget_initialized(self)
         for owner, module in _with_initializer(self, self):
             try:
                 owner._init_weights(module)
@@ -177,9 +178,19 @@ def unset_by_initializers(model: nn.Module) -> list[str]:
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
+        _forget_initialized(model)
         for owner, module in _with_initializer(model, model):
             owner._init_weights(module)
     return [name for name, p in model.named_parameters() if torch.isnan(p).any()]
+
+
+def _forget_initialized(model: nn.Module) -> None:
+    """Clear the marks initializers leave so that they skip a tensor next time (transformers' and fla's
+    ``_is_hf_initialized``): the marks survive ``to_empty``, whose tensors hold garbage (fla's KDA ``dt_bias``
+    was left so)."""
+    for item in (*model.modules(), *model.parameters(), *model.buffers()):
+        if getattr(item, "_is_hf_initialized", False):
+            item._is_hf_initialized = False
 
 
 def _with_initializer(owner: nn.Module, module: nn.Module):

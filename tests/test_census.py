@@ -183,3 +183,12 @@ def test_a_layout_stands_for_its_flags():
     assert census.flags(census.LAYOUTS["TP"][0]) == [
         "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
     assert census.flags(census.LAYOUTS["documents"][0]) == ["--titan_ext.document_mask"]
+
+
+def test_the_readme_quotes_the_census():
+    """README's figures are docs/models.md's summary lines (which test_docs_models_md_is_the_census keeps true)."""
+    *_, fla_line, last = MODELS_MD.read_text().rstrip("\n").splitlines()
+    transformers = re.fullmatch(r"(\d+ of \d+) model types train", last)
+    fla = re.fullmatch(r"fla: (\d+ of \d+) model types train", fla_line)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"{transformers[1]} transformers types and {fla[1]} fla types train" in readme

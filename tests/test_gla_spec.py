@@ -64,17 +64,19 @@ def test_init_weights_initializes_every_tensor(fuse_norm):
 
 def test_a_model_built_on_the_meta_device_runs_no_initializer_until_torchtitan_calls_one(monkeypatch):
     """HF's constructor initializes the weights (``post_init``); on the meta device there are none to set."""
-    from titan_ext.models.adapter import titan_class
+    from fla.models.gla.modeling_gla import GLAPreTrainedModel
 
-    calls = []  # the adapted class's (the model's own is a subclass titan_ext's kernels bind after construction)
-    model_class = titan_class(gla_flavors["debugmodel"].hf_model_class)
-    monkeypatch.setattr(model_class, "_init_weights", lambda self, module: calls.append(module))
+    # every HF model's initializer: the causal LM's and its base model's (each initializes what it holds, as
+    # transformers has it; the classes titan_ext's kernels bind are subclasses)
+    calls = []
+    monkeypatch.setattr(GLAPreTrainedModel, "_init_weights", lambda self, module: calls.append((self, module)))
     with torch.device("meta"):
         model = build_model(gla_flavors["debugmodel"])
     assert calls == []
     model.to_empty(device="cpu")
     model.init_weights()  # as torchtitan does, once the tensors are real
-    assert len(calls) == len(list(model.modules()))
+    assert [module for _, module in calls] == list(model.modules())
+    assert {type(owner).__name__ for owner, module in calls if module is model.model.layers[0]} == {"GLAModel"}
 
 
 def test_forward_returns_logits_and_trains_on_cpu():

@@ -72,8 +72,10 @@ def on_forked_ranks(world: int, work):
     drops an inherited initialized process group itself.
 
     Once this process has started autograd's device threads (any CUDA backward; a DTensor backward
-    in torch 2.11's CUDA build), a forked child cannot run backward at all. The ranks then fork from
-    a fresh server process instead (``forkserver``: one import of titan_ext for the whole session).
+    in torch 2.11's CUDA build), a forked child cannot run backward at all; and while gloo's threads of an
+    earlier group run in it, a forked child may inherit a lock one of them held and wait on it for ever (seen
+    once in the whole suite: both ranks asleep in an optimizer step). The ranks then fork from a fresh server
+    process instead (``forkserver``: one import of titan_ext for the whole session).
     """
     import socket
 
@@ -85,13 +87,30 @@ def on_forked_ranks(world: int, work):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start_method = "fork" if _forked_child_can_backward() else "forkserver"
+    start_method = "fork" if _forked_child_can_backward() and not _gloo_threads() else "forkserver"
     if start_method == "forkserver":
         mp.set_forkserver_preload(["titan_ext", "fla.models", "transformers", "helpers"])
     with mp.Manager() as manager:
         results = manager.dict()
         mp.start_processes(_forked_rank, args=(world, port, work, results), nprocs=world, start_method=start_method)
         return dict(results)
+
+
+def _gloo_threads() -> bool:
+    """Whether gloo's threads (an earlier process group's) run in this process."""
+    import os
+
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return False
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(f"{tasks}/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return any(name.startswith(("gloo", "pt_gloo")) for name in names)
 
 
 def _forked_child_can_backward() -> bool:

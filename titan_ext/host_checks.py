@@ -15,7 +15,6 @@ changed (``errors.HostChanged``).
 from __future__ import annotations
 
 import copy
-import functools
 import contextlib
 import inspect
 import itertools
@@ -36,8 +35,8 @@ class HostCheck:
     """What titan_ext relies on, in a sentence (the table in docs/architecture.md)."""
     applies: Callable[[object], bool]
     """model args -> whether the job uses this behaviour."""
-    check: Callable[[object], None]
-    """model args -> None, or raises ``HostChanged``."""
+    check: Callable[[object, frozenset[str]], None]
+    """(model args, what the job uses: ``FEATURES``) -> None, or raises ``HostChanged``."""
     needed_by: str = ""
     """The job's feature that relies on it (``FEATURES``); empty: every job."""
 
@@ -288,7 +287,7 @@ def check_transformers_experts(model_args, bias: bool = False, placed: bool = Fa
     with torch.no_grad():
         try:
             logits, weights, index = block.gate(x)
-        except Exception as error:  # noqa: BLE001  (a router of another contract: MiniMax-M2 takes its bias, Zaya [B, T, D])
+        except Exception as error:  # noqa: BLE001  (another contract: MiniMax-M2's takes its bias, Zaya's [B, T, D])
             raise ConfigError(
                 f"{model_args.model_type!r} models' MoE router {type(block.gate).__qualname__} is not called as "
                 f"gate(hidden_states) -> (logits, weights, experts), which titan_ext's MoE support reads "
@@ -345,7 +344,8 @@ def tiny_copy(model_args, layer: int = 0, **sizes):
     tries = [{**TINY, **sizes}, TINY]  # the sizes asked for, else TINY's (Zaya routes to one expert only)
     if (getattr(config, "hidden_size", 0) or 0) <= 256:  # a small model whose widths TINY's do not fit (fla's CAT)
         tries.append({"num_hidden_layers": 1})
-    return next((model for fields in tries if (model := _tiny_copy(model_args, config, fields, layer)) is not None), None)
+    models = (_tiny_copy(model_args, config, fields, layer) for fields in tries)
+    return next((model for model in models if model is not None), None)
 
 
 def _tiny_copy(model_args, config, sizes: dict, layer: int):
@@ -357,13 +357,11 @@ def _tiny_copy(model_args, config, sizes: dict, layer: int):
         fields.update(num_hidden_layers=1, layer_types=config.layer_types[layer:layer + 1])
     else:  # kinds derived from the layer count (Jamba's period): the first ``layer + 1``
         fields["num_hidden_layers"] = layer + 1
-    from titan_ext.models.adapter import build_context
-
     try:
         tiny = type(config)(**{**config.to_dict(), **fields})
         tiny._attn_implementation = config._attn_implementation  # the job's (SDPA where the model supports it)
         torch.manual_seed(0)
-        with torch.device("cpu"), build_context(model_args):
+        with torch.device("cpu"), model_args.build_context():
             model = model_args.hf_model_class(tiny).float().eval()
     except Exception:  # noqa: BLE001  (the library's own refusal: this architecture is not probed)
         return None
@@ -390,20 +388,18 @@ def _fla_model(model_args) -> bool:
 
 HOST_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("torchtitan", "the trainer backpropagates the loss function's sum divided by the step's global "
-              "count of valid tokens", lambda args: True, check_torchtitan_loss_scaling),
+              "count of valid tokens", lambda args: True, lambda args, uses: check_torchtitan_loss_scaling(args)),
     HostCheck("flash-linear-attention", "the parameters (names and defaults) of every fla kernel titan_ext "
-              "replaces or calls", _fla_model, check_fla_signatures),
+              "replaces or calls", _fla_model, lambda args, uses: check_fla_signatures(args)),
     HostCheck("transformers", "attention modules call the attention their modeling file looks up in "
               "ALL_ATTENTION_FUNCTIONS, rotate queries and keys at the position_ids given, and use a boolean 4D "
-              "attention_mask as given", _transformers_model, check_transformers_attention, FEATURES[0]),
-    HostCheck("transformers", "a MoE block's router returns its logits first and picks the top-k of their "
-              "softmax", _transformers_model, check_transformers_experts),
-    HostCheck("transformers", "a MoE block's experts compute the weighted sum of their top-k down(act(gate) * up) "
+              "attention_mask as given", _transformers_model,
+              lambda args, uses: check_transformers_attention(args), FEATURES[0]),
+    HostCheck("transformers", "a MoE block's router returns its logits first and picks the top-k of their softmax "
+              "(with a routing bias: weighs them by their softmax probabilities, renormalized if norm_topk_prob); "
+              "where EP or TP places its experts, they compute the weighted sum of their top-k down(act(gate) * up) "
               "from stacked gate_up_proj and down_proj", _transformers_model,
-              functools.partial(check_transformers_experts, placed=True), FEATURES[2]),
-    HostCheck("transformers", "a MoE block's router weighs its top-k experts by their softmax probabilities "
-              "(renormalized if norm_topk_prob), as titan_ext's biased router recomputes them",
-              _transformers_model, functools.partial(check_transformers_experts, bias=True), FEATURES[1]),
+              lambda args, uses: check_transformers_experts(args, FEATURES[1] in uses, FEATURES[2] in uses)),
 )
 
 
@@ -417,4 +413,4 @@ def check_host(model_args, uses: frozenset[str] = frozenset(FEATURES)) -> None:
     with torch.random.fork_rng(devices=[]):
         for row in HOST_CHECKS:
             if (not row.needed_by or row.needed_by in uses) and row.applies(model_args):
-                row.check(model_args)
+                row.check(model_args, uses)

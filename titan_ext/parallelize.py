@@ -88,7 +88,7 @@ def apply_fsdp(
         # Pinned host memory needs an accelerator; without one the offload is a plain copy.
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if dp.cpu_offload else OffloadPolicy(),
     }
-    tied = getattr(model.config, "tie_word_embeddings", False)
+    tied = model.structure.tied
     # A pipeline stage holds the embedding, the final norm or the head only where it runs them (and a tied
     # head's stage the embedding too, as the owner of the head's weight: the root group owns both).
     embeddings = model.get_input_embeddings()

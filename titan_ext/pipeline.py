@@ -296,7 +296,7 @@ def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     _replace(model, layers, StageLayers(kept))
     _stage_layer_types(model, [int(name) for name in kept])
     model.takes_hidden_states = embeddings not in keep
-    if embeddings not in keep and not (getattr(model.config, "tie_word_embeddings", False) and head in keep):
+    if embeddings not in keep and not (model.structure.tied and head in keep):
         _replace(model, embeddings, None)
     if norm is not None and norm not in keep:
         _replace(model, norm, nn.Identity())
@@ -338,7 +338,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     # the last stage's labels are this rank's piece of its batch: count them over data and context parallel ranks
     loss_mesh = parallel_dims.get_mesh("loss") if parallel_dims.dp_cp_enabled else None
     tied = None
-    if getattr(model.config, "tie_word_embeddings", False):
+    if model.structure.tied:
         embeddings, _, _, head = model_parts_of(model)
         tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
         host_patches.apply_pipeline()

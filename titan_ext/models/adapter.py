@@ -13,7 +13,6 @@ bound at construction (``titan_ext.kernels``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
@@ -25,14 +24,14 @@ from titan_ext import compat, kernels
 from titan_ext.errors import ConfigError, HostChanged, defer
 from titan_ext.models import packing
 from titan_ext.models.args import HFModelArgs
-from titan_ext.models.structure import structure_of
+from titan_ext.models.structure import structure_of, ties_embeddings
 
 
 class TitanCausalLM:
     """Mixin placed before an HF ``*ForCausalLM`` class in the bases (``titan_class`` does it)."""
 
     def __init__(self, model_args: HFModelArgs):
-        with build_context(model_args):
+        with model_args.build_context():
             super().__init__(model_args.to_hf_config())
         self.model_args = model_args
         self.arch = model_args.arch
@@ -42,7 +41,7 @@ class TitanCausalLM:
             forwards = {part.module_class.forward: forward for mixer in self.mixers for part in mixer.parts
                         if (forward := part.training_forward()) is not None}
             kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True, forwards=forwards)
-        if getattr(self.config, "tie_word_embeddings", False):
+        if self.structure.tied:
             self.register_state_dict_post_hook(_without_tied_head)
 
     def blocks(self) -> nn.Module:
@@ -135,7 +134,7 @@ class TitanCausalLM:
         meta initializers is a Python decomposition (two thirds of a 7B model's build).
         """
         if all(p.is_meta for p in self.parameters()):
-            if getattr(self.config, "tie_word_embeddings", False):
+            if ties_embeddings(self.config):
                 self.tie_weights()
             return
         _forget_initialized(self)
@@ -148,7 +147,7 @@ class TitanCausalLM:
                 self._init_on_whole_tensors(owner, module)
             if hasattr(module, "init_titan_ext_buffers"):  # state titan_ext adds to a module (titan_ext.moe's expert bias)
                 module.init_titan_ext_buffers()
-        if getattr(self.config, "tie_word_embeddings", False) and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
+        if ties_embeddings(self.config) and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
             self.tie_weights()  # a pipeline stage may hold the embedding alone
         if buffer_device is not None:
             move_buffers(self, buffer_device)
@@ -216,16 +215,6 @@ def _without_tied_head(model: nn.Module, state_dict: dict, prefix: str, local_me
     if head is not None and model.get_input_embeddings() is not None:
         name = next(name for name, module in model.named_modules() if module is head)
         state_dict.pop(f"{prefix}{name}.weight", None)
-
-
-def build_context(model_args: HFModelArgs):
-    """``host_patches.BUILD`` while an fla model is constructed (fla's Attention, in the transformer and
-    in hybrids, refuses to be built without flash-attn)."""
-    if model_args.library == "fla":
-        from titan_ext.host_patches import building
-
-        return building()
-    return contextlib.nullcontext()
 
 
 @functools.cache

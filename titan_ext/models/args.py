@@ -161,6 +161,15 @@ class HFModelArgs(BaseModelArgs):
             self.update_from_hf_config(load_hf_config_json(assets, option), f"{option}={assets!r}")
         self.classes()  # an unknown model type is one line here
 
+    def build_context(self):
+        """``host_patches.BUILD`` while an fla model is constructed (fla's Attention, in the transformer and
+        in hybrids, refuses to be built without flash-attn)."""
+        if self.library == "fla":
+            from titan_ext.host_patches import building
+
+            return building()
+        return contextlib.nullcontext()
+
     def structure(self) -> Structure:
         """Where the model these args build keeps its parts, and each layer's token mixer (``models.structure``),
         read from the model built on the meta device (once per architecture)."""
@@ -191,7 +200,7 @@ class HFModelArgs(BaseModelArgs):
         """
         nparams = sum(p.numel() for p in model.parameters())
         embedding = model.get_input_embeddings().weight.numel()
-        matmul_params = nparams if getattr(model.config, "tie_word_embeddings", False) else nparams - embedding
+        matmul_params = nparams if model.structure.tied else nparams - embedding
         matmul_params -= idle_expert_params(model)
         mixer, uncounted = model.structure.mixer_flops_per_token(model.config, seq_len)
         if uncounted:
@@ -207,12 +216,7 @@ def _structure(library: str, config: str) -> Structure:
     import torch
 
     args = HFModelArgs(library=library, config=json.loads(config))
-    building = contextlib.nullcontext()
-    if library == "fla":
-        from titan_ext.host_patches import building  # fla's Attention refuses to build without flash-attn
-
-        building = building()
-    with building, torch.device("meta"):
+    with args.build_context(), torch.device("meta"):
         return structure_of(args.hf_model_class(args.to_hf_config()))
 
 

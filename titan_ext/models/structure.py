@@ -29,6 +29,8 @@ class Structure:
     head: str | None
     mixers: tuple[Mixer, ...]
     """Each layer's token mixer, by index."""
+    tied: bool
+    """The head's weight is the embedding's (``ties_embeddings``)."""
 
     @property
     def hybrid(self) -> bool:
@@ -77,10 +79,16 @@ def structure_of(model: nn.Module) -> Structure:
     return Structure(
         embeddings=names.get(id(model.get_input_embeddings())),
         layers=names[id(stack)],
-        final_norm=names.get(id(final_norm(model, stack))),
+        final_norm=names.get(id(final_norm(model, names[id(stack)]))),
         head=names.get(id(model.get_output_embeddings())),
         mixers=tuple(mixers.recognize(block) for block in stack),
+        tied=ties_embeddings(model.config),
     )
+
+
+def ties_embeddings(config) -> bool:
+    """Whether the head's weight is the embedding's (a config without ``tie_word_embeddings`` ties none)."""
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def layer_stack(model: nn.Module) -> nn.Module:
@@ -99,13 +107,12 @@ def layer_stack(model: nn.Module) -> nn.Module:
     return found
 
 
-def final_norm(model: nn.Module, stack: nn.Module) -> nn.Module | None:
+def final_norm(model: nn.Module, layers: str) -> nn.Module | None:
     """The last module of vector parameters beside the embedding and the layers (in the module holding the
     layers), else one of no parameters and no buffers (Olmo's norm; not a dropout), which PP must still keep
     off the earlier stages (None: there is neither)."""
-    names = {id(module): name for name, module in model.named_modules()}
-    owner = model.get_submodule(names[id(stack)].rpartition(".")[0])  # the module holding the layers
-    skip = {id(stack), id(model.get_input_embeddings())}
+    owner = model.get_submodule(layers.rpartition(".")[0])  # the module holding the layers
+    skip = {id(model.get_submodule(layers)), id(model.get_input_embeddings())}
     others = [child for child in owner.children() if id(child) not in skip]
     norms = [child for child in others
              if next(child.parameters(), None) is not None and all(p.dim() == 1 for p in child.parameters())]

@@ -55,9 +55,9 @@ class TPPlan:
     minimum: one gather before and one reduction after attention, and the same
     around the MLP.
 
-    Subclasses name their modules (class attributes below) and give
-    ``attn_plan``, the entries of the architecture's own token mixer (``model_plans.mixers``); a hybrid
-    model's layers of another mixer take theirs from ``layer_mixers``. ``mlp_plan`` covers gated MLPs (fla's ``GatedMLP``, HF's
+    Subclasses name their modules (class attributes below) and may give ``attn_plan``, the entries of the
+    architecture's own token mixer; the layers of any other mixer take theirs from ``layer_mixers`` (each
+    mixer's own entries: ``titan_ext.models.mixers``). ``mlp_plan`` covers gated MLPs (fla's ``GatedMLP``, HF's
     ``LlamaMLP``). An entry for a module the model lacks is an error in
     ``apply_tp`` unless it is wrapped in ``IfPresent`` (e.g. fla's
     ``swiglu_linear``, absent when ``fuse_swiglu`` is off).
@@ -70,8 +70,8 @@ class TPPlan:
     attn_norm = "attn_norm"
     mlp_norm = "mlp_norm"
     layer_mixers: tuple[tuple[int, Callable[["TPPlan"], Plan]], ...] = ()
-    """(layer index, its mixer's entries, ``model_plans.mixers``) for the layers whose token mixer is not
-    the architecture's own (a hybrid model's); set by ``with_layer_mixers``."""
+    """(layer index, its mixer's entries) for the layers whose token mixer the plan's ``attn_plan`` does not
+    cover; set by ``with_layer_mixers``."""
 
     def __init__(self, options: TPOptions = TPOptions()):
         self.options = options
@@ -129,7 +129,8 @@ class TPPlan:
         return self.attn_plan() if other is None else other(self)
 
     def attn_plan(self) -> Plan:
-        raise NotImplementedError(f"{type(self).__name__} must define attn_plan()")
+        raise NotImplementedError(f"{type(self).__name__} must define attn_plan() for the layers without their "
+                                  "mixer's own entries")
 
     def gather(self, module: str, kwarg: str | None = None) -> Plan:
         """All-gather a module's input from the residual layout (a no-op without SP)."""
@@ -140,6 +141,15 @@ class TPPlan:
                 input_kwarg_layouts={kwarg: self.activation}, desired_input_kwarg_layouts={kwarg: Replicate()}
             )
         return {module: style}
+
+    def gather_high_precision(self) -> PrepareModuleInput:
+        """A token mixer's ``hidden_states`` all-gathered in high precision, even with Float8: its replicated
+        projections (too small to shard, e.g. GLA's ``gk_proj.0``) are no Float8 colwise linears and would
+        receive a float8 tensor."""
+        return PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": self.activation},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        )
 
     def replicated(self) -> Replicated:
         """A module kept whole on every rank (a token mixer titan_ext does not know): its input gathered from the

@@ -1,5 +1,5 @@
-"""transformers' ``KimiLinearForCausalLM`` (HF names): MLA layers, KDA layers (``layer_mixers``), dense gated
-MLPs and MoE blocks (``mlp_layer_types`` ``sparse``).
+"""transformers' ``KimiLinearForCausalLM`` (HF names): dense gated MLPs and MoE blocks (``mlp_layer_types``
+``sparse``); its MLA and KDA layers take their mixers' own entries (``layer_mixers``).
 
 A MoE block (``KimiLinearMoE``, DeepSeek-V3's layout) is laid out as the translated HF plans lay out theirs
 (``model_plans.hf_plan``): its input gathered, its stacked ``experts`` placed by ``titan_ext.moe``
@@ -14,7 +14,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from model_plans import mixers
 from model_plans.base import IfPresent, Plan, TPPlan, experts_placed
 from model_plans.registry import register_tp_plan
 from model_plans.styles import Composed
@@ -56,9 +55,6 @@ class KimiLinearTPPlan(TPPlan):
     embeddings = "model.embed_tokens"
     attn_norm = "input_layernorm"
     mlp_norm = "post_attention_layernorm"
-
-    def attn_plan(self) -> Plan:
-        return mixers.transformers_mla(self)
 
     def mlp_plan(self) -> Plan:
         return dense_or_moe_plan(self)

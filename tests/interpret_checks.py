@@ -310,13 +310,15 @@ def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
 
 def _tp_rank(rank, mesh, name="gated_deltanet"):
     """One of two gloo ranks: Gated DeltaNet or KDA sharded by its TP plan, on fla's kernels (tp_local wrappers)."""
-    from model_plans import TPOptions, apply_tp, get_tp_plan
+    from model_plans import TPOptions, apply_tp
+
+    from titan_ext.tensor_parallel import plan_class
 
     host_patches.apply_interpreter()
     args = tiny_args(name)
     whole = built(args, "fla")
     model = built(args, "fla", like=whole)
-    apply_tp(model, mesh, get_tp_plan(name)(TPOptions(sequence_parallel=True, loss_parallel=False)))
+    apply_tp(model, mesh, plan_class(model, 2)(TPOptions(sequence_parallel=True, loss_parallel=False)))
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     whole(tokens).float().sum().backward()
     out = model(tokens)

@@ -205,9 +205,9 @@ def test_the_tp_plan_only_places_the_head_weight_when_the_loss_runs_the_head():
     """No input or output layouts on the head (the loss calls it with hidden states and labels): its weight
     sharded on the vocabulary, as the embedding's, so a tied head keeps one weight."""
     from model_plans import TPOptions
-    from model_plans.gla import GLATPPlan
+    from model_plans import TPPlan
     from model_plans.styles import PlaceParameters
     from torch.distributed.tensor import Shard
 
-    style = GLATPPlan(TPOptions(head_in_loss=True)).model_plan()["lm_head"].style
+    style = TPPlan(TPOptions(head_in_loss=True)).model_plan()["lm_head"].style
     assert isinstance(style, PlaceParameters) and style.placement == Shard(0)

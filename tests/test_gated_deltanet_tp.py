@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from model_plans import TPOptions, apply_tp, get_tp_plan, validate_tp
-from model_plans.gated_deltanet import GatedDeltaNetTPPlan
+from model_plans import TPOptions, apply_tp, validate_tp
 from titan_ext import kernels
 from titan_ext.kernels import tp_local
 
@@ -57,12 +56,16 @@ BUILDERS = {
 }
 
 
-def plan_for(model, sp, loss_parallel=True):
-    return get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp, loss_parallel=loss_parallel))
+def plan_for(model, sp=True, loss_parallel=True):
+    from titan_ext.tensor_parallel import plan_class
+
+    return plan_class(model, 2)(TPOptions(sequence_parallel=sp, loss_parallel=loss_parallel))
 
 
-def test_the_plan_is_registered_for_gated_deltanet():
-    assert get_tp_plan("gated_deltanet") is GatedDeltaNetTPPlan
+def test_the_plan_is_the_mixers_own_entries():
+    """No plan is registered for fla's model types: fla's block names, each layer's mixer its own entries."""
+    plan = plan_for(meta_gdn())
+    assert type(plan).__name__ == "FlaTPPlan" and "attn.a_proj" in plan.block_plan(0), plan.block_plan(0)
 
 
 # ---- a fake 2-rank group ---------------------------------------------------------------------------
@@ -228,22 +231,24 @@ def meta_gdn(**kw):
 )
 def test_validation_is_one_line_naming_the_field(kw, degree, expected):
     with pytest.raises(ValueError) as e:
-        validate_tp(meta_gdn(**kw), GatedDeltaNetTPPlan(), degree, None)
+        model = meta_gdn(**kw)
+        validate_tp(model, plan_for(model), degree, None)
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_validation_passes_short_convolutions_and_grouped_values():
-    validate_tp(meta_gdn(), GatedDeltaNetTPPlan(), 2, 128)
-    validate_tp(meta_gdn(num_v_heads=8), GatedDeltaNetTPPlan(), 4, 128)
-    validate_tp(meta_gdn(use_short_conv=False, use_gate=False), GatedDeltaNetTPPlan(), 2, 128)
+    for model, degree in ((meta_gdn(), 2), (meta_gdn(num_v_heads=8), 4), (meta_gdn(use_short_conv=False, use_gate=False), 2)):
+        validate_tp(model, plan_for(model), degree, 128)
 
 
 def test_validation_sees_a_plan_without_the_per_head_parameters():
-    class NoHeadParameters(GatedDeltaNetTPPlan):
-        def attn_plan(self):
-            plan = super().attn_plan()
+    model = meta_gdn()
+
+    class NoHeadParameters(type(plan_for(model))):
+        def block_plan(self, index=None):
+            plan = super().block_plan(index)
             plan["attn"] = plan["attn"].styles[0]  # the input gather only
             return plan
 
     with pytest.raises(ValueError, match=r"parameter model.layers.0.attn.A_log is not covered by NoHeadParameters"):
-        validate_tp(meta_gdn(), NoHeadParameters(), 2)
+        validate_tp(model, NoHeadParameters(), 2)

@@ -1,6 +1,7 @@
 """TP plans translated from a transformers model's own ``base_model_tp_plan`` (``model_plans.hf_plan``).
 
-The translation of Llama's plan equals the hand-written ``LlamaTPPlan``; on a fake 2-rank group
+The translation of Llama's plan equals one written by hand (the transformers attention mixer's own entries and
+``TPPlan``'s gated MLP); on a fake 2-rank group
 (see tests/test_tp_plans.py) one block of Qwen3 (per-head q/k norms), Qwen2 (q/k/v biases) and
 Gemma3 (four residual norms, two of them on module outputs) issues the Megatron minimum and every
 parameter trains as a DTensor; on 2 real gloo ranks the loss, gradients and AdamW steps equal one
@@ -22,9 +23,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model_plans.apply import apply_tp, resolve
-from model_plans.base import IfPresent, TPOptions
+from model_plans.base import IfPresent, TPOptions, TPPlan
 from model_plans.hf_plan import HFTPPlan, hf_plan_class
-from model_plans.llama import LlamaTPPlan
 from model_plans.validate import validate_tp
 
 TP = 2
@@ -62,6 +62,19 @@ def describe(style):
 
 def described(plan, root):
     return {fqn: describe(style) for fqn, style in resolve(plan, root).items()}
+
+
+class LlamaTPPlan(TPPlan):
+    """Llama's plan by hand: HF names, the attention mixer's own entries, ``TPPlan``'s gated MLP."""
+
+    embeddings = "model.embed_tokens"
+    attn_norm = "input_layernorm"
+    mlp_norm = "post_attention_layernorm"
+
+    def attn_plan(self):
+        from titan_ext.models.mixers import TransformersAttention
+
+        return TransformersAttention("self_attn").tp_entries(self)
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))

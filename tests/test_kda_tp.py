@@ -1,4 +1,4 @@
-"""KDA's TP plan (``model_plans.mixers.kda``): on torch's fake 2-rank group, the collectives one block
+"""KDA's TP plan (the KDA mixer's own entries, ``titan_ext.models.mixers.kda``): on torch's fake 2-rank group, the collectives one block
 issues and that every parameter (convs, ``A_log``, ``dt_bias``, the low-rank gates) becomes a DTensor of
 the global shape and trains; on two real gloo ranks, the same losses and gradients as one process."""
 
@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from model_plans import KDATPPlan, TPOptions, apply_tp, get_tp_plan, validate_tp
+from model_plans import TPOptions, apply_tp, validate_tp
 from titan_ext import kernels
 from titan_ext.kernels import kda_op, tp_local
 
@@ -43,12 +43,19 @@ BUILDERS = {
 }
 
 
-def plan_for(model, sp, loss_parallel=True):
-    return get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp, loss_parallel=loss_parallel))
+def plan_for(model, sp=True, loss_parallel=True):
+    from titan_ext.tensor_parallel import plan_class
+
+    return plan_class(model, 2)(TPOptions(sequence_parallel=sp, loss_parallel=loss_parallel))
 
 
-def test_the_plan_is_registered_for_kda():
-    assert get_tp_plan("kda") is KDATPPlan
+def test_the_plan_is_the_mixers_own_entries():
+    """No plan is registered for fla's model types: fla's block names, each layer's mixer its own entries."""
+    from fla.models import KDAForCausalLM
+
+    with torch.device("meta"):
+        plan = plan_for(KDAForCausalLM(kda_config()))
+    assert type(plan).__name__ == "FlaTPPlan" and "attn.f_proj.1" in plan.block_plan(0), plan.block_plan(0)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +119,8 @@ def test_validation_names_the_head_count():
     with torch.device("meta"):
         model = KDAForCausalLM(kda_config(num_heads=6, head_dim=16))
     with pytest.raises(ValueError, match="num_heads=6 is not divisible by --parallelism.tensor_parallel_degree=4"):
-        validate_tp(model, KDATPPlan(), 4, None)
-    validate_tp(model, KDATPPlan(), 2, 128)
+        validate_tp(model, plan_for(model), 4, None)
+    validate_tp(model, plan_for(model), 2, 128)
 
 
 # ---- two real gloo ranks -----------------------------------------------------------------------------

@@ -148,9 +148,9 @@ def test_kimi_mlp_entry_lays_out_moe_blocks_and_dense_mlps_each_their_way():
     DenseOrMoE(Record("dense"), Record("moe"))._apply(block, None)
     DenseOrMoE(Record("dense"), Record("moe"))._apply(nn.Module(), None)
     assert applied == ["moe", "dense"]
-    plan = KimiLinearTPPlan(TPOptions(expert_parallel=True)).block_plan(1)
+    plan = KimiLinearTPPlan(TPOptions(expert_parallel=True)).mlp_plan()
     assert isinstance(plan["mlp"].moe, MoEBlockParallel) and isinstance(plan["mlp"].dense, PrepareModuleInput)
-    by = {ep: KimiLinearTPPlan(TPOptions(expert_parallel=ep)).block_plan(1)["mlp.experts"].style.by for ep in (False, True)}
+    by = {ep: KimiLinearTPPlan(TPOptions(expert_parallel=ep)).mlp_plan()["mlp.experts"].style.by for ep in (False, True)}
     assert by == {False: "each expert's intermediate dim over TP", True: "expert parallelism"}
 
 

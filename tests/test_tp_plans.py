@@ -17,12 +17,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from model_plans import (
-    GLATPPlan,
+    DeepseekV3TPPlan,
     IfPresent,
-    LlamaTPPlan,
+    KimiLinearTPPlan,
     TPOptions,
     TPPlan,
-    TransformerTPPlan,
     apply_tp,
     get_tp_plan,
     register_tp_plan,
@@ -33,11 +32,13 @@ from model_plans import (
 from titan_ext import kernels
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import TPChoice
+from titan_ext.models import mixers
 from titan_ext.models.gla import gla
 from titan_ext.tensor_parallel import (
     apply_tp_from_plan,
     check_tp,
     float8_tp_enabled,
+    plan_class,
     sequence_parallel_enabled,
     tp_choice,
 )
@@ -45,20 +46,33 @@ from titan_ext.tensor_parallel import (
 TP = 2
 
 
+class GLATPPlan(TPPlan):
+    """A plan as a user writes one for a GLA model (fla's block names are ``TPPlan``'s defaults): the GLA mixer's
+    own entries for its layers."""
+
+    def attn_plan(self):
+        return mixers.GLA("attn").tp_entries(self)
+
+
+def plan_for(model, **options):
+    """The plan titan_ext gives the model (``tensor_parallel.plan_class``)."""
+    return plan_class(model, TP)(TPOptions(**options))
+
+
 # ---- registry ---------------------------------------------------------------------------------
 
 
 def test_shipped_plans_are_registered():
-    assert get_tp_plan("gla") is GLATPPlan
-    assert get_tp_plan("transformer") is TransformerTPPlan
-    assert get_tp_plan("llama") is LlamaTPPlan
+    """Only what neither a mixer's entries nor an HF plan gives: DeepSeek-V3's and Kimi Linear's MoE blocks."""
+    assert get_tp_plan("deepseek_v3") is DeepseekV3TPPlan and get_tp_plan("kimi_linear") is KimiLinearTPPlan
+    assert registered_model_types() == ["deepseek_v3", "kimi_linear"]
 
 
 def test_unknown_model_type_lists_registered_ones():
     with pytest.raises(ValueError) as e:
         get_tp_plan("mamba9")
     msg = str(e.value)
-    assert "'mamba9'" in msg and all(repr(t) in msg for t in ("gla", "llama", "transformer"))
+    assert "'mamba9'" in msg and all(repr(t) in msg for t in ("deepseek_v3", "kimi_linear"))
     assert "\n" not in msg
 
 
@@ -66,17 +80,17 @@ def test_a_user_plan_replaces_the_shipped_one_and_a_second_user_plan_clashes(mon
     from model_plans import plan_source, registry
 
     monkeypatch.setattr(registry, "_PLANS", dict(registry._PLANS))  # the registry as shipped, restored after
-    assert plan_source(get_tp_plan("gla")) == "shipped with titan_ext"
+    assert plan_source(get_tp_plan("deepseek_v3")) == "shipped with titan_ext"
 
-    @register_tp_plan("gla")
-    class Mine(GLATPPlan):
+    @register_tp_plan("deepseek_v3")
+    class Mine(DeepseekV3TPPlan):
         pass
 
-    assert get_tp_plan("gla") is Mine and plan_source(Mine) == f"registered by {__name__}"
-    register_tp_plan("gla")(GLATPPlan)  # a shipped plan (re-registered) never replaces a user's
-    assert get_tp_plan("gla") is Mine
+    assert get_tp_plan("deepseek_v3") is Mine and plan_source(Mine) == f"registered by {__name__}"
+    register_tp_plan("deepseek_v3")(DeepseekV3TPPlan)  # a shipped plan (re-registered) never replaces a user's
+    assert get_tp_plan("deepseek_v3") is Mine
     with pytest.raises(ValueError, match="already registered"):
-        register_tp_plan("gla")(type("Other", (GLATPPlan,), {}))
+        register_tp_plan("deepseek_v3")(type("Other", (DeepseekV3TPPlan,), {}))
     register_tp_plan("test_only_gla_variant")(Mine)
     assert "test_only_gla_variant" in registered_model_types()
     with pytest.raises(TypeError):
@@ -123,7 +137,7 @@ DEGREE = "is not divisible by --parallelism.tensor_parallel_degree"
 )
 def test_validation_names_field_value_and_degree(build, degree, seq_len, sp, expected):
     model = build()
-    plan = get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp))
+    plan = plan_for(model, sequence_parallel=sp)
     with pytest.raises(ValueError) as e:
         validate_tp(model, plan, degree, seq_len)
     assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -134,8 +148,9 @@ def test_validation_passes_what_tp_can_split():
     validate_tp(gla, GLATPPlan(), 2, 128)  # the vocabulary (33) may split unevenly
     validate_tp(meta_gla(use_short_conv=True), GLATPPlan(), 2, 128)  # convs sharded with their projections
     validate_tp(gla, GLATPPlan(TPOptions(sequence_parallel=False)), 2, 127)  # no sequence sharding, any length
-    validate_tp(llama, LlamaTPPlan(), 2, 128)
-    validate_tp(meta_llama(tie_word_embeddings=True), LlamaTPPlan(), 2, 128)  # one vocab-sharded weight (apply_tp)
+    validate_tp(llama, plan_for(llama), 2, 128)
+    tied = meta_llama(tie_word_embeddings=True)
+    validate_tp(tied, plan_for(tied), 2, 128)  # one vocab-sharded weight (apply_tp)
     validate_tp(meta_gla(num_heads=3, hidden_size=96), GLATPPlan(), 1, 127)  # no TP, nothing to check
 
 
@@ -191,7 +206,7 @@ def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
     choice = tp_choice(debug_gla_meta(), job(converters, recipe))
     assert choice.float8 is float8
     plan = choice.plan_cls(TPOptions(float8=choice.float8))
-    styles = {fqn: getattr(entry, "style", entry) for fqn, entry in {**plan.block_plan(), **plan.model_plan()}.items()}
+    styles = {fqn: getattr(entry, "style", entry) for fqn, entry in {**plan.block_plan(0), **plan.model_plan()}.items()}
     for fqn in ("attn.q_proj", "mlp.gate_proj", "mlp.up_proj", "attn.o_proj", "mlp.down_proj", "mlp"):
         assert (type(styles[fqn]).__module__.startswith("torchao.float8")) is float8, (fqn, styles[fqn])
     assert type(styles["lm_head"]) is ColwiseParallel  # the head stays high precision, as in torchtitan
@@ -199,8 +214,9 @@ def test_float8_styles_only_for_tensorwise_float8(converters, recipe, float8):
 
 def test_tp_choice_maps_the_job_options():
     assert tp_choice(debug_gla_meta(), job(degree=1)) is None
-    assert tp_choice(debug_gla_meta(), job()) == TPChoice(
-        degree=TP, plan_cls=GLATPPlan, sequence_parallel=True, loss_parallel=True, float8=False, async_tp=False)
+    choice = tp_choice(debug_gla_meta(), job())
+    assert choice.plan_cls.__name__ == "FlaTPPlan" and choice == TPChoice(
+        degree=TP, plan_cls=choice.plan_cls, sequence_parallel=True, loss_parallel=True, float8=False, async_tp=False)
     choice = tp_choice(debug_gla_meta(), job(disable_loss_parallel=True, disable_sp=True, async_tp=True))
     assert (choice.sequence_parallel, choice.loss_parallel, choice.async_tp) == (False, False, True)
     assert sequence_parallel_enabled(job()) and not sequence_parallel_enabled(job(disable_sp=True))
@@ -288,7 +304,7 @@ BUILDERS = {
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_one_block_issues_the_megatron_minimum(mesh, name, sp):
     model = BUILDERS[name]()
-    plan = get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp))
+    plan = plan_for(model, sequence_parallel=sp)
     apply_tp(model, mesh, plan)
     tokens = torch.randint(0, 128, (2, 16))
     hidden = model.get_input_embeddings()(tokens)
@@ -312,7 +328,7 @@ def test_every_parameter_becomes_a_dtensor_and_trains(mesh, name):
     """Forward and backward of the whole model under both variants; no plain parameter is left."""
     for sp in (True, False):
         model = BUILDERS[name]()
-        plan = get_tp_plan(model.config.model_type)(TPOptions(sequence_parallel=sp, loss_parallel=False))
+        plan = plan_for(model, sequence_parallel=sp, loss_parallel=False)
         apply_tp(model, mesh, plan)
         logits = model.lm_head(model.model(input_ids=torch.randint(0, 128, (2, 16))).last_hidden_state)
         assert logits.shape == (2, 16, 128) and not isinstance(logits, DTensor)

@@ -53,13 +53,19 @@ def check_tp(model: nn.Module, job_config) -> None:
 
 
 def plan_class(model: nn.Module, degree: int) -> type:
-    """The model's plan class (``model_plans.plan_for_model``), each layer's token mixers other than the one the
-    plan covers (a hybrid's, an unknown mixer's) taking their own entries (``Mixer.tp_entries``)."""
-    from model_plans import TPPlan, plan_for_model, with_layer_mixers
+    """The TP plan class of a model (titan_ext's, or any transformers or fla causal LM, on any device).
 
-    own = model.arch.mixer
+    A plan registered for its model type (``model_plans.register_tp_plan``: a user's) or its HF plan translated
+    (``model_plans.plan_for_model``) covers the layers of the architecture's own mixer; an fla model without a
+    registered plan takes fla's block names from its structure. Every other layer's token mixers take their
+    own entries (``Mixer.tp_entries``: a hybrid's, an unknown mixer's kept whole)."""
+    from model_plans import TPPlan, plan_for_model, registered_model_types, with_layer_mixers
+
+    arch, structure = _arch_and_structure(model)
+    by_structure = arch.library == "fla" and model.config.model_type not in registered_model_types()
+    own = None if by_structure else arch.mixer
     others, paths = {}, {}
-    for index, mixer in enumerate(model.mixers):
+    for index, mixer in enumerate(structure.mixers):
         parts = [part for part in mixer.parts if part.mixes_tokens and (own is None or type(part) is not own)]
         for part in parts:
             if part.tp_entries(TPPlan()) is None:
@@ -70,21 +76,27 @@ def plan_class(model: nn.Module, degree: int) -> type:
         if parts:
             others[index] = functools.partial(_entries_of, tuple(parts))
             paths[index] = tuple(part.path for part in parts)
-    layers = None
-    if model.arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
-        base = model.base_model_prefix if model.base_model is not model else ""
-        layers = model.structure.layers.removeprefix(f"{base}.") if base else model.structure.layers
-    try:
+    if by_structure:
+        plan_cls = type("FlaTPPlan", (TPPlan,), {"__module__": __name__, "embeddings": structure.embeddings,
+                                                  "layers": structure.layers, "final_norm": structure.final_norm,
+                                                  "lm_head": structure.head})
+    else:
+        layers = None
+        if arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
+            base = model.base_model_prefix if model.base_model is not model else ""
+            layers = structure.layers.removeprefix(f"{base}.") if base else structure.layers
         plan_cls = plan_for_model(model, paths, layers)
-    except ValueError:
-        if model.arch.library != "fla" or len(others) != len(model.mixers):
-            raise
-        # an fla model type without a plan: fla's block names, the model's parts where it keeps them, every
-        # layer's mixer its own entries
-        s = model.structure
-        plan_cls = type("FlaTPPlan", (TPPlan,), {"__module__": __name__, "embeddings": s.embeddings,
-                                                  "layers": s.layers, "final_norm": s.final_norm, "lm_head": s.head})
     return with_layer_mixers(plan_cls, others)
+
+
+def _arch_and_structure(model: nn.Module) -> tuple:
+    """(architecture, structure): a titan_ext model's own, else found from the model (a plain HF model's)."""
+    if hasattr(model, "arch"):
+        return model.arch, model.structure
+    from titan_ext.models.architecture import architecture_of
+    from titan_ext.models.structure import structure_of
+
+    return architecture_of(type(model.config)), structure_of(model)
 
 
 def _entries_of(parts: tuple, plan) -> dict:

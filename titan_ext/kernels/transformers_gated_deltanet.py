@@ -16,7 +16,7 @@ holds here too:
   halo).
 
 Widths are read from the tensors, so the layer runs on whatever share of its heads it holds: under TP
-(``model_plans.mixers.transformers_gated_deltanet``) the weights holding all queries, then all keys, then all
+(``mixers.TransformersGatedDeltaNet.tp_entries``) the weights holding all queries, then all keys, then all
 values (Qwen3.5's ``in_proj_qkv``, the ``conv1d``) are replicated, and each rank takes its heads' rows of
 each (``_rows``). Training only: a cache is refused (titan_ext's models run with ``use_cache=False``), as is
 a 2D padding mask.

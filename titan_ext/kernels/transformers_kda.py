@@ -32,7 +32,7 @@ def packed_row(x: torch.Tensor) -> torch.Tensor:
 def rows_as_packed(kernel, q, k, v, g, beta, cu_seqlens, **kwargs):
     """``kernel`` (fla's ``chunk_kda`` contract) on ``[B, T]`` rows; with ``cu_seqlens`` (over the flattened
     batch) on one packed row, the output back in rows. Under TP the forget gate's ``g`` is a DTensor of this
-    rank's heads (``model_plans.mixers.transformers_kda``): its local shard."""
+    rank's heads (``mixers.TransformersKDA.tp_entries``): its local shard."""
     g = local(g)
     if cu_seqlens is None:
         return kernel(q, k, v, g=g, beta=beta, **kwargs)

@@ -1,7 +1,7 @@
 """Token mixers: the unit of titan_ext's knowledge of a model.
 
 What mixes tokens in a layer decides how that layer is split under tensor parallelism (its entries,
-``model_plans.mixers``), how it sees the whole sequence under context parallelism (state passing for a
+``Mixer.tp_entries``), how it sees the whole sequence under context parallelism (state passing for a
 recurrence, ring or all-gathered attention), what its packed-document input restarts, and what it costs
 (FLOPs per token, for MFU and pipeline stages).
 

@@ -3,6 +3,9 @@ transformers' attention modules."""
 
 from __future__ import annotations
 
+from model_plans.base import IfPresent
+from model_plans.styles import NormParallel
+
 from titan_ext.models.mixers.base import Mixer, forward_globals
 
 
@@ -22,7 +25,6 @@ class FlaAttention(Mixer):
 
     name = "fla attention"
     classes = ("fla.layers.attn:Attention",)
-    tp_plan = "fla_attention"
     cp_attention = "fla"
 
     def __init__(self, path: str = "", module=None):
@@ -32,6 +34,22 @@ class FlaAttention(Mixer):
 
     def ring_attention_blocker(self, config, layer):
         return f"window_size={self.window}" if self.window else None
+
+    def tp_entries(self, plan):
+        """Heads split across ranks; the optional q/k norms run per local head."""
+        from torch.distributed.tensor import Shard
+
+        at = self.path
+        return {
+            **plan.gather(at, kwarg="hidden_states"),
+            f"{at}.q_proj": plan.colwise(),
+            f"{at}.k_proj": plan.colwise(),
+            f"{at}.v_proj": plan.colwise(),
+            # present with qk_norm only
+            f"{at}.q_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+            f"{at}.k_norm": IfPresent(NormParallel(Shard(-2), use_local_output=True)),
+            f"{at}.o_proj": plan.out_proj(),
+        }
 
     def flops_per_token(self, config, layer, seq_len):
         return attention_flops(1, self.width or config.hidden_size, min(seq_len, self.window or seq_len))
@@ -45,7 +63,6 @@ class TransformersAttention(Mixer):
     softcapping have no CP or per-document path here."""
 
     name = "transformers attention"
-    tp_plan = "transformers_attention"
     cp_attention = "transformers"
 
     def __init__(self, path: str = "", module=None):
@@ -60,6 +77,18 @@ class TransformersAttention(Mixer):
     @classmethod
     def recognizes(cls, module):
         return "ALL_ATTENTION_FUNCTIONS" in forward_globals(module)
+
+    def tp_entries(self, plan):
+        """Llama-style ``q/k/v_proj`` and ``o_proj``: heads split across ranks (a model's HF plan, where it has
+        one, lays out the rest of its attention: ``model_plans.hf_plan``)."""
+        at = self.path
+        return {
+            **plan.gather(at, kwarg="hidden_states"),
+            f"{at}.q_proj": plan.colwise(),
+            f"{at}.k_proj": plan.colwise(),
+            f"{at}.v_proj": plan.colwise(),
+            f"{at}.o_proj": plan.out_proj(),
+        }
 
     def ring_attention_blocker(self, config, layer):
         dropout = getattr(config, "attention_dropout", 0.0)

@@ -58,9 +58,6 @@ class Mixer:
     mixes_tokens: ClassVar[bool] = True
     classes: ClassVar[tuple[str, ...]] = ()
     """``module:QualName`` of the classes it is (a module of one, or of a subclass, is this mixer)."""
-    tp_plan: ClassVar[str | None] = None
-    """Its tensor-parallel entries: a function of ``model_plans.mixers`` by name, taking the plan and the
-    module's path in the block (None: none)."""
     cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
     """Context parallelism for a recurrence (``titan_ext.context_parallel``): the kernels it calls by global
     name, each with its kind of recurrence (``kernels.state_passing``)."""
@@ -99,12 +96,10 @@ class Mixer:
         return None
 
     def tp_entries(self, plan) -> dict | None:
-        """Its entries in a block's TP plan (``model_plans.mixers``), or None where it has none."""
-        if self.tp_plan is None:
-            return None
-        import model_plans.mixers
-
-        return getattr(model_plans.mixers, self.tp_plan)(plan, self.path)
+        """Its entries in a block's TP plan (``{module path in the block: style}``, the paths under
+        ``self.path``; ``plan``: the model's ``model_plans.TPPlan``, its options and residual layout), or None
+        where it has none."""
+        return None
 
     def flops_per_token(self, config, layer: int, seq_len: int) -> int | None:
         """Training FLOPs per token of this layer's mixing beyond its projections; None if unknown."""

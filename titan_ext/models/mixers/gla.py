@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from model_plans.base import IfPresent, short_conv_plan
+from model_plans.styles import NormParallel
+
 from titan_ext.kernels.gla import fla_chunk_size
 from titan_ext.kernels.state_passing import DiagonalDecay
 from titan_ext.models.mixers.base import Mixer
@@ -10,8 +13,34 @@ from titan_ext.models.mixers.base import Mixer
 class GLA(Mixer):
     name = "gla"
     classes = ("fla.layers.gla:GatedLinearAttention",)
-    tp_plan = "gla"
     cp_kernels = {"chunk_gla": DiagonalDecay("g"), "fused_recurrent_gla": DiagonalDecay("gk")}
+
+    def tp_entries(self, plan):
+        """Heads split across ranks: q/k/v/g and the gate's up-projection colwise, o_proj rowwise.
+
+        The low-rank gate's down-projection ``gk_proj.0`` (hidden -> 16) is too small to shard: its weight is
+        replicated, and the input gathered in high precision for it. The optional short convolutions are
+        sharded with the projections feeding them (``short_conv_plan``). The per-head output norm runs on
+        the local heads (``Shard(-2)``) with its gate.
+        """
+        from fla.modules.parallel import PrepareModuleWeight
+        from torch.distributed.tensor import Replicate, Shard
+
+        at, head_norm = self.path, NormParallel(Shard(-2), use_local_output=True)
+        return {
+            at: plan.gather_high_precision(),
+            f"{at}.q_proj": plan.colwise(),
+            f"{at}.k_proj": plan.colwise(),
+            f"{at}.v_proj": plan.colwise(),
+            f"{at}.g_proj": plan.colwise(),
+            f"{at}.gk_proj.0": PrepareModuleWeight(layouts=Replicate()),
+            f"{at}.gk_proj.1": plan.colwise(),
+            **short_conv_plan(at),
+            # fla builds one of the two: the fused norm-and-gate when fuse_norm is on, else a plain norm.
+            f"{at}.g_norm_swish_gate": IfPresent(head_norm),
+            f"{at}.g_norm": IfPresent(head_norm),
+            f"{at}.o_proj": plan.out_proj(),
+        }
 
     def document_mask_blocker(self, config, layer):
         if config.attn_mode == "fused_chunk":

@@ -8,6 +8,9 @@ A head's query-key dim (``qk_nope_head_dim + qk_rope_head_dim``) differs from it
 
 from __future__ import annotations
 
+from model_plans.base import IfPresent
+from model_plans.styles import Composed, NormParallel, PlaceParameters, SharedKeyLatent
+
 from titan_ext.models.mixers.attention import TransformersAttention
 
 
@@ -20,14 +23,35 @@ def mla_flops(heads: int, qk_head_dim: int, v_head_dim: int, keys: int) -> int:
 
 class TransformersMLA(TransformersAttention):
     """transformers' MLA module (``self_attn``), through its modeling file's attention registry like any
-    transformers attention: heads split after the latent projections under TP
-    (``model_plans.mixers.transformers_mla``); under CP torch's ring (values padded to the query-key head
+    transformers attention: heads split after the latent projections under TP (``tp_entries``); under CP torch's ring (values padded to the query-key head
     dim, which the ring's kernels need: ``context_parallel.one_head_dim``) or, where masked, the compressed
     keys and values all-gathered and expanded to this rank's heads on each rank; per-document attention."""
 
     name = "transformers mla"
-    tp_plan = "transformers_mla"
     cp_latents = "expand_kv"
+
+    def tp_entries(self, plan):
+        """Heads split after the latent projections. The down-projections and their norms (``q_a_proj``/
+        ``q_a_layernorm``, ``kv_a_proj_with_mqa``/``kv_a_layernorm``: hidden -> rank, small) are replicated;
+        the up-projections (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) colwise, o_proj rowwise. The rotary key
+        every head shares leaves ``kv_a_proj_with_mqa`` as this rank's plain tensor, its gradient summed over
+        the ranks (``SharedKeyLatent``). The input is gathered in high precision for the replicated
+        projections."""
+        from fla.modules.parallel import PrepareModuleWeight
+        from torch.distributed.tensor import Replicate
+
+        at = self.path
+        return {
+            at: Composed(plan.gather_high_precision(), SharedKeyLatent()),
+            f"{at}.q_proj": IfPresent(plan.colwise()),  # without q_lora_rank
+            f"{at}.q_a_proj": IfPresent(PrepareModuleWeight(layouts=Replicate())),
+            f"{at}.q_a_layernorm": IfPresent(NormParallel(Replicate())),
+            f"{at}.q_b_proj": IfPresent(plan.colwise()),
+            f"{at}.kv_a_proj_with_mqa": PlaceParameters(Replicate()),  # its output: SharedKeyLatent
+            f"{at}.kv_a_layernorm": NormParallel(Replicate()),
+            f"{at}.kv_b_proj": plan.colwise(),
+            f"{at}.o_proj": plan.out_proj(),
+        }
 
     @classmethod
     def recognizes(cls, module):

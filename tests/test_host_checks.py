@@ -139,9 +139,10 @@ def test_a_changed_fla_kernel_signature_stops_the_job(monkeypatch):
 
 
 def test_fla_signature_table_names_real_functions():
-    from titan_ext.host_patches import MODEL_KERNELS, resolve
+    from titan_ext import kernels
+    from titan_ext.kernels.table import resolve
 
-    replaced = {k.fla for k in MODEL_KERNELS if not isinstance(resolve(k.fla), type)}
+    replaced = {k.fla for k in kernels.kernel_rows() if not isinstance(resolve(k.fla), type)}
     def unsigned(target):  # fla's Function.apply aliases: (*args, **kwargs), or no signature at all (torch 2.15)
         try:
             return host_checks.parameters(resolve(target)) in ("*args, **kwargs", "**kwargs")
@@ -149,7 +150,7 @@ def test_fla_signature_table_names_real_functions():
             return True
 
     unsigned = {t for t in replaced if unsigned(t)}
-    assert replaced - unsigned <= set(host_checks.FLA_SIGNATURES), replaced - unsigned - set(host_checks.FLA_SIGNATURES)
+    assert replaced - unsigned <= set(kernels.signatures()), replaced - unsigned - set(kernels.signatures())
 
 
 def test_torchtitan_loss_scaling_changed_stops_the_job(monkeypatch):

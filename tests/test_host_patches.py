@@ -84,7 +84,7 @@ def test_every_row_says_why_and_for_which_versions():
         assert hasattr(owner, name), patch.target
         assert patch.why and patch.checked, patch.target
     for path in kernels.PATHS:
-        assert kernels.replacements(path)  # every MODEL_KERNELS row resolves
+        assert kernels.replacements(path)  # every kernel module's KERNELS row resolves
     for row in host_patches.PER_JOB:
         owner, name = host_patches.owner_and_name(row.target)
         # a class row names an attribute the class defines or declares (torchtitan sets MetricsProcessor.logger

@@ -1,6 +1,6 @@
 """Each portable kernel takes fla's signature whole, and refuses in one line what it does not honour.
 
-For every portable row of ``host_patches.MODEL_KERNELS`` whose target is an fla kernel function
+For every portable row of the kernel modules' ``KERNELS`` whose target is an fla kernel function
 (``fla.ops``/``fla.modules``; not a method, class or layer helper): the replacement's parameters equal fla's
 (names, kinds, defaults, order), where fla's function is an autograd ``Function.apply`` its ``forward``'s;
 where fla has ``**kwargs`` the replacement instead lists, keyword-only, the keys fla's body reads from it,
@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_ext.host_patches import MODEL_KERNELS, resolve
 from titan_ext.kernels import conv, gla, signature
+from titan_ext.kernels import kernel_rows as all_kernel_rows
+from titan_ext.kernels.table import resolve
 from titan_ext.kernels.gated_delta import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from titan_ext.kernels.kda import chunk_kda, fused_recurrent_kda
 from titan_ext.kernels.signature import ABSENT
@@ -35,7 +36,7 @@ _EXCEPTIONS = {
 
 def kernel_rows():
     rows = []
-    for row in MODEL_KERNELS:
+    for row in all_kernel_rows():
         module, _, name = row.fla.partition(":")
         if "portable" not in row.paths or "." in name or not module.startswith(("fla.ops.", "fla.modules.")):
             continue
@@ -111,7 +112,7 @@ def _same_default(a, b) -> bool:
 def test_each_portable_kernel_takes_fla_s_parameters(fla_target, replacement):
     fla_fn = resolve(_EXCEPTIONS.get(fla_target, fla_target))
     named, from_kwargs = expected_parameters(fla_fn)
-    ours = list(inspect.signature(resolve(replacement)).parameters.values())
+    ours = list(inspect.signature(replacement).parameters.values())
     assert not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in ours), f"{replacement} swallows arguments"
     positional = [(p.name, p.kind, p.default) for p in ours if p.kind is not p.KEYWORD_ONLY]
     assert [(n, k) for n, k, _ in positional] == [(n, k) for n, k, _ in named], replacement

@@ -115,3 +115,55 @@ def test_layers_import_downward_only():
         if name.startswith("titan_ext.kernels"):
             below = {t for t in targets if t.startswith("titan_ext.models")} | (targets & features)
             assert not below, (name, below)
+
+
+# ---- a mixer is one module ------------------------------------------------------------------------
+
+
+def mixer_references() -> dict[str, set[str]]:
+    """Each registered mixer class -> the package modules whose code names it (a name imported from
+    ``titan_ext.models.mixers``, or ``mixers.<name>``), its own module and the registry left out."""
+    from titan_ext.models.mixers import MIXERS
+
+    names = {mixer.__name__: mixer.__module__ for mixer in MIXERS}
+    found = {name: set() for name in names}
+    for module, path in modules().items():
+        imported = set()
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("titan_ext.models.mixers"):
+                imported.update(alias.asname or alias.name for alias in node.names)
+        for node in ast.walk(tree):
+            named = (node.id if isinstance(node, ast.Name) and node.id in imported
+                     else node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                     and node.value.id == "mixers" else None)
+            if named in names and module not in (names[named], "titan_ext.models.mixers"):
+                found[named].add(module)
+    return found
+
+
+def test_a_mixer_is_named_by_its_module_and_its_registration_line_only():
+    """Adding a mixer is its module plus its line in ``MIXERS``: no feature (TP, CP, documents, AC, compile,
+    kernels) names a mixer; an fla architecture names the one mixer its registered TP plan covers, and the
+    generic transformers architecture and its host probe name softmax attention (the mixer of every model
+    type, whose HF plan covers it)."""
+    assert mixer_references() == {
+        "GLA": {"titan_ext.models.gla"},
+        "GatedDeltaNet": {"titan_ext.models.gated_deltanet"},
+        "KDA": {"titan_ext.models.kda"},
+        "FlaAttention": {"titan_ext.models.transformer"},
+        "TransformersAttention": {"titan_ext.models.architecture", "titan_ext.host_checks",
+                                  "titan_ext.models.mixers.mla"},
+        "TransformersMLA": set(),
+        "TransformersGatedDeltaNet": set(),
+        "TransformersGatedDeltaNetGrouped": set(),
+        "TransformersKDA": set(),
+    }
+
+
+def test_the_mixer_count_sees_a_new_reference(tmp_path, monkeypatch):
+    source = tmp_path / "titan_ext" / "somewhere.py"
+    source.parent.mkdir()
+    source.write_text("from titan_ext.models import mixers\nKIND = mixers.TransformersKDA\n")
+    monkeypatch.setitem(globals(), "modules", lambda: {"titan_ext.somewhere": source})
+    assert mixer_references()["TransformersKDA"] == {"titan_ext.somewhere"}

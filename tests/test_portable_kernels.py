@@ -33,7 +33,6 @@ from fla.ops.gla.naive import naive_recurrent_gla
 from helpers import assert_rel_close, backward_with_random_cotangents, gla_inputs, leaves
 
 import titan_ext.kernels as kernels
-from titan_ext.host_patches import MODEL_KERNELS
 from titan_ext.kernels import activations, gla_op, norms
 from titan_ext.kernels import gla as torch_gla
 
@@ -42,7 +41,7 @@ from titan_ext.kernels import gla as torch_gla
 
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
-    assert len(portable) == sum("portable" in k.paths for k in MODEL_KERNELS)
+    assert len(portable) == sum("portable" in k.paths for k in kernels.kernel_rows())
     # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
     # cache helpers, fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local), and
     # Kimi Linear's KDA and convolution calls with their documents packed (transformers_kda)

@@ -52,11 +52,11 @@ MODES = ("none", "full", "selective", "memory_budget")
 
 
 def op_sac_save_list() -> set:
-    """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the GLA and
-    delta-rule (Gated DeltaNet, KDA) cores, and fla's KDA (CUDA)."""
-    from titan_ext.kernels import delta_rule_op, gla_op, kda_op
+    """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the kernels'
+    own (``kernels.sac_save_list``: the GLA and delta-rule cores, fla's KDA on CUDA)."""
+    from titan_ext import kernels
 
-    return compat.torchtitan_ac().op_sac_save_list | gla_op.SAVE_LIST | delta_rule_op.SAVE_LIST | kda_op.SAVE_LIST
+    return compat.torchtitan_ac().op_sac_save_list | kernels.sac_save_list()
 
 
 def layer_frequency(option: str) -> int | None:

@@ -45,123 +45,6 @@ FEATURES = ("context parallelism or documents", "routing bias", "experts placed 
 """What a job may use that some rows alone rely on (``check_host(model_args, uses)``)."""
 
 
-# fla functions titan_ext replaces (host_patches.MODEL_KERNELS) or calls by keyword, and the parameters
-# (name=default) they had when titan_ext's replacements and calls were written against them.
-FLA_SIGNATURES = {
-    "fla.ops.gla.chunk:chunk_gla": "q, k, v, g, scale=None, initial_state=None, output_final_state=False, "
-    "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None",
-    "fla.ops.gla.chunk:chunk_gla_fwd": "q, k, v, g, g_cumsum, scale, initial_state, output_final_state, "
-    "state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None",
-    "fla.ops.gla.chunk:chunk_gla_bwd": "q, k, v, g, g_cumsum, scale, initial_state, h, A, do, dht, "
-    "state_v_first=False, cu_seqlens=None, chunk_size=64, chunk_indices=None",
-    "fla.ops.gla.fused_recurrent:fused_recurrent_gla": "q, k, v, gk=None, gv=None, scale=None, initial_state=None, "
-    "output_final_state=False, reverse=False, state_v_first=False, cu_seqlens=None, **kwargs",
-    "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule": "q, k, v, g, beta, scale=None, initial_state=None, "
-    "output_final_state=False, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
-    "allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, "
-    "cp_context=None, **kwargs",
-    "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule": "q, k, v, g=None, gk=None, gv=None, "
-    "beta=None, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, "
-    "use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
-    "state_v_first=False, cu_seqlens=None, **kwargs",
-    "fla.ops.kda.chunk:chunk_kda": "q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
-    "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
-    "allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
-    "return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, "
-    "cp_context=None, use_graph=False, max_num_seqs=None, **kwargs",
-    "fla.ops.kda.fused_recurrent:fused_recurrent_kda": "q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, "
-    "initial_state=None, output_final_state=False, "
-    "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
-    "allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs",
-    "fla.modules.norm.layernorm:rms_norm": "x, weight, bias, residual=None, eps=1e-05, prenorm=False, "
-    "residual_in_fp32=False",
-    "fla.modules.norm.fused_norm_gate:rms_norm_gated": "x, g, weight, bias, activation='swish', residual=None, "
-    "prenorm=False, residual_in_fp32=False, eps=1e-06",
-    "fla.modules.activations.ops:logsigmoid": "x, temperature=1.0",
-    "fla.modules.activations.ops:swiglu_linear": "x, y, weight, bias",
-    "fla.modules.rotary.ops:rotary_embedding": "x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, "
-    "cu_seqlens=None, chunk_indices=None",
-    "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache": "self, seqlen, device=None, dtype=None",
-    "fla.layers.utils:get_layer_cache": "module, past_key_values",
-    "fla.layers.utils:update_layer_cache": "module, past_key_values, **kwargs",
-    "fla.modules.causal_conv1d.ops:causal_conv1d": "x, weight=None, bias=None, residual=None, initial_state=None, "
-    "output_final_state=False, activation=None, backend='triton', cu_seqlens=None, cu_seqlens_cpu=None, "
-    "chunk_indices=None, cp_context=None, **kwargs",
-    "fla.modules.causal_conv1d.ops:causal_conv1d_update": "x, cache, residual=None, weight=None, bias=None, "
-    "activation=None",
-    "fla.ops.simple_gla.chunk:chunk_simple_gla":
-    "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
-    "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs",
-    "fla.ops.simple_gla.fused_chunk:fused_chunk_simple_gla":
-    "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
-    "cu_seqlens=None",
-    "fla.ops.simple_gla.fused_recurrent:fused_recurrent_simple_gla":
-    "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
-    "reverse=False, state_v_first=False, cu_seqlens=None, **kwargs",
-    "fla.ops.simple_gla.parallel:parallel_simple_gla":
-    "q, k, v, g=None, scale=None, output_attentions=False, cu_seqlens=None, cu_seqlens_cpu=None",
-    "fla.ops.linear_attn.chunk:chunk_linear_attn":
-    "q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True, cu_seqlens=None",
-    "fla.ops.linear_attn.fused_chunk:fused_chunk_linear_attn":
-    "q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True, cu_seqlens=None",
-    "fla.ops.linear_attn.fused_recurrent:fused_recurrent_linear_attn":
-    "q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False, normalize=False, "
-    "cu_seqlens=None",
-    "fla.ops.lightning_attn.chunk:chunk_lightning_attn":
-    "q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False, "
-    "cu_seqlens=None, **kwargs",
-    "fla.ops.lightning_attn.fused_recurrent:fused_recurrent_lightning_attn":
-    "q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False, "
-    "reverse=False, cu_seqlens=None",
-    "fla.ops.retention.chunk:chunk_retention":
-    "q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs",
-    "fla.ops.retention.fused_chunk:fused_chunk_retention":
-    "q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None",
-    "fla.ops.retention.fused_recurrent:fused_recurrent_retention":
-    "q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False, "
-    "state_v_first=False, cu_seqlens=None, **kwargs",
-    "fla.ops.retention.parallel:parallel_retention": "q, k, v, scale=None, output_attentions=False, cu_seqlens=None",
-    "fla.ops.delta_rule.chunk:chunk_delta_rule":
-    "q, k, v, beta, scale=None, initial_state=None, output_final_state=False, "
-    "use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs",
-    "fla.ops.delta_rule.fused_recurrent:fused_recurrent_delta_rule":
-    "q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False, "
-    "use_qk_l2norm_in_kernel=False, cu_seqlens=None",
-    "fla.modules.norm.l2norm:l2norm": "x, eps=1e-06, output_dtype=None",
-    "fla.modules.norm.layernorm_gated:rmsnorm_fn":
-    "x, weight, bias, z=None, eps=1e-06, group_size=None, norm_before_gate=True",
-    "fla.modules.norm.layernorm_gated:layernorm_fn":
-    "x, weight, bias, z=None, eps=1e-06, group_size=None, norm_before_gate=True, is_rms_norm=False",
-    "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv": "self, last_state, use_cache, cu_seqlens",
-    "fla.modules.norm.layernorm:RMSNorm.forward": "self, x, residual=None, prenorm=False, residual_in_fp32=False",
-    "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward": "self, x, g, residual=None, prenorm=False, "
-    "residual_in_fp32=False",
-    "fla.modules.rotary.ops:RotaryEmbedding.forward": "self, q, k, seqlen_offset=0, cu_seqlens=None, max_seqlen=None, "
-    "chunk_indices=None",
-    "fla.modules.causal_conv1d.ops:ShortConvolution.forward": "self, x, residual=None, mask=None, cache=None, "
-    "output_final_state=False, cu_seqlens=None, chunk_indices=None, **kwargs",
-    "fla.modules.fused_cross_entropy.ops:cross_entropy_loss": "logits, target, label_smoothing=0.0, logit_scale=1.0, "
-    "lse_square_scale=0.0, logit_softcapping=None, ignore_index=-100, inplace_backward=False, process_group=None",
-    "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss": "x, target, weight, bias=None, "
-    "ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, logit_softcapping=None, num_chunks=8, "
-    "reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, accumulate_grad_in_fp32=True, process_group=None",
-    "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention":
-    "query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, "
-    "use_qk_l2norm_in_kernel=False, **kwargs",
-    "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
-    "hidden_states, weight, bias=None, activation=None, **kwargs",
-    **{f"transformers.models.{model}.modeling_{model}:{cls}GatedDeltaNet.forward": (
-        "self, hidden_states, cache=None, attention_mask=None, **kwargs",
-        "self, hidden_states, cache_params=None, attention_mask=None, **kwargs",  # transformers 5.17
-    ) for model, cls in (("qwen3_5", "Qwen3_5"), ("qwen3_next", "Qwen3Next"))},
-}
-"""Checked with flash-linear-attention 0.6.0 (and transformers 5.17 and 5.24 for the Gated DeltaNet layers of Qwen3.5
-and Qwen3-Next and the KDA wrappers of Kimi Linear, which call fla's kernels; the Gated DeltaNet layers'
-forward titan_ext's training models run instead: ``kernels.transformers_gated_deltanet``). fla's
-``(*args, **kwargs)`` activations (swish, sigmoid, swiglu) and its deprecated ``fused_chunk_gla(**kwargs)``
-carry no signature to compare."""
-
-
 def parameters(fn) -> str:
     """``fn``'s parameters as ``name=default`` (no annotations: they change without changing a call)."""
     parts = []
@@ -172,9 +55,14 @@ def parameters(fn) -> str:
 
 
 def check_fla_signatures(model_args) -> None:
-    from titan_ext.host_patches import resolve
+    """Each function titan_ext's kernels replace or call by keyword still takes the parameters they were written
+    against (each kernel module's ``SIGNATURES``; checked with flash-linear-attention 0.6.0, and transformers 5.17
+    and 5.24 for Qwen3.5's, Qwen3-Next's and Kimi Linear's layers; fla's ``(*args, **kwargs)`` activations and its
+    deprecated ``fused_chunk_gla(**kwargs)`` carry none to compare)."""
+    from titan_ext import kernels
+    from titan_ext.kernels.table import resolve
 
-    for target, expected in FLA_SIGNATURES.items():
+    for target, expected in kernels.signatures().items():
         found, accepted = parameters(resolve(target)), (expected,) if isinstance(expected, str) else expected
         if found not in accepted:
             package = "transformers" if target.startswith("transformers.") else "flash-linear-attention"

@@ -18,15 +18,10 @@
 * ``BUILD``: only while titan_ext builds one of its own models (``building()``).
 * ``PLANNER``: only inside the planner's blocks (``scoped()``): a step peak's ``with``
   (``planner.memory.StepPeak``) and a planned step's (``planner.rank``).
-* ``MODEL_KERNELS``: not a change to any library: titan_ext's own model
-  instances call these instead of fla's kernels (``titan_ext.kernels.bind``:
-  the modules get subclasses whose methods see other globals). fla's modules
-  and classes stay as shipped, so any other fla model in the process, e.g.
-  an evaluation script's, runs fla's code.
 
 Each row: the target, why, the versions it was checked against, and how it is
-undone. Rows name titan_ext's replacements by ``module:name`` too, resolved when
-applied: the kernels read this table, and the table imports no kernel.
+undone. Not here, since it changes no library: the kernels titan_ext's own models
+call instead of fla's (each kernel module's ``KERNELS``, ``titan_ext.kernels``).
 ``tests/test_host_patches.py`` checks that import changes nothing and
 that ``undo()`` restores every original.
 """
@@ -44,26 +39,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from titan_ext.kernels.table import owner_and_name, resolve
+
 TORCHTITAN = "torchtitan 0.2.2"
 FLA = "fla 0.6.0"
 TORCH = "torch 2.11-2.15"
 TRITON = "triton 3.6-3.9"
-
-
-def owner_and_name(target: str) -> tuple[object, str]:
-    """``"module:Class.attr"`` -> (the module or class holding it, ``"attr"``), importing the module."""
-    module, _, path = target.partition(":")
-    owner = importlib.import_module(module)
-    *parents, name = path.split(".")
-    for parent in parents:
-        owner = getattr(owner, parent)
-    return owner, name
-
-
-def resolve(target: str):
-    """The object a target names; a class attribute as defined on the class (not bound)."""
-    owner, name = owner_and_name(target)
-    return vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
 
 
 @dataclass(frozen=True)
@@ -632,214 +613,6 @@ FAKE_GROUPS_OF_OTHER_RANKS = Patch(
 PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS,
                                FAKE_CACHE_KEYS, FAKE_GROUPS_OF_OTHER_RANKS)
 """The planner's, each inside its own blocks only (``scoped``)."""
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """An fla kernel (or a transformers function calling one) and what titan_ext's own models call instead
-    (``titan_ext.kernels``)."""
-
-    fla: str
-    """A function, a method (``module:Class.method``), or a class: a bound model then builds the
-    replacement, a subclass of fla's, wherever fla's code names the class."""
-    replacement: str
-    why: str
-    paths: tuple[str, ...] = ("portable",)
-    """Kernel paths that use it: ``portable`` (any non-CUDA run), ``fla`` (CUDA)."""
-
-
-_TRITON = "Triton kernel; fails off CUDA with '0 active drivers'"
-_TP_LOCAL = (
-    "under TP it receives DTensor shards of the conv weight/bias or A_log/dt_bias, which fla's Triton code cannot "
-    "read: fla's function, called with each DTensor argument's local shard (a pass-through without TP), and opaque "
-    "to torch.compile (as _OPAQUE)"
-)
-_OPAQUE = (
-    "fla's function, opaque to torch.compile: fla launches Triton behind torch.compiler.disable inside its autograd "
-    "Functions, so a compiled block broke its graph there and compiled fla's wrappers as frames of their own, "
-    "recompiled per dtype (seen on an H100)"
-)
-_LAYER_IDX = (
-    "reads module.layer_idx even without a cache; torch 2.11's dynamo guards on its value, so per-block compile "
-    "recompiled for every block (torch 2.13 does not guard it)"
-)
-MODEL_KERNELS: tuple[Kernel, ...] = (
-    Kernel(
-        "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:chunk_gla",
-        "GLA's training kernel as torch ops: op-level SAC can save it and compile keeps it in the graph "
-        "(fla's is a Triton autograd.Function behind torch.compiler.disable); fla's drivers run inside",
-        ("fla",),
-    ),
-    Kernel(
-        "fla.ops.gla.chunk:chunk_gla", "titan_ext.kernels.gla_op:portable_chunk_gla",
-        "the same torch ops with titan_ext's torch GLA inside (on any device)",
-    ),
-    Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", "titan_ext.kernels.gla:fused_chunk_gla", _TRITON),
-    Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", "titan_ext.kernels.gla:fused_recurrent_gla", _TRITON),
-    Kernel(
-        "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", "titan_ext.kernels.gated_delta:chunk_gated_delta_rule",
-        _TRITON,
-    ),
-    Kernel(
-        "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
-        "titan_ext.kernels.gated_delta:fused_recurrent_gated_delta_rule", _TRITON,
-    ),
-    Kernel("fla.ops.kda.chunk:chunk_kda", "titan_ext.kernels.kda:chunk_kda", _TRITON),
-    Kernel("fla.ops.kda.fused_recurrent:fused_recurrent_kda", "titan_ext.kernels.kda:fused_recurrent_kda", _TRITON),
-    Kernel("fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.norms:rms_norm", _TRITON),
-    Kernel("fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.norms:rms_norm_gated", _TRITON),
-    Kernel("fla.modules.activations.ops:swish", "titan_ext.kernels.activations:swish", _TRITON),
-    Kernel("fla.modules.activations.ops:sigmoid", "titan_ext.kernels.activations:sigmoid", _TRITON),
-    Kernel("fla.modules.activations.ops:logsigmoid", "titan_ext.kernels.activations:logsigmoid", _TRITON),
-    Kernel("fla.modules.activations.ops:swiglu", "titan_ext.kernels.activations:swiglu", _TRITON),
-    Kernel("fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.activations:swiglu_linear", _TRITON),
-    Kernel("fla.modules.rotary.ops:rotary_embedding", "titan_ext.kernels.rotary:rotary_embedding", _TRITON),
-    Kernel(
-        "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache", "titan_ext.kernels.rotary:update_cos_sin_cache",
-        "its cache check calls tensor.is_inference(), which dynamo cannot trace: a graph break in every compiled "
-        "block on every step once the cache is filled",
-        ("portable", "fla"),
-    ),
-    Kernel("fla.layers.utils:get_layer_cache", "titan_ext.kernels.layer_cache:get_layer_cache", _LAYER_IDX, ("portable", "fla")),
-    Kernel(
-        "fla.layers.utils:update_layer_cache", "titan_ext.kernels.layer_cache:update_layer_cache", _LAYER_IDX,
-        ("portable", "fla"),
-    ),
-    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.conv:causal_conv1d", _TRITON),
-    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.conv:causal_conv1d_update", _TRITON),
-    Kernel("fla.ops.simple_gla.chunk:chunk_simple_gla", "titan_ext.kernels.simple_gla:chunk_simple_gla",
-           "fla's SimpleGatedLinearAttention and YOCO layers (a scalar decay per head: Mamba-2's scan): " + _TRITON),
-    Kernel("fla.ops.simple_gla.fused_chunk:fused_chunk_simple_gla",
-           "titan_ext.kernels.simple_gla:fused_chunk_simple_gla",
-           "fla's fused_chunk linear attention and retention: " + _TRITON),
-    Kernel("fla.ops.simple_gla.fused_recurrent:fused_recurrent_simple_gla",
-           "titan_ext.kernels.simple_gla:fused_recurrent_simple_gla",
-           "fla's SimpleGatedLinearAttention and YOCO layers (decoding): " + _TRITON),
-    Kernel("fla.ops.simple_gla.parallel:parallel_simple_gla", "titan_ext.kernels.simple_gla:parallel_simple_gla",
-           "fla's parallel retention: " + _TRITON),
-    Kernel("fla.ops.linear_attn.chunk:chunk_linear_attn", "titan_ext.kernels.simple_gla:chunk_linear_attn",
-           "fla's LinearAttention, Based and ReBased layers: " + _TRITON),
-    Kernel("fla.ops.linear_attn.fused_chunk:fused_chunk_linear_attn",
-           "titan_ext.kernels.simple_gla:fused_chunk_linear_attn",
-           "fla's LinearAttention, Based and ReBased layers: " + _TRITON),
-    Kernel("fla.ops.linear_attn.fused_recurrent:fused_recurrent_linear_attn",
-           "titan_ext.kernels.simple_gla:fused_recurrent_linear_attn",
-           "fla's LinearAttention layer (decoding): " + _TRITON),
-    Kernel("fla.ops.lightning_attn.chunk:chunk_lightning_attn", "titan_ext.kernels.simple_gla:chunk_lightning_attn",
-           "lightning attention (simple GLA with a fixed decay per head and layer): " + _TRITON),
-    Kernel("fla.ops.lightning_attn.fused_recurrent:fused_recurrent_lightning_attn",
-           "titan_ext.kernels.simple_gla:fused_recurrent_lightning_attn",
-           "lightning attention (decoding): " + _TRITON),
-    Kernel("fla.ops.retention.chunk:chunk_retention", "titan_ext.kernels.simple_gla:chunk_retention",
-           "fla's MultiScaleRetention layer (RetNet): " + _TRITON),
-    Kernel("fla.ops.retention.fused_chunk:fused_chunk_retention", "titan_ext.kernels.simple_gla:fused_chunk_retention",
-           "fla's MultiScaleRetention layer (RetNet): " + _TRITON),
-    Kernel("fla.ops.retention.fused_recurrent:fused_recurrent_retention",
-           "titan_ext.kernels.simple_gla:fused_recurrent_retention",
-           "fla's MultiScaleRetention layer (RetNet, decoding): " + _TRITON),
-    Kernel("fla.ops.retention.parallel:parallel_retention", "titan_ext.kernels.simple_gla:parallel_retention",
-           "fla's MultiScaleRetention layer (RetNet): " + _TRITON),
-    Kernel("fla.ops.delta_rule.chunk:chunk_delta_rule", "titan_ext.kernels.delta_rule:chunk_delta_rule",
-           "fla's DeltaNet layer: " + _TRITON),
-    Kernel("fla.ops.delta_rule.fused_recurrent:fused_recurrent_delta_rule",
-           "titan_ext.kernels.delta_rule:fused_recurrent_delta_rule",
-           "fla's DeltaNet and Gated DeltaProduct layers (decoding): " + _TRITON),
-    Kernel("fla.modules.norm.l2norm:l2norm", "titan_ext.kernels.norms:l2norm",
-           "fla's l2_norm/l2norm (DeltaNet's, MesaNet's, RWKV-7's, PaTH's q/k norms): " + _TRITON),
-    Kernel("fla.modules.norm.layernorm_gated:rmsnorm_fn", "titan_ext.kernels.norms:rmsnorm_fn",
-           "what fla's RMSNormGated calls (Mamba2's, LogLinearMamba2's, Rodimus's gated norm): " + _TRITON),
-    Kernel("fla.modules.norm.layernorm_gated:layernorm_fn", "titan_ext.kernels.norms:layernorm_fn",
-           "what fla's LayerNormGated calls: " + _TRITON),
-    # On the fla path every fla entry point a model reaches is called opaque to torch.compile, and under TP the
-    # parameters some of them read directly are DTensor shards (titan_ext.kernels.tp_local); the portable
-    # replacements above take their local shards themselves.
-    *(Kernel(f"fla.{target}", f"titan_ext.kernels.tp_local:{target.rsplit(':', 1)[1]}", _OPAQUE, ("fla",))
-      for target in ("ops.gla.fused_chunk:fused_chunk_gla", "ops.gla.fused_recurrent:fused_recurrent_gla",
-                     "modules.activations.ops:swish", "modules.activations.ops:sigmoid",
-                     "modules.activations.ops:logsigmoid", "modules.activations.ops:swiglu",
-                     "modules.rotary.ops:rotary_embedding")),
-    *(Kernel(f"fla.modules.{target}.forward", f"titan_ext.kernels.tp_local:{name}",
-             "the module's forward only calls fla's kernels: opaque to torch.compile as a whole, else dynamo compiled "
-             "it as a frame of its own and recompiled it per call variant (with or without a residual, fp32 or bf16 "
-             "under single-GPU AMP; the rotary cache once filled; the short convolution once einops registered a tensor "
-             "type)", ("fla",))
-      for target, name in (("norm.layernorm:RMSNorm", "rms_norm_forward"),
-                           ("norm.fused_norm_gate:FusedRMSNormGated", "rms_norm_gated_forward"),
-                           ("rotary.ops:RotaryEmbedding", "rotary_forward"),
-                           ("causal_conv1d.ops:ShortConvolution", "short_convolution_forward"))),
-    Kernel(
-        "fla.modules.causal_conv1d.ops:causal_conv1d", "titan_ext.kernels.tp_local:causal_conv1d", _TP_LOCAL, ("fla",),
-    ),
-    Kernel(
-        "fla.modules.causal_conv1d.ops:causal_conv1d_update", "titan_ext.kernels.tp_local:causal_conv1d_update",
-        _TP_LOCAL, ("fla",),
-    ),
-    Kernel(
-        "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", "titan_ext.kernels.tp_local:chunk_gated_delta_rule",
-        _TP_LOCAL, ("fla",),
-    ),
-    Kernel(
-        "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule",
-        "titan_ext.kernels.tp_local:fused_recurrent_gated_delta_rule", _TP_LOCAL, ("fla",),
-    ),
-    Kernel(
-        "fla.ops.kda.chunk:chunk_kda", "titan_ext.kernels.kda_op:chunk_kda",
-        "KDA's training kernel as torch ops around fla's own drivers: op-level SAC can save it and compile keeps it "
-        "in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); " + _TP_LOCAL, ("fla",),
-    ),
-    Kernel(
-        "fla.ops.kda.fused_recurrent:fused_recurrent_kda", "titan_ext.kernels.tp_local:fused_recurrent_kda", _TP_LOCAL,
-        ("fla",),
-    ),
-    Kernel(
-        "fla.modules.norm.layernorm:rms_norm", "titan_ext.kernels.tp_local:rms_norm",
-        "under TP (sequence parallel, or the per-head output norm) its input is a DTensor and its weight a replicated "
-        "DTensor, which fla's Triton kernel cannot read: fla's kernel on the local shards, the output rewrapped "
-        "(found under Triton's interpreter); opaque to torch.compile (as _OPAQUE)", ("fla",),
-    ),
-    Kernel(
-        "fla.modules.norm.fused_norm_gate:rms_norm_gated", "titan_ext.kernels.tp_local:rms_norm_gated",
-        "the same, for the gated output norm (GLA's g_norm, Gated DeltaNet's and KDA's o_norm)", ("fla",),
-    ),
-    Kernel(
-        "fla.modules.activations.ops:swiglu_linear", "titan_ext.kernels.tp_local:swiglu_linear",
-        "under TP fla's own SwiGLULinearParallel hands it DTensors (inputs and down_proj's weight), which its Triton "
-        "kernel cannot read: fla's kernel on the local shards, a partial sum rewrapped (found under Triton's "
-        "interpreter); opaque to torch.compile (as _OPAQUE)", ("fla",),
-    ),
-    Kernel(
-        "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv", "titan_ext.kernels.tp_local:use_fused_qkv_conv",
-        "under TP its fused path concatenates the three sharded conv weights (a DTensor cat gathers them whole) and "
-        "splits by global widths while q/k/v are local: False for DTensor conv weights (each conv runs on its shard), "
-        "else fla's choice",
-        ("portable", "fla"),
-    ),
-    *(Kernel("transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention",
-             f"titan_ext.kernels.transformers_kda:{name}",
-             "transformers' Kimi Linear KDA layer calls fla's Triton kernel through this wrapper whenever fla is "
-             "installed (fails off CUDA with '0 active drivers'), and hands it packed documents as cu_seq_lens_q, "
-             "which no KDA kernel reads: the kernel of the path on one packed row with cu_seqlens", (path,))
-      for name, path in (("chunk_kda", "portable"), ("fla_chunk_kda", "fla"))),
-    Kernel("transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn",
-           "titan_ext.kernels.transformers_kda:causal_conv1d_fn",
-           "its convolution takes packed documents as cu_seq_lens_q and convolves across them: titan_ext's torch "
-           "convolution (transformers' own fallback is torch too), each document from zero", ("portable", "fla")),
-    Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", "titan_ext.kernels.losses:cross_entropy_loss", _TRITON),
-    Kernel(
-        "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss",
-        "titan_ext.kernels.losses:FusedCrossEntropyLoss",
-        "forward asserts CUDA before reaching its kernel; a class row, since fla models build it inside forward",
-    ),
-    Kernel(
-        "fla.modules.fused_linear_cross_entropy.ops:FusedLinearCrossEntropyLoss",
-        "titan_ext.kernels.losses:FusedLinearCrossEntropyLoss",
-        "Triton forward behind torch.compiler.disable; a class row, since fla models build it inside forward",
-    ),
-    Kernel(
-        "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss",
-        "titan_ext.kernels.losses:fused_linear_cross_entropy_loss", _TRITON,
-    ),
-)
 
 
 _undo_stack: list[Callable[[], None]] = []

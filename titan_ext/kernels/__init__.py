@@ -1,7 +1,8 @@
 """Which kernels titan_ext's fla models call: fla's as shipped, or torch-native ones off CUDA.
 
-The table is ``titan_ext.host_patches.MODEL_KERNELS``. A job picks a kernel
-path once (``titan_ext.job.JobPlan.kernel_path``):
+Each kernel module lists what it replaces (``KERNELS``, rows of ``table.Kernel``) and the
+signatures it was written against (``SIGNATURES``); ``KERNEL_MODULES`` names those modules, and
+``replacements`` gathers their rows. A job picks a kernel path once (``titan_ext.job.JobPlan.kernel_path``):
 
 * ``fla`` (CUDA): fla's kernels as shipped, except ``chunk_gla`` and ``chunk_kda``,
   which run as torch ops around fla's own drivers (``gla_op``, ``kda_op``:
@@ -35,13 +36,46 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from titan_ext.host_patches import MODEL_KERNELS, resolve
+import importlib
+
 from titan_ext.kernels.binding import bind as _bind
 from titan_ext.kernels.binding import hub_implementation
+from titan_ext.kernels.table import Kernel, resolve
 
 PATHS = ("fla", "portable")
 
-__all__ = ["PATHS", "bind", "default_path", "from_pretrained", "portable", "replacements", "unported"]
+KERNEL_MODULES = (
+    "activations", "conv", "delta_rule", "delta_rule_op", "gated_delta", "gla", "gla_op", "kda", "kda_op",
+    "layer_cache", "losses", "norms", "rotary", "simple_gla", "tp_local", "transformers_gated_deltanet",
+    "transformers_kda",
+)
+"""The modules of ``titan_ext.kernels`` with ``KERNELS``, ``SIGNATURES`` or ``SAVE_LIST`` (torch ops whose outputs
+op-level SAC keeps): a new one is one entry here."""
+
+__all__ = ["KERNEL_MODULES", "PATHS", "bind", "default_path", "from_pretrained", "kernel_rows", "portable",
+           "replacements", "sac_save_list", "signatures", "unported"]
+
+
+def _kernel_modules() -> list:
+    return [importlib.import_module(f"{__name__}.{name}") for name in KERNEL_MODULES]
+
+
+@functools.cache
+def kernel_rows() -> tuple[Kernel, ...]:
+    """Every kernel module's ``KERNELS``."""
+    return tuple(row for module in _kernel_modules() for row in getattr(module, "KERNELS", ()))
+
+
+@functools.cache
+def signatures() -> dict[str, str | tuple[str, ...]]:
+    """Every kernel module's ``SIGNATURES``: ``module:name`` -> its parameters as written against (or the
+    accepted ones, a tuple)."""
+    return {target: params for module in _kernel_modules() for target, params in getattr(module, "SIGNATURES", {}).items()}
+
+
+def sac_save_list() -> set:
+    """Every kernel module's ``SAVE_LIST``."""
+    return {op for module in _kernel_modules() for op in getattr(module, "SAVE_LIST", ())}
 
 
 @functools.cache
@@ -49,8 +83,7 @@ def replacements(path: str) -> dict[object, Callable]:
     """fla object -> titan_ext's replacement, for one kernel path."""
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; one of {PATHS}")
-    return {resolve(k.fla): resolve(k.replacement) for k in MODEL_KERNELS
-            if path in k.paths}
+    return {resolve(k.fla): k.replacement for k in kernel_rows() if path in k.paths}
 
 
 @functools.cache

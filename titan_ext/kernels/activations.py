@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_ext.kernels.norms import _upcast
+from titan_ext.kernels.table import TRITON, Kernel
 
 
 def swish(x: torch.Tensor) -> torch.Tensor:
@@ -33,3 +34,20 @@ def swiglu(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def swiglu_linear(x, y, weight, bias):
     """``F.linear(swiglu(x, y), weight, bias)``; fla fuses this to save memory, here autograd keeps it."""
     return F.linear(swiglu(x, y), weight, bias)
+
+
+KERNELS = (
+    Kernel("fla.modules.activations.ops:swish", swish, TRITON),
+    Kernel("fla.modules.activations.ops:sigmoid", sigmoid, TRITON),
+    Kernel("fla.modules.activations.ops:logsigmoid", logsigmoid, TRITON),
+    Kernel("fla.modules.activations.ops:swiglu", swiglu, TRITON),
+    Kernel("fla.modules.activations.ops:swiglu_linear", swiglu_linear, TRITON),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.modules.activations.ops:logsigmoid": "x, temperature=1.0",
+    "fla.modules.activations.ops:swiglu_linear": "x, y, weight, bias",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from titan_ext.kernels.norms import _upcast
 from titan_ext.kernels.signature import refuse
+from titan_ext.kernels.table import TRITON, Kernel
 from titan_ext.kernels.tp_local import local
 from titan_ext.kernels.varlen import check_packed_batch, sequence_spans, token_sequences
 
@@ -147,3 +148,21 @@ def causal_conv1d_update(
         y = y + _upcast(bias)
     y = _activate_add(y, activation, None if residual is None else residual.reshape(y.shape))
     return y.to(x.dtype).reshape(shape), cache
+
+
+KERNELS = (
+    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", causal_conv1d, TRITON),
+    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", causal_conv1d_update, TRITON),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.modules.causal_conv1d.ops:causal_conv1d":
+        "x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False, "
+        "activation=None, backend='triton', cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, "
+        "cp_context=None, **kwargs",
+    "fla.modules.causal_conv1d.ops:causal_conv1d_update":
+        "x, cache, residual=None, weight=None, bias=None, activation=None",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -16,6 +16,7 @@ import torch
 from titan_ext.kernels import delta_rule_op, signature
 from titan_ext.kernels.delta_rules import SCALAR_DECAY, SCALAR_DECAY_SIZES, delta_rule_inputs, recurrent_delta_rule
 from titan_ext.kernels.signature import ABSENT, check_varlen
+from titan_ext.kernels.table import TRITON, Kernel
 
 
 def chunk_delta_rule(
@@ -74,3 +75,24 @@ def fused_recurrent_delta_rule(
                                         output_final_state, cu_seqlens, False, out_dtype)
     return recurrent_delta_rule(q, k, v, beta, None, None, None, initial_state, output_final_state, cu_seqlens, False,
                                 out_dtype)
+
+
+KERNELS = (
+    Kernel("fla.ops.delta_rule.chunk:chunk_delta_rule", chunk_delta_rule, "fla's DeltaNet layer: " + TRITON),
+    Kernel(
+        "fla.ops.delta_rule.fused_recurrent:fused_recurrent_delta_rule", fused_recurrent_delta_rule,
+        "fla's DeltaNet and Gated DeltaProduct layers (decoding): " + TRITON,
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.ops.delta_rule.chunk:chunk_delta_rule":
+        "q, k, v, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs",
+    "fla.ops.delta_rule.fused_recurrent:fused_recurrent_delta_rule":
+        "q, k, v, beta=None, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, cu_seqlens=None",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -31,6 +31,7 @@ from titan_ext.kernels.delta_rules import (  # noqa: F401  (CHUNK, softplus: rea
     softplus as _softplus,
 )
 from titan_ext.kernels.signature import ABSENT, check_neg_eigval, check_varlen, refuse
+from titan_ext.kernels.table import TRITON, Kernel
 
 _CP = "titan_ext's context parallelism passes the states between ranks itself (kernels.state_passing)"
 
@@ -150,3 +151,28 @@ def fused_recurrent_gated_delta_rule(
                                         state_v_first, out_dtype)
     return recurrent_delta_rule(q, k, v, beta, g, gk, gv, initial_state, output_final_state, cu_seqlens,
                                 state_v_first, out_dtype)
+
+
+KERNELS = (
+    Kernel("fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule, TRITON),
+    Kernel(
+        "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule,
+        TRITON,
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule":
+        "q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, "
+        "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, "
+        "**kwargs",
+    "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule":
+        "q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None, "
+        "output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, "
+        "dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, "
+        "cu_seqlens=None, **kwargs",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

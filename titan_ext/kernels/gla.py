@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from titan_ext.kernels import signature
 from titan_ext.kernels.signature import ABSENT, check_varlen
+from titan_ext.kernels.table import TRITON, Kernel
 from titan_ext.kernels.varlen import sequence_spans
 
 CHUNK_SIZE = 16
@@ -200,3 +201,18 @@ def fused_recurrent_gla(
         q, k, v, gk=gk, gv=gv, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         reverse=reverse, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
     )
+
+
+KERNELS = (
+    Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", fused_chunk_gla, TRITON),
+    Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", fused_recurrent_gla, TRITON),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.ops.gla.fused_recurrent:fused_recurrent_gla":
+        "q, k, v, gk=None, gv=None, scale=None, initial_state=None, output_final_state=False, reverse=False, "
+        "state_v_first=False, cu_seqlens=None, **kwargs",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

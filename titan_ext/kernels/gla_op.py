@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from titan_ext import compat
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels.gla import fla_chunk_size
+from titan_ext.kernels.table import Kernel
 
 _FP32 = torch.float32
 
@@ -226,3 +227,32 @@ def _through_ops(q, k, v, g, scale, initial_state, output_final_state, state_v_f
         q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens, cu_seqlens_cpu, fla_kernels
     )
     return o, (ht if output_final_state else None)
+
+
+KERNELS = (
+    Kernel(
+        "fla.ops.gla.chunk:chunk_gla", chunk_gla,
+        "GLA's training kernel as torch ops: op-level SAC can save it and compile keeps it in the graph (fla's "
+        "is a Triton autograd.Function behind torch.compiler.disable); fla's drivers run inside",
+        ("fla",),
+    ),
+    Kernel(
+        "fla.ops.gla.chunk:chunk_gla", portable_chunk_gla,
+        "the same torch ops with titan_ext's torch GLA inside (on any device)",
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.ops.gla.chunk:chunk_gla":
+        "q, k, v, g, scale=None, initial_state=None, output_final_state=False, state_v_first=False, "
+        "cu_seqlens=None, cu_seqlens_cpu=None",
+    "fla.ops.gla.chunk:chunk_gla_fwd":
+        "q, k, v, g, g_cumsum, scale, initial_state, output_final_state, state_v_first=False, cu_seqlens=None, "
+        "chunk_size=64, chunk_indices=None",
+    "fla.ops.gla.chunk:chunk_gla_bwd":
+        "q, k, v, g, g_cumsum, scale, initial_state, h, A, do, dht, state_v_first=False, cu_seqlens=None, "
+        "chunk_size=64, chunk_indices=None",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

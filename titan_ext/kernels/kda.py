@@ -23,6 +23,7 @@ import torch
 from titan_ext.kernels import delta_rule_op, signature
 from titan_ext.kernels.delta_rules import KDA_CHUNK, KEY_DECAY, delta_rule_inputs, kda_gate, recurrent_delta_rule
 from titan_ext.kernels.signature import ABSENT, check_neg_eigval, check_varlen, refuse
+from titan_ext.kernels.table import TRITON, Kernel
 
 CHUNK = KDA_CHUNK
 """The portable kernel's chunk: its pairwise decays hold ``C * K`` numbers per token."""
@@ -142,3 +143,25 @@ def fused_recurrent_kda(
                                         state_v_first, out_dtype)
     return recurrent_delta_rule(q, k, v, beta, None, g, None, initial_state, output_final_state, cu_seqlens,
                                 state_v_first, out_dtype)
+
+
+KERNELS = (
+    Kernel("fla.ops.kda.chunk:chunk_kda", chunk_kda, TRITON),
+    Kernel("fla.ops.kda.fused_recurrent:fused_recurrent_kda", fused_recurrent_kda, TRITON),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.ops.kda.chunk:chunk_kda":
+        "q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
+        "allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False, "
+        "return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, "
+        "cp_context=None, use_graph=False, max_num_seqs=None, **kwargs",
+    "fla.ops.kda.fused_recurrent:fused_recurrent_kda":
+        "q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, "
+        "allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None, **kwargs",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

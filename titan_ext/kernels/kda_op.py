@@ -31,6 +31,7 @@ from torch import Tensor
 
 from titan_ext import compat
 from titan_ext.kernels.gla_op import check_packed_states
+from titan_ext.kernels.table import TP_LOCAL, Kernel
 from titan_ext.kernels.tp_local import with_local_args
 
 _FP32 = torch.float32
@@ -252,4 +253,15 @@ def _through_ops(
 
 
 chunk_kda = with_local_args(_through_ops)
-"""What titan_ext's KDA models call on the ``fla`` path instead of fla's ``chunk_kda`` (``host_patches.MODEL_KERNELS``)."""
+"""What titan_ext's KDA models call on the ``fla`` path instead of fla's ``chunk_kda`` (its ``KERNELS``)."""
+
+
+KERNELS = (
+    Kernel(
+        "fla.ops.kda.chunk:chunk_kda", chunk_kda,
+        "KDA's training kernel as torch ops around fla's own drivers: op-level SAC can save it and compile "
+        "keeps it in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); " + TP_LOCAL,
+        ("fla",),
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""

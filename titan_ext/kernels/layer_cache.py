@@ -11,6 +11,8 @@ these return what fla's would (None) without reading the index.
 from fla.layers.utils import get_layer_cache as _fla_get_layer_cache
 from fla.layers.utils import update_layer_cache as _fla_update_layer_cache
 
+from titan_ext.kernels.table import Kernel
+
 
 def get_layer_cache(module, past_key_values):
     if past_key_values is None:
@@ -22,3 +24,22 @@ def update_layer_cache(module, past_key_values, **kwargs):
     if past_key_values is None:
         return None
     return _fla_update_layer_cache(module, past_key_values, **kwargs)
+
+
+LAYER_IDX = (
+    "reads module.layer_idx even without a cache; torch 2.11's dynamo guards on its value, so per-block compile "
+    "recompiled for every block (torch 2.13 does not guard it)"
+)
+
+KERNELS = (
+    Kernel("fla.layers.utils:get_layer_cache", get_layer_cache, LAYER_IDX, ("portable", "fla")),
+    Kernel("fla.layers.utils:update_layer_cache", update_layer_cache, LAYER_IDX, ("portable", "fla")),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.layers.utils:get_layer_cache": "module, past_key_values",
+    "fla.layers.utils:update_layer_cache": "module, past_key_values, **kwargs",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

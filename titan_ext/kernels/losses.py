@@ -16,6 +16,7 @@ from fla.modules.fused_linear_cross_entropy.ops import FusedLinearCrossEntropyLo
 from fla.modules.l2warp import l2_warp
 
 from titan_ext.kernels.signature import refuse
+from titan_ext.kernels.table import TRITON, Kernel
 
 
 def cross_entropy_loss(
@@ -106,3 +107,33 @@ def fused_linear_cross_entropy_loss(
         # l2_warp normalises by shape[0] * shape[1]: present the N rows as one sequence
         loss = l2_warp(loss, logits.unsqueeze(0), l2_penalty_factor)
     return loss
+
+
+KERNELS = (
+    Kernel("fla.modules.fused_cross_entropy.ops:cross_entropy_loss", cross_entropy_loss, TRITON),
+    Kernel(
+        "fla.modules.fused_cross_entropy.ops:FusedCrossEntropyLoss", FusedCrossEntropyLoss,
+        "forward asserts CUDA before reaching its kernel; a class row, since fla models build it inside forward",
+    ),
+    Kernel(
+        "fla.modules.fused_linear_cross_entropy.ops:FusedLinearCrossEntropyLoss", FusedLinearCrossEntropyLoss,
+        "Triton forward behind torch.compiler.disable; a class row, since fla models build it inside forward",
+    ),
+    Kernel(
+        "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss", fused_linear_cross_entropy_loss,
+        TRITON,
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.modules.fused_cross_entropy.ops:cross_entropy_loss":
+        "logits, target, label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0, logit_softcapping=None, "
+        "ignore_index=-100, inplace_backward=False, process_group=None",
+    "fla.modules.fused_linear_cross_entropy.ops:fused_linear_cross_entropy_loss":
+        "x, target, weight, bias=None, ignore_index=-100, label_smoothing=0.0, logit_scale=1.0, "
+        "logit_softcapping=None, num_chunks=8, reduction='mean', use_l2warp=False, l2_penalty_factor=0.0001, "
+        "accumulate_grad_in_fp32=True, process_group=None",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_ext.kernels.table import TRITON, Kernel
+
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """fp32 for low-precision inputs; fp64 stays fp64."""
@@ -135,3 +137,34 @@ def rmsnorm_fn(
 ) -> torch.Tensor:
     """Torch version of ``fla.modules.norm.layernorm_gated.rmsnorm_fn`` (what ``RMSNormGated`` calls)."""
     return layernorm_fn(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm=True)
+
+
+KERNELS = (
+    Kernel("fla.modules.norm.layernorm:rms_norm", rms_norm, TRITON),
+    Kernel("fla.modules.norm.fused_norm_gate:rms_norm_gated", rms_norm_gated, TRITON),
+    Kernel(
+        "fla.modules.norm.l2norm:l2norm", l2norm,
+        "fla's l2_norm/l2norm (DeltaNet's, MesaNet's, RWKV-7's, PaTH's q/k norms): " + TRITON,
+    ),
+    Kernel(
+        "fla.modules.norm.layernorm_gated:rmsnorm_fn", rmsnorm_fn,
+        "what fla's RMSNormGated calls (Mamba2's, LogLinearMamba2's, Rodimus's gated norm): " + TRITON,
+    ),
+    Kernel("fla.modules.norm.layernorm_gated:layernorm_fn", layernorm_fn, "what fla's LayerNormGated calls: " + TRITON),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.modules.norm.layernorm:rms_norm":
+        "x, weight, bias, residual=None, eps=1e-05, prenorm=False, residual_in_fp32=False",
+    "fla.modules.norm.fused_norm_gate:rms_norm_gated":
+        "x, g, weight, bias, activation='swish', residual=None, prenorm=False, residual_in_fp32=False, "
+        "eps=1e-06",
+    "fla.modules.norm.l2norm:l2norm": "x, eps=1e-06, output_dtype=None",
+    "fla.modules.norm.layernorm_gated:rmsnorm_fn":
+        "x, weight, bias, z=None, eps=1e-06, group_size=None, norm_before_gate=True",
+    "fla.modules.norm.layernorm_gated:layernorm_fn":
+        "x, weight, bias, z=None, eps=1e-06, group_size=None, norm_before_gate=True, is_rms_norm=False",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -3,6 +3,7 @@
 import torch
 from fla.modules.rotary.ops import RotaryEmbedding, rotary_embedding_ref
 
+from titan_ext.kernels.table import TRITON, Kernel
 from titan_ext.kernels.varlen import check_packed_batch, token_sequences
 
 _fla_update_cos_sin_cache = vars(RotaryEmbedding)["_update_cos_sin_cache"]
@@ -53,3 +54,23 @@ def rotate_at(x, cos, sin, positions, interleaved=False):
     """``x`` (``[B, T, H, D]``) rotated at per-token ``positions`` (``[B, T]``), e.g. a context-parallel
     rank's tokens at their places in the whole sequence; fla's torch reference, differentiable."""
     return rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
+
+
+KERNELS = (
+    Kernel("fla.modules.rotary.ops:rotary_embedding", rotary_embedding, TRITON),
+    Kernel(
+        "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache", update_cos_sin_cache,
+        "its cache check calls tensor.is_inference(), which dynamo cannot trace: a graph break in every "
+        "compiled block on every step once the cache is filled",
+        ("portable", "fla"),
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.modules.rotary.ops:rotary_embedding":
+        "x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, chunk_indices=None",
+    "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache": "self, seqlen, device=None, dtype=None",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

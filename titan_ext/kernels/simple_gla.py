@@ -25,6 +25,7 @@ import torch
 from titan_ext.kernels import signature
 from titan_ext.kernels.delta_rules import run_delta_rule
 from titan_ext.kernels.signature import ABSENT, check_varlen
+from titan_ext.kernels.table import TRITON, Kernel
 from titan_ext.kernels.varlen import token_sequences
 
 CHUNK = 64
@@ -407,3 +408,97 @@ __all__ = ["chunk_simple_gla", "fused_chunk_simple_gla", "fused_recurrent_simple
            "chunk_linear_attn", "fused_chunk_linear_attn", "fused_recurrent_linear_attn", "chunk_lightning_attn",
            "fused_recurrent_lightning_attn", "chunk_retention", "fused_chunk_retention", "fused_recurrent_retention",
            "parallel_retention"]
+
+
+KERNELS = (
+    Kernel(
+        "fla.ops.simple_gla.chunk:chunk_simple_gla", chunk_simple_gla,
+        "fla's SimpleGatedLinearAttention and YOCO layers (a scalar decay per head: Mamba-2's scan): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.simple_gla.fused_chunk:fused_chunk_simple_gla", fused_chunk_simple_gla,
+        "fla's fused_chunk linear attention and retention: " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.simple_gla.fused_recurrent:fused_recurrent_simple_gla", fused_recurrent_simple_gla,
+        "fla's SimpleGatedLinearAttention and YOCO layers (decoding): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.simple_gla.parallel:parallel_simple_gla", parallel_simple_gla,
+        "fla's parallel retention: " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.linear_attn.chunk:chunk_linear_attn", chunk_linear_attn,
+        "fla's LinearAttention, Based and ReBased layers: " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.linear_attn.fused_chunk:fused_chunk_linear_attn", fused_chunk_linear_attn,
+        "fla's LinearAttention, Based and ReBased layers: " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.linear_attn.fused_recurrent:fused_recurrent_linear_attn", fused_recurrent_linear_attn,
+        "fla's LinearAttention layer (decoding): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.lightning_attn.chunk:chunk_lightning_attn", chunk_lightning_attn,
+        "lightning attention (simple GLA with a fixed decay per head and layer): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.lightning_attn.fused_recurrent:fused_recurrent_lightning_attn", fused_recurrent_lightning_attn,
+        "lightning attention (decoding): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.retention.chunk:chunk_retention", chunk_retention,
+        "fla's MultiScaleRetention layer (RetNet): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.retention.fused_chunk:fused_chunk_retention", fused_chunk_retention,
+        "fla's MultiScaleRetention layer (RetNet): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.retention.fused_recurrent:fused_recurrent_retention", fused_recurrent_retention,
+        "fla's MultiScaleRetention layer (RetNet, decoding): " + TRITON,
+    ),
+    Kernel(
+        "fla.ops.retention.parallel:parallel_retention", parallel_retention,
+        "fla's MultiScaleRetention layer (RetNet): " + TRITON,
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.ops.simple_gla.chunk:chunk_simple_gla":
+        "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
+        "state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, **kwargs",
+    "fla.ops.simple_gla.fused_chunk:fused_chunk_simple_gla":
+        "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
+        "cu_seqlens=None",
+    "fla.ops.simple_gla.fused_recurrent:fused_recurrent_simple_gla":
+        "q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, "
+        "reverse=False, state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.ops.simple_gla.parallel:parallel_simple_gla":
+        "q, k, v, g=None, scale=None, output_attentions=False, cu_seqlens=None, cu_seqlens_cpu=None",
+    "fla.ops.linear_attn.chunk:chunk_linear_attn":
+        "q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True, cu_seqlens=None",
+    "fla.ops.linear_attn.fused_chunk:fused_chunk_linear_attn":
+        "q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True, cu_seqlens=None",
+    "fla.ops.linear_attn.fused_recurrent:fused_recurrent_linear_attn":
+        "q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False, normalize=False, "
+        "cu_seqlens=None",
+    "fla.ops.lightning_attn.chunk:chunk_lightning_attn":
+        "q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False, "
+        "cu_seqlens=None, **kwargs",
+    "fla.ops.lightning_attn.fused_recurrent:fused_recurrent_lightning_attn":
+        "q, k, v, layer_idx, num_layers, scale=None, initial_state=None, output_final_state=False, "
+        "reverse=False, cu_seqlens=None",
+    "fla.ops.retention.chunk:chunk_retention":
+        "q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs",
+    "fla.ops.retention.fused_chunk:fused_chunk_retention":
+        "q, k, v, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None",
+    "fla.ops.retention.fused_recurrent:fused_recurrent_retention":
+        "q, k, v, scale=None, initial_state=None, output_final_state=False, reverse=False, "
+        "state_v_first=False, cu_seqlens=None, **kwargs",
+    "fla.ops.retention.parallel:parallel_retention": "q, k, v, scale=None, output_attentions=False, cu_seqlens=None",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -58,6 +58,7 @@ from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurre
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titan_ext import compat
+from titan_ext.kernels.table import OPAQUE, TP_LOCAL, Kernel
 
 
 def local(x):
@@ -180,3 +181,90 @@ def use_fused_qkv_conv(self: GatedDeltaNet, *args, **kwargs) -> bool:
     if self.use_short_conv and isinstance(self.q_conv1d.weight, DTensor):
         return False
     return GatedDeltaNet._use_fused_qkv_conv(self, *args, **kwargs)
+
+
+WHOLE_FORWARD = (
+    "the module's forward only calls fla's kernels: opaque to torch.compile as a whole, else dynamo compiled it as a "
+    "frame of its own and recompiled it per call variant (with or without a residual, fp32 or bf16 under single-GPU "
+    "AMP; the rotary cache once filled; the short convolution once einops registered a tensor type)"
+)
+
+KERNELS = (
+    Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", fused_chunk_gla, OPAQUE, ("fla",)),
+    Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", fused_recurrent_gla, OPAQUE, ("fla",)),
+    Kernel("fla.modules.activations.ops:swish", swish, OPAQUE, ("fla",)),
+    Kernel("fla.modules.activations.ops:sigmoid", sigmoid, OPAQUE, ("fla",)),
+    Kernel("fla.modules.activations.ops:logsigmoid", logsigmoid, OPAQUE, ("fla",)),
+    Kernel("fla.modules.activations.ops:swiglu", swiglu, OPAQUE, ("fla",)),
+    Kernel("fla.modules.rotary.ops:rotary_embedding", rotary_embedding, OPAQUE, ("fla",)),
+    Kernel(
+        "fla.modules.norm.layernorm:RMSNorm.forward", rms_norm_forward,
+        WHOLE_FORWARD,
+        ("fla",),
+    ),
+    Kernel(
+        "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward", rms_norm_gated_forward,
+        WHOLE_FORWARD,
+        ("fla",),
+    ),
+    Kernel(
+        "fla.modules.rotary.ops:RotaryEmbedding.forward", rotary_forward,
+        WHOLE_FORWARD,
+        ("fla",),
+    ),
+    Kernel(
+        "fla.modules.causal_conv1d.ops:ShortConvolution.forward", short_convolution_forward,
+        WHOLE_FORWARD,
+        ("fla",),
+    ),
+    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", causal_conv1d, TP_LOCAL, ("fla",)),
+    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", causal_conv1d_update, TP_LOCAL, ("fla",)),
+    Kernel("fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule, TP_LOCAL, ("fla",)),
+    Kernel(
+        "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule,
+        TP_LOCAL,
+        ("fla",),
+    ),
+    Kernel("fla.ops.kda.fused_recurrent:fused_recurrent_kda", fused_recurrent_kda, TP_LOCAL, ("fla",)),
+    Kernel(
+        "fla.modules.norm.layernorm:rms_norm", rms_norm,
+        "under TP (sequence parallel, or the per-head output norm) its input is a DTensor and its weight a "
+        "replicated DTensor, which fla's Triton kernel cannot read: fla's kernel on the local shards, the "
+        "output rewrapped (found under Triton's interpreter); opaque to torch.compile (as OPAQUE)",
+        ("fla",),
+    ),
+    Kernel(
+        "fla.modules.norm.fused_norm_gate:rms_norm_gated", rms_norm_gated,
+        "the same, for the gated output norm (GLA's g_norm, Gated DeltaNet's and KDA's o_norm)",
+        ("fla",),
+    ),
+    Kernel(
+        "fla.modules.activations.ops:swiglu_linear", swiglu_linear,
+        "under TP fla's own SwiGLULinearParallel hands it DTensors (inputs and down_proj's weight), which its "
+        "Triton kernel cannot read: fla's kernel on the local shards, a partial sum rewrapped (found under "
+        "Triton's interpreter); opaque to torch.compile (as OPAQUE)",
+        ("fla",),
+    ),
+    Kernel(
+        "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv", use_fused_qkv_conv,
+        "under TP its fused path concatenates the three sharded conv weights (a DTensor cat gathers them "
+        "whole) and splits by global widths while q/k/v are local: False for DTensor conv weights (each conv "
+        "runs on its shard), else fla's choice",
+        ("portable", "fla"),
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv": "self, last_state, use_cache, cu_seqlens",
+    "fla.modules.norm.layernorm:RMSNorm.forward": "self, x, residual=None, prenorm=False, residual_in_fp32=False",
+    "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward":
+        "self, x, g, residual=None, prenorm=False, residual_in_fp32=False",
+    "fla.modules.rotary.ops:RotaryEmbedding.forward":
+        "self, q, k, seqlen_offset=0, cu_seqlens=None, max_seqlen=None, chunk_indices=None",
+    "fla.modules.causal_conv1d.ops:ShortConvolution.forward":
+        "self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, "
+        "chunk_indices=None, **kwargs",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -10,7 +10,7 @@ holds here too:
 * packed documents: with ``cu_seq_lens_q`` (the documents' bounds over the batch's ``B * T`` tokens, which
   transformers hands every layer) the rows run as one packed row, and the state and the convolution
   restart at every bound;
-* each kernel path (``host_patches.MODEL_KERNELS``) rebinds both names: titan_ext's portable kernels off
+* each kernel path (``kernels.replacements``) rebinds both names: titan_ext's portable kernels off
   CUDA, fla's on CUDA;
 * context parallelism wraps the same two names (``context_parallel``: state passing, the convolution's
   halo).
@@ -115,3 +115,17 @@ class _SumGradients(torch.autograd.Function):
         grad = grad.contiguous()
         torch.distributed.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+SIGNATURES = {
+    "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5GatedDeltaNet.forward": (
+        "self, hidden_states, cache=None, attention_mask=None, **kwargs",
+        "self, hidden_states, cache_params=None, attention_mask=None, **kwargs",
+    ),
+    "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3NextGatedDeltaNet.forward": (
+        "self, hidden_states, cache=None, attention_mask=None, **kwargs",
+        "self, hidden_states, cache_params=None, attention_mask=None, **kwargs",
+    ),
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -6,7 +6,7 @@ activation, **kwargs)`` (``x`` ``[B, C, T]``, the q, k and v channels convolved 
 inside). Packed documents reach both only as ``cu_seq_lens_q`` in ``kwargs`` (over the flattened batch, the
 keyword transformers hands every layer; ``titan_ext.documents``), which neither reads. Here each call runs
 on one packed row with ``cu_seqlens`` when boundaries are given, so the state and the convolution restart
-at every document; without them it is the plain call. ``host_patches.MODEL_KERNELS`` binds them.
+at every document; without them it is the plain call. its ``KERNELS`` bind them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial
 
 from titan_ext.kernels import conv, kda, kda_op
+from titan_ext.kernels.table import Kernel
 from titan_ext.kernels.tp_local import local
 
 PROJECTIONS = 3
@@ -96,3 +97,37 @@ def this_ranks_channels(weight, channels: int):
         return whole
     parts, rank = whole.shape[0] // channels, weight.device_mesh.get_local_rank()
     return torch.cat([projection.chunk(parts)[rank] for projection in whole.chunk(PROJECTIONS)])
+
+
+KERNELS = (
+    Kernel(
+        "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention", chunk_kda,
+        "transformers' Kimi Linear KDA layer calls fla's Triton kernel through this wrapper whenever fla is "
+        "installed (fails off CUDA with '0 active drivers'), and hands it packed documents as cu_seq_lens_q, "
+        "which no KDA kernel reads: the kernel of the path on one packed row with cu_seqlens",
+    ),
+    Kernel(
+        "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention", fla_chunk_kda,
+        "transformers' Kimi Linear KDA layer calls fla's Triton kernel through this wrapper whenever fla is "
+        "installed (fails off CUDA with '0 active drivers'), and hands it packed documents as cu_seq_lens_q, "
+        "which no KDA kernel reads: the kernel of the path on one packed row with cu_seqlens",
+        ("fla",),
+    ),
+    Kernel(
+        "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn", causal_conv1d_fn,
+        "its convolution takes packed documents as cu_seq_lens_q and convolves across them: titan_ext's torch "
+        "convolution (transformers' own fallback is torch too), each document from zero",
+        ("portable", "fla"),
+    ),
+)
+"""What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
+
+SIGNATURES = {
+    "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention":
+        "query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False, "
+        "use_qk_l2norm_in_kernel=False, **kwargs",
+    "transformers.models.kimi_linear.modeling_kimi_linear:causal_conv1d_fn":
+        "hidden_states, weight, bias=None, activation=None, **kwargs",
+}
+"""Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
+(``host_checks.check_fla_signatures``)."""

@@ -61,7 +61,7 @@ class KDA(Mixer):
 class TransformersKDA(Mixer):
     """transformers' KDA layer (Kimi Linear's ``linear_attention`` layers, ``self_attn``): on titan_ext's
     portable kernel off CUDA, and each packed document from zero state and convolution
-    (``kernels.transformers_kda``, bound by ``host_patches.MODEL_KERNELS``); heads split under TP
+    (``kernels.transformers_kda``, bound by its ``KERNELS``); heads split under TP
     (``tp_entries``); under CP state passing and its convolution's halo, documents from the layout."""
 
     name = "transformers' kda"

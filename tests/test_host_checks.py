@@ -140,7 +140,7 @@ def test_a_changed_fla_kernel_signature_stops_the_job(monkeypatch):
 
 def test_fla_signature_table_names_real_functions():
     from titan_ext import kernels
-    from titan_ext.kernels.table import resolve
+    from titan_ext.compat import resolve
 
     replaced = {k.fla for k in kernels.kernel_rows() if not isinstance(resolve(k.fla), type)}
     def unsigned(target):  # fla's Function.apply aliases: (*args, **kwargs), or no signature at all (torch 2.15)

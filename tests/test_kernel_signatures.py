@@ -20,9 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_ext.compat import resolve
 from titan_ext.kernels import conv, gla, signature
 from titan_ext.kernels import kernel_rows as all_kernel_rows
-from titan_ext.kernels.table import resolve
 from titan_ext.kernels.gated_delta import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from titan_ext.kernels.kda import chunk_kda, fused_recurrent_kda
 from titan_ext.kernels.signature import ABSENT

@@ -29,6 +29,22 @@ class CompatError(RuntimeError):
     """A private symbol titan_ext relies on is missing from the installed package."""
 
 
+def owner_and_name(target: str) -> tuple[object, str]:
+    """``"module:Class.attr"`` -> (the module or class holding it, ``"attr"``), importing the module."""
+    module, _, path = target.partition(":")
+    owner = importlib.import_module(module)
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner, name
+
+
+def resolve(target: str):
+    """The object a target names; a class attribute as defined on the class (not bound)."""
+    owner, name = owner_and_name(target)
+    return vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)

@@ -60,7 +60,7 @@ def check_fla_signatures(model_args) -> None:
     and 5.24 for Qwen3.5's, Qwen3-Next's and Kimi Linear's layers; fla's ``(*args, **kwargs)`` activations and its
     deprecated ``fused_chunk_gla(**kwargs)`` carry none to compare)."""
     from titan_ext import kernels
-    from titan_ext.kernels.table import resolve
+    from titan_ext.compat import resolve
 
     for target, expected in kernels.signatures().items():
         found, accepted = parameters(resolve(target)), (expected,) if isinstance(expected, str) else expected

@@ -39,7 +39,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from titan_ext.kernels.table import owner_and_name, resolve
+from titan_ext.compat import owner_and_name, resolve
 
 TORCHTITAN = "torchtitan 0.2.2"
 FLA = "fla 0.6.0"

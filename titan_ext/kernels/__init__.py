@@ -29,6 +29,7 @@ wraps every dispatched call in ``torch.compiler.disable``.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import types
 from collections.abc import Callable, Iterator
@@ -36,11 +37,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-import importlib
-
+from titan_ext.compat import resolve
 from titan_ext.kernels.binding import bind as _bind
 from titan_ext.kernels.binding import hub_implementation
-from titan_ext.kernels.table import Kernel, resolve
+from titan_ext.kernels.table import Kernel
 
 PATHS = ("fla", "portable")
 

@@ -6,7 +6,6 @@ methods see other globals (``binding``); fla's modules and classes stay as shipp
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,19 +32,3 @@ TP_LOCAL = (
     "read: fla's function, called with each DTensor argument's local shard (a pass-through without TP), and opaque "
     "to torch.compile (as OPAQUE)"
 )
-
-
-def owner_and_name(target: str) -> tuple[object, str]:
-    """``"module:Class.attr"`` -> (the module or class holding it, ``"attr"``), importing the module."""
-    module, _, path = target.partition(":")
-    owner = importlib.import_module(module)
-    *parents, name = path.split(".")
-    for parent in parents:
-        owner = getattr(owner, parent)
-    return owner, name
-
-
-def resolve(target: str):
-    """The object a target names; a class attribute as defined on the class (not bound)."""
-    owner, name = owner_and_name(target)
-    return vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)

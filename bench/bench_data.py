@@ -1,8 +1,8 @@
 """Throughput of titan_ext_stream's data path alone (read, shuffle, tokenize, pack, batch), in one run.
 
 A generated folder of parquet shards (the shipped corpus repeated up to ``--mb``
-megabytes; ``--doc-texts`` of its texts per document) is read through torchtitan's
-dataloader as a training job builds it, in stream order, with the shuffle buffer,
+megabytes; ``--doc-texts`` of its texts per document: 40 make documents of about 3,000 tokens) is read
+through torchtitan's dataloader as ``train_configs/gla_340M.toml`` builds it, in stream order, with the shuffle buffer,
 and with the buffer and document masking (``document_positions`` and boundary
 labels per window). Each row: tokens/s over ``--batches`` batches after the first,
 and its ratio to the first row. The model never runs: this is the ceiling the data
@@ -10,11 +10,11 @@ path puts on training throughput.
 
 A second table is what the training loop waits for each batch while a step of
 ``--step-ms`` runs (a sleep: the GPU's time, 370 ms for GLA 340M at 16 x 2048 on an
-H200), with the buffer and document masking, without a dataloader worker and with
-one (``[training.dataloader] num_workers = 1``).
+H200), with the buffer and document masking, without a dataloader worker and with the
+shipped TOML's (``[training.dataloader] num_workers = 1``).
 
-    python bench/bench_data.py               # 100 MB, 8 shards, batch 16 x 2048
-    python bench/bench_data.py --mb 30 --doc-texts 20 --batches 20   # long documents (8 KB)
+    python bench/bench_data.py               # 100 MB, 8 shards, batch 16 x 2048, documents of ~3,000 tokens
+    python bench/bench_data.py --mb 30 --doc-texts 1 --batches 20   # the tiny corpus's short documents
     python bench/bench_data.py --mb 1 --batches 20 --seq 128 --batch 4   # quick check (CI)
 """
 
@@ -38,7 +38,8 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batches", type=int, default=200, help="batches timed (after the first)")
     parser.add_argument("--buffer", type=int, default=10000, help="the shuffle buffer of the buffered row")
-    parser.add_argument("--doc-texts", type=int, default=1, help="the shipped corpus's texts joined into each document")
+    parser.add_argument("--doc-texts", type=int, default=40,
+                        help="the shipped corpus's texts joined into each document (40: about 3,000 tokens)")
     parser.add_argument("--step-ms", type=float, default=370.0, help="the training step the wait table sleeps for")
     parser.add_argument("--wait-batches", type=int, default=20, help="batches of the wait table (after the first)")
     return parser.parse_args(argv)
@@ -61,6 +62,10 @@ def write_shards(folder: Path, mb: float, shards: int, doc_texts: int = 1) -> in
     return len(docs)
 
 
+SHIPPED = REPO / "train_configs" / "gla_340M.toml"
+"""A shipped GPU TOML: its dataloader worker, document masking, shuffle buffer and checkpoint interval."""
+
+
 def loader(folder: Path, args, buffer: int, document_mask: bool = False, workers: int = 0):
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import ConfigManager
@@ -68,14 +73,21 @@ def loader(folder: Path, args, buffer: int, document_mask: bool = False, workers
     from titan_ext.text_stream import build_stream_dataloader
 
     config = ConfigManager().parse_args([
-        "--job.config_file", str(REPO / "train_configs" / "debug_gla.toml"),
+        "--job.config_file", str(SHIPPED),
         "--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder),
         "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
-        "--titan_ext.shuffle_buffer", str(buffer), *(["--titan_ext.document_mask"] if document_mask else []),
+        "--titan_ext.shuffle_buffer", str(buffer), "--titan_ext." + ("" if document_mask else "no-") + "document_mask",
         "--training.dataloader.num_workers", str(workers),
     ])
     tokenizer = HuggingFaceTokenizer(str(REPO / "titan_ext" / "assets" / "tiny"))
     return build_stream_dataloader(1, 0, tokenizer, config)
+
+
+def shipped_workers() -> int:
+    import tomli
+
+    with open(SHIPPED, "rb") as f:
+        return tomli.load(f)["training"]["dataloader"]["num_workers"]
 
 
 def measure(folder: Path, args, buffer: int, document_mask: bool = False) -> float:
@@ -113,7 +125,7 @@ def main(argv=None) -> list[tuple[str, float]]:
             (f"shuffle buffer {args.buffer} + document mask", measure(folder, args, args.buffer, document_mask=True)),
         ]
         waits = [(f"{workers} dataloader worker{'s' * (workers != 1)}", wait_per_batch(folder, args, workers))
-                 for workers in (0, 1)]
+                 for workers in (0, shipped_workers())]
     print(f"titan_ext_stream: {args.mb:g} MB in {args.shards} parquet shards ({count} documents of "
           f"{args.mb * 1e6 / count / 1e3:.1f} KB), batch {args.batch} x {args.seq}, {args.batches} batches timed")
     print(f"{'row':<40}{'tokens/s':>14}{'ratio':>8}")

@@ -83,7 +83,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
     parser.add_argument("--compile-backend", default="inductor")
-    parser.add_argument("--cpu-tiny", action="store_true", help="debug model, 2 x 128, 6 steps, CPU backends")
+    parser.add_argument("--cpu-tiny", action="store_true", help="debug model, 2 x 128, 6 steps, CPU backends, one dataloader worker")
     parser.add_argument("--rows", default=ROWS, help=f"the rows to run, in order, e.g. c,g (default: all, {ROWS})")
     args = parser.parse_args(argv)
     try:
@@ -181,7 +181,7 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
             "--titan_ext.metrics_jsonl", str(metrics), "--metrics.log_freq", "1", "--checkpoint.no-enable",
             "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq),
             "--training.steps", str(args.steps), "--training.mixed_precision_param", "bfloat16",
-            "--debug.seed", "0", *overrides,
+            "--debug.seed", "0", *worker_flags(args), *overrides,
         ])
         trainer = Trainer(job_config)
         try:
@@ -190,6 +190,7 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
             raise RuntimeError(f"{name}: torchtitan failed: {error}") from error
         finally:
             trainer.close()
+            outliving = live_children()
             del trainer
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -197,12 +198,27 @@ def torchtitan_run(name: str, args, overrides: list[str], note: str = "") -> Row
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        if outliving:  # forked from this job, holding its process groups: the next row's would join them
+            raise RuntimeError(f"{name}: processes {outliving} (a dataloader worker) outlived the job")
         steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steady = [s for s in steps if s["step"] > args.warmup]
     tps = statistics.median(s["throughput(tps)"] for s in steady)
     memory = max(s["memory/max_reserved(GiB)"] for s in steady)
     data = statistics.median(s.get("time_metrics/data_loading(%)", math.nan) for s in steady)
     return Row(name, tps, memory, note, data)
+
+
+def live_children() -> list[int]:
+    """This process's children still running (Linux ``/proc``; a zombie has ended)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(parent) == os.getpid() and state != "Z":
+            children.append(int(entry.name))
+    return children
 
 
 def single_rank():
@@ -217,6 +233,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_flags(args) -> list[str]:
+    """``--cpu-tiny``'s debug TOML reads its data in the training loop's thread; its rows take one worker, as the
+    shipped GPU TOMLs do (and each row checks that the worker ends with its job)."""
+    return ["--training.dataloader.num_workers", "1"] if args.cpu_tiny else []
 
 
 def titan_row_flags(args) -> dict[str, tuple[str, list[str], str]]:

@@ -121,45 +121,65 @@ def test_gpu_proof_stops_a_stage_at_its_time_with_every_process_it_started_and_k
     assert (code, timed_out) == (0, False) and log.read_text() == "done\n"
 
 
-def test_gpu_lease_adds_a_leases_autotuning_results_to_the_carried_ones_and_refuses_a_wrong_folder(tmp_path):
-    """What the device returns (summary.jsonl, autotune.tgz, ...) joins .gpu-cache/autotune.tgz, which the next
-    lease carries: results of earlier leases stay, a broken archive changes nothing."""
+TRITON_RESULT = (  # what fla's autotuned kernels do (Autotuner.check_disk_cache): Triton's cache manager, by key
+    "import os, sys; from triton.runtime.cache import get_cache_manager; key, name, mode = sys.argv[1:]; "
+    "cache = get_cache_manager(key); "
+    "print(cache.put('{\\\"configs_timings\\\": []}', name, binary=False) if mode == 'put' else cache.get_file(name))"
+)
+
+
+def triton_result(cache: Path, key: str, name: str, mode: str) -> str:
+    """Triton's own cache manager with ``TRITON_CACHE_DIR=cache/triton``: ``put`` writes a result, ``get`` prints
+    the path Triton's autotuner would read it from (None when it finds none)."""
+    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(cache / "triton")}
+    proc = subprocess.run([sys.executable, "-c", TRITON_RESULT, key, name, mode], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+def test_a_leases_autotuning_results_join_the_committed_file_and_unpack_where_triton_looks(tmp_path):
+    """Each lease's results (Triton's files under TRITON_CACHE_DIR, as fla's kernels save them) join
+    bench/gpu-autotune.tgz (``gpu_lease.sh --keep``), which the next lease unpacks into its Triton cache, where
+    Triton's autotuner finds them by key; results of earlier leases stay, a broken archive changes nothing."""
     import tarfile
 
-    script = str(REPO / "bench" / "gpu_lease.sh")
-    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    lease, results = str(REPO / "bench" / "gpu_lease.sh"), str(REPO / "bench" / "autotune_results.sh")
+    assert subprocess.run(["bash", "-n", lease]).returncode == 0 and subprocess.run(["bash", "-n", results]).returncode == 0
+    repo, returned = tmp_path / "repo", tmp_path / "files_at"
+    (repo / "bench").mkdir(parents=True)
+    returned.mkdir()
 
-    def keep():
-        return subprocess.run(["bash", script, "--keep", str(returned)], cwd=tmp_path, capture_output=True, text=True)
-
-    def archive(path: Path, *names: str):
-        with tarfile.open(path, "w:gz") as tar:
-            for name in names:
-                member = tmp_path / "member"
-                member.write_text(name)
-                tar.add(member, arcname=f"./triton/{name}")
+    def run(*argv):
+        return subprocess.run(["bash", *argv], cwd=repo, capture_output=True, text=True)
 
     def kept() -> list[str]:
-        with tarfile.open(tmp_path / ".gpu-cache" / "autotune.tgz") as tar:
-            return sorted(name.split("/", 2)[2] for name in tar.getnames() if name.endswith(".json"))
+        with tarfile.open(repo / "bench" / "gpu-autotune.tgz") as tar:
+            return sorted(name.rsplit("/", 1)[1] for name in tar.getnames() if name.endswith(".json"))
 
-    returned = tmp_path / "files_at"
-    returned.mkdir()
-    wrong = keep()
+    wrong = run(lease, "--keep", str(returned))
     assert wrong.returncode == 2 and "DIR is a device call's files_at" in wrong.stdout
     (returned / "summary.jsonl").write_text("{}\n")
-    none = keep()
-    assert none.returncode == 1 and ".gpu-cache unchanged" in none.stdout
-    (tmp_path / ".gpu-cache").mkdir()
-    archive(tmp_path / ".gpu-cache" / "autotune.tgz", "OLD/chunk_fwd_kernel_h.autotune.json")
-    archive(returned / "autotune.tgz", "NEW/chunk_gla_fwd_kernel_o.autotune.json")
-    added = keep()
-    assert added.returncode == 0 and "2 autotuning results" in added.stdout, added.stdout + added.stderr
-    assert kept() == ["NEW/chunk_gla_fwd_kernel_o.autotune.json", "OLD/chunk_fwd_kernel_h.autotune.json"]
+    none = run(lease, "--keep", str(returned))
+    assert none.returncode == 1 and "bench/gpu-autotune.tgz unchanged" in none.stdout
+    for lease_number, (key, name) in enumerate([("a1" * 32, "chunk_fwd_kernel_h.autotune.json"),
+                                                ("b2" * 32, "chunk_gla_fwd_kernel_o.autotune.json")]):
+        machine = tmp_path / f"lease{lease_number}"
+        assert triton_result(machine, key, name, "put") != "None"
+        assert run(results, "pack", str(machine), str(returned / "autotune.tgz")).returncode == 0  # the lease's end
+        added = run(lease, "--keep", str(returned))
+        assert added.returncode == 0 and f"{lease_number + 1} autotuning results" in added.stdout, added.stdout + added.stderr
+    assert kept() == ["chunk_fwd_kernel_h.autotune.json", "chunk_gla_fwd_kernel_o.autotune.json"]
+    fresh = tmp_path / "next_lease"
+    assert triton_result(fresh, "a1" * 32, "chunk_fwd_kernel_h.autotune.json", "get") == "None"
+    unpacked = run(results, "unpack", "bench/gpu-autotune.tgz", str(fresh))  # the next lease's start
+    assert unpacked.returncode == 0 and "from past leases: 2" in unpacked.stdout, unpacked.stdout + unpacked.stderr
+    found = triton_result(fresh, "a1" * 32, "chunk_fwd_kernel_h.autotune.json", "get")
+    assert found.startswith(str(fresh / "triton")) and Path(found).is_file(), found
+    assert triton_result(fresh, "b2" * 32, "chunk_gla_fwd_kernel_o.autotune.json", "get") != "None"
     (returned / "autotune.tgz").write_bytes(b"cut short")
-    broken = keep()
-    assert broken.returncode == 1 and ".gpu-cache unchanged" in broken.stdout
-    assert kept() == ["NEW/chunk_gla_fwd_kernel_o.autotune.json", "OLD/chunk_fwd_kernel_h.autotune.json"]
+    broken = run(lease, "--keep", str(returned))
+    assert broken.returncode == 1 and "bench/gpu-autotune.tgz unchanged" in broken.stdout
+    assert kept() == ["chunk_fwd_kernel_h.autotune.json", "chunk_gla_fwd_kernel_o.autotune.json"]
 
 
 def test_bench_autotune_compile_quick_check_compiles_the_same_kernels_both_ways():

@@ -426,3 +426,25 @@ def test_the_resumed_shuffle_is_deterministic(tmp_path):
         return dataset.tokenizer.seen
 
     assert resumed() == resumed()
+
+
+def test_a_jobs_close_ends_its_dataloader_worker_while_the_loop_still_holds_its_iterator(tmp_path):
+    """torchdata keeps a dataloader's last iterator: without ``Trainer.close`` ending it, the worker forked in
+    a process that runs jobs one after another outlived its job (``titan_ext.data.ending_dataloader_workers``)."""
+    import os
+    import types
+
+    from titan_ext.data import ending_dataloader_workers
+
+    loader = loader_of(str(write_shards(tmp_path / "d", "parquet")), 1)
+    batches = iter(loader)  # what the training loop's frame (or a traceback) holds
+    next(batches)
+    workers = [w.pid for w in loader._iterator._workers]
+    trainer = types.SimpleNamespace(dataloader=loader, closed=[])
+    trainer.close = types.MethodType(lambda self: self.closed.append(True), trainer)
+    ending_dataloader_workers(trainer.close)()
+    assert trainer.closed == [True] and workers
+    for pid in workers:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        assert state in ("Z", "gone"), (pid, state)
+    del batches

@@ -569,16 +569,29 @@ def pipeline_metadata() -> types.SimpleNamespace:
                    "_StageBackwardMeta", "_derive_grad_metas", "extract_tensor_metas")
 
 
+def end_dataloader_workers(loader) -> None:
+    """Stop the worker processes of a torchdata ``StatefulDataLoader`` now: it keeps its last iterator
+    (``_iterator``, private), whose workers otherwise live until the garbage collector frees it."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        getattr(iterator, "_shutdown_workers", lambda: None)()  # the single-process iterator has none
+        loader._iterator = None
+
+
+def dataloader_steps_since_snapshot(loader_state: dict) -> int:
+    """How many batches a torchdata ``StatefulDataLoader``'s state is past its workers' snapshot (the position
+    ``dataloader_dataset_state`` reads; 0 without workers): torchdata's own load replays them."""
+    return loader_state.get("_steps_since_snapshot", 0)
+
+
 def dataloader_dataset_state(loader_state: dict) -> tuple[object, int]:
     """(its dataset's state, its number of workers) from a torchdata ``StatefulDataLoader``'s state, whose
-    layout is private: at the top without workers, in worker 0's snapshot with one (taken every batch)."""
+    layout is private: at the top without workers, in worker 0's snapshot with one (taken at checkpoint steps: ``StreamDataloader``)."""
     try:
         snapshot = loader_state.get("_snapshot")
         if snapshot is None:
             loader_state["_num_yielded"]  # the single-process layout's mark
             return loader_state["dataset_state"], 0
-        if loader_state.get("_steps_since_snapshot", 0):
-            raise KeyError("_steps_since_snapshot is not 0: the workers' snapshot is behind the loader")
         return snapshot["_worker_snapshots"]["worker_0"]["dataset_state"], snapshot["_main_snapshot"]["_num_workers"]
     except (KeyError, TypeError, AttributeError) as error:
         raise CompatError(

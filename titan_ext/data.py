@@ -95,3 +95,24 @@ def build_tokenizer(job_config):
     path = resolve_asset_path(job_config.model.hf_assets_path)
     tokenizer.check_tokenizer_dir(path, job_config.model.hf_assets_path)
     return HuggingFaceTokenizer(path)
+
+
+def ending_dataloader_workers(close):
+    """torchtitan's ``Trainer.close``, then its dataloaders' worker processes ended: torchdata keeps a
+    dataloader's last iterator, whose worker (``[training.dataloader] num_workers``), forked from the job's
+    process with its process groups, otherwise outlives the job in a process that runs more than one (a bench,
+    the integration matrix) until the garbage collector frees the trainer."""
+    from titan_ext.compat import end_dataloader_workers
+
+    trainer = close.__self__
+
+    def close_then_end_workers():
+        try:
+            close()
+        finally:
+            validator = getattr(trainer, "validator", None)
+            for loader in (getattr(trainer, "dataloader", None), getattr(validator, "validation_dataloader", None)):
+                if loader is not None:
+                    end_dataloader_workers(loader)
+
+    return close_then_end_workers

@@ -10,7 +10,7 @@
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
 * ``PER_JOB``: a flag or one object of the job, changed by the feature that
   needs it (DDP with compile, CP's rotate method, the optimizer's step, the
-  metrics logger and close, the trainer's split of a batch).
+  metrics logger and close, the trainer's split of a batch and its close).
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
@@ -302,8 +302,15 @@ TRAINER_BATCH = InstancePatch(
     "micro-batch's boundaries (without PP the model receives both alike; titan_ext.documents)",
     TORCHTITAN,
 )
+TRAINER_CLOSE = InstancePatch(
+    "torchtitan.train:Trainer.close",
+    "the job's end (torchtitan's main calls it after training and after a failure) ends its dataloaders' worker "
+    "processes, which torchdata keeps until the garbage collector frees the trainer: in a process running one job "
+    "after another, a worker forked from one job outlived it (titan_ext.data.ending_dataloader_workers)",
+    TORCHTITAN,
+)
 PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE,
-                                               METRICS_LOG, TRAINER_BATCH)
+                                               METRICS_LOG, TRAINER_BATCH, TRAINER_CLOSE)
 """Applied by the feature that needs it, to its own job (each names it)."""
 
 

@@ -58,6 +58,7 @@ def on_trainer_import() -> None:
     except ConfigError as error:
         exit_with(error)
     host_patches.apply_job()
+    host_patches.TRAINER_CLOSE.apply(compat.importing_trainer(), data.ending_dataloader_workers)
     if documents.enabled(job_config):  # every pipeline stage reads the boundaries
         host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():

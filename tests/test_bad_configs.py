@@ -2,7 +2,7 @@
 
 Every class of bad input is checked in-process, through the same functions a
 job runs (``preflight.check_job_config`` at the Trainer's import of
-titan_ext, then the model args' ``update_from_config``). Two real 2-rank
+titan_ext, then the model args' ``update_from_config``). Real 2-rank
 launches, started together, check what the user sees: the line once (rank
 0), exit code 2 on every rank, no Python traceback from any rank, nothing
 printed by the ranks after it, and the line again as the root cause at the end
@@ -97,6 +97,11 @@ def write_inputs(tmp):
     model = {name: torch.zeros(p.shape) for name, p in meta_model(get_train_spec("fla_gla").model_args["debugmodel"]).named_parameters()}
     dataloader = {"dp_rank_0": b"x", "dp_rank_1": b"y", "world_size": 2}
     dcp_save({**model, "dataloader": dataloader}, checkpoint_id=str(tmp / "dp2_run" / "checkpoint" / "step-2"))
+    # a run whose newest step lost the second half of its shard (a copy cut short, a full disk)
+    for step in (2, 4):
+        dcp_save(model, checkpoint_id=str(tmp / "damaged_step" / "checkpoint" / f"step-{step}"))
+    shard = tmp / "damaged_step" / "checkpoint" / "step-4" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     (tmp / "dcp_corrupt").mkdir()
     (tmp / "dcp_corrupt" / ".metadata").write_bytes(b"\x80\x04garbage")
 
@@ -310,6 +315,12 @@ LAUNCHES = {
     "at import": (
         ["--parallelism.data_parallel_shard_degree", "4"],
         "titan_ext: --parallelism.data_parallel_shard_degree=4",
+    ),
+    # a damaged step to resume from, found at import too
+    "damaged step": (
+        ["--checkpoint.enable"],
+        "titan_ext: --checkpoint.folder='{tmp}/damaged_step/checkpoint': step-4 is damaged: __0_0.distcp is "
+        "truncated (",
     ),
     # found once the model args see the config, after the process group exists
     "at model args": ([*TP2, "--titan_ext.hf_config", "{tmp}/heads3.json"], "titan_ext: num_heads=3 is not divisible"),

@@ -598,3 +598,18 @@ def dataloader_dataset_state(loader_state: dict) -> tuple[object, int]:
             f"titan_ext reads torchdata's StatefulDataLoader state ({error!r}); installed torchdata "
             f"{_version('torchdata')}, supported {SUPPORTED['torchdata']}: install a supported version"
         ) from None
+
+
+def dcp_storage_extents(metadata) -> dict[str, int]:
+    """Each file a DCP checkpoint's metadata names -> the bytes it must hold: its entries' largest offset + length
+    (``Metadata.storage_data`` holds torch's private ``_StorageInfo`` records for a file-system checkpoint)."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+def dcp_written_files(results) -> set[str]:
+    """The files every rank wrote, from the write results DCP hands ``StorageWriter.finish`` (one list per rank,
+    each result's ``storage_data`` a private ``_StorageInfo`` for a file-system checkpoint)."""
+    return {result.storage_data.relative_path for rank_results in results for result in rank_results}

@@ -12,6 +12,9 @@
   needs it (DDP with compile, CP's rotate method, the optimizer's step, the
   metrics logger and close, the trainer's split of a batch and its close).
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
+* ``CHECKPOINT_MANIFEST``: in a job that saves checkpoints; ``SKIP_DAMAGED_STEPS``: in a
+  job that resumes past damaged steps (``--titan_ext.damaged_checkpoint skip``).
+* ``SIGNALS``: the SIGINT and SIGTERM handlers of every titan_ext job (Python's, not a library's).
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
 * ``CUDA``: in a job whose fla kernels run on CUDA (Triton's autotuning).
@@ -423,6 +426,41 @@ STRIDED_CHECKPOINT: tuple[Patch, ...] = tuple(
 """A job that splits its experts' intermediate dims over TP (``titan_ext.moe.apply_expert_tp``)."""
 
 
+def _checkpoints(name: str):
+    def new(original):
+        return resolve(f"titan_ext.inputs.checkpoints:{name}")(original)
+
+    return new
+
+
+CHECKPOINT_MANIFEST: tuple[Patch, ...] = (
+    Patch(
+        "torch.distributed.checkpoint.filesystem:FileSystemWriter.finish",
+        "DCP records where each tensor lies in a step's files, not their sizes or checksums, so a shard changed "
+        "within its size loads as garbage: rank 0, once every rank's files are written and before DCP writes "
+        ".metadata, writes a manifest of each file's size and CRC-32 beside them (titan_ext.inputs.checkpoints); "
+        "HF exports (their own writer's finish) are not changed",
+        TORCH, _checkpoints("manifest_before_metadata"),
+    ),
+)
+"""A job that saves DCP checkpoints (``--checkpoint.enable``)."""
+
+SKIP_DAMAGED_STEPS: tuple[Patch, ...] = (
+    Patch(
+        "torchtitan.components.checkpoint:CheckpointManager._find_load_step",
+        "torchtitan resumes from the newest step folder with a .metadata: with --titan_ext.damaged_checkpoint skip, "
+        "from the newest whole one (titan_ext.inputs.checkpoints.newest_whole_step, the step the job's checks read)",
+        TORCHTITAN, _checkpoints("newest_whole_step_finder"),
+    ),
+)
+"""A job with ``--titan_ext.damaged_checkpoint skip``."""
+
+SIGNALS: tuple[str, ...] = ("SIGINT", "SIGTERM")
+"""The Python handlers a titan_ext job installs (``apply_signal_handlers``): Ctrl-C or a scheduler's SIGTERM
+ends every rank at once, rank 0 first saying in one line the step reached and what a rerun loads, instead of a
+KeyboardInterrupt traceback per rank (``titan_ext.interrupt``). Restored by ``undo()``."""
+
+
 def _sdpa_for_flash_attn(name: str):
     def new(original):
         return resolve(f"titan_ext.kernels.sdpa_attention:{name}") if original is None else original
@@ -671,6 +709,32 @@ def apply_strided_checkpoint() -> None:
         return
     _applied.add("strided_checkpoint")
     apply(STRIDED_CHECKPOINT)
+
+
+def apply_checkpoint_manifest() -> None:
+    """``CHECKPOINT_MANIFEST``, once per process."""
+    if "checkpoint_manifest" in _applied:
+        return
+    _applied.add("checkpoint_manifest")
+    apply(CHECKPOINT_MANIFEST)
+
+
+def apply_skip_damaged_steps() -> None:
+    """``SKIP_DAMAGED_STEPS``, once per process."""
+    if "skip_damaged_steps" in _applied:
+        return
+    _applied.add("skip_damaged_steps")
+    apply(SKIP_DAMAGED_STEPS)
+
+
+def apply_signal_handlers(handler: Callable) -> None:
+    """``handler`` for each of ``SIGNALS``; ``undo()`` restores the handlers before."""
+    import signal
+
+    for name in SIGNALS:
+        number = getattr(signal, name)
+        before = signal.signal(number, handler)
+        _undo_stack.append(lambda n=number, b=before: signal.signal(n, b))
 
 
 def apply_job() -> None:

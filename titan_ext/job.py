@@ -22,12 +22,12 @@ import os
 import torch
 
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, loss, moe,
-    nonfinite, pipeline, preflight, tensor_parallel,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, interrupt, loss,
+    moe, nonfinite, pipeline, preflight, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
-from titan_ext.inputs import degrees
+from titan_ext.inputs import checkpoints, degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.models.args import HFModelArgs
 
@@ -59,6 +59,11 @@ def on_trainer_import() -> None:
         exit_with(error)
     host_patches.apply_job()
     host_patches.TRAINER_CLOSE.apply(compat.importing_trainer(), data.ending_dataloader_workers)
+    interrupt.install(compat.importing_trainer(), job_config)
+    if job_config.checkpoint.enable:
+        host_patches.apply_checkpoint_manifest()
+    if checkpoints.damaged_checkpoint_policy(job_config) == "skip":
+        host_patches.apply_skip_damaged_steps()
     if documents.enabled(job_config):  # every pipeline stage reads the boundaries
         host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():

@@ -10,11 +10,14 @@ compile, Float8, document masking, CP, the HF config, checkpoints to load). Each
 
 from __future__ import annotations
 
+import logging
 import os
 
 from titan_ext.inputs import checkpoints, degrees, jsonl, names, tokenizer
 from titan_ext.compile import model_compile_enabled
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, rank
+
+logger = logging.getLogger()
 
 def check_job_config(job_config, world_size: int) -> None:
     degrees.check_positive_numbers(job_config)
@@ -25,6 +28,20 @@ def check_job_config(job_config, world_size: int) -> None:
     _check_tokenizer(job_config)
     _check_document_mask(job_config)
     _check_titan_ext_parallelism(job_config, world_size)
+    _check_steps_to_resume(job_config)
+
+
+def _check_steps_to_resume(job_config) -> None:
+    """The step a resume loads is whole, read before anything is built (``checkpoints.resume_from``); the step
+    folders it passes over (unfinished saves, and damaged ones with ``damaged_checkpoint`` "skip") are named in
+    one WARNING."""
+    checkpoints.damaged_checkpoint_policy(job_config)
+    found = checkpoints.resume(job_config)
+    if found is None or not found.passed_over or rank() != 0:
+        return
+    folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+    then = f"resuming from {os.path.basename(found.path)}" if found.path else "training starts from step 1"
+    logger.warning(f"titan_ext: --checkpoint.folder={folder!r}: passed over {', '.join(found.passed_over)}; {then}")
 
 
 def _titan_ext_spec(name: str) -> bool:
@@ -266,7 +283,9 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
         checkpoints.check_hf_checkpoint_dir(path, option)
         checkpoints.check_hf_checkpoint_shapes(path, shapes, option)
     else:
-        checkpoints.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
+        initial = option == "--checkpoint.initial_load_path"
+        where = f"{option}={path!r}" if initial else f"{path!r} (resumed from {option})"
+        checkpoints.check_dcp_checkpoint(path, shapes, where)
     _check_data_parallel_degree(job_config, world_size)
 
 

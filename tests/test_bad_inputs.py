@@ -359,6 +359,23 @@ def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
     assert checkpoints.step_damage(str(plain)) is None
 
 
+def test_each_rank_reads_the_checksums_of_its_share_of_the_files(tmp_path, monkeypatch):
+    """Rank r of N sums every N-th file: the job reads its checkpoint once in all; sizes every rank checks."""
+    from titan_ext import host_patches
+
+    with host_patches.scoped(host_patches.CHECKPOINT_MANIFEST):
+        path = Path(save_dcp(tmp_path / "step-10", EXPECTED))
+    data = bytearray(shard(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard(path).write_bytes(bytes(data))
+    files = sorted(checkpoints._read_manifest(str(path)))
+    monkeypatch.setenv("WORLD_SIZE", str(len(files) + 1))
+    monkeypatch.setenv("RANK", str(len(files)))  # a rank whose share is empty
+    assert checkpoints.step_damage(str(path)) is None
+    monkeypatch.setenv("RANK", str(files.index(shard(path).name)))
+    assert checkpoints.step_damage(str(path)) == f"{shard(path).name} does not match its checksum (bytes changed since the save)"
+
+
 # ---------------------------------------------------------------- which checkpoint torchtitan loads
 
 

@@ -71,10 +71,12 @@ def test_a_signal_ends_the_job_in_one_line(interrupted, layout):
 
 
 def test_a_save_records_each_file_size_and_checksum(interrupted):
-    """Rank 0's manifest names exactly the files DCP's .metadata names, as they are on disk."""
+    """The manifest (each rank's piece, joined by rank 0) names exactly the files DCP's .metadata names, as they
+    are on disk; no piece is left."""
     for run in interrupted.values():
         for step in finished_steps(run):
             path = run.dump_folder / "checkpoint" / f"step-{step}"
+            assert [p.name for p in path.iterdir() if p.name.startswith(".titan_ext")] == [checkpoints.MANIFEST]
             manifest = checkpoints._read_manifest(str(path))
             assert set(manifest) == set(checkpoints.compat.dcp_storage_extents(checkpoints._metadata(str(path))))
             for name, entry in manifest.items():

@@ -435,10 +435,16 @@ def _checkpoints(name: str):
 
 CHECKPOINT_MANIFEST: tuple[Patch, ...] = (
     Patch(
+        "torch.distributed.checkpoint.filesystem:FileSystemWriter.write_data",
+        "each rank records the size and CRC-32 of the files it wrote, as a piece of the step's manifest, while the "
+        "page cache holds them (titan_ext.inputs.checkpoints.recording_checksums)",
+        TORCH, _checkpoints("recording_checksums"),
+    ),
+    Patch(
         "torch.distributed.checkpoint.filesystem:FileSystemWriter.finish",
         "DCP records where each tensor lies in a step's files, not their sizes or checksums, so a shard changed "
         "within its size loads as garbage: rank 0, once every rank's files are written and before DCP writes "
-        ".metadata, writes a manifest of each file's size and CRC-32 beside them (titan_ext.inputs.checkpoints); "
+        ".metadata, joins the ranks' pieces into the step's manifest (titan_ext.inputs.checkpoints); "
         "HF exports (their own writer's finish) are not changed",
         TORCH, _checkpoints("manifest_before_metadata"),
     ),

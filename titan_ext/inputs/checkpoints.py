@@ -148,26 +148,55 @@ def _crc32s(folder: str, names: list[str]) -> list[int]:
         return list(pool.map(lambda name: _crc32(os.path.join(folder, name)), names))
 
 
-def write_manifest(folder: str, names) -> None:
-    """Record the size and CRC-32 of each named file of a step folder (atomically: a rename, as DCP's own
-    ``.metadata``)."""
-    names = sorted(set(names))
-    files = {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "crc32": crc}
-             for name, crc in zip(names, _crc32s(folder, names))}
-    temporary = os.path.join(folder, MANIFEST + ".tmp")
-    with open(temporary, "w") as f:
-        json.dump({"files": files}, f)
+def _write_json(path: str, content: dict) -> None:
+    """Atomically (a rename, as DCP's own ``.metadata``)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(content, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(temporary, os.path.join(folder, MANIFEST))
+    os.replace(path + ".tmp", path)
+
+
+def _records(folder: str, names) -> dict[str, dict[str, int]]:
+    names = sorted(set(names))
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)), "crc32": crc}
+            for name, crc in zip(names, _crc32s(folder, names))}
+
+
+def recording_checksums(write_data):
+    """DCP's ``FileSystemWriter.write_data`` on each rank, then the size and CRC-32 of the files this rank wrote,
+    read back while the page cache still holds them, as a piece of the step's manifest: no rank reads another's
+    files."""
+
+    def write_then_record(self, plan, planner):
+        future = write_data(self, plan, planner)
+        names = {result.storage_data.relative_path for result in future.wait()}
+        if names:
+            _write_json(os.path.join(os.fspath(self.path), f"{MANIFEST}.{min(names)}"),
+                        {"files": _records(os.fspath(self.path), names)})
+        return future
+
+    return write_then_record
 
 
 def manifest_before_metadata(finish):
     """DCP's ``FileSystemWriter.finish``, run by rank 0 once every rank's files are written, writes
-    ``.metadata``: the manifest goes first, so every finished step titan_ext saved has one."""
+    ``.metadata``: the ranks' manifest pieces are joined into the step's manifest first (a file no piece covers
+    is read here), so every finished step titan_ext saved has one."""
 
     def finish_with_manifest(self, metadata, results):
-        write_manifest(os.fspath(self.path), compat.dcp_written_files(results))
+        folder = os.fspath(self.path)
+        pieces = [os.path.join(folder, name) for name in os.listdir(folder)
+                  if name.startswith(f"{MANIFEST}.") and not name.endswith(".tmp")]
+        files = {}
+        for piece in pieces:
+            with open(piece) as f:
+                files.update(json.load(f)["files"])
+        written = compat.dcp_written_files(results)
+        files.update(_records(folder, written - set(files)))
+        _write_json(os.path.join(folder, MANIFEST), {"files": {name: files[name] for name in sorted(written)}})
+        for piece in pieces:
+            os.remove(piece)
         finish(self, metadata, results)
 
     return finish_with_manifest
@@ -223,26 +252,34 @@ def _signature(path: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _damage(path: str, signature: tuple, full: bool) -> str | None:
+def _damage(path: str, signature: tuple, share: tuple[int, int] | None) -> str | None:
     try:
         manifest = _read_manifest(path)
     except (ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
     damage = _size_damage(path, manifest)
-    if damage or not full or manifest is None:
+    if damage or share is None or manifest is None:
         return damage
-    names = sorted(manifest)
+    rank, world = share
+    names = sorted(manifest)[rank::world]
     for name, crc in zip(names, _crc32s(path, names)):
         if crc != manifest[name]["crc32"]:
             return f"{name} does not match its checksum (bytes changed since the save)"
     return None
 
 
+def _share() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them: rank r reads the checksums of every world-th file of a step, so a
+    job reads its checkpoint once in all, not once per rank."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def step_damage(path: str, full: bool = True) -> str | None:
-    """What makes a DCP step folder unloadable, naming the file, or None for a whole step. A step with titan_ext's
-    manifest is read whole and checked against its checksums; one saved without (by torchtitan alone, or an
-    older titan_ext) is checked by its files' sizes against its ``.metadata``. ``full=False``: sizes only."""
-    return _damage(path, _signature(path), full)
+    """What makes a DCP step folder unloadable, naming the file, or None for a whole step. Every rank checks each
+    file's size against the ``.metadata`` (and, for a step saved by titan_ext, against its manifest); each rank
+    checks the checksums of its share of the files (``_share``: a changed byte stops the rank that reads it).
+    ``full=False``: sizes only, the same verdict on every rank."""
+    return _damage(path, _signature(path), _share() if full else None)
 
 
 def check_dcp_step(path: str, where: str, fix: str) -> None:
@@ -381,8 +418,11 @@ def resume_from(folder: str, load_step: int, policy: str) -> Resume:
         if not _finished(path):
             passed.append(f"step-{step} (unfinished: no .metadata)")
             continue
-        damage = step_damage(path) if _has_metadata(path) else None
+        # "skip" passes over what every rank sees alike (sizes); a changed byte, found by one rank, stops the job
+        damage = step_damage(path, full=False) if _has_metadata(path) else None
         if damage is None:
+            if _has_metadata(path) and (changed := step_damage(path)):
+                raise _damaged_step(folder, step, changed, steps)
             return Resume(path, tuple(passed))
         if policy == "stop":
             raise _damaged_step(folder, step, damage, steps)

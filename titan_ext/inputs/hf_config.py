@@ -73,9 +73,11 @@ def config_reads(config_class) -> frozenset[str]:
     )
 
 
-def _declared(config_class) -> set[str]:
+@functools.cache
+def _declared(config_class) -> frozenset[str]:
     """The keys the class names: its fields with their defaults, their aliases, its ``__init__``'s parameters."""
-    return {*config_class().to_dict(), *config_class.attribute_map, *inspect.signature(config_class.__init__).parameters}
+    return frozenset({*config_class().to_dict(), *config_class.attribute_map,
+                      *inspect.signature(config_class.__init__).parameters})
 
 
 def _built(config_class, config: dict) -> dict | None:
@@ -102,11 +104,12 @@ def unread_keys(config: dict, config_class) -> list[str]:
     are kept and ignored). Hub files carry many: keys of the authors' own code (DeepSeek-V3's ``ep_size``),
     of generation (``cache_implementation``), of releases past (``use_sliding_window``)."""
     known = _declared(config_class) | modeling_reads(config_class) | config_reads(config_class) | _HF_METADATA
-    candidates = [key for key in config if key not in known and key != "model_type"]
+    fields = {key: value for key, value in config.items() if key != "model_type"}  # the class's own, not a field
+    candidates = [key for key in fields if key not in known]
     if not candidates:
         return []
-    built = _built(config_class, {k: v for k, v in config.items() if k != "model_type"})
-    return [key for key in candidates if not _changes_the_config(config_class, config, key, built)]
+    built = _built(config_class, fields)
+    return [key for key in candidates if not _changes_the_config(config_class, fields, key, built)]
 
 
 def _warn_unread_keys(config: dict, config_class, source: str) -> None:
@@ -115,7 +118,7 @@ def _warn_unread_keys(config: dict, config_class, source: str) -> None:
     unread = unread_keys(config, config_class)
     if unread:
         logger.warning(f"titan_ext: {source}: {config_class.__name__} and its modeling code read none of "
-                       f"{', '.join(map(repr, unread))}; ignored (as transformers ignores them)")
+                       f"{', '.join(map(repr, unread))}; ignored")
 
 
 def _options(annotation) -> tuple:

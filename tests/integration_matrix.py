@@ -95,8 +95,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
   ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
   later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
-- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
-  routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
+- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, asking for
+  router logits (``output_router_logits: true``, which titan_ext's loss counts once), the routers' balancing loss in
+  every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
   experts), ``ep2_tp2_etp2`` (torchtitan's ETP=TP: the experts split over the EP ranks and each expert's
   intermediate dim over the TP ranks, with FSDP2; 7.9 s), ``tp2_hf`` (TP2 without EP, each expert's intermediate
@@ -321,7 +322,9 @@ SPECS = {
                                  rows=("single", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                      hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
-    "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
+    # asking for router logits, as some hub configs do: the balancing loss counted once, by titan_ext, in every row
+    "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"),
+                         hf_config={**TINY_QWEN3_MOE, "output_router_logits": True},
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2", "ep2_cp2",
                                "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP

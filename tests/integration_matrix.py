@@ -876,6 +876,8 @@ def hub_config(spec: str) -> dict:
 
 HUB_SHARD = "40KB"
 """save_pretrained's max_shard_size for the hub folders: 10-20 shards and an index for the tiny models."""
+HUB_NOISE = 0.1
+"""Added to every initialized tensor of a hub folder's model, times a standard normal draw."""
 
 
 def write_hub_folder(config: dict, folder: Path) -> None:
@@ -887,6 +889,9 @@ def write_hub_folder(config: dict, folder: Path) -> None:
     fields = {key: value for key, value in config.items() if key not in ("model_type", "architectures")}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    with torch.no_grad():  # off the initialization's near-uniform logits, so that a misplaced tensor moves the loss
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=HUB_NOISE)
     model.save_pretrained(folder, max_shard_size=HUB_SHARD)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REPO / "titan_ext" / "assets" / "tiny" / name, folder)
@@ -1123,21 +1128,24 @@ def first_batch(job: Job):
 
 
 def transformers_loss(folder: Path, job: Job) -> float:
-    """transformers' own forward of the hub folder on the job's first batch: the mean token loss, plus the
-    routers' balancing loss (``aux_loss``) at the config's coefficient, as a MoE model's ``forward(labels=...)``
-    adds it. Hybrids' recurrent kernels run on titan_ext's portable kernels (``titan_ext.kernels``)."""
+    """transformers' own forward of the hub folder on the job's first batch: the mean token loss, plus for a MoE
+    model its routers' balancing loss (``aux_loss``) at the config's coefficient, per sequence as titan_ext counts it
+    (``titan_ext.moe``: each sequence's own, weighted by its valid tokens). Hybrids' recurrent kernels run on
+    titan_ext's portable kernels (``titan_ext.kernels``)."""
     import torch
 
     from titan_ext import kernels
 
     tokens, labels = first_batch(job)
     model = kernels.from_pretrained(str(folder))
-    coefficient = getattr(model.config, "router_aux_loss_coef", 0.0) if hasattr(model.config, "output_router_logits") else 0.0
     with torch.no_grad():
-        out = model(tokens, output_router_logits=True) if coefficient else model(tokens)
-    loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    if coefficient:
-        loss = loss + coefficient * out.aux_loss
+        logits = model(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        coefficient = getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0
+        if coefficient and hasattr(model.config, "output_router_logits"):
+            valid = (labels != -100).sum(dim=1)
+            balance = [model(sequence[None], output_router_logits=True).aux_loss for sequence in tokens]
+            loss = loss + coefficient * (torch.stack(balance) * valid).sum() / valid.sum()
     return loss.item()
 
 

@@ -39,6 +39,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf``: export the seed to HF safetensors (one step at learning rate 0, so
   the weights are the seed's), then train from that HF checkpoint
   (``initial_load_in_hf``): it must match "single" like any other row.
+- ``hub_fsdp2``, ``hub_tp2``, ``hub_ep2``: a tiny model written by transformers' ``save_pretrained`` (sharded,
+  one tensor per expert, the tokenizer beside it: ``write_hub_folder``) is the job's ``--model.hf_assets_path``,
+  loaded with ``initial_load_in_hf`` under FSDP2, TP2 or EP2 x FSDP2, trained one step at learning rate 0 and
+  exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
+  (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
+  three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied), DeepSeek-V3 (MLA) and Qwen3.5 in FSDP2.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step

@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import json
 import os
-import re
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -226,7 +225,3 @@ def to_hub_layout(model, folder: str) -> None:
         with open(os.path.join(folder, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
 
-
-def file_index(name: str) -> int:
-    """The number torchtitan reads from a shard's name (``model-00002-of-00003.safetensors`` -> 2)."""
-    return int(re.search(r"\d+", name).group(0))

@@ -39,6 +39,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf``: export the seed to HF safetensors (one step at learning rate 0, so
   the weights are the seed's), then train from that HF checkpoint
   (``initial_load_in_hf``): it must match "single" like any other row.
+- ``hub_fsdp2``, ``hub_tp2``, ``hub_ep2``: a tiny model written by transformers' ``save_pretrained`` (sharded,
+  one tensor per expert, the tokenizer beside it: ``write_hub_folder``) is the job's ``--model.hf_assets_path``,
+  loaded with ``initial_load_in_hf`` under FSDP2, TP2 or EP2 x FSDP2, trained one step at learning rate 0 and
+  exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
+  (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
+  three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied), DeepSeek-V3 (MLA) and Qwen3.5 in FSDP2.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step
@@ -308,16 +314,17 @@ SPECS = {
     "fla_gla_hybrid_shipped": Spec("debug_gla_hybrid.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5_shipped": Spec("debug_qwen3_5.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
-                       rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
+                       rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs", "hub_fsdp2")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "hf", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
+                          rows=("single", "fsdp2", "pp2", "hf", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2", "hub_ep2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
                          rows=("single", "ep2_tp2", "cp2")),
     "hf_mistral_window": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_MISTRAL_WINDOW,
                               rows=("single", "cp2", "cp2_docs")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
-                           rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2")),
+                           rows=("single", "tp2", "hub_fsdp2")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2",
+                                                            "hub_tp2", "hub_ep2")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
@@ -326,7 +333,7 @@ SPECS = {
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                          hf_config={**TINY_QWEN3_MOE, "output_router_logits": True},
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2", "ep2_cp2",
-                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
+                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager", "hub_fsdp2", "hub_tp2", "hub_ep2")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
@@ -471,6 +478,12 @@ ROWS = {
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     # TP without EP: HF export and import of the experts split over TP (the packed gate_up_proj whole in the file)
     "tp2_hf": Row(2, parallel(tp=2), kind="hf", rtol=TP_RTOL, specs=("hf_qwen3_moe",)),
+    # a hub folder as transformers' save_pretrained writes it (sharded, one tensor per expert), imported under
+    # FSDP2, TP2 and EP2 x FSDP2: step 1's loss equals transformers' own forward's on the same batch, and the job's
+    # export (one step at learning rate 0) holds the folder's tensors under its names (``evaluate_hub``)
+    "hub_fsdp2": Row(2, parallel(shard=2), kind="hub", rtol=TP_RTOL, specs=("hf_llama",)),
+    "hub_tp2": Row(2, parallel(tp=2), kind="hub", rtol=TP_RTOL, specs=()),
+    "hub_ep2": Row(2, (*parallel(shard=2), *EP2), kind="hub", rtol=TP_RTOL, specs=()),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
@@ -760,6 +773,11 @@ class Matrix:
             return [self.job(spec, variant, row, r.world, *every2),
                     self.job(spec, variant, row + "@resumed", r.world, *every2, "--checkpoint.load_step", "2",
                              folder=row)]
+        if r.kind == "hub":  # import the hub folder (config, shards, tokenizer) as a user does, export it again
+            return [self.job(spec, variant, row, r.world, *r.flags, "--model.hf_assets_path", str(self.hub_folder(spec)),
+                             "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--training.steps", "1",
+                             "--optimizer.lr", "0", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+                             "--checkpoint.export_dtype", "float32")]
         if r.kind == "hf":
             export = self.job(spec, variant, row + "@export", r.world, *train, "--training.steps", "1",
                               "--optimizer.lr", "0", "--checkpoint.last_save_in_hf",
@@ -780,6 +798,13 @@ class Matrix:
     def readme_argv(self) -> list[str]:
         files, argv = readme_example.example()
         return [str(self.readme_folder / arg) if arg in files else arg for arg in argv]
+
+    def hub_folder(self, spec: str) -> Path:
+        """The spec's model as transformers' ``save_pretrained`` writes it, in small shards, with the tokenizer."""
+        return self.root / spec / "hub"
+
+    def hub_export_folder(self, spec: str, row: str) -> Path:
+        return self.root / spec / "base" / row / "checkpoint" / "step-1"
 
     def hf_export_folder(self, spec: str, variant: str, row: str = "hf") -> Path:
         return self.root / spec / variant / f"{row}@export" / "checkpoint" / "step-1"
@@ -841,6 +866,44 @@ class Matrix:
             if SPECS[spec].hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
+            if any(ROWS[row].kind == "hub" and self.applies(spec, row) for row in self.rows):
+                write_hub_folder(hub_config(spec), self.hub_folder(spec))
+
+
+def hub_config(spec: str) -> dict:
+    """The spec's architecture as a config.json: its hf_config, its TOML's, or its flavor's."""
+    if SPECS[spec].hf_config:
+        return SPECS[spec].hf_config
+    if spec == "hf_kimi_linear":
+        return json.loads((CONFIGS / "kimi_linear_debug.json").read_text())
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import titan_ext  # noqa: F401  (train specs)
+
+    return get_train_spec(spec).model_args["debugmodel"].checkpoint_config().to_dict()
+
+
+HUB_SHARD = "40KB"
+"""save_pretrained's max_shard_size for the hub folders: 10-20 shards and an index for the tiny models."""
+HUB_NOISE = 0.1
+"""Added to every initialized tensor of a hub folder's model, times a standard normal draw."""
+
+
+def write_hub_folder(config: dict, folder: Path) -> None:
+    """A tiny model of ``config`` as the hub ships one: transformers' ``save_pretrained`` (its own initialization,
+    one tensor per expert, sharded with an index) and the shipped tokenizer's files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {key: value for key, value in config.items() if key not in ("model_type", "architectures")}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    with torch.no_grad():  # off the initialization's near-uniform logits, so that a misplaced tensor moves the loss
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=HUB_NOISE)
+    model.save_pretrained(folder, max_shard_size=HUB_SHARD)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "titan_ext" / "assets" / "tiny" / name, folder)
 
 
 def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:
@@ -976,6 +1039,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         return Result(spec, row, "n/a", None, "")
     if ROWS[row].kind == "fails":
         return evaluate_failure(matrix, spec, row)
+    if ROWS[row].kind == "hub":
+        return evaluate_hub(matrix, spec, row)
     jobs = matrix.row_jobs(spec, row)
     variant = matrix.variant(spec, row)
     ref_jobs = [matrix.seed(spec, variant), *matrix.row_jobs(spec, "single", variant)]
@@ -1040,6 +1105,73 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     elif kind == "resume_from_pp1":
         note += "; resumed at PP=2 from one process's step 2"
     return Result(spec, row, "ok", worst, note)
+
+
+def evaluate_hub(matrix: Matrix, spec: str, row: str) -> Result:
+    """Step 1's loss against transformers' own forward on the job's first batch, and the export against the folder."""
+    (job,) = matrix.row_jobs(spec, row)
+    if error := job_error(matrix, job):
+        return Result(spec, row, "ERROR", None, error)
+    losses = series(read_metrics(matrix, job))["loss"]
+    reference = transformers_loss(matrix.hub_folder(spec), job)
+    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
+    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    export = matrix.hub_export_folder(spec, row)
+    problems += [p for p in (hf_folder_problem(export), hub_tensors_problem(matrix.hub_folder(spec), export)) if p]
+    return Result(spec, row, "MISMATCH" if problems else "ok", rel, "; ".join(problems) or
+                  "step 1 == transformers' forward; export == the hub folder")
+
+
+def first_batch(job: Job):
+    """The job's first batch (inputs, labels), from the dataloader its flags build (one data-parallel rank: the
+    matrix's ranks all read the same stream)."""
+    from torchtitan.config import ConfigManager
+
+    import titan_ext  # noqa: F401  (the datasets)
+    from titan_ext.data import build_dataloader, build_tokenizer
+
+    config = ConfigManager().parse_args(list(job.argv))
+    loader = build_dataloader(1, 0, build_tokenizer(config), config)
+    inputs, labels = next(iter(loader))
+    return inputs["input"], labels
+
+
+def transformers_loss(folder: Path, job: Job) -> float:
+    """transformers' own forward of the hub folder on the job's first batch: the mean token loss, plus for a MoE
+    model its routers' balancing loss (``aux_loss``) at the config's coefficient, per sequence as titan_ext counts it
+    (``titan_ext.moe``: each sequence's own, weighted by its valid tokens). Hybrids' recurrent kernels run on
+    titan_ext's portable kernels (``titan_ext.kernels``)."""
+    import torch
+
+    from titan_ext import kernels
+
+    tokens, labels = first_batch(job)
+    model = kernels.from_pretrained(str(folder))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        coefficient = getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0
+        if coefficient and hasattr(model.config, "output_router_logits"):
+            valid = (labels != -100).sum(dim=1)
+            balance = [model(sequence[None], output_router_logits=True).aux_loss for sequence in tokens]
+            loss = loss + coefficient * (torch.stack(balance) * valid).sum() / valid.sum()
+    return loss.item()
+
+
+def hub_tensors_problem(hub: Path, export: Path) -> str:
+    """'' if the export holds the hub folder's tensors under the same names, equal."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+    theirs, ours = tensors(hub), tensors(export)
+    if sorted(theirs) != sorted(ours):
+        odd = sorted(set(theirs) ^ set(ours))
+        return f"export names differ from the hub folder's: {odd[:3]} ({len(odd)} in all)"
+    differ = [k for k in theirs if not torch.equal(theirs[k], ours[k])]
+    return f"export tensors differ from the hub folder's: {differ[:3]} ({len(differ)} in all)" if differ else ""
 
 
 def hf_folder_problem(folder: Path) -> str:

@@ -155,6 +155,7 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--job.dump_folder outputs/from_hf --checkpoint.enable --checkpoint.initial_load_in_hf "
     "--checkpoint.initial_load_path outputs/gla_hf/checkpoint/step-10": "matrix:fla_gla/hf",
+    "python tests/integration_matrix.py --spec hf_qwen3_moe --rows hub_fsdp2 hub_tp2 hub_ep2": "matrix:hf_qwen3_moe/hub_ep2",
     # docs/planning.md
     "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
     "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024":

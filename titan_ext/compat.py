@@ -99,6 +99,18 @@ def fla_kda_drivers() -> types.SimpleNamespace:
     return types.SimpleNamespace(**{name: value for part in parts for name, value in vars(part).items()})
 
 
+@functools.cache
+def transformers_weight_conversion() -> types.SimpleNamespace:
+    """transformers' checkpoint conversion (5.x): the conversion list a model loads through
+    (``get_model_conversion_mapping``), the renaming of one checkpoint key (``rename_source_key``), the key order
+    converters collect in (``dot_natural_key``), the save-side reverse (``revert_weight_conversion``), and the
+    classes of its transforms and of the operations titan_ext reads a box of (``MergeModulelist``, ``Concatenate``)."""
+    mapping = _lookup("transformers", "transformers.conversion_mapping", "get_model_conversion_mapping")
+    core = _lookup("transformers", "transformers.core_model_loading", "WeightConverter", "WeightRenaming",
+                   "MergeModulelist", "Concatenate", "rename_source_key", "revert_weight_conversion", "dot_natural_key")
+    return types.SimpleNamespace(**vars(mapping), **vars(core))
+
+
 def transformers_own_classes(model_type: str) -> tuple[type, type] | None:
     """(config class, causal-LM class) transformers itself ships for ``model_type`` (None: it ships none),
     whatever another library registered under that name since (importing fla registers its Mamba, Mamba2 and

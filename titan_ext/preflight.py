@@ -282,11 +282,35 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
         checkpoints.check_hf_checkpoint_dir(path, option)
         checkpoints.check_hf_checkpoint_shapes(path, shapes, option)
+        _check_hub_tensors(model, path, option)
     else:
         initial = option == "--checkpoint.initial_load_path"
         where = f"{option}={path!r}" if initial else f"{path!r} (resumed from {option})"
         checkpoints.check_dcp_checkpoint(path, shapes, where)
     _check_data_parallel_degree(job_config, world_size)
+
+
+def _check_hub_tensors(model, path: str, option: str) -> None:
+    """Every tensor of the model made from the HF folder's (through transformers' conversion), with the model's
+    shape: a checkpoint of another layout fails here, not in DCP's load on every rank."""
+    from titan_ext import hub_layout
+
+    plan = hub_layout.import_plan(model, path)
+    expected = model.state_dict()
+    if missing := plan.missing(expected):
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{option}={path!r} holds nothing {type(model).__name__}'s {missing[0]!r}{more} loads from, directly or "
+            "through transformers' checkpoint conversion; point it at a checkpoint of this model"
+        )
+    for key, shape in hub_layout.target_shapes(plan).items():
+        if tuple(expected[key].shape) != shape:
+            sources = plan.sources_of(key)
+            raise ConfigError(
+                f"{option}={path!r}: {sources[0]!r}{' and the rest of its group' if len(sources) > 1 else ''} make "
+                f"{key!r} of shape {list(shape)}, this model needs {list(expected[key].shape)}; the folder lacks tensors "
+                "or its config.json does not describe its weights: download it again or fix its config.json"
+            )
 
 
 def _check_data_parallel_degree(job_config, world_size: int) -> None:

@@ -143,9 +143,13 @@ def test_a_damaged_step_stops_naming_the_file_and_the_step_to_load(interrupted, 
         message = str(info.value)
         assert "\n" not in message and f"step-{newest} is damaged: " in message and phrase in message, message
         assert f"--checkpoint.load_step {older} (steps with every file at full size: " in message, message
-        found = checkpoints.resume_from(str(folder), -1, "skip")
-        assert found.path == str(folder / f"step-{older}")
-        assert any(p.startswith(f"step-{newest} (damaged: ") and phrase in p for p in found.passed_over), found
+        if case == "bytes flipped within size":  # found by the one rank that sums that file: skip stops too
+            with pytest.raises(ConfigError, match=re.escape(message)):
+                checkpoints.resume_from(str(folder), -1, "skip")
+        else:  # what every rank sees alike: skip passes over it
+            found = checkpoints.resume_from(str(folder), -1, "skip")
+            assert found.path == str(folder / f"step-{older}")
+            assert any(p.startswith(f"step-{newest} (damaged: ") and phrase in p for p in found.passed_over), found
         asked = f"--checkpoint.load_step={newest}: step-{newest} in .*: {re.escape(phrase)}"
         with pytest.raises(ConfigError, match=asked):
             checkpoints.resume_from(str(folder), newest, "skip")  # the step asked for: never passed over
@@ -154,13 +158,13 @@ def test_a_damaged_step_stops_naming_the_file_and_the_step_to_load(interrupted, 
 
 def test_resuming_past_a_damaged_step_warns_once_and_trains_on(interrupted, tmp_path):
     run = interrupted["fsdp2"]
-    folder, newest, older = damaged_copy(run, tmp_path, lambda s: flip_a_byte(shard(s)))
+    folder, newest, older = damaged_copy(run, tmp_path, lambda s: cut_in_half(shard(s)))
     damaged = signature(folder / f"step-{newest}")
     resumed = torchrun(CONFIG, tmp_path, *JOB, *LAYOUTS["fsdp2"][0], "--training.steps", str(older + 1),
                        "--checkpoint.interval", "1000", "--titan_ext.damaged_checkpoint", "skip", nproc=2).check()
     warnings = [line for line in resumed.output.splitlines() if "passed over" in line]
     assert len(warnings) == 1 and " - WARNING - titan_ext: " in warnings[0], resumed.output[-4000:]
-    assert f"step-{newest} (damaged: __1_0.distcp does not match its checksum" in warnings[0], warnings[0]
+    assert f"step-{newest} (damaged: __1_0.distcp is truncated" in warnings[0], warnings[0]
     assert warnings[0].endswith(f"resuming from step-{older}"), warnings[0]
     loads = [line for line in resumed.output.splitlines() if "Loading the checkpoint from" in line]
     assert loads and all(line.rstrip(".").endswith(f"step-{older}") for line in loads), loads

@@ -94,3 +94,25 @@ def test_a_folder_lacking_an_expert_stops_before_the_load(tmp_path):
             save_file({k: v for k, v in load_file(tmp_path / name).items() if "experts" not in k}, tmp_path / name)
     with pytest.raises(ConfigError, match="holds nothing Qwen3MoeForTitan's 'model.layers.0.mlp.experts.gate_up_proj'"):
         _check_hub_tensors(model, str(tmp_path), "--checkpoint.initial_load_path")
+
+
+def test_a_quantized_hub_folder_is_refused_in_one_line_and_never_exported_as_quantized(tmp_path):
+    """DeepSeek-V3's and gpt-oss's hub weights are quantized (fp8 blocks, mxfp4): their values are codes, not
+    weights; the config key that says so describes storage, not the architecture an export writes."""
+    import json
+
+    from titan_ext.errors import ConfigError
+    from titan_ext.models.args import architecture_fields
+    from titan_ext.preflight import _check_not_quantized
+
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": fp8}))
+    with pytest.raises(ConfigError) as error:
+        _check_not_quantized(str(tmp_path), "--checkpoint.initial_load_path")
+    assert "quantized weights (config.json's quantization_config: fp8)" in str(error.value)
+    assert "\n" not in str(error.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    _check_not_quantized(str(tmp_path), "--checkpoint.initial_load_path")  # full precision: no word
+    from transformers import DeepseekV3Config
+
+    assert "quantization_config" not in architecture_fields(DeepseekV3Config, {"quantization_config": fp8})

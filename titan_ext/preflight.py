@@ -295,6 +295,7 @@ def _check_hub_tensors(model, path: str, option: str) -> None:
     shape: a checkpoint of another layout fails here, not in DCP's load on every rank."""
     from titan_ext import hub_layout
 
+    _check_not_quantized(path, option)
     plan = hub_layout.import_plan(model, path)
     expected = model.state_dict()
     if missing := plan.missing(expected):
@@ -311,6 +312,25 @@ def _check_hub_tensors(model, path: str, option: str) -> None:
                 f"{key!r} of shape {list(shape)}, this model needs {list(expected[key].shape)}; the folder lacks tensors "
                 "or its config.json does not describe its weights: download it again or fix its config.json"
             )
+
+
+def _check_not_quantized(path: str, option: str) -> None:
+    """A hub folder of quantized weights (DeepSeek-V3's fp8 blocks with their scales, gpt-oss's mxfp4) holds no
+    tensor titan_ext trains: its values are codes, read as weights they would be garbage."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            quantization = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # the folder's own checks say what is wrong with it
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ConfigError(
+            f"{option}={path!r} holds quantized weights (config.json's quantization_config: {method}); titan_ext "
+            "trains from full-precision weights: dequantize the checkpoint to bf16 first (its authors' conversion "
+            "script, or transformers' from_pretrained and save_pretrained without the quantization config)"
+        )
 
 
 def _check_data_parallel_degree(job_config, world_size: int) -> None:

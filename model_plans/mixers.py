@@ -213,3 +213,22 @@ def transformers_gated_deltanet(plan: TPPlan, at: str = "linear_attn") -> Plan:
         f"{at}.norm": NormParallel(Shard(-2), use_local_output=True),
         f"{at}.out_proj": plan.out_proj(),
     }
+
+
+def transformers_mamba2(plan: TPPlan, at: str = "mixer") -> Plan:
+    """transformers' Mamba2 mixers (``Mamba2Mixer`` and the hybrids' copies): heads split across ranks, for the
+    layer's titan_ext forward (``titan_ext.kernels.transformers_mamba2``): ``A_log``, ``D``, ``dt_bias`` and the
+    gated norm's weight sharded per head, ``out_proj`` rowwise.
+
+    ``in_proj`` packs z, x, B, C and dt, the ``conv1d`` x, B and C, each part over all heads or groups: a rank's
+    rows are a slice of each part, a layout no DTensor placement expresses. Their weights stay replicated over the
+    TP ranks (FSDP still shards them); the forward multiplies this rank's rows only, and their gradients are
+    summed over the TP ranks. The forward computes the gated norm itself, on this rank's channels.
+    """
+    return {
+        at: Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, D, dt_bias
+        f"{at}.in_proj": PlaceParameters(Replicate()),
+        f"{at}.conv1d": PlaceParameters(Replicate()),
+        f"{at}.norm": PlaceParameters(Shard(0)),
+        f"{at}.out_proj": plan.out_proj(),
+    }

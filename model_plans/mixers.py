@@ -13,7 +13,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from model_plans.base import IfPresent, Plan, TPPlan, short_conv_plan
-from model_plans.styles import Composed, LocalWidth, NormParallel, PlaceEach, PlaceParameters, SharedKeyLatent
+from model_plans.styles import (Composed, GatheredHiddenStates, LocalWidth, NormParallel, PlaceEach, PlaceParameters,
+                                SharedKeyLatent)
 
 
 def _gather_hidden_states(plan: TPPlan) -> PrepareModuleInput:
@@ -223,10 +224,11 @@ def transformers_mamba2(plan: TPPlan, at: str = "mixer") -> Plan:
     ``in_proj`` packs z, x, B, C and dt, the ``conv1d`` x, B and C, each part over all heads or groups: a rank's
     rows are a slice of each part, a layout no DTensor placement expresses. Their weights stay replicated over the
     TP ranks (FSDP still shards them); the forward multiplies this rank's rows only, and their gradients are
-    summed over the TP ranks. The forward computes the gated norm itself, on this rank's channels.
+    summed over the TP ranks. The forward computes the gated norm itself, on this rank's channels. Its layer
+    passes the hidden states first or by name (``GatheredHiddenStates``).
     """
     return {
-        at: Composed(_gather_hidden_states(plan), PlaceParameters(Shard(0))),  # its own A_log, D, dt_bias
+        at: Composed(GatheredHiddenStates(plan.activation), PlaceParameters(Shard(0))),  # its own A_log, D, dt_bias
         f"{at}.in_proj": PlaceParameters(Replicate()),
         f"{at}.conv1d": PlaceParameters(Replicate()),
         f"{at}.norm": PlaceParameters(Shard(0)),

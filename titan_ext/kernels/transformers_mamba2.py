@@ -75,9 +75,15 @@ class Share:
 
     @classmethod
     def of(cls, mixer) -> Share:
-        H, G = mixer.num_heads, mixer.n_groups
+        """The share of the rank running ``mixer`` (the TP mesh its replicated ``in_proj`` lives on)."""
         weight = mixer.in_proj.weight
-        ranks, rank = (weight.device_mesh.size(), weight.device_mesh.get_local_rank()) if isinstance(weight, DTensor) else (1, 0)
+        if not isinstance(weight, DTensor):
+            return cls.on(mixer, 1, 0)
+        return cls.on(mixer, weight.device_mesh.size(), weight.device_mesh.get_local_rank())
+
+    @classmethod
+    def on(cls, mixer, ranks: int, rank: int) -> Share:
+        H, G = mixer.num_heads, mixer.n_groups
         heads = H // ranks
         first_head = rank * heads
         groups = max(G // ranks, 1)

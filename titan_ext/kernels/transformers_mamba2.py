@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from fla.modules.causal_conv1d.ops import causal_conv1d
 from fla.ops.simple_gla.chunk import chunk_simple_gla
-from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor, Partial
 
+from titan_ext import compat
 from titan_ext.kernels.tp_local import local
 from titan_ext.kernels.transformers_gated_deltanet import _check_training, _SumGradients
 
@@ -155,11 +155,11 @@ def _gated_norm(norm, y, z, share: Share):
     if share.whole_groups:
         grouped = y.unflatten(-1, (-1, group_size))
         variance = grouped.pow(2).mean(-1, keepdim=True)
-    else:  # this rank holds part of one group: every rank's part summed, in that group's slot
+    else:  # this rank holds part of one group, as do the next ranks up to the group's end: their parts summed
         grouped = y.unsqueeze(-2)
-        slots = y.new_zeros(*y.shape[:-1], share.n_groups)
-        slots = slots.index_copy(-1, torch.tensor([share.first_group], device=y.device), y.pow(2).sum(-1, keepdim=True))
-        totals = all_reduce(slots, group=norm.weight.device_mesh.get_group())
-        variance = totals[..., share.first_group : share.first_group + 1, None] / group_size
+        parts = compat.all_gather_autograd(y.pow(2).sum(-1)[None], norm.weight.device_mesh.get_group())
+        sharing = share.num_heads // share.n_groups // share.heads  # ranks per group
+        first = share.first_group * sharing
+        variance = parts[first : first + sharing].sum(0)[..., None, None] / group_size
     y = (grouped * torch.rsqrt(variance + norm.variance_epsilon)).flatten(-2)
     return local(norm.weight) * y.to(dtype)

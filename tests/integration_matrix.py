@@ -80,8 +80,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_mistral_window``: a sliding window on every layer, under CP masked over all-gathered keys and values
   (``cp2``, ``cp2_docs``); ``hf_qwen2_moe``'s ``cp2``: attention with a MoE FFN, by no model type's name.
 - ``hf_nemotron_h``: a family titan_ext never names, known by what its layers hold (transformers' Nemotron-H:
-  a Mamba2 mixer titan_ext does not know, kept whole on every rank under TP; attention; an FFN-only layer) in
-  ``single``, ``fsdp2``, ``tp2`` and ``pp2``.
+  a Mamba2 mixer on titan_ext's forward, its scan fla's simple GLA on the portable kernel; attention; an FFN-only
+  layer) in ``single``, ``fsdp2``, ``tp2`` (the Mamba2 heads split, its one group and gated norm shared by both
+  ranks), ``pp2``, ``cp2`` (state passing with a decay per head, the convolution's halo, ring attention) and
+  ``cp2_docs`` (scan and convolution restart, all-gathered attention, with AC and compile).
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
@@ -278,8 +280,8 @@ TINY_KIMI_LINEAR_DENSE = {"model_type": "kimi_linear", "hidden_size": 64, "inter
                           "mlp_layer_types": ["dense", "dense"], "vocab_size": 2048, "max_position_embeddings": 512,
                           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 
-# A family titan_ext's code never names (transformers' Nemotron-H): a Mamba2 mixer titan_ext does not know (kept
-# whole on every TP rank), attention and an FFN-only layer each held as ``mixer``, the final norm ``norm_f``.
+# A family titan_ext's code never names (transformers' Nemotron-H): a Mamba2 mixer (one group of B and C: under TP2
+# both ranks share it), attention and an FFN-only layer each held as ``mixer``, the final norm ``norm_f``.
 TINY_NEMOTRON_H = {"model_type": "nemotron_h", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                    "layers_block_type": ["linear_attention", "full_attention", "mlp"], "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16,
@@ -338,7 +340,7 @@ SPECS = {
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
     "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
-                          rows=("single", "fsdp2", "tp2", "pp2")),
+                          rows=("single", "fsdp2", "tp2", "pp2", "cp2", "cp2_docs")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),

@@ -1,5 +1,5 @@
 """The state exchange alone: a sequence split into pieces across simulated ranks equals one pass (fp64),
-for GLA's diagonal decay and the gated delta rule's full-matrix one (a per-head decay, and KDA's per key channel), with and without packed documents,
+for GLA's diagonal decay (and simple GLA's one per head: Mamba-2's scan), the gated delta rule's full-matrix one (a per-head decay, and KDA's per key channel), with and without packed documents,
 and the short convolutions' halos.
 
 Each simulated rank runs the real wrapper; the all-gather is stubbed in two passes: the first records
@@ -18,6 +18,7 @@ from titan_ext.kernels import state_passing
 from titan_ext.kernels.conv import causal_conv1d
 from titan_ext.kernels.gated_delta import chunk_gated_delta_rule
 from titan_ext.kernels.kda import chunk_kda
+from titan_ext.kernels.simple_gla import chunk_simple_gla
 
 LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]
 """(ranks, pieces per rank): contiguous pieces, and torchtitan's head-tail order."""
@@ -115,6 +116,21 @@ def kda_case(B, T, with_h0):
     return [q, k, v, g.requires_grad_(), beta], h0
 
 
+def simple_gla_case(B, T, with_h0):
+    """Mamba-2's scan as transformers' Mamba2 mixers call it (``kernels.transformers_mamba2``): one log decay per
+    head and token, scale 1."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(B, T, 2, n, generator=gen, dtype=torch.float64) for n in (8, 8, 6))
+    g = -F.softplus(torch.randn(B, T, 2, generator=gen, dtype=torch.float64))
+    h0 = torch.randn(B, 2, 8, 6, generator=gen, dtype=torch.float64).requires_grad_() if with_h0 else None
+    return [x.clone().requires_grad_() for x in (q, k, v, g)], h0
+
+
+def simple_gla_call(kernel, xs, h0, cu_seqlens=None):
+    q, k, v, g = xs
+    return kernel(q=q, k=k, v=v, g=g, scale=1.0, initial_state=h0, cu_seqlens=cu_seqlens)[0]
+
+
 def gla_call(kernel, xs, h0, cu_seqlens=None):
     q, k, v, g = xs
     return kernel(q=q, k=k, v=v, g=g, initial_state=h0, cu_seqlens=cu_seqlens, state_v_first=False)[0]
@@ -136,13 +152,14 @@ CASES = {
     "gla": (gla_case, gla_call, portable.chunk_gla, state_passing.DiagonalDecay("g")),
     "delta": (delta_case, delta_call, chunk_gated_delta_rule, state_passing.AffineState()),
     "kda": (kda_case, kda_call, chunk_kda, state_passing.AffineState()),
+    "simple_gla": (simple_gla_case, simple_gla_call, chunk_simple_gla, state_passing.DiagonalDecay("g")),
 }
 
 
 def cases(layouts, few=((2, 1), (3, 2))):
-    """(recurrence, ranks, pieces per rank): every layout for GLA and the gated delta rule; KDA (the same
-    affine path, another kernel) on one contiguous and one head-tail layout."""
-    return [(r, *layout) for r in CASES for layout in layouts if r != "kda" or layout in few]
+    """(recurrence, ranks, pieces per rank): every layout for GLA and the gated delta rule; KDA and simple GLA
+    (the same paths, other kernels) on one contiguous and one head-tail layout."""
+    return [(r, *layout) for r in CASES for layout in layouts if r not in ("kda", "simple_gla") or layout in few]
 
 
 @pytest.mark.parametrize("with_h0", [False, True])

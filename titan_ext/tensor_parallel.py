@@ -73,6 +73,9 @@ def plan_class(model: nn.Module, degree: int) -> type:
                     f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer {part.path!r} "
                     f"({part.name}) has no tensor-parallel plan in titan_ext; set the degree to 1"
                 )
+            if reason := part.tensor_parallel_blocker(degree):
+                raise ConfigError(f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer "
+                                  f"{part.path!r} ({part.name}): {reason}")
         if parts:
             others[index] = functools.partial(_entries_of, tuple(parts))
             paths[index] = tuple(part.path for part in parts)

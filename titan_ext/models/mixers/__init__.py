@@ -23,6 +23,7 @@ from titan_ext.models.mixers.base import Mixer, NoMixer, Parallel, Unknown, clas
 from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGatedDeltaNet, TransformersGatedDeltaNetGrouped
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
+from titan_ext.models.mixers.mamba2 import TransformersMamba2
 from titan_ext.models.mixers.mla import TransformersMLA
 
 MIXERS: tuple[type[Mixer], ...] = (
@@ -35,6 +36,7 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNet,
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
+    TransformersMamba2,
 )
 """Every mixer titan_ext knows; where two recognise a module, the more specific class (a subclass) wins."""
 
@@ -43,7 +45,7 @@ FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
-           "TransformersMLA", "Unknown", "recognize"]
+           "TransformersMLA", "TransformersMamba2", "Unknown", "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:

@@ -131,15 +131,15 @@ def test_undo_restores_every_original():
 
     filters, handlers = list(warnings.filters), {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
     host_patches.apply_job()
-    host_patches.apply_checkpoint_manifest()
-    host_patches.apply_skip_damaged_steps()
+    host_patches.apply_once(host_patches.CHECKPOINT_MANIFEST)
+    host_patches.apply_once(host_patches.SKIP_DAMAGED_STEPS)
     host_patches.apply_signal_handlers(lambda number, frame: None)
     assert "finish" in vars(FileSystemWriter) and signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]
     host_patches.apply_cpu_mode()
     host_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
-    host_patches.apply_pipeline()
-    host_patches.apply_pipeline()
-    host_patches.apply_strided_checkpoint()
+    host_patches.apply_once(host_patches.PIPELINE)
+    host_patches.apply_once(host_patches.PIPELINE)
+    host_patches.apply_once(host_patches.STRIDED_CHECKPOINT)
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 

@@ -667,7 +667,8 @@ PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, S
 
 
 _undo_stack: list[Callable[[], None]] = []
-_applied: set[str] = set()
+_applied: set[int] = set()
+"""The tables applied in this process (by identity), until ``undo()``."""
 
 
 def apply(patches: tuple[Patch, ...]) -> None:
@@ -677,60 +678,19 @@ def apply(patches: tuple[Patch, ...]) -> None:
 
 
 def apply_cpu_mode() -> None:
-    """``CPU_MODE`` and its warning/log filters, once per process (a process may run several jobs)."""
-    if "cpu_mode" in _applied:
+    """``CPU_MODE`` and its warning/log filters, once per process."""
+    if id(CPU_MODE) in _applied:
         return
-    _applied.add("cpu_mode")
-    apply(CPU_MODE)
+    apply_once(CPU_MODE)
     _quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])
 
 
-def apply_cuda() -> None:
-    """``CUDA``, once per process."""
-    if "cuda" in _applied:
+def apply_once(patches: tuple[Patch, ...]) -> None:
+    """A table's rows, once per process (a process may run several jobs: a bench, the integration matrix)."""
+    if id(patches) in _applied:
         return
-    _applied.add("cuda")
-    apply(CUDA)
-
-
-def apply_interpreter() -> None:
-    """``INTERPRETER``, once per process."""
-    if "interpreter" in _applied:
-        return
-    _applied.add("interpreter")
-    apply(INTERPRETER)
-
-
-def apply_pipeline() -> None:
-    """``PIPELINE``, once per process."""
-    if "pipeline" in _applied:
-        return
-    _applied.add("pipeline")
-    apply(PIPELINE)
-
-
-def apply_strided_checkpoint() -> None:
-    """``STRIDED_CHECKPOINT``, once per process."""
-    if "strided_checkpoint" in _applied:
-        return
-    _applied.add("strided_checkpoint")
-    apply(STRIDED_CHECKPOINT)
-
-
-def apply_checkpoint_manifest() -> None:
-    """``CHECKPOINT_MANIFEST``, once per process."""
-    if "checkpoint_manifest" in _applied:
-        return
-    _applied.add("checkpoint_manifest")
-    apply(CHECKPOINT_MANIFEST)
-
-
-def apply_skip_damaged_steps() -> None:
-    """``SKIP_DAMAGED_STEPS``, once per process."""
-    if "skip_damaged_steps" in _applied:
-        return
-    _applied.add("skip_damaged_steps")
-    apply(SKIP_DAMAGED_STEPS)
+    _applied.add(id(patches))
+    apply(patches)
 
 
 def apply_signal_handlers(handler: Callable) -> None:
@@ -744,9 +704,10 @@ def apply_signal_handlers(handler: Callable) -> None:
 
 
 def apply_job() -> None:
-    if "job" in _applied:
+    """``JOB``'s log filter and its warning/log filters, once per process."""
+    if id(JOB) in _applied:
         return
-    _applied.add("job")
+    _applied.add(id(JOB))
     log_filter = _OneLineModelArgs()
     logging.getLogger().addFilter(log_filter)
     _undo_stack.append(lambda: logging.getLogger().removeFilter(log_filter))

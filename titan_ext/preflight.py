@@ -181,7 +181,7 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 
     Returns the meta-device model the checks read (the job plan reads it too).
     """
-    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, moe, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, moe
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
@@ -198,7 +198,6 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     documents.check_model(model_args, job_config)
     moe.check_moe(model, job_config)
     context_parallel.check_cp(model_args, job_config)
-    tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)
     _check_checkpoint_to_load(model_args, model, job_config, world_size)

@@ -45,6 +45,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
   (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
   three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied), DeepSeek-V3 (MLA) and Qwen3.5 in FSDP2.
+- ``walkthrough``: docs/checkpoints-and-hf.md's continued pretraining, its 8-GPU torchrun command read from the
+  page (``tests/walkthrough.py``) and run on 2 ranks from a ``write_hub_folder`` folder of the same model type:
+  Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
+  transformers' forward of the folder, the export holds the folder's tensors moved by training, loads with
+  ``from_pretrained`` and runs the page's loading block (``evaluate_walkthrough``; 2.3, 2.8 and 4.5 s of 2-rank jobs,
+  2026-11-30).
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step

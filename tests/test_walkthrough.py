@@ -63,8 +63,9 @@ def test_the_cpu_run_changes_only_the_folder_the_degrees_and_the_data():
     assert given["--model.hf_assets_path"] == given["--titan_ext.hf_config"] == "/tiny"
     assert given["--parallelism.expert_parallel_degree"] == given["--parallelism.data_parallel_shard_degree"] == "2"
     assert "--training.dataset_path" not in given and "--training.dataset" not in given
+    assert given["--job.config_file"] == str(walkthrough.PAGE.parents[1] / "train_configs" / "qwen3_moe_30B_A3B.toml")
     kept = [(flag, value) for flag, value in walkthrough.flags(model.train, ()) if not flag.startswith(
-        ("--model.hf_assets_path", "--titan_ext.hf_config", "--parallelism.", "--training.dataset"))]
+        ("--model.hf_assets_path", "--titan_ext.hf_config", "--parallelism.", "--training.dataset", "--job.config_file"))]
     assert [pair for pair in walkthrough.flags(argv, ()) if pair in kept] == kept
 
 

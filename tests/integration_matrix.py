@@ -45,6 +45,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
   (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
   three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied), DeepSeek-V3 (MLA) and Qwen3.5 in FSDP2.
+- ``walkthrough``: docs/checkpoints-and-hf.md's continued pretraining, its 8-GPU torchrun command read from the
+  page (``tests/walkthrough.py``) and run on 2 ranks from a ``write_hub_folder`` folder of the same model type:
+  Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
+  transformers' forward of the folder, the export holds the folder's tensors moved by training, loads with
+  ``from_pretrained`` and runs the page's loading block (``evaluate_walkthrough``; 2.3, 2.8 and 4.5 s of 2-rank jobs,
+  2026-11-30).
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step
@@ -177,6 +183,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import readme_example
+import walkthrough
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -326,16 +333,17 @@ SPECS = {
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2", "hub_fsdp2")),
     "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2",
-                                                            "hub_tp2", "hub_ep2")),
+                                                            "hub_tp2", "hub_ep2", "walkthrough")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
-                     hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
+                     hf_config=TINY_QWEN3, rows=(*GENERIC_ROWS, "walkthrough")),
     # asking for router logits, as some hub configs do: the balancing loss counted once, by titan_ext, in every row
     "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"),
                          hf_config={**TINY_QWEN3_MOE, "output_router_logits": True},
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2", "ep2_cp2",
-                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager", "hub_fsdp2", "hub_tp2", "hub_ep2")),
+                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager", "hub_fsdp2", "hub_tp2", "hub_ep2",
+                               "walkthrough")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
@@ -486,6 +494,11 @@ ROWS = {
     "hub_fsdp2": Row(2, parallel(shard=2), kind="hub", rtol=TP_RTOL, specs=("hf_llama",)),
     "hub_tp2": Row(2, parallel(tp=2), kind="hub", rtol=TP_RTOL, specs=()),
     "hub_ep2": Row(2, (*parallel(shard=2), *EP2), kind="hub", rtol=TP_RTOL, specs=()),
+    # docs/checkpoints-and-hf.md's continued pretraining from a hub checkpoint, its 8-GPU command read from the page
+    # and run on 2 ranks (``tests/walkthrough.py``: FSDP 2, or EP 2 x FSDP 2), from the spec's hub folder
+    # (``WALKTHROUGH``): step 1's loss equals transformers' forward, 2 steps train, the export loads
+    # (``evaluate_walkthrough``)
+    "walkthrough": Row(2, (), kind="walkthrough", rtol=TP_RTOL, cost=3, specs=()),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
@@ -775,6 +788,8 @@ class Matrix:
             return [self.job(spec, variant, row, r.world, *every2),
                     self.job(spec, variant, row + "@resumed", r.world, *every2, "--checkpoint.load_step", "2",
                              folder=row)]
+        if r.kind == "walkthrough":
+            return [self.walkthrough_job(spec, row)]
         if r.kind == "hub":  # import the hub folder (config, shards, tokenizer) as a user does, export it again
             return [self.job(spec, variant, row, r.world, *r.flags, "--model.hf_assets_path", str(self.hub_folder(spec)),
                              "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--training.steps", "1",
@@ -793,6 +808,17 @@ class Matrix:
         no_save = () if r.kind == "fails" else ("--checkpoint.load_only",)
         return [self.job(spec, variant, row, r.world, *train, *no_save, env=env)]
 
+    def walkthrough_job(self, spec: str, row: str) -> Job:
+        """The page's training command for the spec's model on 2 CPU ranks (``walkthrough.cpu_argv``), then the
+        matrix's corpus and short-run flags, 2 steps in the row's folder, and ``walkthrough.CPU_FLAGS``."""
+        id_ = f"{spec}.base.{row}"
+        model = walkthrough.model_of(WALKTHROUGH[spec])
+        argv = (*walkthrough.cpu_argv(model, self.hub_folder(spec)), "--training.dataset", "titan_ext_tiny",
+                "--training.dataset_path", str(self.corpus), *COMMON, "--training.steps", str(WALKTHROUGH_STEPS),
+                "--job.dump_folder", str(self.folder(spec, row)), "--titan_ext.metrics_jsonl",
+                str(self.metrics_path(id_)), *walkthrough.CPU_FLAGS)
+        return Job(id_, ROWS[row].world, argv, {})
+
     @property
     def readme_folder(self) -> Path:
         return self.root / "readme"
@@ -806,7 +832,8 @@ class Matrix:
         return self.root / spec / "hub"
 
     def hub_export_folder(self, spec: str, row: str) -> Path:
-        return self.root / spec / "base" / row / "checkpoint" / "step-1"
+        steps = WALKTHROUGH_STEPS if ROWS[row].kind == "walkthrough" else 1
+        return self.root / spec / "base" / row / "checkpoint" / f"step-{steps}"
 
     def hf_export_folder(self, spec: str, variant: str, row: str = "hf") -> Path:
         return self.root / spec / variant / f"{row}@export" / "checkpoint" / "step-1"
@@ -868,7 +895,7 @@ class Matrix:
             if SPECS[spec].hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
-            if any(ROWS[row].kind == "hub" and self.applies(spec, row) for row in self.rows):
+            if any(ROWS[row].kind in ("hub", "walkthrough") and self.applies(spec, row) for row in self.rows):
                 write_hub_folder(hub_config(spec), self.hub_folder(spec))
 
 
@@ -1043,6 +1070,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         return evaluate_failure(matrix, spec, row)
     if ROWS[row].kind == "hub":
         return evaluate_hub(matrix, spec, row)
+    if ROWS[row].kind == "walkthrough":
+        return evaluate_walkthrough(matrix, spec, row)
     jobs = matrix.row_jobs(spec, row)
     variant = matrix.variant(spec, row)
     ref_jobs = [matrix.seed(spec, variant), *matrix.row_jobs(spec, "single", variant)]
@@ -1124,6 +1153,68 @@ def evaluate_hub(matrix: Matrix, spec: str, row: str) -> Result:
                   "step 1 == transformers' forward; export == the hub folder")
 
 
+WALKTHROUGH = {"hf_qwen3": "Qwen3-0.6B", "hf_qwen3_moe": "Qwen3-30B-A3B", "hf_kimi_linear": "Kimi-Linear-48B-A3B-Instruct"}
+"""The spec whose hub folder stands in for each model of docs/checkpoints-and-hf.md's walkthrough (its model type)."""
+WALKTHROUGH_STEPS = 2
+WALKTHROUGH_MOVE = 1e-2
+"""An exported tensor's largest move from the folder's over the row's steps: AdamW moves an element by about the
+learning rate a step (the TOMLs' 1e-4 and 3e-4; 1.7e-4 to 7.5e-4 measured, 2026-11-30); a tensor put in another's
+place differs from it by ~0.1 an element (``HUB_NOISE``), by far more at its largest."""
+
+
+def evaluate_walkthrough(matrix: Matrix, spec: str, row: str) -> Result:
+    """The page's command trained from the hub folder: step 1 against transformers' forward of the folder, every
+    step's loss finite, the export the folder's tensors (names, moved a little), loaded by ``from_pretrained`` and by
+    the page's own loading block."""
+    (job,) = matrix.row_jobs(spec, row)
+    if error := job_error(matrix, job):
+        return Result(spec, row, "ERROR", None, error)
+    losses = series(read_metrics(matrix, job))["loss"]
+    reference = transformers_loss(matrix.hub_folder(spec), job)
+    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
+    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    if len(losses) != WALKTHROUGH_STEPS or not all(map(math.isfinite, losses)):
+        problems.append(f"losses {losses}, expected {WALKTHROUGH_STEPS} finite ones")
+    export = matrix.hub_export_folder(spec, row)
+    problems += [p for p in (hf_folder_problem(export), trained_tensors_problem(matrix.hub_folder(spec), export),
+                             loading_problem(export)) if p]
+    return Result(spec, row, "MISMATCH" if problems else "ok", rel, "; ".join(problems) or
+                  "step 1 == transformers' forward; trained; the export loads")
+
+
+def trained_tensors_problem(hub: Path, export: Path) -> str:
+    """'' if the export holds the hub folder's tensors under the same names, each within ``WALKTHROUGH_MOVE`` of
+    the folder's, and training moved some."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+    theirs, ours = tensors(hub), tensors(export)
+    if sorted(theirs) != sorted(ours):
+        odd = sorted(set(theirs) ^ set(ours))
+        return f"export names differ from the hub folder's: {odd[:3]} ({len(odd)} in all)"
+    moves = {k: (ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs}
+    far = [k for k, move in moves.items() if not move < WALKTHROUGH_MOVE]
+    if far:
+        return f"exported tensors {far[:3]} ({len(far)} in all) moved by {max(moves[k] for k in far):.3g} from the folder's"
+    return "" if any(moves.values()) else "no exported tensor moved: nothing trained"
+
+
+def loading_problem(export: Path) -> str:
+    """'' if ``from_pretrained`` loads the export with no missing or unexpected keys and the page's loading block
+    runs on it (the export's path for the page's)."""
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        return f"from_pretrained({export}): {info}"
+    code, path = walkthrough.load_example()
+    exec(compile(code.replace(path, str(export)), "docs/checkpoints-and-hf.md (loading the export)", "exec"), {})
+    return ""
+
+
 def first_batch(job: Job):
     """The job's first batch (inputs, labels), from the dataloader its flags build (one data-parallel rank: the
     matrix's ranks all read the same stream)."""
@@ -1132,7 +1223,9 @@ def first_batch(job: Job):
     import titan_ext  # noqa: F401  (the datasets)
     from titan_ext.data import build_dataloader, build_tokenizer
 
+    package = sys.modules["titan_ext"]
     config = ConfigManager().parse_args(list(job.argv))
+    sys.modules["titan_ext"] = package  # the parse forgets it for a Trainer's import (titan_ext.config): none follows
     loader = build_dataloader(1, 0, build_tokenizer(config), config)
     inputs, labels = next(iter(loader))
     return inputs["input"], labels

@@ -8,7 +8,9 @@ be in ``RUN_BY``, which names what runs it:
   short-run flags; ``readme_ext`` runs the extension example exactly as written);
 - ``test:PATH::NAME``: a test of the suite runs it;
 - ``ci``: ``.ci/run`` runs it;
-- ``gpu``: a GPU, many nodes or minutes are needed; nothing here runs it.
+- ``gpu``: a GPU, many nodes or minutes are needed; nothing here runs it;
+- ``download``: it downloads from the Hugging Face hub; nothing here runs it (tests write tiny folders of the
+  same model types).
 
 Independently of that, every ``torchrun ... -m torchtitan.train`` and ``python -m titan_ext.plan`` command
 is checked as a launch would check it, without launching: torchrun's own argument parser reads its world size
@@ -156,6 +158,42 @@ RUN_BY = {
     "--job.dump_folder outputs/from_hf --checkpoint.enable --checkpoint.initial_load_in_hf "
     "--checkpoint.initial_load_path outputs/gla_hf/checkpoint/step-10": "matrix:fla_gla/hf",
     "python tests/integration_matrix.py --spec hf_qwen3_moe --rows hub_fsdp2 hub_tp2 hub_ep2": "matrix:hf_qwen3_moe/hub_ep2",
+    # docs/checkpoints-and-hf.md's walkthrough (tests/walkthrough.py reads its commands from the page)
+    "hf download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B": "download",
+    "python -m titan_ext.plan --job.config_file train_configs/llama_1B.toml --model.name hf --model.flavor from_config "
+    "--titan_ext.hf_config checkpoints/Qwen3-0.6B --parallelism.data_parallel_shard_degree 8 --titan_ext.loss chunked "
+    "--world 8": "test:tests/test_walkthrough.py::test_each_plan_output_shown_is_what_the_command_prints_today",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/llama_1B.toml --model.name hf "
+    "--model.flavor from_config --titan_ext.hf_config checkpoints/Qwen3-0.6B --parallelism.data_parallel_shard_degree 8 "
+    "--titan_ext.loss chunked --model.hf_assets_path checkpoints/Qwen3-0.6B --checkpoint.initial_load_in_hf "
+    "--checkpoint.initial_load_model_only --checkpoint.last_save_in_hf --job.dump_folder outputs/qwen3_0.6B "
+    "--training.dataset titan_ext_stream --training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000":
+        "matrix:hf_qwen3/walkthrough",
+    "hf download Qwen/Qwen3-30B-A3B --local-dir checkpoints/Qwen3-30B-A3B": "download",
+    "python -m titan_ext.plan --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
+    "--titan_ext.hf_config checkpoints/Qwen3-30B-A3B --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --titan_ext.loss chunked --world 8":
+        "test:tests/test_walkthrough.py::test_each_plan_output_shown_is_what_the_command_prints_today",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
+    "--titan_ext.hf_config checkpoints/Qwen3-30B-A3B --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --titan_ext.loss chunked --model.hf_assets_path checkpoints/Qwen3-30B-A3B "
+    "--checkpoint.initial_load_in_hf --checkpoint.initial_load_model_only --checkpoint.last_save_in_hf "
+    "--job.dump_folder outputs/qwen3_30b_a3b --training.dataset titan_ext_stream "
+    "--training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000": "matrix:hf_qwen3_moe/walkthrough",
+    "hf download moonshotai/Kimi-Linear-48B-A3B-Instruct --local-dir checkpoints/Kimi-Linear-48B-A3B-Instruct":
+        "download",
+    "python -m titan_ext.plan --job.config_file train_configs/kimi_linear.toml "
+    "--titan_ext.hf_config checkpoints/Kimi-Linear-48B-A3B-Instruct --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --activation_checkpoint.mode full --training.local_batch_size 2 "
+    "--titan_ext.loss chunked --world 8":
+        "test:tests/test_walkthrough.py::test_each_plan_output_shown_is_what_the_command_prints_today",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kimi_linear.toml "
+    "--titan_ext.hf_config checkpoints/Kimi-Linear-48B-A3B-Instruct --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --activation_checkpoint.mode full --training.local_batch_size 2 "
+    "--titan_ext.loss chunked --model.hf_assets_path checkpoints/Kimi-Linear-48B-A3B-Instruct "
+    "--checkpoint.initial_load_in_hf --checkpoint.initial_load_model_only --checkpoint.last_save_in_hf "
+    "--job.dump_folder outputs/kimi_linear_48b --training.dataset titan_ext_stream "
+    "--training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000": "matrix:hf_kimi_linear/walkthrough",
     # docs/planning.md
     "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
     "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024":
@@ -223,6 +261,10 @@ RUN_BY = {
 
 AS_WRITTEN = {"matrix:fla_gla/readme_ext"}
 """Run by the matrix exactly as the page shows it (its module is the page's own file): nothing to check here."""
+FROM_THE_PAGE = {"matrix:hf_qwen3/walkthrough", "matrix:hf_qwen3_moe/walkthrough", "matrix:hf_kimi_linear/walkthrough"}
+"""Read from the page by the matrix and run on 2 ranks with the changes ``tests/walkthrough.py`` lists; their 8-GPU
+layouts are checked here through the page's plan commands (the same flags, ``tests/test_walkthrough.py``): the
+commands themselves load a hub folder's weights, which no folder here holds."""
 
 STAND_INS = {"/data/fineweb-edu/sample/": "shards"}
 """A user's own path in a command -> the folder (under the check's working folder) that stands in for it."""
@@ -343,7 +385,7 @@ def test_what_runs_each_command_exists(reference):
     elif kind == "ci":
         assert reference == "ci"
     else:
-        assert kind == "gpu", reference
+        assert kind in ("gpu", "download"), reference
 
 
 def test_ci_runs_the_readmes_test_command_and_every_command_mapped_to_ci():
@@ -433,6 +475,12 @@ def provide_outputs(folder: Path) -> None:
         records = [{"text": f"shard {n} document {i} " + "word " * 40} for i in range(8)]
         pq.write_table(pa.Table.from_pylist(records), shards / f"part-{n}.parquet")
     assert json.loads((hf / "config.json").read_text())["model_type"] == "gla"
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_walkthrough import REAL_CONFIGS
+
+    for name, config in REAL_CONFIGS.items():  # the walkthrough's downloads: their config.json, for its plans
+        (folder / "checkpoints" / name).mkdir(parents=True)
+        (folder / "checkpoints" / name / "config.json").write_text(json.dumps(config))
     for command in documented():  # the files the pages write with echo for the launches after them
         if command.startswith("echo ") and " > " in command:
             subprocess.run(command, shell=True, cwd=folder, check=True)
@@ -444,7 +492,8 @@ def is_launch(command: str) -> bool:
     return words[:1] == ["torchrun"] or words[:3] == ["python", "-m", "titan_ext.plan"]
 
 
-LAUNCHES = [command for command, run_by in RUN_BY.items() if run_by not in AS_WRITTEN and is_launch(command)]
+LAUNCHES = [command for command, run_by in RUN_BY.items()
+            if run_by not in AS_WRITTEN | FROM_THE_PAGE and is_launch(command)]
 REFUSED = {"--model.name fla_glaa": "is not a registered train spec"}
 """Commands the pages show failing on purpose -> the line they must stop with."""
 

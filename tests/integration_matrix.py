@@ -372,6 +372,9 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+    console: bool = False
+    """The row's job prints what the README's quick start says (``console_problem``): rank 0's lines only,
+    ``step: N/TOTAL ... left: H:MM:SS``, no colour codes in a file, no MFU on the CPU."""
     seed_in_folder: tuple[str, ...] = ()
     """Specs whose job starts as torchtitan documents it: a seed checkpoint created by one process in the job's
     own dump folder (``--checkpoint.create_seed_checkpoint``), then loaded by the job as its ``step-0``
@@ -433,7 +436,7 @@ README_COMMAND = "{readme}"
 """Stands for the extension example's command-line arguments (docs/extending.md)."""
 ROWS = {
     "single": Row(1, parallel(), validation=True),
-    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",)),
+    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",), console=True),
     "ddp2": Row(2, parallel(replicate=2)),
     "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, validation=True, cost=4,  # sequence parallel and loss parallel on (the defaults)
                spec_rtol=TIED_DTENSOR_RTOL),
@@ -948,7 +951,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 # ---------------------------------------------------------------- evaluation
 
-STEP_LINE = re.compile(r"step:\s+(\d+)\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
+STEP_LINE = re.compile(r"step:\s+(\d+)(?:/\d+)?\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
 
 
 def read_metrics(matrix: Matrix, job: Job) -> list[dict]:
@@ -1018,9 +1021,34 @@ def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RT
     return worst, detail if worst > rtol else ""
 
 
-def job_log(matrix: Matrix, job: Job) -> str:
-    path = matrix.root / "logs" / f"{job.id}.rank0.log"
+def job_log(matrix: Matrix, job: Job, rank: int = 0) -> str:
+    path = matrix.root / "logs" / f"{job.id}.rank{rank}.log"
     return path.read_text() if path.exists() else ""
+
+
+BEFORE_TITAN_EXT = ("torchtitan version:", "Starting job:")
+"""What every rank prints before torchtitan imports titan_ext (``custom_import``)."""
+
+
+def console_problem(matrix: Matrix, job: Job, steps: int) -> str:
+    """'' if the job's console (written to files: not a terminal) is the README's: rank 0's step lines say
+    ``step: N/steps`` and, from the second on, the time left; no colour codes, no MFU (the CPU has no peak);
+    the other ranks print no INFO line after torchtitan's first two."""
+    rank0 = job_log(matrix, job)
+    lines = [line for line in rank0.splitlines() if " - INFO - step: " in line]
+    wanted = [f"step: {n}/{steps}" for n in range(1, steps + 1)]
+    if [line.split(" - INFO - ")[1].split("  ")[0] for line in lines] != wanted:
+        return f"rank 0's step lines are not {wanted}: {lines}"
+    if not all(re.search(r"  left: \d+:\d\d:\d\d$", line) for line in lines[1:]) or not lines[0].endswith("left: ?"):
+        return f"rank 0's step lines do not end in the time left: {lines}"
+    if "\x1b[" in rank0 or "mfu" in rank0:
+        return "rank 0's log holds colour codes or an MFU figure"
+    for rank in range(1, job.world):
+        info = [line for line in job_log(matrix, job, rank).splitlines()
+                if " - INFO - " in line and not line.split(" - INFO - ")[1].startswith(BEFORE_TITAN_EXT)]
+        if info:
+            return f"rank {rank} printed INFO lines: {info[:3]}"
+    return ""
 
 
 def evaluate_failure(matrix: Matrix, spec: str, row: str) -> Result:
@@ -1091,6 +1119,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         if spec != "llama3" and ROWS[row].validation:
             run_validation, ref_validation = read_validation(matrix, jobs[0]), read_validation(matrix, ref_jobs[-1])
             checks.append(("validation vs single", *compare_validation(run_validation, ref_validation, rtol)))
+    if ROWS[row].console and spec != "llama3" and (problem := console_problem(matrix, jobs[0], ROWS[row].steps)):
+        checks.append(("console", math.inf, problem))
     if ROWS[row].log_expect and ROWS[row].log_expect not in job_log(matrix, jobs[0]):
         checks.append(("log", math.inf, f"rank 0's log lacks {ROWS[row].log_expect!r}"))
     worst = max(rel for _, rel, _ in checks)

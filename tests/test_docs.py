@@ -467,6 +467,22 @@ def test_each_documented_launch_passes_the_checks_for_its_world_size(outputs, co
         assert error == "", f"{command} (world {world}): {error}"
 
 
+def test_the_troubleshooting_example_is_the_line_the_code_prints(outputs, monkeypatch):
+    """docs/troubleshooting.md shows a refused launch and the line it stops with ("..." stands for the lists the
+    line goes on with): the line the check prints for that command."""
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    (command,) = [c for c in commands(page) if any(flags in c for flags in REFUSED)]
+    shown = {line.split("titan_ext: ", 1)[1] for _, body in fenced(page) for line in body.splitlines()
+             if "titan_ext: " in line and ("- ERROR -" in line or "traceback :" in line)}
+    assert shown, "no refused line shown"
+    env, world, argv = launch_of(command)
+    monkeypatch.chdir(outputs)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    printed = first_error(argv, world)
+    for line in shown:
+        assert re.fullmatch(".*".join(map(re.escape, line.split("..."))), printed), (line, printed)
+
+
 def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
     """The check above can fail: a misspelled TOML, flag or layout in a page would."""
     monkeypatch.chdir(outputs)

@@ -496,6 +496,56 @@ def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
         first_error(launch_of(good.replace("debug_gla", "debug_glaa"))[2], world)
 
 
+# ---------------------------------------------------------------- figures and claims, as the code gives them
+
+def planner_outputs() -> list[tuple[str, object]]:
+    """(page, shown output) of every planner output the pages show (scripts/doc_outputs.py), but for commands
+    of minutes (``gpu``), whose outputs the pages date."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import doc_outputs
+
+    return [(str(page.relative_to(REPO)), shown) for page in PAGES for shown in doc_outputs.shown_outputs(page.read_text())
+            if RUN_BY.get(shown.command) != "gpu"]
+
+
+@pytest.mark.parametrize("page,shown", planner_outputs(), ids=lambda x: x if isinstance(x, str) else x.command[-60:])
+def test_each_planner_output_on_the_pages_is_what_the_planner_prints(page, shown):
+    """``python scripts/doc_outputs.py --write PAGE`` writes them; the planning time (the last line) aside."""
+    import doc_outputs
+
+    assert shown.command in RUN_BY, shown.command
+    problem = doc_outputs.difference(shown.text, doc_outputs.printed(shown.command))
+    assert not problem, f"{page}: {shown.command}\n{problem}\n(python scripts/doc_outputs.py --write {page})"
+
+
+def toml_model_type(config: str) -> str:
+    """The model type a shipped TOML trains: its hf_config's, else its train spec's name."""
+    import json
+
+    import tomli
+
+    toml = tomli.loads((REPO / "train_configs" / config).read_text())
+    hf_config = toml.get("titan_ext", {}).get("hf_config")
+    return json.loads((REPO / hf_config).read_text())["model_type"] if hf_config else toml["model"]["name"]
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "train_configs").glob("*.toml")))
+def test_a_shipped_tomls_header_names_matrix_rows_that_train_its_model(config):
+    """A header's "(spec/row)" claims: a row of CI's matrix trains that layout on the TOML's own model type."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import integration_matrix as matrix
+
+    header = "".join(line for line in (REPO / "train_configs" / config).read_text().splitlines(True)
+                     if line.startswith("#"))
+    claims = re.findall(r"\((\w+)/(\w+)\)", header)
+    for spec, row in claims:
+        assert spec in matrix.SPECS and row in matrix.ALL_ROWS and matrix.applies(spec, row), (config, spec, row)
+        assert (spec, row) not in matrix.UNSUPPORTED_PAIRS, (config, spec, row)
+        hf = matrix.SPECS[spec].hf_config
+        assert (hf["model_type"] if hf else toml_model_type(matrix.SPECS[spec].config)) == toml_model_type(config)
+    assert claims or not re.search(r"\b(TP|CP|PP)\b", header), f"{config}: its header names layouts without rows"
+
+
 def test_torchtitan_resumes_from_the_latest_step(outputs):
     """What 'run the same command again' relies on: torchtitan 0.2.2 picks the highest finished step-N."""
     from types import SimpleNamespace

@@ -514,8 +514,27 @@ def test_each_planner_output_on_the_pages_is_what_the_planner_prints(page, shown
     import doc_outputs
 
     assert shown.command in RUN_BY, shown.command
-    problem = doc_outputs.difference(shown.text, doc_outputs.printed(shown.command))
+    problem = doc_outputs.difference(shown, doc_outputs.printed(shown.command))
     assert not problem, f"{page}: {shown.command}\n{problem}\n(python scripts/doc_outputs.py --write {page})"
+
+
+MEASURED = re.compile(r"\d[\d.,]*\s?(?:GiB|MiB|tokens/s|ms|s|seconds|minutes|min)\b")
+"""A figure someone measured: memory, throughput, time."""
+DATED = re.compile(r"20\d\d-\d\d-\d\d|bench/|tests/|scripts/|`python |titan_ext\.plan")
+"""A date, or what prints the figure (a bench, a test, a script, a command)."""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_measured_figure_is_dated_or_names_what_prints_it(page):
+    """A prose paragraph with a measured figure says when, or by what, it was measured: itself or a paragraph
+    before it in its section (a table's caption, a "Measured" section's first lines)."""
+    undated = []
+    for section in re.split(r"^#+ .*$", prose(page.read_text()).replace("\n\n\n", "\n\n"), flags=re.M):
+        paragraphs = [p for p in re.split(r"\n\s*\n", section) if p.strip()]
+        for i, paragraph in enumerate(paragraphs):
+            if MEASURED.search(paragraph) and not DATED.search(" ".join(paragraphs[:i + 1])):
+                undated.append(" ".join(paragraph.split())[:160])
+    assert not undated, undated
 
 
 def toml_model_type(config: str) -> str:

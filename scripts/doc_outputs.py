@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BLOCKS = re.compile(r"^```bash\n(?P<command>python -m titan_ext\.plan [^`]*?)\n```\n\n"
+BLOCKS = re.compile(r"^```bash\n(?P<command>python -m titan_ext\.plan (?:[^\n`\\]|\\\n|\\(?!\n))*)\n```\n\n"
                     r"(?:<!-- output: (?P<part>rows|first section) -->\n)?```\n(?P<shown>.*?)^```$", re.S | re.M)
 TIME = re.compile(r"^planned in [\d.]+ s$")
 

@@ -373,8 +373,9 @@ class Row:
     log_expect: str = ""
     """A line rank 0's log must hold."""
     console: bool = False
-    """The row's job prints what the README's quick start says (``console_problem``): rank 0's lines only,
-    ``step: N/TOTAL ... left: H:MM:SS``, no colour codes in a file, no MFU on the CPU."""
+    """The row's job prints what the README's quick start says (``console_problem``): rank 0's lines only (under PP
+    the step lines from the last stage's first rank), ``step: N/TOTAL ... left: H:MM:SS``, no colour codes in a
+    file, no MFU on the CPU."""
     seed_in_folder: tuple[str, ...] = ()
     """Specs whose job starts as torchtitan documents it: a seed checkpoint created by one process in the job's
     own dump folder (``--checkpoint.create_seed_checkpoint``), then loaded by the job as its ``step-0``
@@ -533,7 +534,7 @@ ROWS = {
                     rtol=TP_RTOL, cost=5, documents=True, spec_rtol=CP_DOCS_RTOL,
                     specs=("fla_gla", "fla_transformer", "hf_llama")),
     # Pipeline parallelism (titan_ext.pipeline): 1F1B, Interleaved1F1B with 2 stages per rank, and PP x FSDP.
-    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS),
+    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS, console=True),
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
     "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, spec_rtol=TIED_DTENSOR_RTOL),
@@ -1031,21 +1032,26 @@ BEFORE_TITAN_EXT = ("torchtitan version:", "Starting job:")
 
 
 def console_problem(matrix: Matrix, job: Job, steps: int) -> str:
-    """'' if the job's console (written to files: not a terminal) is the README's: rank 0's step lines say
-    ``step: N/steps`` and, from the second on, the time left; no colour codes, no MFU (the CPU has no peak);
-    the other ranks print no INFO line after torchtitan's first two."""
-    rank0 = job_log(matrix, job)
-    lines = [line for line in rank0.splitlines() if " - INFO - step: " in line]
+    """'' if the job's console (written to files: not a terminal) is the README's: one rank prints the step
+    lines (rank 0; under PP the last stage's first rank), ``step: N/steps`` and, from the second on, the time
+    left; no colour codes, no MFU (the CPU has no peak); ranks other than 0 print no other INFO line after
+    torchtitan's first two."""
+    logs = [job_log(matrix, job, rank) for rank in range(job.world)]
+    step_lines = {rank: [line for line in log.splitlines() if " - INFO - step: " in line] for rank, log in enumerate(logs)}
+    printing = [rank for rank, lines in step_lines.items() if lines]
+    if len(printing) != 1:
+        return f"ranks {printing} print step lines: one rank should"
+    lines = step_lines[printing[0]]
     wanted = [f"step: {n}/{steps}" for n in range(1, steps + 1)]
     if [line.split(" - INFO - ")[1].split("  ")[0] for line in lines] != wanted:
-        return f"rank 0's step lines are not {wanted}: {lines}"
+        return f"rank {printing[0]}'s step lines are not {wanted}: {lines}"
     if not all(re.search(r"  left: \d+:\d\d:\d\d$", line) for line in lines[1:]) or not lines[0].endswith("left: ?"):
-        return f"rank 0's step lines do not end in the time left: {lines}"
-    if "\x1b[" in rank0 or "mfu" in rank0:
-        return "rank 0's log holds colour codes or an MFU figure"
+        return f"rank {printing[0]}'s step lines do not end in the time left: {lines}"
+    if any("\x1b[" in log or "mfu" in log for log in logs):
+        return "a rank's log holds colour codes or an MFU figure"
     for rank in range(1, job.world):
-        info = [line for line in job_log(matrix, job, rank).splitlines()
-                if " - INFO - " in line and not line.split(" - INFO - ")[1].startswith(BEFORE_TITAN_EXT)]
+        info = [line for line in logs[rank].splitlines() if " - INFO - " in line and " - INFO - step: " not in line
+                and not line.split(" - INFO - ")[1].startswith(BEFORE_TITAN_EXT)]
         if info:
             return f"rank {rank} printed INFO lines: {info[:3]}"
     return ""

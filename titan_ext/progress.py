@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 
 from titan_ext.errors import rank
 
-EVERY_RANK_OPTION = "--titan_ext.log_every_rank"
 RECENT_STEPS = 10
 """The time left is the mean step time over at most this many of the latest steps."""
 

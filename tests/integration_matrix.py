@@ -380,6 +380,10 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+    console: bool = False
+    """The row's job prints what the README's quick start says (``console_problem``): rank 0's lines only (under PP
+    the step lines from the last stage's first rank), ``step: N/TOTAL ... left: H:MM:SS``, no colour codes in a
+    file, no MFU on the CPU."""
     seed_in_folder: tuple[str, ...] = ()
     """Specs whose job starts as torchtitan documents it: a seed checkpoint created by one process in the job's
     own dump folder (``--checkpoint.create_seed_checkpoint``), then loaded by the job as its ``step-0``
@@ -441,7 +445,7 @@ README_COMMAND = "{readme}"
 """Stands for the extension example's command-line arguments (docs/extending.md)."""
 ROWS = {
     "single": Row(1, parallel(), validation=True),
-    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",)),
+    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",), console=True),
     "ddp2": Row(2, parallel(replicate=2)),
     "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, validation=True, cost=4,  # sequence parallel and loss parallel on (the defaults)
                spec_rtol=TIED_DTENSOR_RTOL),
@@ -543,7 +547,7 @@ ROWS = {
                     rtol=TP_RTOL, cost=5, documents=True, spec_rtol=CP_DOCS_RTOL,
                     specs=("fla_gla", "fla_transformer", "hf_llama")),
     # Pipeline parallelism (titan_ext.pipeline): 1F1B, Interleaved1F1B with 2 stages per rank, and PP x FSDP.
-    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS),
+    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS, console=True),
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
     "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, spec_rtol=TIED_DTENSOR_RTOL),
@@ -975,7 +979,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 # ---------------------------------------------------------------- evaluation
 
-STEP_LINE = re.compile(r"step:\s+(\d+)\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
+STEP_LINE = re.compile(r"step:\s+(\d+)(?:/\d+)?\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
 
 
 def read_metrics(matrix: Matrix, job: Job) -> list[dict]:
@@ -1045,9 +1049,39 @@ def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RT
     return worst, detail if worst > rtol else ""
 
 
-def job_log(matrix: Matrix, job: Job) -> str:
-    path = matrix.root / "logs" / f"{job.id}.rank0.log"
+def job_log(matrix: Matrix, job: Job, rank: int = 0) -> str:
+    path = matrix.root / "logs" / f"{job.id}.rank{rank}.log"
     return path.read_text() if path.exists() else ""
+
+
+BEFORE_TITAN_EXT = ("torchtitan version:", "Starting job:")
+"""What every rank prints before torchtitan imports titan_ext (``custom_import``)."""
+
+
+def console_problem(matrix: Matrix, job: Job, steps: int) -> str:
+    """'' if the job's console (written to files: not a terminal) is the README's: one rank prints the step
+    lines (rank 0; under PP the last stage's first rank), ``step: N/steps`` and, from the second on, the time
+    left; no colour codes, no MFU (the CPU has no peak); ranks other than 0 print no other INFO line after
+    torchtitan's first two."""
+    logs = [job_log(matrix, job, rank) for rank in range(job.world)]
+    step_lines = {rank: [line for line in log.splitlines() if " - INFO - step: " in line] for rank, log in enumerate(logs)}
+    printing = [rank for rank, lines in step_lines.items() if lines]
+    if len(printing) != 1:
+        return f"ranks {printing} print step lines: one rank should"
+    lines = step_lines[printing[0]]
+    wanted = [f"step: {n}/{steps}" for n in range(1, steps + 1)]
+    if [line.split(" - INFO - ")[1].split("  ")[0] for line in lines] != wanted:
+        return f"rank {printing[0]}'s step lines are not {wanted}: {lines}"
+    if not all(re.search(r"  left: \d+:\d\d:\d\d$", line) for line in lines[1:]) or not lines[0].endswith("left: ?"):
+        return f"rank {printing[0]}'s step lines do not end in the time left: {lines}"
+    if any("\x1b[" in log or "mfu" in log for log in logs):
+        return "a rank's log holds colour codes or an MFU figure"
+    for rank in range(1, job.world):
+        info = [line for line in logs[rank].splitlines() if " - INFO - " in line and " - INFO - step: " not in line
+                and not line.split(" - INFO - ")[1].startswith(BEFORE_TITAN_EXT)]
+        if info:
+            return f"rank {rank} printed INFO lines: {info[:3]}"
+    return ""
 
 
 def evaluate_failure(matrix: Matrix, spec: str, row: str) -> Result:
@@ -1120,6 +1154,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         if spec != "llama3" and ROWS[row].validation:
             run_validation, ref_validation = read_validation(matrix, jobs[0]), read_validation(matrix, ref_jobs[-1])
             checks.append(("validation vs single", *compare_validation(run_validation, ref_validation, rtol)))
+    if ROWS[row].console and spec != "llama3" and (problem := console_problem(matrix, jobs[0], ROWS[row].steps)):
+        checks.append(("console", math.inf, problem))
     if ROWS[row].log_expect and ROWS[row].log_expect not in job_log(matrix, jobs[0]):
         checks.append(("log", math.inf, f"rank 0's log lacks {ROWS[row].log_expect!r}"))
     worst = max(rel for _, rel, _ in checks)

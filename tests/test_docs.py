@@ -516,6 +516,22 @@ def test_each_documented_launch_passes_the_checks_for_its_world_size(outputs, co
         assert error == "", f"{command} (world {world}): {error}"
 
 
+def test_the_troubleshooting_example_is_the_line_the_code_prints(outputs, monkeypatch):
+    """docs/troubleshooting.md shows a refused launch and the line it stops with ("..." stands for the lists the
+    line goes on with): the line the check prints for that command."""
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    (command,) = [c for c in commands(page) if any(flags in c for flags in REFUSED)]
+    shown = {line.split("titan_ext: ", 1)[1] for _, body in fenced(page) for line in body.splitlines()
+             if "titan_ext: " in line and ("- ERROR -" in line or "traceback :" in line)}
+    assert shown, "no refused line shown"
+    env, world, argv = launch_of(command)
+    monkeypatch.chdir(outputs)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    printed = first_error(argv, world)
+    for line in shown:
+        assert re.fullmatch(".*".join(map(re.escape, line.split("..."))), printed), (line, printed)
+
+
 def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
     """The check above can fail: a misspelled TOML, flag or layout in a page would."""
     monkeypatch.chdir(outputs)
@@ -527,6 +543,89 @@ def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
         first_error(launch_of(good + " --parallelism.tensor_paralel_degree 2")[2], world)
     with pytest.raises(BaseException):  # a TOML that does not exist
         first_error(launch_of(good.replace("debug_gla", "debug_glaa"))[2], world)
+
+
+# ---------------------------------------------------------------- figures and claims, as the code gives them
+
+DATED_OUTPUTS = {
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024 --sweep":
+        "2026-11-29",  # 2 minutes of planning on 2 cores
+}
+"""Planner commands whose outputs the pages show with their date instead (each would cost the suite minutes)."""
+
+
+def planner_outputs() -> list[tuple[str, object]]:
+    """(page, shown output) of every planner output the pages show (scripts/doc_outputs.py), but for commands
+    of minutes (``gpu``, ``DATED_OUTPUTS``), whose outputs the pages date."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import doc_outputs
+
+    return [(str(page.relative_to(REPO)), shown) for page in PAGES for shown in doc_outputs.shown_outputs(page.read_text())
+            if RUN_BY.get(shown.command) != "gpu" and shown.command not in DATED_OUTPUTS]
+
+
+def test_a_dated_output_states_its_date():
+    pages = {page: page.read_text() for page in PAGES}
+    for command, date in DATED_OUTPUTS.items():
+        assert any(command in " ".join(t.replace("\\\n", " ").split()) and date in t for t in pages.values()), command
+
+
+@pytest.mark.parametrize("page,shown", planner_outputs(), ids=lambda x: x if isinstance(x, str) else x.command[-60:])
+def test_each_planner_output_on_the_pages_is_what_the_planner_prints(page, shown):
+    """``python scripts/doc_outputs.py --write PAGE`` writes them; the planning time (the last line) aside."""
+    import doc_outputs
+
+    assert shown.command in RUN_BY, shown.command
+    problem = doc_outputs.difference(shown, doc_outputs.printed(shown.command))
+    assert not problem, f"{page}: {shown.command}\n{problem}\n(python scripts/doc_outputs.py --write {page})"
+
+
+MEASURED = re.compile(r"\d[\d.,]*\s?(?:GiB|MiB|tokens/s|ms|s|seconds|minutes|min)\b")
+"""A figure someone measured: memory, throughput, time."""
+DATED = re.compile(r"20\d\d-\d\d-\d\d|bench/|tests/|scripts/|`python |titan_ext\.plan")
+"""A date, or what prints the figure (a bench, a test, a script, a command)."""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_measured_figure_is_dated_or_names_what_prints_it(page):
+    """A prose paragraph with a measured figure says when, or by what, it was measured: itself or a paragraph
+    before it in its section (a table's caption, a "Measured" section's first lines)."""
+    undated = []
+    for section in re.split(r"^#+ .*$", prose(page.read_text()).replace("\n\n\n", "\n\n"), flags=re.M):
+        paragraphs = [p for p in re.split(r"\n\s*\n", section) if p.strip()]
+        for i, paragraph in enumerate(paragraphs):
+            if MEASURED.search(paragraph) and not DATED.search(" ".join(paragraphs[:i + 1])):
+                undated.append(" ".join(paragraph.split())[:160])
+    assert not undated, undated
+
+
+def toml_model_type(config: str) -> str:
+    """The model type a shipped TOML trains: its hf_config's, else its train spec's name."""
+    import json
+
+    import tomli
+
+    toml = tomli.loads((REPO / "train_configs" / config).read_text())
+    hf_config = toml.get("titan_ext", {}).get("hf_config")
+    return json.loads((REPO / hf_config).read_text())["model_type"] if hf_config else toml["model"]["name"]
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "train_configs").glob("*.toml")))
+def test_a_shipped_tomls_header_names_matrix_rows_that_train_its_model(config):
+    """A header's "(spec/row)" claims: a row of CI's matrix trains that layout on the TOML's own model type."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import integration_matrix as matrix
+
+    header = "".join(line for line in (REPO / "train_configs" / config).read_text().splitlines(True)
+                     if line.startswith("#"))
+    claims = re.findall(r"\((\w+)/(\w+)\)", header)
+    for spec, row in claims:
+        assert spec in matrix.SPECS and row in matrix.ALL_ROWS and matrix.applies(spec, row), (config, spec, row)
+        assert (spec, row) not in matrix.UNSUPPORTED_PAIRS, (config, spec, row)
+        hf = matrix.SPECS[spec].hf_config
+        assert (hf["model_type"] if hf else toml_model_type(matrix.SPECS[spec].config)) == toml_model_type(config)
+    assert claims or not re.search(r"\b(TP|CP|PP)\b", header), f"{config}: its header names layouts without rows"
 
 
 def test_torchtitan_resumes_from_the_latest_step(outputs):

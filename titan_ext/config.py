@@ -72,6 +72,10 @@ class TitanExt:
     give ``--checkpoint.load_step``, or "skip" to the newest whole step, with one WARNING naming the damaged one.
     Nothing on disk changes either way. A step asked for by ``--checkpoint.load_step`` always stops."""
 
+    log_every_rank: bool = False
+    """Every rank prints its INFO lines and step line, as torchtitan does; by default ranks other than 0 print
+    only warnings and errors, and the step line comes from the rank holding the loss (``titan_ext.progress``)."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -10,7 +10,7 @@
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
 * ``PER_JOB``: a flag or one object of the job, changed by the feature that
   needs it (DDP with compile, CP's rotate method, the optimizer's step, the
-  metrics logger and close, the trainer's split of a batch and its close).
+  metrics logger, step line, colours and close, the trainer's split of a batch and its close).
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
 * ``CHECKPOINT_MANIFEST``: in a job that saves checkpoints; ``SKIP_DAMAGED_STEPS``: in a
   job that resumes past damaged steps (``--titan_ext.damaged_checkpoint skip``).
@@ -148,6 +148,8 @@ class _DropMessages(logging.Filter):
 CPU_MODE_LOGS: tuple[tuple[str, str, str], ...] = (
     ("torchao", "Failed to load", "torchao's CUDA extensions (mxfp8, cutlass), on import"),
     ("", "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "torchtitan sets an NCCL variable; gloo never reads it"),
+    ("", "Peak FLOPS used for computing MFU: inf",
+     "the CPU has no peak FLOPS (get_peak_flops above): no MFU to compute, and the step line prints none"),
 )
 
 # Python warnings of any titan_ext job that ask nothing of its user: (message regex, why, versions seen).
@@ -163,6 +165,9 @@ JOB_LOGS: tuple[tuple[str, str, str], ...] = (
      "torchao 0.18 registers its enums with torch.compile on import, which torch 2.13 deprecates"),
     ("transformers.utils.generic", "`past_key_values`/`cache_params` are deprecated",
      "fla 0.6's models build their outputs with past_key_values=, which transformers 5.24 renamed to cache"),
+    ("", "Pipeline Parallel loss is not visible",
+     "torchtitan's hint (every rank, under PP) to list the last stage's rank in LOG_RANK: titan_ext prints the step "
+     "line from that rank (titan_ext.progress)"),
 )
 
 
@@ -216,6 +221,8 @@ JOB: tuple[tuple[str, str], ...] = (
      "no titan_ext, so it sets torch's flag itself, as torchtitan's own apply_tp does)"),
     ("torch CP: DTensor's SDPA handlers", "ring attention under CP (torchtitan's apply_cp_to_attention_module, as for "
      "its own models; titan_ext.context_parallel.apply_cp); torchtitan never turns it off"),
+    ("root logger's handlers: filter progress.OtherRankQuiet", "on a rank other than 0, warnings, errors and the "
+     "step line only (quiet_other_rank; torchtitan prints every INFO line once per rank)"),
 )
 """Changes a job makes through torchtitan's or model_plans' own functions (listed, not applied here)."""
 
@@ -297,6 +304,18 @@ METRICS_LOG = InstancePatch(
     "logged ones (titan_ext.moe, titan_ext.metrics)",
     TORCHTITAN,
 )
+METRICS_STEP_LINE = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.log",
+    "its step line says step N of --training.steps and the time left, and no MFU where the device has no peak "
+    "FLOPS; it is printed by the rank holding the loss only (titan_ext.progress, titan_ext.metrics)",
+    TORCHTITAN,
+)
+METRICS_COLOR = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.color",
+    "torchtitan colours its lines with ANSI codes unless --metrics.disable_color_printing, also into a file: "
+    "no colours off a terminal or with NO_COLOR set (titan_ext.progress)",
+    TORCHTITAN,
+)
 TRAINER_BATCH = InstancePatch(
     "torchtitan.train:Trainer.post_dataloading_process",
     "torchtitan hands the dataloader's extra inputs to the first pipeline stage only, and its extra kwargs (its "
@@ -313,7 +332,7 @@ TRAINER_CLOSE = InstancePatch(
     TORCHTITAN,
 )
 PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE,
-                                               METRICS_LOG, TRAINER_BATCH, TRAINER_CLOSE)
+                                               METRICS_LOG, METRICS_STEP_LINE, METRICS_COLOR, TRAINER_BATCH, TRAINER_CLOSE)
 """Applied by the feature that needs it, to its own job (each names it)."""
 
 
@@ -712,6 +731,14 @@ def apply_job() -> None:
     logging.getLogger().addFilter(log_filter)
     _undo_stack.append(lambda: logging.getLogger().removeFilter(log_filter))
     _quiet([message for message, _, _ in JOB_WARNINGS], [(name, part) for name, part, _ in JOB_LOGS])
+
+
+def quiet_other_rank(log_filter: logging.Filter) -> None:
+    """The job's filter on the root logger's handlers (torchtitan's ``init_logger`` makes them anew for each job,
+    so a filter ends with its job); ``undo()`` removes it."""
+    for handler in list(logging.getLogger().handlers):
+        handler.addFilter(log_filter)
+        _undo_stack.append(lambda h=handler: h.removeFilter(log_filter))
 
 
 def _quiet(messages: list[str], logs: list[tuple[str, str]]) -> None:

@@ -21,7 +21,7 @@ import os
 
 from titan_ext import (
     activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, interrupt, loss,
-    moe, nonfinite, pipeline, preflight, tensor_parallel,
+    moe, nonfinite, pipeline, preflight, progress, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
@@ -62,6 +62,8 @@ def on_trainer_import() -> None:
         host_patches.apply_once(host_patches.CHECKPOINT_MANIFEST)
     if checkpoints.damaged_checkpoint_policy(job_config) == "skip":
         host_patches.apply_once(host_patches.SKIP_DAMAGED_STEPS)
+    if progress.quiets_this_rank(job_config):
+        host_patches.quiet_other_rank(progress.OtherRankQuiet())
     if documents.enabled(job_config):  # every pipeline stage reads the boundaries
         host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():

@@ -50,7 +50,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
   transformers' forward of the folder, the export holds the folder's tensors moved by training, loads with
   ``from_pretrained`` and runs the page's loading block (``evaluate_walkthrough``; 2.3, 2.8 and 4.5 s of 2-rank jobs,
-  2026-11-30).
+  2026-11-30). Kimi Linear's folder ships its tokenizer in tiktoken's format, as Kimi's does, and the page's
+  ``python -m titan_ext.tokenizer_json`` writes its tokenizer.json (``write_hub_folder``): the hub rows of
+  ``hf_kimi_linear`` train with it too.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step
@@ -183,6 +185,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import readme_example
+import tiktoken_folder
 import walkthrough
 
 REPO = Path(__file__).resolve().parents[1]
@@ -900,7 +903,8 @@ class Matrix:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
             if any(ROWS[row].kind in ("hub", "walkthrough") and self.applies(spec, row) for row in self.rows):
-                write_hub_folder(hub_config(spec), self.hub_folder(spec))
+                hub = self.hub_folder(spec)
+                write_hub_folder(hub_config(spec), hub, walkthrough_tokenizer_json(spec, hub))
 
 
 def hub_config(spec: str) -> dict:
@@ -922,9 +926,11 @@ HUB_NOISE = 0.1
 """Added to every initialized tensor of a hub folder's model, times a standard normal draw."""
 
 
-def write_hub_folder(config: dict, folder: Path) -> None:
+def write_hub_folder(config: dict, folder: Path, tokenizer_json: list[str] | None = None) -> None:
     """A tiny model of ``config`` as the hub ships one: transformers' ``save_pretrained`` (its own initialization,
-    one tensor per expert, sharded with an index) and the shipped tokenizer's files."""
+    one tensor per expert, sharded with an index) and the shipped tokenizer's files; or, given the arguments of
+    ``python -m titan_ext.tokenizer_json`` (the walkthrough's for that model), a tokenizer in tiktoken's format as
+    Kimi's folders ship it (``tests/tiktoken_folder.py``) and that command's tokenizer.json."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -935,8 +941,28 @@ def write_hub_folder(config: dict, folder: Path) -> None:
         for parameter in model.parameters():
             parameter.add_(torch.randn_like(parameter), alpha=HUB_NOISE)
     model.save_pretrained(folder, max_shard_size=HUB_SHARD)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "titan_ext" / "assets" / "tiny" / name, folder)
+    if tokenizer_json is None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(REPO / "titan_ext" / "assets" / "tiny" / name, folder)
+        return
+    from titan_ext.tokenizer_json import main
+
+    tiktoken_folder.write_folder(folder, tiktoken_folder.train_ranks(tiktoken_folder.TRAINING_TEXT, HUB_MERGES))
+    if main(tokenizer_json) != 0:
+        raise RuntimeError(f"python -m titan_ext.tokenizer_json {' '.join(tokenizer_json)} failed (its line above)")
+
+
+HUB_MERGES = 200
+"""At most this many BPE merges in a tiktoken-format hub folder's ranks (its short text yields fewer)."""
+
+
+def walkthrough_tokenizer_json(spec: str, hub: Path) -> list[str] | None:
+    """The page's ``tokenizer_json`` arguments for the spec's hub folder ``hub``, where its walkthrough model has
+    one."""
+    if spec not in WALKTHROUGH:
+        return None
+    model = walkthrough.model_of(WALKTHROUGH[spec])
+    return walkthrough.tokenizer_json_argv(model, hub) if model.tokenizer_json else None
 
 
 def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:

@@ -631,6 +631,9 @@ BAD_TOKENIZER_DIRS = {
     "empty folder": ({}, "holds no tokenizer.json (nor vocab.json/vocab.txt; it holds nothing)"),
     "config only": ({"tokenizer_config.json": "{}"}, "holds no tokenizer.json (nor vocab.json/vocab.txt; it holds "
                                                      "tokenizer_config.json); copy the model's tokenizer.json"),
+    "tiktoken's format": ({"tiktoken.model": "", "tokenizer_config.json": "{}"}, "holds no tokenizer.json but a "
+                          "tokenizer in tiktoken's format (tiktoken.model); write its tokenizer.json: python -m "
+                          "titan_ext.tokenizer_json /"),
     "broken tokenizer.json": ({"tokenizer.json": '{"version": "1.0", '}, "tokenizer.json cannot be loaded (",
                               "download it again"),
     "zero-byte tokenizer.json": ({"tokenizer.json": ""}, "tokenizer.json cannot be loaded (EOF while parsing"),
@@ -646,6 +649,40 @@ def test_bad_tokenizer_dir(tmp_path, case):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     fails(lambda: tokenizer.check_tokenizer_dir(str(tmp_path), str(tmp_path)), "--model.hf_assets_path=", *phrases)
+
+
+BAD_TIKTOKEN_FOLDERS = {
+    "no tiktoken.model": ({"tiktoken.model": None}, "holds no tiktoken.model; point it at a hub folder"),
+    "a line not base64": ({"tiktoken.model": "IQ== 0\nnot-base64! 1\n"},
+                          "tiktoken.model:2: 'not-base64! 1' is not 'base64(token bytes) rank'"),
+    "ranks with a hole": ({"tiktoken.model": "IQ== 0\nIg== 2\n"}, "its ranks are not 0..1, each once"),
+    "no pat_str": ({"tokenization_kimi.py": "x = 1\n"}, "needs one pat_str assignment", "found none in its *.py files"),
+    "two pat_str": ({"other.py": "pat_str = 'a'\n"}, "found 2 different ones in ['other.py', 'tokenization_kimi.py']"),
+    "a Python file that is not Python": ({"tokenization_kimi.py": "pat_str = (\n"}, "tokenization_kimi.py is not Python ("),
+    "pat_str computed": ({"tokenization_kimi.py": "pat_str = make()\n"}, "pat_str in ['tokenization_kimi.py'] is not "
+                                                                         "built of string literals"),
+    "no tokenizer_config.json": ({"tokenizer_config.json": None}, "no tokenizer_config.json (its special tokens)"),
+    "a special id among the ranks": ({"tokenizer_config.json": '{"added_tokens_decoder": {"3": {"content": "[X]"}}}'},
+                                     "added_tokens_decoder gives ids [3] that tiktoken.model's ranks hold"),
+    "a special token that is a BPE token": ({"tokenizer_config.json": '{"added_tokens_decoder": {"256": {"content": "!"}}}'},
+                                            "special tokens ['!'] are also BPE tokens of tiktoken.model"),
+    "tokenizer_config.json not JSON": ({"tokenizer_config.json": "{"}, "tokenizer_config.json is not JSON ("),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_TIKTOKEN_FOLDERS))
+def test_bad_tiktoken_folder(tmp_path, case):
+    """``python -m titan_ext.tokenizer_json``: one line, and nothing written."""
+    import tiktoken_folder
+
+    from titan_ext.tokenizer_json import write_tokenizer_json
+
+    tiktoken_folder.write_folder(tmp_path, tiktoken_folder.train_ranks("", merges=0))  # the 256 bytes
+    files, *phrases = BAD_TIKTOKEN_FOLDERS[case]
+    for name, text in files.items():
+        (tmp_path / name).unlink() if text is None else (tmp_path / name).write_text(text)
+    fails(lambda: write_tokenizer_json(str(tmp_path)), *phrases)
+    assert not (tmp_path / "tokenizer.json").exists()
 
 
 def test_tokenizer_dir_checked_before_any_model(tmp_path):

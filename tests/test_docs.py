@@ -182,6 +182,7 @@ RUN_BY = {
     "--training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000": "matrix:hf_qwen3_moe/walkthrough",
     "hf download moonshotai/Kimi-Linear-48B-A3B-Instruct --local-dir checkpoints/Kimi-Linear-48B-A3B-Instruct":
         "download",
+    "python -m titan_ext.tokenizer_json checkpoints/Kimi-Linear-48B-A3B-Instruct": "matrix:hf_kimi_linear/walkthrough",
     "python -m titan_ext.plan --job.config_file train_configs/kimi_linear.toml "
     "--titan_ext.hf_config checkpoints/Kimi-Linear-48B-A3B-Instruct --parallelism.data_parallel_shard_degree 8 "
     "--parallelism.expert_parallel_degree 8 --activation_checkpoint.mode full --training.local_batch_size 2 "

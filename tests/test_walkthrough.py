@@ -69,17 +69,30 @@ def test_the_cpu_run_changes_only_the_folder_the_degrees_and_the_data():
     assert [pair for pair in walkthrough.flags(argv, ()) if pair in kept] == kept
 
 
-def test_kimis_folder_without_tokenizer_json_stops_in_one_line(tmp_path):
-    """What the page says Kimi's download meets: its tokenizer is tiktoken.model, which torchtitan cannot read."""
-    from titan_ext.inputs.tokenizer import check_tokenizer_dir
+def test_kimis_folder_stops_in_one_line_naming_the_pages_command_which_makes_it_load(tmp_path, monkeypatch):
+    """What Kimi's download meets: its tokenizer is in tiktoken's format, which torchtitan cannot read; the
+    preflight line names the page's tokenizer_json command, and that command, run as the page shows it, writes the
+    tokenizer.json the job loads."""
+    import tiktoken_folder
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    for name in ("config.json", "tiktoken.model", "tokenization_kimi.py", "tokenizer_config.json"):
-        (tmp_path / name).write_text("{}")
+    from titan_ext.inputs.tokenizer import check_tokenizer_dir
+    from titan_ext.tokenizer_json import main
+
+    model = MODELS["Kimi-Linear-48B-A3B-Instruct"]
+    assert [m.repo for m in MODELS.values() if m.tokenizer_json] == [model.repo] and model.tokenizer_json == [model.folder]
+    monkeypatch.chdir(tmp_path)
+    ranks = tiktoken_folder.train_ranks(tiktoken_folder.TRAINING_TEXT, merges=50)
+    tiktoken_folder.write_folder(tmp_path / model.folder, ranks)
     with pytest.raises(ConfigError) as error:
-        check_tokenizer_dir(str(tmp_path), "checkpoints/Kimi-Linear-48B-A3B-Instruct")
+        check_tokenizer_dir(model.folder, model.folder)
     line = str(error.value)
-    assert "\n" not in line and line.startswith(
-        "--model.hf_assets_path='checkpoints/Kimi-Linear-48B-A3B-Instruct' holds no tokenizer.json")
+    assert "\n" not in line and line.startswith(f"--model.hf_assets_path={model.folder!r} holds no tokenizer.json")
+    assert line.endswith(": " + " ".join(["python", "-m", "titan_ext.tokenizer_json", *model.tokenizer_json]))
+    assert main(model.tokenizer_json) == 0  # as the page shows it, from the folder holding checkpoints/
+    check_tokenizer_dir(model.folder, model.folder)
+    tokenizer = HuggingFaceTokenizer(model.folder)
+    assert tokenizer.encode("HelloWorld", add_bos=False, add_eos=False) == tiktoken_folder.tiktoken_encode("HelloWorld", ranks)
 
 
 def test_the_loading_block_names_the_dense_export_of_the_page():

@@ -2,7 +2,8 @@
 
 Its section "Continued pretraining from a hub checkpoint" holds one subsection per model (``### ...``), each with
 one ```` ```bash ```` block per step: ``hf download REPO --local-dir checkpoints/NAME``, ``python -m titan_ext.plan``
-(its output in the ```` ```text ```` block after it) and ``torchrun ... -m torchtitan.train``; then one
+(its output in the ```` ```text ```` block after it), for a folder whose tokenizer is in tiktoken's format
+``python -m titan_ext.tokenizer_json checkpoints/NAME``, and ``torchrun ... -m torchtitan.train``; then one
 ```` ```python ```` block that loads an export.
 
 The 8-GPU commands run on 2 CPU ranks (the integration matrix's ``walkthrough`` row) with these changes, and no
@@ -23,6 +24,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "checkpoints-and-hf.md"
 SECTION = "## Continued pretraining from a hub checkpoint"
 FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```", re.S | re.M)
 FOLDER = re.compile(r"--local-dir (\S+)")
+TOKENIZER_JSON = ["python", "-m", "titan_ext.tokenizer_json"]
 GPUS = "8"
 CPU_RANKS = "2"
 USER_DATA = ("--training.dataset", "--training.dataset_path")
@@ -51,6 +53,8 @@ class Model:
     train: list[str]
     """The training command's arguments after ``-m torchtitan.train``."""
     world: int
+    tokenizer_json: list[str] | None
+    """The arguments after ``-m titan_ext.tokenizer_json`` where the folder needs its tokenizer.json written."""
 
 
 def section(text: str) -> str:
@@ -69,13 +73,15 @@ def _model(title: str, text: str) -> Model:
     downloads = [w for w in bash if w[:2] == ["hf", "download"]]
     plans = [w for w in bash if w[:3] == ["python", "-m", "titan_ext.plan"]]
     trains = [w for w in bash if w[:1] == ["torchrun"]]
+    tokenizers = [w[len(TOKENIZER_JSON):] for w in bash if w[:len(TOKENIZER_JSON)] == TOKENIZER_JSON]
     outputs = [body for (language, body), (before, _) in zip(blocks[1:], blocks) if language == "text" and before == "bash"]
-    if not (len(downloads) == len(plans) == len(trains) == len(outputs) == 1):
-        raise ValueError(f"{PAGE.name}: {title!r} must hold one download, one plan with its output and one torchrun")
+    if not (len(downloads) == len(plans) == len(trains) == len(outputs) == 1) or len(tokenizers) > 1:
+        raise ValueError(f"{PAGE.name}: {title!r} must hold one download, one plan with its output, one torchrun "
+                         "and at most one tokenizer_json")
     (download,), (plan,), (train,) = downloads, plans, trains
     world = int(next(w.split("=")[1] for w in train if w.startswith("--nproc_per_node=")))
     return Model(title, download[2], download[download.index("--local-dir") + 1], plan[3:], outputs[0],
-                 train[train.index("torchtitan.train") + 1:], world)
+                 train[train.index("torchtitan.train") + 1:], world, tokenizers[0] if tokenizers else None)
 
 
 def models(page: Path = PAGE) -> list[Model]:
@@ -121,6 +127,11 @@ def cpu_argv(model: Model, tiny: Path) -> list[str]:
     argv = _substituted(model.train, model.folder, str(tiny))
     i = argv.index("--job.config_file") + 1
     return [*argv[:i], str(PAGE.parents[1] / argv[i]), *argv[i + 1:]]
+
+
+def tokenizer_json_argv(model: Model, folder: Path) -> list[str]:
+    """The tokenizer_json command's arguments with the hub folder at ``folder``."""
+    return [str(folder) if word == model.folder else word for word in model.tokenizer_json]
 
 
 def plan_argv(model: Model, folder: Path) -> list[str]:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import shlex
 
 from titan_ext.errors import ConfigError
 
 OPTION = "--model.hf_assets_path"
 FIX = "copy the model's tokenizer.json into it, or use 'titan_ext/assets/tiny' for the shipped tokenizer"
+TIKTOKEN_FILE = "tiktoken.model"
+TIKTOKEN_FIX = "python -m titan_ext.tokenizer_json {given}"
+"""The command that writes tokenizer.json for a folder in tiktoken's format (``titan_ext.tokenizer_json``)."""
 
 
 def check_tokenizer_dir(path: str, given: str, option: str = OPTION) -> None:
@@ -24,6 +28,10 @@ def check_tokenizer_dir(path: str, given: str, option: str = OPTION) -> None:
     if os.path.isfile(tokenizer_json):
         load_tokenizer_json(tokenizer_json, where)
     elif not any(os.path.isfile(os.path.join(path, name)) for name in ("vocab.json", "vocab.txt")):
+        if os.path.isfile(os.path.join(path, TIKTOKEN_FILE)):
+            command = TIKTOKEN_FIX.format(given=shlex.quote(given))
+            raise ConfigError(f"{where} holds no tokenizer.json but a tokenizer in tiktoken's format "
+                              f"({TIKTOKEN_FILE}); write its tokenizer.json: {command}")
         found = sorted(os.listdir(path))
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "") if found else "nothing"
         raise ConfigError(f"{where} holds no tokenizer.json (nor vocab.json/vocab.txt; it holds {shown}); {FIX}")

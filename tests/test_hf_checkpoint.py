@@ -30,3 +30,18 @@ def test_config_check_names_each_differing_field(spec, tmp_path):
     assert "hidden_size" not in message, message
     checkpoint_config(args).save_pretrained(tmp_path)
     check_hf_config(args, str(tmp_path))  # a matching directory passes
+
+
+def test_an_export_carries_the_tokenizer_modules_its_config_names(tmp_path):
+    """A custom tokenizer (Kimi's: ``auto_map`` -> ``tokenization_kimi.py``, ``tiktoken.model``) is carried whole:
+    transformers' AutoTokenizer loads it from those files, as from the hub folder."""
+    import json
+
+    from titan_ext.checkpoint import tokenizer_files
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+    for name in ("tokenization_kimi.py", "tiktoken.model", "tokenizer.json", "modeling_other.py"):
+        (tmp_path / name).write_text("")
+    assert sorted(tokenizer_files(str(tmp_path))) == [
+        "tiktoken.model", "tokenization_kimi.py", "tokenizer.json", "tokenizer_config.json"]

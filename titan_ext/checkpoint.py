@@ -17,6 +17,7 @@ job closes.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -100,7 +101,26 @@ def check_hf_config(model_args, path: str) -> None:
         )
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "tiktoken.model")
+
+
+def tokenizer_files(hf_assets_path: str) -> list[str]:
+    """The tokenizer files of an assets folder an export carries: ``TOKENIZER_FILES`` and the Python modules its
+    ``tokenizer_config.json``'s ``auto_map`` names (Kimi's ``tokenization_kimi.py``): with an ``auto_map``,
+    transformers' ``AutoTokenizer`` loads the tokenizer from them, as from the hub folder."""
+    names = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_assets_path, name))]
+    try:
+        with open(os.path.join(hf_assets_path, "tokenizer_config.json")) as f:
+            auto_map = json.load(f).get("auto_map") or {}
+    except (OSError, ValueError, AttributeError):
+        return names
+    for entry in auto_map.values():
+        for reference in entry if isinstance(entry, list) else [entry]:
+            module = f"{reference.split('.')[0]}.py" if isinstance(reference, str) and "." in reference else None
+            if module and module not in names and os.path.isfile(os.path.join(hf_assets_path, module)):
+                names.append(module)
+    return names
 
 
 def last_hf_save(checkpoint_dir: str) -> str | None:
@@ -122,9 +142,7 @@ def finish_hf_export(model_args, checkpoint_dir: str, hf_assets_path: str) -> st
 
     hub_layout.to_hub_layout(meta_model(model_args), folder)
     checkpoint_config(model_args).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        source = os.path.join(hf_assets_path, name)
-        if hf_assets_path and os.path.isfile(source):
-            shutil.copy(source, folder)
+    for name in tokenizer_files(hf_assets_path) if hf_assets_path else []:
+        shutil.copy(os.path.join(hf_assets_path, name), folder)
     shutil.rmtree(os.path.join(folder, "sharded"), ignore_errors=True)
     return folder

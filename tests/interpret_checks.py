@@ -395,27 +395,30 @@ def case_gla_hybrid():
 
 
 def case_compiled_blocks():
-    """Blocks on the fla path compiled as titan_ext compiles them (the GLA hybrid: GLA and fla's softmax
-    Attention; Gated DeltaNet; KDA with its short convolutions), two steps without a recompile: dynamo compiles
-    titan_ext's and fla's layer code only, never a frame inside fla's kernel functions, fla's norm, rotary or
-    convolution modules, or Triton (``kernels.tp_local``: fla's entry points and those modules' forwards are
-    opaque; traced, they broke the graph deep inside fla, and dynamo compiled fla's wrappers and Triton's
-    launcher as frames of their own, and the modules' forwards, recompiled per call variant); compiled
-    against eager."""
+    """Blocks on the fla path compiled as titan_ext compiles them (pure GLA; the GLA hybrid: GLA and fla's softmax
+    Attention; Gated DeltaNet; KDA with its short convolutions), two steps without a recompile: no graph break,
+    one graph per block kind (every fla kernel a block reaches runs as a torch op: ``kernels.*_op``), and dynamo
+    compiles titan_ext's and fla's layer and module code only, never a frame inside fla's kernel functions or
+    Triton (traced, they broke the graph deep inside fla, and dynamo compiled fla's wrappers and Triton's
+    launcher as frames of their own); compiled against eager."""
     from torch._dynamo.convert_frame import register_bytecode_hook
+    from torch._dynamo.utils import counters
 
     from titan_ext.compile import apply_compile
 
     hybrid = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
     hybrid.config["num_hidden_layers"] = 3  # GLA, attention, GLA: the third block reuses the first's frames
+    models = (("gla", tiny_args("gla"), 1), ("gla_hybrid", hybrid, 2), ("gated_deltanet", tiny_args("gated_deltanet"), 1),
+              ("kda", tiny_args("kda"), 1))
     worst = {}
-    for name, args in (("gla_hybrid", hybrid), ("gated_deltanet", tiny_args("gated_deltanet")), ("kda", tiny_args("kda"))):
+    for name, args, kinds in models:
         eager = built(args, "fla")
         compiled = built(args, "fla", like=eager)
         apply_compile(compiled, "aot_eager")
         frames = []
         hook = register_bytecode_hook(lambda code, new_code: frames.append(code))
         torch._dynamo.reset()
+        counters.clear()
         try:
             tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
             with torch._dynamo.config.patch(error_on_recompile=True):
@@ -426,6 +429,10 @@ def case_compiled_blocks():
                 compiled(tokens).float().sum().backward()  # step 2: filled caches, the same frames
         finally:
             hook.remove()
+        breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+        if breaks or graphs != kinds:
+            raise AssertionError(f"{name}: {sum(breaks.values())} graph breaks, {graphs} graphs for {kinds} block "
+                                 f"kind(s): {[reason[:200] for reason in breaks]}")
         inside = sorted({f"{c.co_filename.split('site-packages/')[-1]}:{c.co_name}" for c in frames
                          if "/triton/" in c.co_filename or "/fla/ops/" in c.co_filename or "/fla/utils/" in c.co_filename
                          or "/fla/modules/norm/" in c.co_filename or "/fla/modules/rotary/" in c.co_filename

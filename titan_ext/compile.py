@@ -35,6 +35,7 @@ import types
 import torch
 import torch.nn as nn
 
+from titan_ext.kernels import rotary
 from titan_ext.kernels.binding import holds
 
 logger = logging.getLogger()
@@ -96,4 +97,5 @@ def apply_compile(model: nn.Module, backend: str) -> None:
             block.__class__ = _per_mixer_code(type(block), repr(mixers[int(name)]))
         # No fullgraph: an fla Triton op dynamo cannot trace must stay a graph break, not an error.
         layers.register_module(name, torch.compile(block, backend=backend))
+    model.register_forward_pre_hook(rotary.fill_caches)
     logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {backend})")

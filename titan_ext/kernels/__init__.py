@@ -45,8 +45,9 @@ from titan_ext.kernels.table import Kernel
 PATHS = ("fla", "portable")
 
 KERNEL_MODULES = (
-    "activations", "conv", "delta_rule", "delta_rule_op", "gated_delta", "gla", "gla_op", "kda", "kda_op",
-    "layer_cache", "losses", "norms", "rotary", "simple_gla", "tp_local", "transformers_gated_deltanet",
+    "activations", "conv", "conv_op", "delta_rule", "delta_rule_op", "elementwise_ops", "gated_delta",
+    "gated_delta_op", "gla", "gla_op", "kda", "kda_op", "layer_cache", "losses", "norm_ops", "norms",
+    "recurrent_gla_op", "rotary", "rotary_op", "simple_gla", "tp_local", "transformers_gated_deltanet",
     "transformers_kda",
 )
 """The modules of ``titan_ext.kernels`` with ``KERNELS``, ``SIGNATURES`` or ``SAVE_LIST`` (torch ops whose outputs

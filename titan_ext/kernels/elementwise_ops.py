@@ -6,8 +6,8 @@ Function of a Triton launch and a GEMM: called opaque, each MLP broke a compiled
 Here ``swish(x) * y`` is ``torch.ops.titan_ext.swiglu_fwd`` (fla's ``swiglu_fwd``) with
 ``titan_ext::swiglu_bwd`` (fla's ``swiglu_fwdbwd``) as its gradient, and the linear is
 ``F.linear`` in the graph. fla's Function recomputes ``swish(x) * y`` in backward to save
-memory; here that is the AC policy's choice (``SAVE_LIST`` leaves it out: op-level SAC
-recomputes it, as fla does). Under TP the inputs and ``down_proj``'s weight arrive as DTensors
+memory; here that is the AC policy's choice (no ``SAVE_LIST``: op-level SAC recomputes it,
+as fla does). Under TP the inputs and ``down_proj``'s weight arrive as DTensors
 (fla's ``SwiGLULinearParallel``): each rank multiplies its shards, a partial sum rewrapped.
 """
 

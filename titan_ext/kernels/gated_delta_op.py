@@ -25,7 +25,6 @@ from titan_ext import compat
 from titan_ext.kernels import op_parts
 from titan_ext.kernels.gla_op import check_packed_states
 from titan_ext.kernels.op_parts import empty, present
-from titan_ext.kernels.table import TP_LOCAL, Kernel
 from titan_ext.kernels.tp_local import with_local_args
 
 _FP32 = torch.float32
@@ -148,8 +147,7 @@ def _backward(ctx, do, dht, *_):
 chunk_gated_delta_rule_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 SAVE_LIST = {torch.ops.titan_ext.chunk_gated_delta_rule_fwd.default}
-"""What op-level SAC should keep of the Gated DeltaNet core: its forward's outputs (``o`` and what fla's
-backward reads)."""
+"""What op-level SAC should keep of the Gated DeltaNet core once models call it: its forward's outputs."""
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens, use_gate_in_kernel, A_log, chunk_size) -> None:
@@ -194,17 +192,12 @@ def _through_ops(
 
 
 chunk_gated_delta_rule = with_local_args(_through_ops)
-"""What titan_ext's models call on the ``fla`` path instead of fla's ``chunk_gated_delta_rule`` (its ``KERNELS``)."""
+"""fla's ``chunk_gated_delta_rule`` through the ops. Not yet what the ``fla`` path binds (no ``KERNELS`` row; it
+calls ``tp_local.chunk_gated_delta_rule``, opaque: one graph break per Gated DeltaNet block): equal to fla's
+function bit for bit on one packed row (``tests/interpret_checks.py``, ``block_ops``), but a whole Gated DeltaNet
+model on it under CP=2 and TP=2 (``cp``, ``tp``) disagreed with one process; open."""
 
-KERNELS = (
-    Kernel(
-        "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule,
-        "Gated DeltaNet's training kernel as torch ops around fla's own drivers: op-level SAC can save it and "
-        "compile keeps it in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); "
-        + TP_LOCAL,
-        ("fla",),
-    ),
-)
+KERNELS = ()
 """What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
 
 SIGNATURES = {

@@ -107,9 +107,6 @@ def _backward(ctx, dy, _drstd, dresidual):
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
-SAVE_LIST = {torch.ops.titan_ext.rms_norm_fwd.default}
-"""What op-level SAC keeps of a norm: its output (and rstd), not recomputed in backward."""
-
 
 def rms_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual_in_fp32=False):
     """fla's ``rms_norm`` (same arguments and returns) through ``titan_ext::rms_norm_fwd``/``bwd``."""

@@ -227,6 +227,85 @@ def case_kda_op():
     return {"kda_op_sac": sac, "kda_op_rows": rows, "kda_op_gva": gva}
 
 
+def case_block_ops():
+    """The torch ops a compiled block runs on the fla path (``norm_ops``, ``elementwise_ops``, ``conv_op``,
+    ``rotary_op``, ``recurrent_gla_op``, ``gated_delta_op``) against fla's functions as shipped, outputs and every
+    gradient: fla's drivers inside, so the same numbers (the SwiGLU-linear's GEMMs are torch's own on both sides).
+    And torch's checks of each op's registration (schema, autograd, fake against real)."""
+    import fla.modules.activations.ops as fla_act
+    import fla.modules.causal_conv1d.ops as fla_conv
+    import fla.modules.norm.fused_norm_gate as fla_gate
+    import fla.modules.norm.layernorm as fla_norm
+    import fla.modules.rotary.ops as fla_rotary
+    import fla.ops.gated_delta_rule as fla_delta
+    import fla.ops.gla as fla_gla
+
+    from titan_ext.kernels import conv_op, elementwise_ops, gated_delta_op, norm_ops, recurrent_gla_op, rotary_op
+
+    ident = lambda x: x  # noqa: E731
+    worst = {}
+    x, r, g, w, b = leaves(((2, 9, 32), ident), ((2, 9, 32), ident), ((2, 9, 32), ident), ((32,), lambda x: 1 + x / 4),
+                           ((32,), ident))
+    prenorm = dict(eps=1e-6, prenorm=True, residual_in_fp32=True)
+    worst["op_rms_norm"] = max(
+        compare(lambda *a: fla_norm.rms_norm(a[0], a[1], None, residual=a[2], **prenorm),
+                lambda *a: norm_ops.rms_norm(a[0], a[1], None, residual=a[2], **prenorm), [x, w, r]),
+        compare(lambda *a: fla_norm.rms_norm(*a), lambda *a: norm_ops.rms_norm(*a), [x, w, b]))
+    worst["op_rms_norm_gated"] = compare(
+        lambda *a: fla_gate.rms_norm_gated(a[0], a[1], a[2], None, activation="swish", eps=1e-6),
+        lambda *a: norm_ops.rms_norm_gated(a[0], a[1], a[2], None, activation="swish", eps=1e-6), [x, g, w])
+    down = leaves(((16, 32), ident), ((16,), ident))
+    worst["op_swiglu_linear"] = compare(fla_act.swiglu_linear, elementwise_ops.swiglu_linear, [x, g, *down])
+
+    conv_w, conv_b = leaves(((32, 4), lambda t: t / 2), ((32,), ident))
+    worst["op_causal_conv1d"] = max(compare(
+        lambda *a, **kw: fla_conv.causal_conv1d(a[0][:1], weight=a[1], bias=a[2], **kw),
+        lambda *a, **kw: conv_op.causal_conv1d(a[0][:1], weight=a[1], bias=a[2], **kw),
+        [x, conv_w, conv_b], activation="silu", cu_seqlens=torch.tensor([0, 4, 9]), **states)
+        for states in ({}, {"output_final_state": True}))
+
+    q, k = leaves(((2, 9, 2, 16), ident), ((2, 9, 2, 16), ident))
+    angles = torch.outer(torch.arange(12.0), torch.rand(8, generator=torch.Generator().manual_seed(3)))
+    worst["op_rotary_embedding"] = max(
+        compare(lambda a: fla_rotary.rotary_embedding(a, angles.cos(), angles.sin(), seqlen_offsets=2),
+                lambda a: rotary_op.rotary_embedding(a, angles.cos(), angles.sin(), seqlen_offsets=2), [q]),
+        compare(lambda a: fla_rotary.rotary_embedding(a[:1], angles.cos(), angles.sin(), cu_seqlens=torch.tensor([0, 4, 9])),
+                lambda a: rotary_op.rotary_embedding(a[:1], angles.cos(), angles.sin(), cu_seqlens=torch.tensor([0, 4, 9])),
+                [k]))
+
+    gla = gla_inputs(1, states=2)
+    worst["op_fused_recurrent_gla"] = compare(
+        lambda *a, **kw: fla_gla.fused_recurrent_gla(*a[:3], gk=a[3], initial_state=a[4], **kw),
+        lambda *a, **kw: recurrent_gla_op.fused_recurrent_gla(*a[:3], gk=a[3], initial_state=a[4], **kw),
+        gla, output_final_state=True, cu_seqlens=CU)
+
+    B, H, K, V = 1, 2, 16, 16
+    dq, dk, dv, raw_g, beta, A_log, dt_bias, h0 = leaves(
+        ((B, T, H, K), ident), ((B, T, H, K), ident), ((B, T, H, V), ident), ((B, T, H), ident), ((B, T, H), ident),
+        ((H,), lambda t: t / 4), ((H,), ident), ((2, H, V, K), lambda t: t / 4))
+    mixer = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 state_v_first=True, cu_seqlens=CU, use_gate_in_kernel=True)  # as fla's GatedDeltaNet calls it
+    worst["op_chunk_gated_delta_rule"] = compare(
+        lambda *a, **kw: fla_delta.chunk_gated_delta_rule(*a[:5], A_log=a[5], dt_bias=a[6], initial_state=a[7], **kw),
+        lambda *a, **kw: gated_delta_op.chunk_gated_delta_rule(*a[:5], A_log=a[5], dt_bias=a[6], initial_state=a[7], **kw),
+        [dq, dk, dv, raw_g, beta, A_log, dt_bias, h0], **mixer)
+
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    op_calls = {
+        "rms_norm_fwd": (x, g, w, None, r, 1e-6, True, "swish"),
+        "swiglu_fwd": (x, g),
+        "causal_conv1d_fwd": (x, conv_w, conv_b, None, None, True, "silu", None, None),
+        "rotary_embedding": (q, angles.cos(), angles.sin(), 1, None, None, False, False),
+        "fused_recurrent_gla_fwd": (*gla[:4], None, 0.25, gla[4], True, False, False, CU),
+        "chunk_gated_delta_rule_fwd": (dq, dk, dv, raw_g, beta, A_log, dt_bias, 0.25, h0, True, True, True, True, False,
+                                       True, CU, None, 64),
+    }
+    for op, args in op_calls.items():
+        result = torch.library.opcheck(getattr(torch.ops.titan_ext, op).default, args, test_utils=checks)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
+    return worst
+
+
 def case_causal_conv1d(packed: bool):
     from fla.modules.causal_conv1d.ops import causal_conv1d as shipped
 
@@ -395,27 +474,32 @@ def case_gla_hybrid():
 
 
 def case_compiled_blocks():
-    """Blocks on the fla path compiled as titan_ext compiles them (the GLA hybrid: GLA and fla's softmax
-    Attention; Gated DeltaNet; KDA with its short convolutions), two steps without a recompile: dynamo compiles
-    titan_ext's and fla's layer code only, never a frame inside fla's kernel functions, fla's norm, rotary or
-    convolution modules, or Triton (``kernels.tp_local``: fla's entry points and those modules' forwards are
-    opaque; traced, they broke the graph deep inside fla, and dynamo compiled fla's wrappers and Triton's
-    launcher as frames of their own, and the modules' forwards, recompiled per call variant); compiled
-    against eager."""
+    """Blocks on the fla path compiled as titan_ext compiles them (pure GLA; the GLA hybrid: GLA and fla's softmax
+    Attention; Gated DeltaNet; KDA with its short convolutions), two steps without a recompile: no graph break,
+    one graph per block kind (every fla kernel a block reaches runs as a torch op: ``kernels.*_op``), and dynamo
+    compiles titan_ext's and fla's layer and module code only, never a frame inside fla's kernel functions or
+    Triton (traced, they broke the graph deep inside fla, and dynamo compiled fla's wrappers and Triton's
+    launcher as frames of their own); compiled against eager."""
     from torch._dynamo.convert_frame import register_bytecode_hook
+    from torch._dynamo.utils import counters
 
     from titan_ext.compile import apply_compile
 
     hybrid = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
     hybrid.config["num_hidden_layers"] = 3  # GLA, attention, GLA: the third block reuses the first's frames
+    # (name, args, graphs, graph breaks, as counted): one graph per block kind, no break; Gated DeltaNet's core
+    # is still opaque (kernels.gated_delta_op: open), its block 4 graphs and 3 counted breaks
+    models = (("gla", tiny_args("gla"), 1, 0), ("gla_hybrid", hybrid, 2, 0),
+              ("gated_deltanet", tiny_args("gated_deltanet"), 4, 3), ("kda", tiny_args("kda"), 1, 0))
     worst = {}
-    for name, args in (("gla_hybrid", hybrid), ("gated_deltanet", tiny_args("gated_deltanet")), ("kda", tiny_args("kda"))):
+    for name, args, kinds, expected_breaks in models:  # kinds: graphs expected
         eager = built(args, "fla")
         compiled = built(args, "fla", like=eager)
         apply_compile(compiled, "aot_eager")
         frames = []
         hook = register_bytecode_hook(lambda code, new_code: frames.append(code))
         torch._dynamo.reset()
+        counters.clear()
         try:
             tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
             with torch._dynamo.config.patch(error_on_recompile=True):
@@ -426,6 +510,10 @@ def case_compiled_blocks():
                 compiled(tokens).float().sum().backward()  # step 2: filled caches, the same frames
         finally:
             hook.remove()
+        breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+        if sum(breaks.values()) != expected_breaks or graphs != kinds:
+            raise AssertionError(f"{name}: {sum(breaks.values())} graph breaks, {graphs} graphs for {kinds} block "
+                                 f"kind(s): {[reason[:200] for reason in breaks]}")
         inside = sorted({f"{c.co_filename.split('site-packages/')[-1]}:{c.co_name}" for c in frames
                          if "/triton/" in c.co_filename or "/fla/ops/" in c.co_filename or "/fla/utils/" in c.co_filename
                          or "/fla/modules/norm/" in c.co_filename or "/fla/modules/rotary/" in c.co_filename
@@ -455,6 +543,7 @@ CASES = {
     "tp": (case_tp, 1e-4),
     "gla_hybrid": (case_gla_hybrid, 1e-4),  # the whole hybrid model, with documents (~7 s)
     "compiled_blocks": (case_compiled_blocks, 1e-4),
+    "block_ops": (case_block_ops, 0.0),  # fla's drivers inside: bit for bit
     "kda_op": (case_kda_op, 0.0),  # the same kernels on the same inputs: bit for bit
 }
 OPT_IN = {

@@ -123,21 +123,24 @@ def test_fused_qkv_conv_runs_without_tp_only(mesh):
 
 
 def test_fla_path_gives_fla_kernels_local_shards(mesh):
-    """On CUDA fla's own kernels run, called with each DTensor argument's local shard (and opaque to compile)."""
+    """On CUDA fla's own kernels run (inside torch ops where a training block reaches them), called with each
+    DTensor argument's local shard."""
     import fla.modules.causal_conv1d.ops as conv_ops
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+    from titan_ext.kernels import conv_op
+
     fla_path = kernels.replacements("fla")
-    for fla_fn in (conv_ops.causal_conv1d, conv_ops.causal_conv1d_update, chunk_gated_delta_rule,
-                   fused_recurrent_gated_delta_rule):
+    for fla_fn in (conv_ops.causal_conv1d_update, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
         assert fla_path[fla_fn].__wrapped__ is fla_fn
     from fla.models import GatedDeltaNetForCausalLM  # a model bound to the fla path reaches the wrappers
 
     attn = kernels.bind(GatedDeltaNetForCausalLM(gdn_config()), "fla").model.layers[0].attn
     assert attn.forward.__globals__["chunk_gated_delta_rule"] is tp_local.chunk_gated_delta_rule
-    assert attn.forward.__globals__["causal_conv1d"] is tp_local.causal_conv1d
-    conv_forward = type(attn.q_conv1d).forward  # opaque to compile as a whole, around fla's rebound forward
-    assert conv_forward._torchdynamo_disable and conv_forward.__wrapped__.__globals__["causal_conv1d"] is tp_local.causal_conv1d
+    assert attn.forward.__globals__["causal_conv1d"] is conv_op.causal_conv1d
+    conv_forward = type(attn.q_conv1d).forward  # fla's forward, traced by compile, rebound to the op
+    assert not getattr(conv_forward, "_torchdynamo_disable", False)
+    assert conv_forward.__globals__["causal_conv1d"] is conv_op.causal_conv1d
     assert type(attn)._use_fused_qkv_conv is tp_local.use_fused_qkv_conv
     seen = []
     shard = DTensor.from_local(torch.ones(3), mesh, (Shard(0),))

@@ -19,8 +19,9 @@ EXPECTED = [
     "chunk_gla", "chunk_gla_packed", "fused_recurrent_gla", "fused_recurrent_gla_packed", "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_packed", "fused_recurrent_gated_delta_rule", "causal_conv1d", "causal_conv1d_packed",
     "rms_norms", "cp2_gla", "cp2_gated_deltanet", "tp2_gated_deltanet", "chunk_kda_packed", "fused_recurrent_kda", "gla_hybrid",
-    "kda_op_sac", "kda_op_rows", "kda_op_gva", "compiled_blocks_gla_hybrid",
-    "compiled_blocks_gated_deltanet", "compiled_blocks_kda",
+    "kda_op_sac", "kda_op_rows", "kda_op_gva", "compiled_blocks_gla", "compiled_blocks_gla_hybrid",
+    "compiled_blocks_gated_deltanet", "compiled_blocks_kda", "op_rms_norm", "op_rms_norm_gated", "op_swiglu_linear",
+    "op_causal_conv1d", "op_rotary_embedding", "op_fused_recurrent_gla", "op_chunk_gated_delta_rule",
 ]
 
 

@@ -42,21 +42,21 @@ from titan_ext.kernels import gla as torch_gla
 def test_every_replacement_resolves_for_both_paths():
     portable, fla_path = kernels.replacements("portable"), kernels.replacements("fla")
     assert len(portable) == sum("portable" in k.paths for k in kernels.kernel_rows())
-    # on CUDA: chunk_gla (the op wrapper running fla's own drivers), the rotary cache check, the layer
-    # cache helpers, fla's own kernels behind an unwrap of TP-sharded parameters and inputs (tp_local), and
-    # Kimi Linear's KDA and convolution calls with their documents packed (transformers_kda)
+    # on CUDA: every kernel a training block reaches as torch ops running fla's own drivers (gla_op, kda_op,
+    # gated_delta_op, recurrent_gla_op, norm_ops via tp_local's TP unwrap, elementwise_ops, conv_op, rotary_op),
+    # the rotary cache check, the layer cache helpers, fla's decoding and standalone kernels opaque behind an
+    # unwrap of TP-sharded parameters (tp_local), and Kimi Linear's KDA and convolution calls with their
+    # documents packed (transformers_kda)
     import fla.layers.utils
     from fla.layers.gated_deltanet import GatedDeltaNet
-    from fla.modules.causal_conv1d.ops import ShortConvolution
-    from fla.modules.norm.fused_norm_gate import FusedRMSNormGated
-    from fla.modules.norm.layernorm import RMSNorm
     from fla.modules.rotary.ops import RotaryEmbedding
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from titan_ext.kernels import kda_op, layer_cache, rotary, tp_local, transformers_gated_deltanet, transformers_kda
+    from titan_ext.kernels import (conv_op, elementwise_ops, kda_op, layer_cache, recurrent_gla_op,
+                                   rotary, rotary_op, tp_local, transformers_gated_deltanet, transformers_kda)
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,
@@ -64,7 +64,7 @@ def test_every_replacement_resolves_for_both_paths():
         fla.layers.utils.get_layer_cache: layer_cache.get_layer_cache,
         fla.layers.utils.update_layer_cache: layer_cache.update_layer_cache,
         vars(GatedDeltaNet)["_use_fused_qkv_conv"]: tp_local.use_fused_qkv_conv,
-        fla.modules.causal_conv1d.ops.causal_conv1d: tp_local.causal_conv1d,
+        fla.modules.causal_conv1d.ops.causal_conv1d: conv_op.causal_conv1d,
         fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
         fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: tp_local.chunk_gated_delta_rule,
         fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule: tp_local.fused_recurrent_gated_delta_rule,
@@ -72,27 +72,23 @@ def test_every_replacement_resolves_for_both_paths():
         fla.ops.kda.fused_recurrent.fused_recurrent_kda: tp_local.fused_recurrent_kda,
         fla.modules.norm.layernorm.rms_norm: tp_local.rms_norm,
         fla.modules.norm.fused_norm_gate.rms_norm_gated: tp_local.rms_norm_gated,
-        fla.modules.activations.ops.swiglu_linear: tp_local.swiglu_linear,
+        fla.modules.activations.ops.swiglu_linear: elementwise_ops.swiglu_linear,
         fla.ops.gla.fused_chunk.fused_chunk_gla: tp_local.fused_chunk_gla,
-        fla.ops.gla.fused_recurrent.fused_recurrent_gla: tp_local.fused_recurrent_gla,
+        fla.ops.gla.fused_recurrent.fused_recurrent_gla: recurrent_gla_op.fused_recurrent_gla,
         fla.modules.activations.ops.swish: tp_local.swish,
         fla.modules.activations.ops.sigmoid: tp_local.sigmoid,
         fla.modules.activations.ops.logsigmoid: tp_local.logsigmoid,
-        fla.modules.activations.ops.swiglu: tp_local.swiglu,
-        fla.modules.rotary.ops.rotary_embedding: tp_local.rotary_embedding,
-        vars(RMSNorm)["forward"]: tp_local.rms_norm_forward,
-        vars(FusedRMSNormGated)["forward"]: tp_local.rms_norm_gated_forward,
-        vars(RotaryEmbedding)["forward"]: tp_local.rotary_forward,
-        vars(ShortConvolution)["forward"]: tp_local.short_convolution_forward,
+        fla.modules.activations.ops.swiglu: elementwise_ops.swiglu,
+        fla.modules.rotary.ops.rotary_embedding: rotary_op.rotary_embedding,
         kimi.chunk_kimi_delta_attention: transformers_kda.fla_chunk_kda,
         kimi.causal_conv1d_fn: transformers_kda.causal_conv1d_fn,
     }
-    # fla's entry points are opaque to torch.compile (tp_local): dynamo never traces into fla's kernel functions;
-    # what compile keeps in its graph is titan_ext's torch code (the GLA and KDA ops, caches, decisions)
-    traced = {fn for fn in fla_path.values() if not getattr(fn, "_torchdynamo_disable", False)}
-    assert traced == {gla_op.chunk_gla, kda_op.chunk_kda, rotary.update_cos_sin_cache, layer_cache.get_layer_cache,
-                      layer_cache.update_layer_cache, tp_local.use_fused_qkv_conv, transformers_kda.fla_chunk_kda,
-                      transformers_kda.causal_conv1d_fn}
+    # what compile keeps in its graph: titan_ext's torch code and ops (fla's drivers inside the ops); fla's
+    # decoding and standalone entry points left are opaque to it (tp_local): dynamo never traces into them
+    opaque = {fn for fn in fla_path.values() if getattr(fn, "_torchdynamo_disable", False)}
+    assert opaque == {tp_local.causal_conv1d_update, tp_local.chunk_gated_delta_rule, tp_local.fused_recurrent_gated_delta_rule,
+                      tp_local.fused_recurrent_kda, tp_local.fused_chunk_gla, tp_local.swish, tp_local.sigmoid,
+                      tp_local.logsigmoid}
     # the models titan_ext trains: transformers' Gated DeltaNet layers run titan_ext's forward (their mixer's,
     # by what the layer holds: tests/test_structure.py), not a row of the table
     assert not any(Qwen3_5GatedDeltaNet.forward in table or Qwen3NextGatedDeltaNet.forward in table
@@ -580,7 +576,9 @@ def test_from_pretrained_and_generate_keep_the_console_quiet(tmp_path):
 
     from helpers import REPO, without_fla_python_notice
 
-    config = GLAConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=64, fuse_norm=False)
+    # no end-of-sequence token: random weights that pick it would end generate early
+    config = GLAConfig(hidden_size=64, num_hidden_layers=2, num_heads=2, vocab_size=64, fuse_norm=False,
+                       eos_token_id=None)
     kernels.portable(AutoModelForCausalLM.from_config(config)).save_pretrained(tmp_path)
     code = GENERATE.format(path=str(tmp_path)) + "import warnings; warnings.warn('the user\\'s own warning')\n"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -111,6 +111,28 @@ def transformers_weight_conversion() -> types.SimpleNamespace:
     return types.SimpleNamespace(**vars(mapping), **vars(core))
 
 
+@functools.cache
+def fla_block_drivers() -> types.SimpleNamespace:
+    """fla's forward/backward drivers of the other kernels a GLA, Gated DeltaNet or KDA block reaches (what
+    fla's autograd Functions run): the norms (``LayerNormFunction``, ``LayerNormGatedFunction``), SwiGLU,
+    the short convolution, the rotary embedding, GLA's fused recurrence and the gated delta rule."""
+    fla = "flash-linear-attention"
+    parts = (
+        _lookup(fla, "fla.modules.norm.layernorm", "layer_norm_fwd", "layer_norm_bwd"),
+        _lookup(fla, "fla.modules.norm.fused_norm_gate", "layer_norm_gated_fwd", "layer_norm_gated_bwd"),
+        _lookup(fla, "fla.modules.activations.ops", "swiglu_fwd", "swiglu_fwdbwd"),
+        _lookup(fla, "fla.modules.causal_conv1d.ops", "causal_conv1d_fwd", "causal_conv1d_bwd", "_has_non_standard_layout"),
+        _lookup(fla, "fla.modules.rotary.ops", "rotary_embedding_fwdbwd"),
+        _lookup(fla, "fla.ops.common.fused_recurrent", "fused_recurrent_fwd", "fused_recurrent_bwd"),
+        _lookup(fla, "fla.ops.gated_delta_rule.chunk", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd"),
+        _lookup(fla, "fla.modules.norm.l2norm", "l2norm_fwd", "l2norm_bwd"),
+        _lookup(fla, "fla.ops.common.gate", "fused_beta_sigmoid_fwd", "fused_beta_sigmoid_bwd"),
+        _lookup(fla, "fla.ops.utils", "prepare_chunk_indices"),
+        _lookup(fla, "fla.utils", "input_guard"),
+    )
+    return types.SimpleNamespace(**{name: value for part in parts for name, value in vars(part).items()})
+
+
 def transformers_own_classes(model_type: str) -> tuple[type, type] | None:
     """(config class, causal-LM class) transformers itself ships for ``model_type`` (None: it ships none),
     whatever another library registered under that name since (importing fla registers its Mamba, Mamba2 and

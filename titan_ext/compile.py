@@ -6,12 +6,12 @@ frame and reuses it for every block: with ``inline_inbuilt_nn_modules`` (on
 by default since torch 2.5) a block's parameters are graph inputs and
 attributes it never reads in control flow (fla's integer ``layer_idx``:
 only consulted when a KV cache is passed) install no guard. fla's
-``chunk_gla`` and ``chunk_kda`` sit behind ``torch.compiler.disable``;
-titan_ext's models run them as torch ops (``titan_ext.kernels.gla_op``,
-``kda_op``), so the GLA and KDA cores stay inside the block's graph instead
-of splitting it. fla's other kernels (norms, SwiGLU, rotary, convolutions) are
-called opaque (``kernels.tp_local``): a graph break at each call, never a
-dynamo frame inside fla or Triton. A graph break in a block
+kernels sit behind ``torch.compiler.disable`` inside its autograd Functions;
+titan_ext's models run every one a GLA, Gated DeltaNet or KDA block reaches as
+a torch op (but Gated DeltaNet's core, still a graph break: ``gated_delta_op``) (``titan_ext.kernels.gla_op``, ``kda_op``, ``gated_delta_op``,
+``recurrent_gla_op``, ``norm_ops``, ``elementwise_ops``, ``conv_op``,
+``rotary_op``), so each block compiles to one graph; the rotary caches are
+filled before the blocks run (``rotary.fill_caches``). A graph break in a block
 still compiles once for all blocks (``tests/test_ac_compile.py`` forces one).
 
 A hybrid's blocks differ in their token mixer (``titan_ext.models.mixers``): one shared frame would
@@ -88,6 +88,8 @@ def model_compile_enabled(job_config) -> bool:
 
 def apply_compile(model: nn.Module, backend: str) -> None:
     """Replace each decoder block with its compiled version (the compiled module is what runs)."""
+    from titan_ext.kernels import rotary  # imports fla: only in a job that compiles
+
     layers = model.blocks()
     mixers = model.mixers
     hybrid = model.structure.hybrid
@@ -96,4 +98,5 @@ def apply_compile(model: nn.Module, backend: str) -> None:
             block.__class__ = _per_mixer_code(type(block), repr(mixers[int(name)]))
         # No fullgraph: an fla Triton op dynamo cannot trace must stay a graph break, not an error.
         layers.register_module(name, torch.compile(block, backend=backend))
+    model.register_forward_pre_hook(rotary.fill_caches)
     logger.info(f"Compiled each of {len(layers)} blocks with torch.compile (backend {backend})")

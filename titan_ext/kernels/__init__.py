@@ -4,11 +4,13 @@ Each kernel module lists what it replaces (``KERNELS``, rows of ``table.Kernel``
 signatures it was written against (``SIGNATURES``); ``KERNEL_MODULES`` names those modules, and
 ``replacements`` gathers their rows. A job picks a kernel path once (``titan_ext.job.JobPlan.kernel_path``):
 
-* ``fla`` (CUDA): fla's kernels as shipped, except ``chunk_gla`` and ``chunk_kda``,
-  which run as torch ops around fla's own drivers (``gla_op``, ``kda_op``:
-  op-level SAC and compile), and the rotary cache check (``rotary``: no graph
-  break under compile); every other fla entry point a model reaches is called
-  opaque to torch.compile (``tp_local``: one graph break, fla's code untraced);
+* ``fla`` (CUDA): fla's kernels, every one a GLA, Gated DeltaNet or KDA training
+  block reaches (but Gated DeltaNet's core: ``gated_delta_op``, open) as torch ops
+  around fla's own drivers (``gla_op``, ``kda_op``, ``recurrent_gla_op``, ``norm_ops``, ``elementwise_ops``,
+  ``conv_op``, ``rotary_op``: op-level SAC, and one compiled graph per block),
+  and the rotary cache check (``rotary``); fla's decoding kernels and standalone
+  activations are called opaque to torch.compile (``tp_local``: one graph break,
+  fla's code untraced);
 * ``portable`` (anything else): every Triton entry point a GLA, Gated DeltaNet or transformer
   model reaches runs torch code (``gla``, ``norms``, ``activations``, ...):
   plain differentiable ops, so autograd, DTensor and compile just work.
@@ -45,8 +47,9 @@ from titan_ext.kernels.table import Kernel
 PATHS = ("fla", "portable")
 
 KERNEL_MODULES = (
-    "activations", "conv", "delta_rule", "delta_rule_op", "gated_delta", "gla", "gla_op", "kda", "kda_op",
-    "layer_cache", "losses", "norms", "rotary", "simple_gla", "tp_local", "transformers_gated_deltanet",
+    "activations", "conv", "conv_op", "delta_rule", "delta_rule_op", "elementwise_ops", "gated_delta",
+    "gated_delta_op", "gla", "gla_op", "kda", "kda_op", "layer_cache", "losses", "norm_ops", "norms",
+    "recurrent_gla_op", "rotary", "rotary_op", "simple_gla", "tp_local", "transformers_gated_deltanet",
     "transformers_kda",
 )
 """The modules of ``titan_ext.kernels`` with ``KERNELS``, ``SIGNATURES`` or ``SAVE_LIST`` (torch ops whose outputs

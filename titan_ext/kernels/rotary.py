@@ -25,7 +25,7 @@ def rotary_embedding(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
         check_packed_batch(x.shape[0])
         sequence, positions = token_sequences(cu_seqlens, T)
         positions = positions + (seqlen_offsets if isinstance(seqlen_offsets, int) else seqlen_offsets[sequence])
-    y = rotary_embedding_ref(x, cos[positions], sin[positions], interleaved)
+    y = rotary_embedding_ref(x, cos[positions].to(x.dtype), sin[positions].to(x.dtype), interleaved)
     return x.copy_(y) if inplace else y
 
 
@@ -35,8 +35,10 @@ def update_cos_sin_cache(self, seqlen, device=None, dtype=None):
     fla's check ends with ``self._cos_cached.is_inference()``, which dynamo
     cannot trace: once the cache is filled, every call from a compiled block
     would break the graph there (5 graphs per block instead of 1). Under
-    compile, a cache of the right length, device and dtype is used as is
-    (titan_ext never fills it under ``inference_mode``); else fla's method runs.
+    compile, a cache of the right length and device, in ``dtype`` or in fp32
+    (``fill_caches``; the rotation casts it to the input's dtype, the values fla's
+    own cast gives), is used as is (titan_ext never fills it under
+    ``inference_mode``); else fla's method runs.
     """
     cached = self._cos_cached
     if (
@@ -44,10 +46,24 @@ def update_cos_sin_cache(self, seqlen, device=None, dtype=None):
         and cached is not None
         and seqlen <= self._seq_len_cached
         and cached.device == device
-        and cached.dtype == dtype
+        and cached.dtype in (dtype, torch.float32)
     ):
         return
     return _fla_update_cos_sin_cache(self, seqlen, device, dtype)
+
+
+def fill_caches(model, args) -> None:
+    """A forward pre-hook of a model with compiled blocks: every rotary cache filled, in fp32, before the blocks
+    run, as long as its attention will ask (the batch's length, ``args[0]``: tokens ``[B, T]`` or a pipeline
+    stage's hidden states ``[B, T, D]``; at least the attention's ``max_position_embeddings``, as fla's
+    Attention asks). Filled inside a compiled block, the cache changed between its first and second step, and
+    dynamo compiled every attention block again at step 2 (its guard on the cache)."""
+    tokens = args[0]
+    for owner in model.modules():
+        rotary = getattr(owner, "rotary", None)
+        if isinstance(rotary, RotaryEmbedding):
+            length = max(tokens.shape[1], getattr(owner, "max_position_embeddings", None) or 0)
+            rotary._update_cos_sin_cache(length, device=tokens.device, dtype=torch.float32)
 
 
 def rotate_at(x, cos, sin, positions, interleaved=False):

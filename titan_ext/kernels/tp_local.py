@@ -1,15 +1,5 @@
-"""fla's kernels as the ``fla`` (CUDA) path calls them: opaque to torch.compile, and under tensor
-parallelism on local shards.
-
-Opaque: fla launches its Triton kernels behind ``torch.compiler.disable``
-deep inside its autograd Functions (its backend dispatch, ``layer_norm_fwd``).
-Traced from a compiled block, each call then broke the graph inside fla, and
-dynamo compiled fla's wrappers as frames of their own, guarded on every call
-and recompiled per dtype (seen on an H100, where the 340M GLA's first
-compiled step had not finished after 2.5 minutes). Every wrapper here is
-therefore ``torch.compiler.disable``d as a whole: one graph break per call,
-and fla's kernels run as shipped, with fla's own autotuning, while Inductor
-compiles the torch code around them.
+"""fla's kernels as the ``fla`` (CUDA) path calls them: under tensor parallelism on local shards, and,
+where titan_ext has no torch op for one, opaque to torch.compile.
 
 Local shards: TP (``model_plans.styles.PlaceParameters``) shards the parameters a kernel
 reads directly, without a linear in between: ShortConvolution's weight and
@@ -19,11 +9,20 @@ tensor), while the q/k/v reaching the kernel are the plain local tensors of
 colwise projections. A kernel therefore takes each DTensor argument's local
 shard: ``to_local()`` is differentiable and its gradient comes back as the
 same shard. Without TP nothing is a DTensor and every call passes through.
+The norms under TP get DTensor inputs too (``norm_on_local_shards``).
 
-The portable kernels call ``local`` themselves; on the ``fla`` (CUDA) path
-the wrappers below give fla's own functions local shards, unchanged otherwise
-(fla's ``chunk_gla`` and ``chunk_kda`` run as torch ops, ``gla_op`` and ``kda_op``, which
-compile keeps in its graph, and which take local shards the same way).
+Torch ops: every fla kernel a GLA, Gated DeltaNet or KDA training block reaches runs as a
+torch op with a fake implementation, fla's own drivers inside (``gla_op``, ``kda_op``,
+``gated_delta_op``, ``recurrent_gla_op``, ``norm_ops``, ``elementwise_ops``, ``conv_op``,
+``rotary_op``), so a compiled block is one graph. The wrappers here that call those ops
+are traced by dynamo (the local-shard logic is plain DTensor code).
+
+Opaque: the entry points left (decoding kernels, fla's fused-chunk GLA, the standalone
+activations) launch Triton behind ``torch.compiler.disable`` deep inside fla's autograd
+Functions (its backend dispatch). Traced from a compiled block, each call broke the graph
+inside fla, and dynamo compiled fla's wrappers as frames of their own, guarded on every
+call and recompiled per dtype (seen on an H100). They are therefore
+``torch.compiler.disable``d as a whole: one graph break per call, fla's code untraced.
 """
 
 from __future__ import annotations
@@ -34,30 +33,20 @@ from collections.abc import Callable
 import torch
 
 from fla.layers.gated_deltanet import GatedDeltaNet
-from fla.modules.activations import swiglu_linear as fla_swiglu_linear
 from fla.modules.activations.ops import logsigmoid as fla_logsigmoid
 from fla.modules.activations.ops import sigmoid as fla_sigmoid
-from fla.modules.activations.ops import swiglu as fla_swiglu
 from fla.modules.activations.ops import swish as fla_swish
-from fla.modules.causal_conv1d.ops import ShortConvolution
-from fla.modules.causal_conv1d.ops import causal_conv1d as fla_causal_conv1d
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_conv1d_update
-from fla.modules.norm.fused_norm_gate import FusedRMSNormGated
-from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
-from fla.modules.norm.layernorm import RMSNorm
-from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
-from fla.modules.rotary.ops import RotaryEmbedding
-from fla.modules.rotary.ops import rotary_embedding as fla_rotary_embedding
 from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
 from fla.ops.gla.fused_chunk import fused_chunk_gla as fla_fused_chunk_gla
-from fla.ops.gla.fused_recurrent import fused_recurrent_gla as fla_fused_recurrent_gla
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda as fla_fused_recurrent_kda
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titan_ext import compat
+from titan_ext.kernels import norm_ops
 from titan_ext.kernels.table import OPAQUE, TP_LOCAL, Kernel
 
 
@@ -96,36 +85,14 @@ def fla_entry(fn: Callable) -> Callable:
     return entry
 
 
-causal_conv1d = fla_entry(fla_causal_conv1d)
 causal_conv1d_update = fla_entry(fla_causal_conv1d_update)
-chunk_gated_delta_rule = fla_entry(fla_chunk_gated_delta_rule)
+chunk_gated_delta_rule = fla_entry(fla_chunk_gated_delta_rule)  # gated_delta_op: open (its docstring)
 fused_chunk_gla = fla_entry(fla_fused_chunk_gla)
 fused_recurrent_gated_delta_rule = fla_entry(fla_fused_recurrent_gated_delta_rule)
-fused_recurrent_gla = fla_entry(fla_fused_recurrent_gla)
 fused_recurrent_kda = fla_entry(fla_fused_recurrent_kda)
 logsigmoid = fla_entry(fla_logsigmoid)
-rotary_embedding = fla_entry(fla_rotary_embedding)
 sigmoid = fla_entry(fla_sigmoid)
-swiglu = fla_entry(fla_swiglu)
 swish = fla_entry(fla_swish)
-
-
-def opaque_forward(cls: type) -> Callable:
-    """``cls.forward`` opaque to torch.compile, for an fla module whose forward only calls fla's kernels.
-
-    Traced, it broke the graph inside, and dynamo compiled the forward as a frame of its own, guarded on
-    its arguments: recompiled per call variant (a norm with and without a residual, on fp32 and bf16 inputs
-    under single-GPU AMP; the rotary embedding once its cache was filled, at step 2; the short convolution
-    once einops had registered a tensor type). A bound model's class calls a copy of it around fla's
-    forward rebound to this module's wrappers (``kernels.binding``).
-    """
-    return torch.compiler.disable(vars(cls)["forward"])
-
-
-rms_norm_forward = opaque_forward(RMSNorm)
-rms_norm_gated_forward = opaque_forward(FusedRMSNormGated)
-rotary_forward = opaque_forward(RotaryEmbedding)
-short_convolution_forward = opaque_forward(ShortConvolution)
 
 
 def norm_on_local_shards(fn: Callable) -> Callable:
@@ -133,9 +100,8 @@ def norm_on_local_shards(fn: Callable) -> Callable:
     (sharded over the sequence or heads, or replicated) with replicated DTensor weights, which a
     Triton kernel cannot read. Normalising runs along the last dimension, never a sharded one, so
     fla's kernel runs on the local shards; the output gets the input's layout back, and a replicated
-    weight's gradient is a partial sum over the ranks wherever the input is sharded. Opaque to torch.compile."""
+    weight's gradient is a partial sum over the ranks wherever the input is sharded."""
 
-    @torch.compiler.disable
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
         if not isinstance(x, DTensor):
@@ -156,22 +122,8 @@ def norm_on_local_shards(fn: Callable) -> Callable:
     return call
 
 
-rms_norm = norm_on_local_shards(fla_rms_norm)
-rms_norm_gated = norm_on_local_shards(fla_rms_norm_gated)
-
-
-@torch.compiler.disable
-def swiglu_linear(x, y, weight, bias):
-    """fla's fused ``swish(x) * y @ weight.T + bias`` under TP (fla's ``SwiGLULinearParallel``): x and y
-    arrive sharded on features and the weight on its input features, all DTensors, which fla's Triton
-    kernel cannot read. Each rank multiplies its shards (a partial sum of the output), and the bias is
-    added once, by DTensor."""
-    if not isinstance(weight, DTensor):
-        return fla_swiglu_linear(x, y, weight, bias)
-    shards = [compat.waited(local(a)) for a in (x, y, weight)]
-    out = waiting_for_gradients(fla_swiglu_linear(*shards, None))
-    out = DTensor.from_local(out, weight.device_mesh, (Partial(),), run_check=False)
-    return out if bias is None else out + bias
+rms_norm = norm_on_local_shards(norm_ops.rms_norm)
+rms_norm_gated = norm_on_local_shards(norm_ops.rms_norm_gated)
 
 
 def use_fused_qkv_conv(self: GatedDeltaNet, *args, **kwargs) -> bool:
@@ -183,41 +135,11 @@ def use_fused_qkv_conv(self: GatedDeltaNet, *args, **kwargs) -> bool:
     return GatedDeltaNet._use_fused_qkv_conv(self, *args, **kwargs)
 
 
-WHOLE_FORWARD = (
-    "the module's forward only calls fla's kernels: opaque to torch.compile as a whole, else dynamo compiled it as a "
-    "frame of its own and recompiled it per call variant (with or without a residual, fp32 or bf16 under single-GPU "
-    "AMP; the rotary cache once filled; the short convolution once einops registered a tensor type)"
-)
-
 KERNELS = (
     Kernel("fla.ops.gla.fused_chunk:fused_chunk_gla", fused_chunk_gla, OPAQUE, ("fla",)),
-    Kernel("fla.ops.gla.fused_recurrent:fused_recurrent_gla", fused_recurrent_gla, OPAQUE, ("fla",)),
     Kernel("fla.modules.activations.ops:swish", swish, OPAQUE, ("fla",)),
     Kernel("fla.modules.activations.ops:sigmoid", sigmoid, OPAQUE, ("fla",)),
     Kernel("fla.modules.activations.ops:logsigmoid", logsigmoid, OPAQUE, ("fla",)),
-    Kernel("fla.modules.activations.ops:swiglu", swiglu, OPAQUE, ("fla",)),
-    Kernel("fla.modules.rotary.ops:rotary_embedding", rotary_embedding, OPAQUE, ("fla",)),
-    Kernel(
-        "fla.modules.norm.layernorm:RMSNorm.forward", rms_norm_forward,
-        WHOLE_FORWARD,
-        ("fla",),
-    ),
-    Kernel(
-        "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward", rms_norm_gated_forward,
-        WHOLE_FORWARD,
-        ("fla",),
-    ),
-    Kernel(
-        "fla.modules.rotary.ops:RotaryEmbedding.forward", rotary_forward,
-        WHOLE_FORWARD,
-        ("fla",),
-    ),
-    Kernel(
-        "fla.modules.causal_conv1d.ops:ShortConvolution.forward", short_convolution_forward,
-        WHOLE_FORWARD,
-        ("fla",),
-    ),
-    Kernel("fla.modules.causal_conv1d.ops:causal_conv1d", causal_conv1d, TP_LOCAL, ("fla",)),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", causal_conv1d_update, TP_LOCAL, ("fla",)),
     Kernel("fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule, TP_LOCAL, ("fla",)),
     Kernel(
@@ -228,21 +150,15 @@ KERNELS = (
     Kernel("fla.ops.kda.fused_recurrent:fused_recurrent_kda", fused_recurrent_kda, TP_LOCAL, ("fla",)),
     Kernel(
         "fla.modules.norm.layernorm:rms_norm", rms_norm,
+        "fla's norm as torch ops around fla's own drivers (norm_ops: compile keeps it in the block's graph); "
         "under TP (sequence parallel, or the per-head output norm) its input is a DTensor and its weight a "
-        "replicated DTensor, which fla's Triton kernel cannot read: fla's kernel on the local shards, the "
-        "output rewrapped (found under Triton's interpreter); opaque to torch.compile (as OPAQUE)",
+        "replicated DTensor, which fla's Triton kernel cannot read: the ops on the local shards, the output "
+        "rewrapped (found under Triton's interpreter)",
         ("fla",),
     ),
     Kernel(
         "fla.modules.norm.fused_norm_gate:rms_norm_gated", rms_norm_gated,
         "the same, for the gated output norm (GLA's g_norm, Gated DeltaNet's and KDA's o_norm)",
-        ("fla",),
-    ),
-    Kernel(
-        "fla.modules.activations.ops:swiglu_linear", swiglu_linear,
-        "under TP fla's own SwiGLULinearParallel hands it DTensors (inputs and down_proj's weight), which its "
-        "Triton kernel cannot read: fla's kernel on the local shards, a partial sum rewrapped (found under "
-        "Triton's interpreter); opaque to torch.compile (as OPAQUE)",
         ("fla",),
     ),
     Kernel(
@@ -257,14 +173,6 @@ KERNELS = (
 
 SIGNATURES = {
     "fla.layers.gated_deltanet:GatedDeltaNet._use_fused_qkv_conv": "self, last_state, use_cache, cu_seqlens",
-    "fla.modules.norm.layernorm:RMSNorm.forward": "self, x, residual=None, prenorm=False, residual_in_fp32=False",
-    "fla.modules.norm.fused_norm_gate:FusedRMSNormGated.forward":
-        "self, x, g, residual=None, prenorm=False, residual_in_fp32=False",
-    "fla.modules.rotary.ops:RotaryEmbedding.forward":
-        "self, q, k, seqlen_offset=0, cu_seqlens=None, max_seqlen=None, chunk_indices=None",
-    "fla.modules.causal_conv1d.ops:ShortConvolution.forward":
-        "self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, "
-        "chunk_indices=None, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
 (``host_checks.check_fla_signatures``)."""

@@ -76,6 +76,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_nemotron_h``: a family titan_ext never names, known by what its layers hold (transformers' Nemotron-H:
   a Mamba2 mixer titan_ext does not know, kept whole on every rank under TP; attention; an FFN-only layer) in
   ``single``, ``fsdp2``, ``tp2`` and ``pp2``.
+- ``hf_lfm2``: transformers' LFM2 (a gated short convolution at layer 0, known by what it holds, on titan_ext's
+  forward; attention at layer 1; tied embeddings) in ``single``, ``tp2`` (the convolution's channels split, its
+  packed ``in_proj`` replicated with each rank's rows of each gate), ``cp2`` (the convolution's halo, ring
+  attention) and ``cp2_docs`` (the convolution restarting at each document, all-gathered attention).
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
@@ -279,6 +283,12 @@ TINY_NEMOTRON_H = {"model_type": "nemotron_h", "hidden_size": 64, "intermediate_
                    "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16, "vocab_size": 2048,
                    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
+# transformers' LFM2: a gated short convolution (titan_ext's forward of it, by structure) then attention (untied:
+# a tied weight's DTensor norm rounds apart from one process's by ~1.5e-5, TIED_DTENSOR_RTOL).
+TINY_LFM2 = {"model_type": "lfm2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"],
+             "vocab_size": 2048, "max_position_embeddings": 512, "tie_word_embeddings": False}
+
 # A sliding window on every layer (Mistral's): under CP the attention is masked by it over all-gathered keys and
 # values, with and without documents.
 TINY_MISTRAL_WINDOW = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -327,6 +337,8 @@ SPECS = {
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
+    "hf_lfm2": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_LFM2,
+                    rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
                           rows=("single", "fsdp2", "tp2", "pp2")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).

@@ -24,6 +24,7 @@ from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGa
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
 from titan_ext.models.mixers.mla import TransformersMLA
+from titan_ext.models.mixers.short_conv import TransformersShortConv
 
 MIXERS: tuple[type[Mixer], ...] = (
     GLA,
@@ -35,6 +36,7 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNet,
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
+    TransformersShortConv,
 )
 """Every mixer titan_ext knows; where two recognise a module, the more specific class (a subclass) wins."""
 
@@ -43,7 +45,7 @@ FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
-           "TransformersMLA", "Unknown", "recognize"]
+           "TransformersMLA", "TransformersShortConv", "Unknown", "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:

@@ -24,7 +24,8 @@ def test_lfm2_layers_are_known_by_what_they_hold(model_type):
     conv, attention = model.mixers
     assert type(conv).__name__ == "TransformersShortConv" and conv.path == "conv" and conv.halo == 3
     assert isinstance(attention, mixers.TransformersAttention)
-    assert conv.context_parallel_blocker(model.config, 0) is None and conv.document_mask_blocker(model.config, 0) is None
+    assert conv.context_parallel_blocker(model.config, 0) is None
+    assert conv.document_mask_blocker(model.config, 0) is None
 
 
 def test_a_mamba_mixer_is_no_short_convolution():
@@ -53,7 +54,8 @@ def test_titan_ext_forward_equals_transformers(bias):
         assert type(model.model.layers[0].conv).forward.__name__ == "lfm2_forward"
         reference = AutoModelForCausalLM.from_config(model.config)
         missing, unexpected = reference.load_state_dict(model.state_dict(), strict=False)
-        assert missing == ["lm_head.weight"] and not unexpected and reference.lm_head.weight is reference.model.embed_tokens.weight
+        assert missing == ["lm_head.weight"] and not unexpected  # tied: the embedding's weight
+        assert reference.lm_head.weight is reference.model.embed_tokens.weight
         assert type(reference.model.layers[0].conv).forward.__name__ != "lfm2_forward"
         tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
         ours, theirs = model(tokens), reference(tokens).logits

@@ -36,7 +36,7 @@ def lfm2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     if cache is not None or kwargs.get("past_key_values") is not None:
         raise ValueError(f"titan_ext's {type(self).__name__} trains without a cache (use_cache=False)")
     if attention_mask is not None:  # transformers passes its convolution layers a 2D padding mask only
-        raise ValueError(f"titan_ext's {type(self).__name__} takes no padding mask: titan_ext's batches hold no padding")
+        raise ValueError(f"titan_ext's {type(self).__name__} takes no padding mask: titan_ext's batches hold none")
     channels = self.conv.in_channels
     b, c, x = _gates(self.in_proj, hidden_states, channels).chunk(GATES, dim=-1)
     mixed, shape, bounds = b * x, b.shape, kwargs.get("cu_seq_lens_q")

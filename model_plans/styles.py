@@ -196,6 +196,19 @@ class LocalWidth(ParallelStyle):
         return f"LocalWidth({self.attribute!r})"
 
 
+class HeadShare(ParallelStyle):
+    """Records on the module which share of its heads this rank holds (``tp_share``: (rank, ranks)), as its
+    colwise projections split them: for a forward that reads per-head values beside them that TP does not
+    place (MiniMax's decay rates, a buffer its initializer sets)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_share = (device_mesh.get_local_rank(), device_mesh.size())
+        return module
+
+    def __repr__(self) -> str:
+        return "HeadShare()"
+
+
 class SharedKeyLatent(ParallelStyle):
     """MLA's key-latent projection (``kv_a_proj_with_mqa``, what HF's plans call ``mla_kv_a_proj``) inside a
     head-split attention: its weight replicated, its output this rank's plain tensor.

@@ -1,5 +1,5 @@
 """The state exchange alone: a sequence split into pieces across simulated ranks equals one pass (fp64),
-for GLA's diagonal decay and the gated delta rule's full-matrix one (a per-head decay, and KDA's per key channel), with and without packed documents,
+for GLA's diagonal decay (per key channel, or per head: simple GLA's) and the gated delta rule's full-matrix one (a per-head decay, and KDA's per key channel), with and without packed documents,
 and the short convolutions' halos.
 
 Each simulated rank runs the real wrapper; the all-gather is stubbed in two passes: the first records
@@ -18,6 +18,7 @@ from titan_ext.kernels import state_passing
 from titan_ext.kernels.conv import causal_conv1d
 from titan_ext.kernels.gated_delta import chunk_gated_delta_rule
 from titan_ext.kernels.kda import chunk_kda
+from titan_ext.kernels.simple_gla import chunk_simple_gla
 
 LAYOUTS = [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2)]
 """(ranks, pieces per rank): contiguous pieces, and torchtitan's head-tail order."""
@@ -115,6 +116,17 @@ def kda_case(B, T, with_h0):
     return [q, k, v, g.requires_grad_(), beta], h0
 
 
+def simple_gla_case(B, T, with_h0):
+    """Lightning attention's call (MiniMax's): one log decay per head and token, no query scale."""
+    (q, k, v, g), h0 = gla_case(B, T, with_h0)
+    return [q, k, v, g[..., 0].detach().clone().requires_grad_()], h0
+
+
+def simple_gla_call(kernel, xs, h0, cu_seqlens=None):
+    q, k, v, g = xs
+    return kernel(q=q, k=k, v=v, g=g, scale=1.0, initial_state=h0, cu_seqlens=cu_seqlens)[0]
+
+
 def gla_call(kernel, xs, h0, cu_seqlens=None):
     q, k, v, g = xs
     return kernel(q=q, k=k, v=v, g=g, initial_state=h0, cu_seqlens=cu_seqlens, state_v_first=False)[0]
@@ -136,13 +148,15 @@ CASES = {
     "gla": (gla_case, gla_call, portable.chunk_gla, state_passing.DiagonalDecay("g")),
     "delta": (delta_case, delta_call, chunk_gated_delta_rule, state_passing.AffineState()),
     "kda": (kda_case, kda_call, chunk_kda, state_passing.AffineState()),
+    "simple_gla": (simple_gla_case, simple_gla_call, chunk_simple_gla, state_passing.DiagonalDecay("g")),
 }
 
 
 def cases(layouts, few=((2, 1), (3, 2))):
     """(recurrence, ranks, pieces per rank): every layout for GLA and the gated delta rule; KDA (the same
-    affine path, another kernel) on one contiguous and one head-tail layout."""
-    return [(r, *layout) for r in CASES for layout in layouts if r != "kda" or layout in few]
+    affine path, another kernel) and simple GLA (GLA's path, one decay per head) on one contiguous and one
+    head-tail layout."""
+    return [(r, *layout) for r in CASES for layout in layouts if r in ("gla", "delta") or layout in few]
 
 
 @pytest.mark.parametrize("with_h0", [False, True])

@@ -47,7 +47,7 @@ PATHS = ("fla", "portable")
 KERNEL_MODULES = (
     "activations", "conv", "delta_rule", "delta_rule_op", "gated_delta", "gla", "gla_op", "kda", "kda_op",
     "layer_cache", "losses", "norms", "rotary", "simple_gla", "tp_local", "transformers_gated_deltanet",
-    "transformers_kda", "transformers_short_conv",
+    "transformers_kda", "transformers_lightning", "transformers_short_conv",
 )
 """The modules of ``titan_ext.kernels`` with ``KERNELS``, ``SIGNATURES`` or ``SAVE_LIST`` (torch ops whose outputs
 op-level SAC keeps): a new one is one entry here."""

@@ -16,9 +16,9 @@ Each rank
 
 Two kinds of recurrence:
 
-* ``DiagonalDecay`` (GLA; RetNet and Mamba-2 have the same shape): the state
-  decays per key channel, ``M`` is a diagonal (``exp`` of the summed log decay),
-  and ``F`` and ``c_t`` are closed forms, one einsum each.
+* ``DiagonalDecay`` (GLA; simple GLA, lightning attention, RetNet and Mamba-2 have
+  the same shape, one decay per head): the state decays per key channel, ``M`` is
+  a diagonal (``exp`` of the summed log decay), and ``F`` and ``c_t`` are closed forms, one einsum each.
 * ``AffineState`` (the gated delta rule: ``M`` is the product of
   ``exp(g_t) (I - beta_t k_t k_t^T)``, a full ``K x K`` matrix): the kernel
   computes them itself. With its values widened by ``K`` zero columns and the
@@ -55,7 +55,8 @@ _FP32 = torch.float32
 
 @dataclass(frozen=True)
 class DiagonalDecay:
-    """A state decaying per key channel; ``gate`` names the kernel's log-decay argument (``[B, T, H, K]``)."""
+    """A state decaying per key channel; ``gate`` names the kernel's log-decay argument (``[B, T, H, K]``, or
+    ``[B, T, H]``: one per head)."""
 
     gate: str
 
@@ -267,6 +268,8 @@ def _diagonal_pieces(kernel, recurrence: DiagonalDecay, q, k, v, rows, continues
     o, _ = kernel(**inputs, **kwargs)
     dtype = torch.promote_types(q.dtype, _FP32)
     q, k, v, g = (_as_rows(x, rows).to(dtype) for x in (q, k, v, g))
+    if g.dim() < q.dim():  # simple GLA's ``[B, T, H]``: one decay per head, the same on every key channel
+        g = g[..., None].expand_as(q)
     scale = kwargs.get("scale") or q.shape[-1] ** -0.5
     G = g.cumsum(dim=1)
     total = G[:, -1]

@@ -23,6 +23,7 @@ from titan_ext.models.mixers.base import Mixer, NoMixer, Parallel, Unknown, clas
 from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGatedDeltaNet, TransformersGatedDeltaNetGrouped
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
+from titan_ext.models.mixers.lightning import TransformersLightningAttention
 from titan_ext.models.mixers.mla import TransformersMLA
 from titan_ext.models.mixers.short_conv import TransformersShortConv
 
@@ -37,6 +38,7 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
     TransformersShortConv,
+    TransformersLightningAttention,
 )
 """Every mixer titan_ext knows; where two recognise a module, the more specific class (a subclass) wins."""
 
@@ -45,7 +47,7 @@ FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
-           "TransformersMLA", "TransformersShortConv", "Unknown", "recognize"]
+           "TransformersLightningAttention", "TransformersMLA", "TransformersShortConv", "Unknown", "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:

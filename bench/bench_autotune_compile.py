@@ -67,7 +67,7 @@ def run_side(side: str, cuda: bool, quick: bool) -> dict:
     from titan_ext.kernels.autotune import COMPILE_THREADS, compile_workers
 
     if side == "together":
-        host_patches.apply_cuda()
+        host_patches.apply_once(host_patches.CUDA)
     start = time.perf_counter()
     with compiles_recorded() as compiles:
         if cuda:

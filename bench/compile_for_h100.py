@@ -54,7 +54,7 @@ def main(names) -> None:
     from titan_ext import host_patches
     from titan_ext.models.adapter import build_model
 
-    host_patches.apply_cuda()
+    host_patches.apply_once(host_patches.CUDA)
     tokens = torch.randint(0, 512, (1, 2048))
     positions = torch.cat([torch.arange(700), torch.arange(800), torch.arange(548)]).view(1, 2048)
     with compiles_recorded() as compiles:  # one record: the models share kernels, which keep the recorder they bound

@@ -47,7 +47,7 @@ CUDA_TESTS = ["tests/test_autotune_compile.py", "tests/test_kda_op.py", "tests/t
               "tests/test_gla_op.py"]
 """Those never run on a GPU first: a stage cut short by its time still says something new (its log names each
 test as it passes: ``-v``)."""
-STEP_ONE = re.compile(r"step:\s*1\s")
+STEP_ONE = re.compile(r"step:\s*1[/\s]")  # titan_ext prints "step: 1/TOTAL"
 
 
 def parse_stage(stage: str) -> tuple[str, str, float | None]:

@@ -331,6 +331,33 @@ class PlacedElsewhere(ParallelStyle):
         return f"PlacedElsewhere(by={self.by!r})"
 
 
+class GatheredHiddenStates(ParallelStyle):
+    """A module's hidden states, whether its layer passes them first or as ``hidden_states`` (Mamba2's and
+    Nemotron-H's layers pass them first, Bamba's by name), from the residual ``layout`` to a replicated DTensor:
+    all-gathered with sequence parallel, and in the backward their gradient summed over the ranks."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicated(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (self.layout,), run_check=False)
+            return x if x.placements == (Replicate(),) else x.redistribute(placements=(Replicate(),))
+
+        def pre_hook(mod, args, kwargs):
+            if args:
+                return (replicated(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": replicated(kwargs["hidden_states"])}
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"GatheredHiddenStates({self.layout})"
+
+
 class Composed(ParallelStyle):
     """Several styles on one module, applied in order: a plan names each module once, and a module
     may need both its inputs laid out and its own parameters placed."""

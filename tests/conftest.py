@@ -106,5 +106,5 @@ def fla_kernels_tuned_as_in_cuda_jobs():
     if torch.cuda.is_available():
         from titan_ext import host_patches
 
-        host_patches.apply_cuda()
+        host_patches.apply_once(host_patches.CUDA)
     yield

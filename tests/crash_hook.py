@@ -9,11 +9,11 @@ which rank 0 writes only after every rank's shard, never appears.
 import os
 import signal
 
-from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-import titan_ext  # noqa: F401  (the train specs)
+import titan_ext  # noqa: F401  (the train specs, and the job's own wrapper of write_data: this one wraps it)
 
-_write_data = _FileSystemWriter.write_data
+_write_data = FileSystemWriter.write_data
 
 
 def _write_data_then_maybe_die(self, plan, planner):
@@ -26,4 +26,4 @@ def _write_data_then_maybe_die(self, plan, planner):
 
 
 if os.environ.get("CRASH_TEST_KILL"):
-    _FileSystemWriter.write_data = _write_data_then_maybe_die
+    FileSystemWriter.write_data = _write_data_then_maybe_die

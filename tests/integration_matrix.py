@@ -39,6 +39,18 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf``: export the seed to HF safetensors (one step at learning rate 0, so
   the weights are the seed's), then train from that HF checkpoint
   (``initial_load_in_hf``): it must match "single" like any other row.
+- ``hub_fsdp2``, ``hub_tp2``, ``hub_ep2``: a tiny model written by transformers' ``save_pretrained`` (sharded,
+  one tensor per expert, the tokenizer beside it: ``write_hub_folder``) is the job's ``--model.hf_assets_path``,
+  loaded with ``initial_load_in_hf`` under FSDP2, TP2 or EP2 x FSDP2, trained one step at learning rate 0 and
+  exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
+  (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
+  three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied), DeepSeek-V3 (MLA) and Qwen3.5 in FSDP2.
+- ``walkthrough``: docs/checkpoints-and-hf.md's continued pretraining, its 8-GPU torchrun command read from the
+  page (``tests/walkthrough.py``) and run on 2 ranks from a ``write_hub_folder`` folder of the same model type:
+  Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
+  transformers' forward of the folder, the export holds the folder's tensors moved by training, loads with
+  ``from_pretrained`` and runs the page's loading block (``evaluate_walkthrough``; 2.3, 2.8 and 4.5 s of 2-rank jobs,
+  2026-11-30).
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step
@@ -74,10 +86,12 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_mistral_window``: a sliding window on every layer, under CP masked over all-gathered keys and values
   (``cp2``, ``cp2_docs``); ``hf_qwen2_moe``'s ``cp2``: attention with a MoE FFN, by no model type's name.
 - ``hf_nemotron_h``: a family titan_ext never names, known by what its layers hold (transformers' Nemotron-H:
-  a Mamba2 mixer titan_ext does not know, kept whole on every rank under TP; attention; an FFN-only layer) in
-  ``single``, ``fsdp2``, ``tp2`` and ``pp2``.
+  a Mamba2 mixer on titan_ext's forward, its scan fla's simple GLA on the portable kernel; attention; an FFN-only
+  layer) in ``single``, ``fsdp2``, ``tp2`` (the Mamba2 heads split, its one group and gated norm shared by both
+  ranks), ``pp2``, ``cp2`` (state passing with a decay per head, the convolution's halo, ring attention) and
+  ``cp2_docs`` (scan and convolution restart, all-gathered attention, with AC and compile).
 - ``hf_lfm2``: transformers' LFM2 (a gated short convolution at layer 0, known by what it holds, on titan_ext's
-  forward; attention at layer 1; tied embeddings) in ``single``, ``tp2`` (the convolution's channels split, its
+  forward; attention at layer 1) in ``single``, ``tp2`` (the convolution's channels split, its
   packed ``in_proj`` replicated with each rank's rows of each gate), ``cp2`` (the convolution's halo, ring
   attention) and ``cp2_docs`` (the convolution restarting at each document, all-gathered attention).
 - ``hf_minimax``: transformers' MiniMax (lightning attention at layer 0, known by what it holds, on titan_ext's
@@ -104,8 +118,9 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
   ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
   later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
-- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, the
-  routers' balancing loss in every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
+- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, asking for
+  router logits (``output_router_logits: true``, which titan_ext's loss counts once), the routers' balancing loss in
+  every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
   expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
   experts), ``ep2_tp2_etp2`` (torchtitan's ETP=TP: the experts split over the EP ranks and each expert's
   intermediate dim over the TP ranks, with FSDP2; 7.9 s), ``tp2_hf`` (TP2 without EP, each expert's intermediate
@@ -177,6 +192,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import readme_example
+import walkthrough
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train_configs"
@@ -280,8 +296,8 @@ TINY_KIMI_LINEAR_DENSE = {"model_type": "kimi_linear", "hidden_size": 64, "inter
                           "mlp_layer_types": ["dense", "dense"], "vocab_size": 2048, "max_position_embeddings": 512,
                           "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 
-# A family titan_ext's code never names (transformers' Nemotron-H): a Mamba2 mixer titan_ext does not know (kept
-# whole on every TP rank), attention and an FFN-only layer each held as ``mixer``, the final norm ``norm_f``.
+# A family titan_ext's code never names (transformers' Nemotron-H): a Mamba2 mixer (one group of B and C: under TP2
+# both ranks share it), attention and an FFN-only layer each held as ``mixer``, the final norm ``norm_f``.
 TINY_NEMOTRON_H = {"model_type": "nemotron_h", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
                    "layers_block_type": ["linear_attention", "full_attention", "mlp"], "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 4, "mamba_head_dim": 16,
@@ -328,23 +344,27 @@ SPECS = {
     "fla_gla_hybrid_shipped": Spec("debug_gla_hybrid.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5_shipped": Spec("debug_qwen3_5.toml", rows=("single", "fsdp2")),
     "hf_qwen3_5": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_5,
-                       rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs")),
+                       rows=("single", "tp2", "pp2", "hf", "cp2", "cp2_docs", "hub_fsdp2")),
     "hf_qwen3_next": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_NEXT,
-                          rows=("single", "fsdp2", "pp2", "hf", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2")),
+                          rows=("single", "fsdp2", "pp2", "hf", "cp2", "ep2_cp2", "ep2_tp2", "docs_tp2", "hub_ep2")),
     "hf_qwen2_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN2_MOE,
                          rows=("single", "ep2_tp2", "cp2")),
     "hf_mistral_window": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_MISTRAL_WINDOW,
                               rows=("single", "cp2", "cp2_docs")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
-                           rows=("single", "tp2")),
-    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2")),
+                           rows=("single", "tp2", "hub_fsdp2")),
+    "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2",
+                                                            "hub_tp2", "hub_ep2", "walkthrough")),
     "hf_kimi_linear_dense": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_KIMI_LINEAR_DENSE,
                                  rows=("single", "cp2", "cp2_docs")),
     "hf_qwen3": Spec("debug_llama.toml", flags=("--model.name", "hf"),
-                     hf_config=TINY_QWEN3, rows=GENERIC_ROWS),
-    "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_QWEN3_MOE,
+                     hf_config=TINY_QWEN3, rows=(*GENERIC_ROWS, "walkthrough")),
+    # asking for router logits, as some hub configs do: the balancing loss counted once, by titan_ext, in every row
+    "hf_qwen3_moe": Spec("debug_llama.toml", flags=("--model.name", "hf"),
+                         hf_config={**TINY_QWEN3_MOE, "output_router_logits": True},
                          rows=("single", "fsdp2", "ac_full", "ep2_resume", "ep2_hf", "ep2_pp2", "ep2_pp2_tp2", "ep2_tp2_etp2", "ep2_cp2",
-                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager")),
+                               "ep2_tp2_docs", "ep4_tp2", "tp2_hf", "compile_aot_eager", "hub_fsdp2", "hub_tp2", "hub_ep2",
+                               "walkthrough")),
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
@@ -353,7 +373,7 @@ SPECS = {
     "hf_minimax": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_MINIMAX,
                        rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
-                          rows=("single", "fsdp2", "tp2", "pp2")),
+                          rows=("single", "fsdp2", "tp2", "pp2", "cp2", "cp2_docs")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -385,6 +405,10 @@ class Row:
     """(spec, rtol) where a spec's figures differ by more than ``rtol`` for a stated reason."""
     log_expect: str = ""
     """A line rank 0's log must hold."""
+    console: bool = False
+    """The row's job prints what the README's quick start says (``console_problem``): rank 0's lines only (under PP
+    the step lines from the last stage's first rank), ``step: N/TOTAL ... left: H:MM:SS``, no colour codes in a
+    file, no MFU on the CPU."""
     seed_in_folder: tuple[str, ...] = ()
     """Specs whose job starts as torchtitan documents it: a seed checkpoint created by one process in the job's
     own dump folder (``--checkpoint.create_seed_checkpoint``), then loaded by the job as its ``step-0``
@@ -451,7 +475,7 @@ README_COMMAND = "{readme}"
 """Stands for the extension example's command-line arguments (docs/extending.md)."""
 ROWS = {
     "single": Row(1, parallel(), validation=True),
-    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",)),
+    "fsdp2": Row(2, parallel(shard=2), validation=True, seed_in_folder=("fla_gla",), console=True),
     "ddp2": Row(2, parallel(replicate=2)),
     "tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, validation=True, cost=4,  # sequence parallel and loss parallel on (the defaults)
                spec_rtol=TIED_DTENSOR_RTOL),
@@ -498,6 +522,17 @@ ROWS = {
     "ep2_resume": Row(2, (*parallel(shard=2), *EP2), kind="resume", cost=4, specs=("hf_qwen3_moe",)),
     # TP without EP: HF export and import of the experts split over TP (the packed gate_up_proj whole in the file)
     "tp2_hf": Row(2, parallel(tp=2), kind="hf", rtol=TP_RTOL, specs=("hf_qwen3_moe",)),
+    # a hub folder as transformers' save_pretrained writes it (sharded, one tensor per expert), imported under
+    # FSDP2, TP2 and EP2 x FSDP2: step 1's loss equals transformers' own forward's on the same batch, and the job's
+    # export (one step at learning rate 0) holds the folder's tensors under its names (``evaluate_hub``)
+    "hub_fsdp2": Row(2, parallel(shard=2), kind="hub", rtol=TP_RTOL, specs=("hf_llama",)),
+    "hub_tp2": Row(2, parallel(tp=2), kind="hub", rtol=TP_RTOL, specs=()),
+    "hub_ep2": Row(2, (*parallel(shard=2), *EP2), kind="hub", rtol=TP_RTOL, specs=()),
+    # docs/checkpoints-and-hf.md's continued pretraining from a hub checkpoint, its 8-GPU command read from the page
+    # and run on 2 ranks (``tests/walkthrough.py``: FSDP 2, or EP 2 x FSDP 2), from the spec's hub folder
+    # (``WALKTHROUGH``): step 1's loss equals transformers' forward, 2 steps train, the export loads
+    # (``evaluate_walkthrough``)
+    "walkthrough": Row(2, (), kind="walkthrough", rtol=TP_RTOL, cost=3, specs=()),
     "ac_selective_layer": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "1")),
     "ac_selective_op": Row(1, (*parallel(), *AC, "selective", "--activation_checkpoint.selective_ac_option", "op")),
     # Each block compiled: aot_eager checks the graphs, inductor the generated code too (~15-65 s cold per spec).
@@ -542,7 +577,7 @@ ROWS = {
                     rtol=TP_RTOL, cost=5, documents=True, spec_rtol=CP_DOCS_RTOL,
                     specs=("fla_gla", "fla_transformer", "hf_llama")),
     # Pipeline parallelism (titan_ext.pipeline): 1F1B, Interleaved1F1B with 2 stages per rank, and PP x FSDP.
-    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS),
+    "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS, console=True),
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
     "pp2_fsdp2": Row(4, parallel(shard=2, pp=2), rtol=TP_RTOL, specs=PP_SPECS, spec_rtol=TIED_DTENSOR_RTOL),
@@ -787,6 +822,13 @@ class Matrix:
             return [self.job(spec, variant, row, r.world, *every2),
                     self.job(spec, variant, row + "@resumed", r.world, *every2, "--checkpoint.load_step", "2",
                              folder=row)]
+        if r.kind == "walkthrough":
+            return [self.walkthrough_job(spec, row)]
+        if r.kind == "hub":  # import the hub folder (config, shards, tokenizer) as a user does, export it again
+            return [self.job(spec, variant, row, r.world, *r.flags, "--model.hf_assets_path", str(self.hub_folder(spec)),
+                             "--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--training.steps", "1",
+                             "--optimizer.lr", "0", "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+                             "--checkpoint.export_dtype", "float32")]
         if r.kind == "hf":
             export = self.job(spec, variant, row + "@export", r.world, *train, "--training.steps", "1",
                               "--optimizer.lr", "0", "--checkpoint.last_save_in_hf",
@@ -800,6 +842,17 @@ class Matrix:
         no_save = () if r.kind == "fails" else ("--checkpoint.load_only",)
         return [self.job(spec, variant, row, r.world, *train, *no_save, env=env)]
 
+    def walkthrough_job(self, spec: str, row: str) -> Job:
+        """The page's training command for the spec's model on 2 CPU ranks (``walkthrough.cpu_argv``), then the
+        matrix's corpus and short-run flags, 2 steps in the row's folder, and ``walkthrough.CPU_FLAGS``."""
+        id_ = f"{spec}.base.{row}"
+        model = walkthrough.model_of(WALKTHROUGH[spec])
+        argv = (*walkthrough.cpu_argv(model, self.hub_folder(spec)), "--training.dataset", "titan_ext_tiny",
+                "--training.dataset_path", str(self.corpus), *COMMON, "--training.steps", str(WALKTHROUGH_STEPS),
+                "--job.dump_folder", str(self.folder(spec, row)), "--titan_ext.metrics_jsonl",
+                str(self.metrics_path(id_)), *walkthrough.CPU_FLAGS)
+        return Job(id_, ROWS[row].world, argv, {})
+
     @property
     def readme_folder(self) -> Path:
         return self.root / "readme"
@@ -807,6 +860,14 @@ class Matrix:
     def readme_argv(self) -> list[str]:
         files, argv = readme_example.example()
         return [str(self.readme_folder / arg) if arg in files else arg for arg in argv]
+
+    def hub_folder(self, spec: str) -> Path:
+        """The spec's model as transformers' ``save_pretrained`` writes it, in small shards, with the tokenizer."""
+        return self.root / spec / "hub"
+
+    def hub_export_folder(self, spec: str, row: str) -> Path:
+        steps = WALKTHROUGH_STEPS if ROWS[row].kind == "walkthrough" else 1
+        return self.root / spec / "base" / row / "checkpoint" / f"step-{steps}"
 
     def hf_export_folder(self, spec: str, variant: str, row: str = "hf") -> Path:
         return self.root / spec / variant / f"{row}@export" / "checkpoint" / "step-1"
@@ -868,6 +929,44 @@ class Matrix:
             if SPECS[spec].hf_config:
                 (self.root / spec).mkdir(exist_ok=True)
                 (self.root / spec / "config.json").write_text(json.dumps(SPECS[spec].hf_config))
+            if any(ROWS[row].kind in ("hub", "walkthrough") and self.applies(spec, row) for row in self.rows):
+                write_hub_folder(hub_config(spec), self.hub_folder(spec))
+
+
+def hub_config(spec: str) -> dict:
+    """The spec's architecture as a config.json: its hf_config, its TOML's, or its flavor's."""
+    if SPECS[spec].hf_config:
+        return SPECS[spec].hf_config
+    if spec == "hf_kimi_linear":
+        return json.loads((CONFIGS / "kimi_linear_debug.json").read_text())
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    import titan_ext  # noqa: F401  (train specs)
+
+    return get_train_spec(spec).model_args["debugmodel"].checkpoint_config().to_dict()
+
+
+HUB_SHARD = "40KB"
+"""save_pretrained's max_shard_size for the hub folders: 10-20 shards and an index for the tiny models."""
+HUB_NOISE = 0.1
+"""Added to every initialized tensor of a hub folder's model, times a standard normal draw."""
+
+
+def write_hub_folder(config: dict, folder: Path) -> None:
+    """A tiny model of ``config`` as the hub ships one: transformers' ``save_pretrained`` (its own initialization,
+    one tensor per expert, sharded with an index) and the shipped tokenizer's files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {key: value for key, value in config.items() if key not in ("model_type", "architectures")}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    with torch.no_grad():  # off the initialization's near-uniform logits, so that a misplaced tensor moves the loss
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter), alpha=HUB_NOISE)
+    model.save_pretrained(folder, max_shard_size=HUB_SHARD)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "titan_ext" / "assets" / "tiny" / name, folder)
 
 
 def phase(nproc: int, world: int, work: list[tuple[int, list[Job]]]) -> dict:
@@ -910,7 +1009,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 # ---------------------------------------------------------------- evaluation
 
-STEP_LINE = re.compile(r"step:\s+(\d+)\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
+STEP_LINE = re.compile(r"step:\s+(\d+)(?:/\d+)?\s+\S*loss:\s+([-\d.naninf]+)\s+\S*grad_norm:\s+([-\d.naninf]+)")
 
 
 def read_metrics(matrix: Matrix, job: Job) -> list[dict]:
@@ -980,9 +1079,39 @@ def compare(run: list[dict], ref: list[dict], steps: list[int], rtol: float = RT
     return worst, detail if worst > rtol else ""
 
 
-def job_log(matrix: Matrix, job: Job) -> str:
-    path = matrix.root / "logs" / f"{job.id}.rank0.log"
+def job_log(matrix: Matrix, job: Job, rank: int = 0) -> str:
+    path = matrix.root / "logs" / f"{job.id}.rank{rank}.log"
     return path.read_text() if path.exists() else ""
+
+
+BEFORE_TITAN_EXT = ("torchtitan version:", "Starting job:")
+"""What every rank prints before torchtitan imports titan_ext (``custom_import``)."""
+
+
+def console_problem(matrix: Matrix, job: Job, steps: int) -> str:
+    """'' if the job's console (written to files: not a terminal) is the README's: one rank prints the step
+    lines (rank 0; under PP the last stage's first rank), ``step: N/steps`` and, from the second on, the time
+    left; no colour codes, no MFU (the CPU has no peak); ranks other than 0 print no other INFO line after
+    torchtitan's first two."""
+    logs = [job_log(matrix, job, rank) for rank in range(job.world)]
+    step_lines = {rank: [line for line in log.splitlines() if " - INFO - step: " in line] for rank, log in enumerate(logs)}
+    printing = [rank for rank, lines in step_lines.items() if lines]
+    if len(printing) != 1:
+        return f"ranks {printing} print step lines: one rank should"
+    lines = step_lines[printing[0]]
+    wanted = [f"step: {n}/{steps}" for n in range(1, steps + 1)]
+    if [line.split(" - INFO - ")[1].split("  ")[0] for line in lines] != wanted:
+        return f"rank {printing[0]}'s step lines are not {wanted}: {lines}"
+    if not all(re.search(r"  left: \d+:\d\d:\d\d$", line) for line in lines[1:]) or not lines[0].endswith("left: ?"):
+        return f"rank {printing[0]}'s step lines do not end in the time left: {lines}"
+    if any("\x1b[" in log or "mfu" in log for log in logs):
+        return "a rank's log holds colour codes or an MFU figure"
+    for rank in range(1, job.world):
+        info = [line for line in logs[rank].splitlines() if " - INFO - " in line and " - INFO - step: " not in line
+                and not line.split(" - INFO - ")[1].startswith(BEFORE_TITAN_EXT)]
+        if info:
+            return f"rank {rank} printed INFO lines: {info[:3]}"
+    return ""
 
 
 def evaluate_failure(matrix: Matrix, spec: str, row: str) -> Result:
@@ -1003,6 +1132,10 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         return Result(spec, row, "n/a", None, "")
     if ROWS[row].kind == "fails":
         return evaluate_failure(matrix, spec, row)
+    if ROWS[row].kind == "hub":
+        return evaluate_hub(matrix, spec, row)
+    if ROWS[row].kind == "walkthrough":
+        return evaluate_walkthrough(matrix, spec, row)
     jobs = matrix.row_jobs(spec, row)
     variant = matrix.variant(spec, row)
     ref_jobs = [matrix.seed(spec, variant), *matrix.row_jobs(spec, "single", variant)]
@@ -1051,6 +1184,8 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
         if spec != "llama3" and ROWS[row].validation:
             run_validation, ref_validation = read_validation(matrix, jobs[0]), read_validation(matrix, ref_jobs[-1])
             checks.append(("validation vs single", *compare_validation(run_validation, ref_validation, rtol)))
+    if ROWS[row].console and spec != "llama3" and (problem := console_problem(matrix, jobs[0], ROWS[row].steps)):
+        checks.append(("console", math.inf, problem))
     if ROWS[row].log_expect and ROWS[row].log_expect not in job_log(matrix, jobs[0]):
         checks.append(("log", math.inf, f"rank 0's log lacks {ROWS[row].log_expect!r}"))
     worst = max(rel for _, rel, _ in checks)
@@ -1067,6 +1202,137 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     elif kind == "resume_from_pp1":
         note += "; resumed at PP=2 from one process's step 2"
     return Result(spec, row, "ok", worst, note)
+
+
+def evaluate_hub(matrix: Matrix, spec: str, row: str) -> Result:
+    """Step 1's loss against transformers' own forward on the job's first batch, and the export against the folder."""
+    (job,) = matrix.row_jobs(spec, row)
+    if error := job_error(matrix, job):
+        return Result(spec, row, "ERROR", None, error)
+    losses = series(read_metrics(matrix, job))["loss"]
+    reference = transformers_loss(matrix.hub_folder(spec), job)
+    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
+    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    export = matrix.hub_export_folder(spec, row)
+    problems += [p for p in (hf_folder_problem(export), hub_tensors_problem(matrix.hub_folder(spec), export)) if p]
+    return Result(spec, row, "MISMATCH" if problems else "ok", rel, "; ".join(problems) or
+                  "step 1 == transformers' forward; export == the hub folder")
+
+
+WALKTHROUGH = {"hf_qwen3": "Qwen3-0.6B", "hf_qwen3_moe": "Qwen3-30B-A3B", "hf_kimi_linear": "Kimi-Linear-48B-A3B-Instruct"}
+"""The spec whose hub folder stands in for each model of docs/checkpoints-and-hf.md's walkthrough (its model type)."""
+WALKTHROUGH_STEPS = 2
+WALKTHROUGH_MOVE = 1e-2
+"""An exported tensor's largest move from the folder's over the row's steps: AdamW moves an element by about the
+learning rate a step (the TOMLs' 1e-4 and 3e-4; 1.7e-4 to 7.5e-4 measured, 2026-11-30); a tensor put in another's
+place differs from it by ~0.1 an element (``HUB_NOISE``), by far more at its largest."""
+
+
+def evaluate_walkthrough(matrix: Matrix, spec: str, row: str) -> Result:
+    """The page's command trained from the hub folder: step 1 against transformers' forward of the folder, every
+    step's loss finite, the export the folder's tensors (names, moved a little), loaded by ``from_pretrained`` and by
+    the page's own loading block."""
+    (job,) = matrix.row_jobs(spec, row)
+    if error := job_error(matrix, job):
+        return Result(spec, row, "ERROR", None, error)
+    losses = series(read_metrics(matrix, job))["loss"]
+    reference = transformers_loss(matrix.hub_folder(spec), job)
+    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
+    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    if len(losses) != WALKTHROUGH_STEPS or not all(map(math.isfinite, losses)):
+        problems.append(f"losses {losses}, expected {WALKTHROUGH_STEPS} finite ones")
+    export = matrix.hub_export_folder(spec, row)
+    problems += [p for p in (hf_folder_problem(export), trained_tensors_problem(matrix.hub_folder(spec), export),
+                             loading_problem(export)) if p]
+    return Result(spec, row, "MISMATCH" if problems else "ok", rel, "; ".join(problems) or
+                  "step 1 == transformers' forward; trained; the export loads")
+
+
+def trained_tensors_problem(hub: Path, export: Path) -> str:
+    """'' if the export holds the hub folder's tensors under the same names, each within ``WALKTHROUGH_MOVE`` of
+    the folder's, and training moved some."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+    theirs, ours = tensors(hub), tensors(export)
+    if sorted(theirs) != sorted(ours):
+        odd = sorted(set(theirs) ^ set(ours))
+        return f"export names differ from the hub folder's: {odd[:3]} ({len(odd)} in all)"
+    moves = {k: (ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs}
+    far = [k for k, move in moves.items() if not move < WALKTHROUGH_MOVE]
+    if far:
+        return f"exported tensors {far[:3]} ({len(far)} in all) moved by {max(moves[k] for k in far):.3g} from the folder's"
+    return "" if any(moves.values()) else "no exported tensor moved: nothing trained"
+
+
+def loading_problem(export: Path) -> str:
+    """'' if ``from_pretrained`` loads the export with no missing or unexpected keys and the page's loading block
+    runs on it (the export's path for the page's)."""
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        return f"from_pretrained({export}): {info}"
+    code, path = walkthrough.load_example()
+    exec(compile(code.replace(path, str(export)), "docs/checkpoints-and-hf.md (loading the export)", "exec"), {})
+    return ""
+
+
+def first_batch(job: Job):
+    """The job's first batch (inputs, labels), from the dataloader its flags build (one data-parallel rank: the
+    matrix's ranks all read the same stream)."""
+    from torchtitan.config import ConfigManager
+
+    import titan_ext  # noqa: F401  (the datasets)
+    from titan_ext.data import build_dataloader, build_tokenizer
+
+    package = sys.modules["titan_ext"]
+    config = ConfigManager().parse_args(list(job.argv))
+    sys.modules["titan_ext"] = package  # the parse forgets it for a Trainer's import (titan_ext.config): none follows
+    loader = build_dataloader(1, 0, build_tokenizer(config), config)
+    inputs, labels = next(iter(loader))
+    return inputs["input"], labels
+
+
+def transformers_loss(folder: Path, job: Job) -> float:
+    """transformers' own forward of the hub folder on the job's first batch: the mean token loss, plus for a MoE
+    model its routers' balancing loss (``aux_loss``) at the config's coefficient, per sequence as titan_ext counts it
+    (``titan_ext.moe``: each sequence's own, weighted by its valid tokens). Hybrids' recurrent kernels run on
+    titan_ext's portable kernels (``titan_ext.kernels``)."""
+    import torch
+
+    from titan_ext import kernels
+
+    tokens, labels = first_batch(job)
+    model = kernels.from_pretrained(str(folder))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        coefficient = getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0
+        if coefficient and hasattr(model.config, "output_router_logits"):
+            valid = (labels != -100).sum(dim=1)
+            balance = [model(sequence[None], output_router_logits=True).aux_loss for sequence in tokens]
+            loss = loss + coefficient * (torch.stack(balance) * valid).sum() / valid.sum()
+    return loss.item()
+
+
+def hub_tensors_problem(hub: Path, export: Path) -> str:
+    """'' if the export holds the hub folder's tensors under the same names, equal."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        return {k: v for p in sorted(folder.glob("*.safetensors")) for k, v in load_file(p).items()}
+
+    theirs, ours = tensors(hub), tensors(export)
+    if sorted(theirs) != sorted(ours):
+        odd = sorted(set(theirs) ^ set(ours))
+        return f"export names differ from the hub folder's: {odd[:3]} ({len(odd)} in all)"
+    differ = [k for k in theirs if not torch.equal(theirs[k], ours[k])]
+    return f"export tensors differ from the hub folder's: {differ[:3]} ({len(differ)} in all)" if differ else ""
 
 
 def hf_folder_problem(folder: Path) -> str:

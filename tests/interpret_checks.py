@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from titan_ext import host_patches  # noqa: E402
 
-host_patches.apply_interpreter()
+host_patches.apply_once(host_patches.INTERPRETER)
 
 
 def rel(a, b) -> float:
@@ -284,7 +284,7 @@ def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
     from titan_ext.job_plan import CPChoice
     from titan_ext.kernels.state_passing import piece_order
 
-    host_patches.apply_interpreter()  # a forkserver child imports afresh
+    host_patches.apply_once(host_patches.INTERPRETER)  # a forkserver child imports afresh
     worst = {}
     for name in names:
         args = tiny_args(name, **({"use_short_conv": True} if name == "gla" else {}))
@@ -314,7 +314,7 @@ def _tp_rank(rank, mesh, name="gated_deltanet"):
 
     from titan_ext.tensor_parallel import plan_class
 
-    host_patches.apply_interpreter()
+    host_patches.apply_once(host_patches.INTERPRETER)
     args = tiny_args(name)
     whole = built(args, "fla")
     model = built(args, "fla", like=whole)

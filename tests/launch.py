@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,28 @@ class Run:
         return self
 
 
+def _command(config: str, dump_folder: Path, nproc: int, overrides) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "torchtitan.train",
+        "--job.config_file", str(CONFIGS / config),
+        "--job.dump_folder", str(dump_folder),
+        "--titan_ext.metrics_jsonl", str(dump_folder / "metrics.jsonl"),
+        *overrides,
+    ]
+
+
+def _environment(env: dict[str, str] | None) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def _metrics(dump_folder: Path) -> list[dict]:
+    metrics_file = dump_folder / "metrics.jsonl"
+    if not metrics_file.exists():
+        return []
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
 def torchrun(
     config: str,
     dump_folder: Path,
@@ -42,25 +65,33 @@ def torchrun(
     env: dict[str, str] | None = None,
 ) -> Run:
     """Train with a TOML from ``train_configs/`` plus CLI overrides; never raises on failure."""
-    metrics_file = dump_folder / "metrics.jsonl"
-    if metrics_file.exists():
-        metrics_file.unlink()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "torchtitan.train",
-        "--job.config_file", str(CONFIGS / config),
-        "--job.dump_folder", str(dump_folder),
-        "--titan_ext.metrics_jsonl", str(metrics_file),
-        *overrides,
-    ]
-    run_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    (dump_folder / "metrics.jsonl").unlink(missing_ok=True)
     proc = subprocess.run(
-        cmd, cwd=REPO, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        _command(config, dump_folder, nproc, overrides), cwd=REPO, env=_environment(env), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=timeout,
     )
-    metrics = []
-    if metrics_file.exists():
-        metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    return Run(proc.returncode, proc.stdout, metrics, dump_folder)
+    return Run(proc.returncode, proc.stdout, _metrics(dump_folder), dump_folder)
+
+
+def torchrun_interrupted(
+    config: str, dump_folder: Path, *overrides: str, nproc: int, ready, signal_number: int, timeout: float = 600,
+) -> Run:
+    """Train as ``torchrun`` does, sending torchrun ``signal_number`` once ``ready()`` holds (a terminal's Ctrl-C
+    reaches torchrun alone too: it starts each rank in a session of its own). Raises if the job ends before."""
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    log = dump_folder / "output.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_command(config, dump_folder, nproc, overrides), cwd=REPO, env=_environment(None),
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"the job ended or timed out before it was ready:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        proc.send_signal(signal_number)
+        proc.wait(timeout=120)
+    return Run(proc.returncode, log.read_text(), _metrics(dump_folder), dump_folder)
 
 
 def seed_checkpoint(config: str, dump_folder: Path, *overrides: str) -> Path:

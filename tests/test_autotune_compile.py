@@ -110,7 +110,7 @@ def test_a_failure_compiling_in_threads_leaves_triton_to_compile_as_shipped(comp
 def test_the_cuda_row_replaces_the_autotuners_timing_loop_and_is_undone():
     host_patches.undo()  # what the session applied (conftest, on a GPU machine)
     original = vars(Autotuner)["_bench"]
-    host_patches.apply_cuda()
+    host_patches.apply_once(host_patches.CUDA)
     assert vars(Autotuner)["_bench"] is not original
     host_patches.undo()
     assert vars(Autotuner)["_bench"] is original
@@ -132,9 +132,9 @@ device, bench = sys.argv[1:]
 sys.path.insert(0, bench)
 from compile_only_h100 import compiles_recorded
 if device == "cuda":
-    host_patches.apply_cuda()
+    host_patches.apply_once(host_patches.CUDA)
 else:  # the script itself, under Triton's interpreter
-    host_patches.apply_interpreter()
+    host_patches.apply_once(host_patches.INTERPRETER)
 x = torch.randn(4, 256, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
 residual = torch.randn_like(x).requires_grad_()
 weight = torch.randn(1024, device=device, requires_grad=True)
@@ -174,13 +174,23 @@ def test_a_job_on_fla_kernels_on_cuda_gets_the_cuda_row(monkeypatch, path, inter
     calls = []
     monkeypatch.setattr(job, "_checked_job", job._checked_job)  # restored after the test, as the next ones are
     monkeypatch.setattr(job, "_cpu_mode", job._cpu_mode)
-    monkeypatch.setattr(job.compat, "importing_trainer_job_config", lambda: object())
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(checkpoint=SimpleNamespace(enable=False))
+    monkeypatch.setattr(job.compat, "importing_trainer_job_config", lambda: config)
+    monkeypatch.setattr(job.interrupt, "install", lambda trainer, job_config: None)
+    from torchtitan.train import Trainer
+
+    trainer = Trainer.__new__(Trainer)  # no job: only its close is wrapped
+    monkeypatch.setattr(job.compat, "importing_trainer", lambda: trainer)
     monkeypatch.setattr(job.preflight, "check_job_config", lambda config, world: None)
     monkeypatch.setattr(job.cpu_mode, "wanted", lambda: False)
     monkeypatch.setattr(job, "kernel_path", lambda config: path)
     monkeypatch.setattr(job, "interpreting", lambda: interpreting)
     monkeypatch.setattr(job.documents, "enabled", lambda config: False)
-    for name in ("job", "cuda", "interpreter", "cpu_mode"):
+    for name in ("job", "cpu_mode"):
         monkeypatch.setattr(host_patches, f"apply_{name}", lambda name=name: calls.append(name))
+    tables = {id(host_patches.CUDA): "cuda", id(host_patches.INTERPRETER): "interpreter"}
+    monkeypatch.setattr(host_patches, "apply_once", lambda table: calls.append(tables.get(id(table), "other")))
     job.on_trainer_import()
-    assert calls == applied
+    assert [call for call in calls if call != "other"] == applied

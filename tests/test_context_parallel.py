@@ -170,6 +170,24 @@ def test_mla_under_masked_cp_all_gathers_its_latents_not_its_keys_and_values(cp_
     assert counts == {"c10d_functional.reduce_scatter_tensor": 2}, counts
 
 
+@pytest.mark.parametrize("model_type,named,unnamed", [
+    ("qwen3_5_text", "attention over all-gathered keys and values", "MLA"),
+    ("deepseek_v3", "MLA's over all-gathered latents", "attention over all-gathered keys and values"),
+])
+def test_masked_cp_logs_the_paths_of_the_models_own_mixers(cp_mesh, caplog, model_type, named, unnamed):
+    """A log line names the paths that run: Qwen3.5 has no MLA, a dense DeepSeek-V3 nothing but MLA."""
+    import logging
+
+    from test_hybrids import QWEN3_5
+
+    config = {**QWEN3_5, "vocab_size": 2048} if model_type == "qwen3_5_text" else MLA
+    model = build_model(transformers_model(model_type, **config))
+    with caplog.at_level(logging.INFO):
+        apply_cp(model, cp_mesh, CPChoice(2, 1, masked_attention="--titan_ext.document_mask"))
+    (line,) = [r.getMessage() for r in caplog.records if "masked beyond causality" in r.getMessage()]
+    assert named in line and unnamed not in line, line
+
+
 CASES = [("fla_gla", 1, 1e-5), ("fla_gla", 2, 1e-5), ("hf_llama", 2, 1e-12), ("hf_llama+alltoall", 1, 1e-12),
          ("fla_transformer", 1, 1e-12), ("fla_transformer+alltoall", 2, 1e-12),
          ("fla_transformer+window", 2, 1e-12), ("fla_gated_deltanet", 2, 1e-12),

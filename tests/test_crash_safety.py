@@ -62,7 +62,7 @@ def test_the_kill_leaves_a_partial_checkpoint(crashed):
 
 def test_restart_loads_the_last_complete_checkpoint(restarted):
     loads = [line.rstrip(".") for line in restarted.output.splitlines() if "Loading the checkpoint from" in line]
-    assert len(loads) == 2, restarted.output[-3000:]  # one line per rank
+    assert len(loads) == 1, restarted.output[-3000:]  # rank 0's: the others print only warnings and errors
     assert all(line.endswith("checkpoint/step-4") for line in loads), loads
 
 

@@ -8,7 +8,9 @@ be in ``RUN_BY``, which names what runs it:
   short-run flags; ``readme_ext`` runs the extension example exactly as written);
 - ``test:PATH::NAME``: a test of the suite runs it;
 - ``ci``: ``.ci/run`` runs it;
-- ``gpu``: a GPU, many nodes or minutes are needed; nothing here runs it.
+- ``gpu``: a GPU, many nodes or minutes are needed; nothing here runs it;
+- ``download``: it downloads from the Hugging Face hub; nothing here runs it (tests write tiny folders of the
+  same model types).
 
 Independently of that, every ``torchrun ... -m torchtitan.train`` and ``python -m titan_ext.plan`` command
 is checked as a launch would check it, without launching: torchrun's own argument parser reads its world size
@@ -155,6 +157,43 @@ RUN_BY = {
     "torchrun --nproc_per_node=2 -m torchtitan.train --job.config_file train_configs/debug_gla.toml "
     "--job.dump_folder outputs/from_hf --checkpoint.enable --checkpoint.initial_load_in_hf "
     "--checkpoint.initial_load_path outputs/gla_hf/checkpoint/step-10": "matrix:fla_gla/hf",
+    "python tests/integration_matrix.py --spec hf_qwen3_moe --rows hub_fsdp2 hub_tp2 hub_ep2": "matrix:hf_qwen3_moe/hub_ep2",
+    # docs/checkpoints-and-hf.md's walkthrough (tests/walkthrough.py reads its commands from the page)
+    "hf download Qwen/Qwen3-0.6B --local-dir checkpoints/Qwen3-0.6B": "download",
+    "python -m titan_ext.plan --job.config_file train_configs/llama_1B.toml --model.name hf --model.flavor from_config "
+    "--titan_ext.hf_config checkpoints/Qwen3-0.6B --parallelism.data_parallel_shard_degree 8 --titan_ext.loss chunked "
+    "--world 8": "test:tests/test_walkthrough.py::test_each_plan_output_shown_is_what_the_command_prints_today",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/llama_1B.toml --model.name hf "
+    "--model.flavor from_config --titan_ext.hf_config checkpoints/Qwen3-0.6B --parallelism.data_parallel_shard_degree 8 "
+    "--titan_ext.loss chunked --model.hf_assets_path checkpoints/Qwen3-0.6B --checkpoint.initial_load_in_hf "
+    "--checkpoint.initial_load_model_only --checkpoint.last_save_in_hf --job.dump_folder outputs/qwen3_0.6B "
+    "--training.dataset titan_ext_stream --training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000":
+        "matrix:hf_qwen3/walkthrough",
+    "hf download Qwen/Qwen3-30B-A3B --local-dir checkpoints/Qwen3-30B-A3B": "download",
+    "python -m titan_ext.plan --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
+    "--titan_ext.hf_config checkpoints/Qwen3-30B-A3B --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --titan_ext.loss chunked --world 8":
+        "test:tests/test_walkthrough.py::test_each_plan_output_shown_is_what_the_command_prints_today",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/qwen3_moe_30B_A3B.toml "
+    "--titan_ext.hf_config checkpoints/Qwen3-30B-A3B --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --titan_ext.loss chunked --model.hf_assets_path checkpoints/Qwen3-30B-A3B "
+    "--checkpoint.initial_load_in_hf --checkpoint.initial_load_model_only --checkpoint.last_save_in_hf "
+    "--job.dump_folder outputs/qwen3_30b_a3b --training.dataset titan_ext_stream "
+    "--training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000": "matrix:hf_qwen3_moe/walkthrough",
+    "hf download moonshotai/Kimi-Linear-48B-A3B-Instruct --local-dir checkpoints/Kimi-Linear-48B-A3B-Instruct":
+        "download",
+    "python -m titan_ext.plan --job.config_file train_configs/kimi_linear.toml "
+    "--titan_ext.hf_config checkpoints/Kimi-Linear-48B-A3B-Instruct --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --activation_checkpoint.mode full --training.local_batch_size 2 "
+    "--titan_ext.loss chunked --world 8":
+        "test:tests/test_walkthrough.py::test_each_plan_output_shown_is_what_the_command_prints_today",
+    "torchrun --nproc_per_node=8 -m torchtitan.train --job.config_file train_configs/kimi_linear.toml "
+    "--titan_ext.hf_config checkpoints/Kimi-Linear-48B-A3B-Instruct --parallelism.data_parallel_shard_degree 8 "
+    "--parallelism.expert_parallel_degree 8 --activation_checkpoint.mode full --training.local_batch_size 2 "
+    "--titan_ext.loss chunked --model.hf_assets_path checkpoints/Kimi-Linear-48B-A3B-Instruct "
+    "--checkpoint.initial_load_in_hf --checkpoint.initial_load_model_only --checkpoint.last_save_in_hf "
+    "--job.dump_folder outputs/kimi_linear_48b --training.dataset titan_ext_stream "
+    "--training.dataset_path /data/fineweb-edu/sample/ --training.steps 1000": "matrix:hf_kimi_linear/walkthrough",
     # docs/planning.md
     "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
     "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024":
@@ -222,6 +261,10 @@ RUN_BY = {
 
 AS_WRITTEN = {"matrix:fla_gla/readme_ext"}
 """Run by the matrix exactly as the page shows it (its module is the page's own file): nothing to check here."""
+FROM_THE_PAGE = {"matrix:hf_qwen3/walkthrough", "matrix:hf_qwen3_moe/walkthrough", "matrix:hf_kimi_linear/walkthrough"}
+"""Read from the page by the matrix and run on 2 ranks with the changes ``tests/walkthrough.py`` lists; their 8-GPU
+layouts are checked here through the page's plan commands (the same flags, ``tests/test_walkthrough.py``): the
+commands themselves load a hub folder's weights, which no folder here holds."""
 
 STAND_INS = {"/data/fineweb-edu/sample/": "shards"}
 """A user's own path in a command -> the folder (under the check's working folder) that stands in for it."""
@@ -342,7 +385,7 @@ def test_what_runs_each_command_exists(reference):
     elif kind == "ci":
         assert reference == "ci"
     else:
-        assert kind == "gpu", reference
+        assert kind in ("gpu", "download"), reference
 
 
 def test_ci_runs_the_readmes_test_command_and_every_command_mapped_to_ci():
@@ -432,6 +475,12 @@ def provide_outputs(folder: Path) -> None:
         records = [{"text": f"shard {n} document {i} " + "word " * 40} for i in range(8)]
         pq.write_table(pa.Table.from_pylist(records), shards / f"part-{n}.parquet")
     assert json.loads((hf / "config.json").read_text())["model_type"] == "gla"
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_walkthrough import REAL_CONFIGS
+
+    for name, config in REAL_CONFIGS.items():  # the walkthrough's downloads: their config.json, for its plans
+        (folder / "checkpoints" / name).mkdir(parents=True)
+        (folder / "checkpoints" / name / "config.json").write_text(json.dumps(config))
     for command in documented():  # the files the pages write with echo for the launches after them
         if command.startswith("echo ") and " > " in command:
             subprocess.run(command, shell=True, cwd=folder, check=True)
@@ -443,7 +492,8 @@ def is_launch(command: str) -> bool:
     return words[:1] == ["torchrun"] or words[:3] == ["python", "-m", "titan_ext.plan"]
 
 
-LAUNCHES = [command for command, run_by in RUN_BY.items() if run_by not in AS_WRITTEN and is_launch(command)]
+LAUNCHES = [command for command, run_by in RUN_BY.items()
+            if run_by not in AS_WRITTEN | FROM_THE_PAGE and is_launch(command)]
 REFUSED = {"--model.name fla_glaa": "is not a registered train spec"}
 """Commands the pages show failing on purpose -> the line they must stop with."""
 
@@ -466,6 +516,22 @@ def test_each_documented_launch_passes_the_checks_for_its_world_size(outputs, co
         assert error == "", f"{command} (world {world}): {error}"
 
 
+def test_the_troubleshooting_example_is_the_line_the_code_prints(outputs, monkeypatch):
+    """docs/troubleshooting.md shows a refused launch and the line it stops with ("..." stands for the lists the
+    line goes on with): the line the check prints for that command."""
+    page = (REPO / "docs" / "troubleshooting.md").read_text()
+    (command,) = [c for c in commands(page) if any(flags in c for flags in REFUSED)]
+    shown = {line.split("titan_ext: ", 1)[1] for _, body in fenced(page) for line in body.splitlines()
+             if "titan_ext: " in line and ("- ERROR -" in line or "traceback :" in line)}
+    assert shown, "no refused line shown"
+    env, world, argv = launch_of(command)
+    monkeypatch.chdir(outputs)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    printed = first_error(argv, world)
+    for line in shown:
+        assert re.fullmatch(".*".join(map(re.escape, line.split("..."))), printed), (line, printed)
+
+
 def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
     """The check above can fail: a misspelled TOML, flag or layout in a page would."""
     monkeypatch.chdir(outputs)
@@ -477,6 +543,89 @@ def test_the_checks_catch_a_wrong_flag_and_a_wrong_layout(outputs, monkeypatch):
         first_error(launch_of(good + " --parallelism.tensor_paralel_degree 2")[2], world)
     with pytest.raises(BaseException):  # a TOML that does not exist
         first_error(launch_of(good.replace("debug_gla", "debug_glaa"))[2], world)
+
+
+# ---------------------------------------------------------------- figures and claims, as the code gives them
+
+DATED_OUTPUTS = {
+    "python -m titan_ext.plan --job.config_file train_configs/gla_340M.toml --model.flavor 7B "
+    "--training.seq_len 32768 --training.local_batch_size 1 --activation_checkpoint.mode full --world 1024 --sweep":
+        "2026-11-29",  # 2 minutes of planning on 2 cores
+}
+"""Planner commands whose outputs the pages show with their date instead (each would cost the suite minutes)."""
+
+
+def planner_outputs() -> list[tuple[str, object]]:
+    """(page, shown output) of every planner output the pages show (scripts/doc_outputs.py), but for commands
+    of minutes (``gpu``, ``DATED_OUTPUTS``), whose outputs the pages date."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import doc_outputs
+
+    return [(str(page.relative_to(REPO)), shown) for page in PAGES for shown in doc_outputs.shown_outputs(page.read_text())
+            if RUN_BY.get(shown.command) != "gpu" and shown.command not in DATED_OUTPUTS]
+
+
+def test_a_dated_output_states_its_date():
+    pages = {page: page.read_text() for page in PAGES}
+    for command, date in DATED_OUTPUTS.items():
+        assert any(command in " ".join(t.replace("\\\n", " ").split()) and date in t for t in pages.values()), command
+
+
+@pytest.mark.parametrize("page,shown", planner_outputs(), ids=lambda x: x if isinstance(x, str) else x.command[-60:])
+def test_each_planner_output_on_the_pages_is_what_the_planner_prints(page, shown):
+    """``python scripts/doc_outputs.py --write PAGE`` writes them; the planning time (the last line) aside."""
+    import doc_outputs
+
+    assert shown.command in RUN_BY, shown.command
+    problem = doc_outputs.difference(shown, doc_outputs.printed(shown.command))
+    assert not problem, f"{page}: {shown.command}\n{problem}\n(python scripts/doc_outputs.py --write {page})"
+
+
+MEASURED = re.compile(r"\d[\d.,]*\s?(?:GiB|MiB|tokens/s|ms|s|seconds|minutes|min)\b")
+"""A figure someone measured: memory, throughput, time."""
+DATED = re.compile(r"20\d\d-\d\d-\d\d|bench/|tests/|scripts/|`python |titan_ext\.plan")
+"""A date, or what prints the figure (a bench, a test, a script, a command)."""
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_measured_figure_is_dated_or_names_what_prints_it(page):
+    """A prose paragraph with a measured figure says when, or by what, it was measured: itself or a paragraph
+    before it in its section (a table's caption, a "Measured" section's first lines)."""
+    undated = []
+    for section in re.split(r"^#+ .*$", prose(page.read_text()).replace("\n\n\n", "\n\n"), flags=re.M):
+        paragraphs = [p for p in re.split(r"\n\s*\n", section) if p.strip()]
+        for i, paragraph in enumerate(paragraphs):
+            if MEASURED.search(paragraph) and not DATED.search(" ".join(paragraphs[:i + 1])):
+                undated.append(" ".join(paragraph.split())[:160])
+    assert not undated, undated
+
+
+def toml_model_type(config: str) -> str:
+    """The model type a shipped TOML trains: its hf_config's, else its train spec's name."""
+    import json
+
+    import tomli
+
+    toml = tomli.loads((REPO / "train_configs" / config).read_text())
+    hf_config = toml.get("titan_ext", {}).get("hf_config")
+    return json.loads((REPO / hf_config).read_text())["model_type"] if hf_config else toml["model"]["name"]
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "train_configs").glob("*.toml")))
+def test_a_shipped_tomls_header_names_matrix_rows_that_train_its_model(config):
+    """A header's "(spec/row)" claims: a row of CI's matrix trains that layout on the TOML's own model type."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import integration_matrix as matrix
+
+    header = "".join(line for line in (REPO / "train_configs" / config).read_text().splitlines(True)
+                     if line.startswith("#"))
+    claims = re.findall(r"\((\w+)/(\w+)\)", header)
+    for spec, row in claims:
+        assert spec in matrix.SPECS and row in matrix.ALL_ROWS and matrix.applies(spec, row), (config, spec, row)
+        assert (spec, row) not in matrix.UNSUPPORTED_PAIRS, (config, spec, row)
+        hf = matrix.SPECS[spec].hf_config
+        assert (hf["model_type"] if hf else toml_model_type(matrix.SPECS[spec].config)) == toml_model_type(config)
+    assert claims or not re.search(r"\b(TP|CP|PP)\b", header), f"{config}: its header names layouts without rows"
 
 
 def test_torchtitan_resumes_from_the_latest_step(outputs):

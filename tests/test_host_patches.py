@@ -1,6 +1,7 @@
 """``import titan_ext`` leaves its hosts alone; every change it makes is in ``host_patches`` and undoes exactly."""
 
 import json
+import signal
 import subprocess
 import sys
 import warnings
@@ -79,7 +80,8 @@ def test_import_does_not_import_fla_or_transformers():
 
 def test_every_row_says_why_and_for_which_versions():
     for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD, *host_patches.STRIDED_CHECKPOINT,
-                  *host_patches.PLANNER, *host_patches.INTERPRETER, *host_patches.CUDA):
+                  *host_patches.PLANNER, *host_patches.INTERPRETER, *host_patches.CUDA,
+                  *host_patches.CHECKPOINT_MANIFEST, *host_patches.SKIP_DAMAGED_STEPS):
         owner, name = patch.owner_and_name()  # the target exists in the installed version
         assert hasattr(owner, name), patch.target
         assert patch.why and patch.checked, patch.target
@@ -120,26 +122,36 @@ def test_an_instance_row_changes_one_object_of_its_class_only():
 def test_undo_restores_every_original():
     originals = {}
     host_patches.undo()  # whatever earlier tests left
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.STRIDED_CHECKPOINT):
+    rows = (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.STRIDED_CHECKPOINT,
+            *host_patches.SKIP_DAMAGED_STEPS)
+    for patch in rows:
         owner, name = patch.owner_and_name()
         originals[patch.target] = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
-    filters = list(warnings.filters)
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    filters, handlers = list(warnings.filters), {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
     host_patches.apply_job()
+    host_patches.apply_once(host_patches.CHECKPOINT_MANIFEST)
+    host_patches.apply_once(host_patches.SKIP_DAMAGED_STEPS)
+    host_patches.apply_signal_handlers(lambda number, frame: None)
+    assert "finish" in vars(FileSystemWriter) and signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]
     host_patches.apply_cpu_mode()
     host_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
-    host_patches.apply_pipeline()
-    host_patches.apply_pipeline()
-    host_patches.apply_strided_checkpoint()
+    host_patches.apply_once(host_patches.PIPELINE)
+    host_patches.apply_once(host_patches.PIPELINE)
+    host_patches.apply_once(host_patches.STRIDED_CHECKPOINT)
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
     assert tools_utils.device_type == "cpu" and len(warnings.filters) > len(filters)
     assert dist_utils.clip_grad_norm_ is not originals["torchtitan.distributed.utils:clip_grad_norm_"]
     host_patches.undo()
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.STRIDED_CHECKPOINT):
+    for patch in rows:
         owner, name = patch.owner_and_name()
         now = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
         assert now is originals[patch.target], patch.target
+    assert "finish" not in vars(FileSystemWriter)  # inherited again, as shipped
+    assert {n: signal.getsignal(n) for n in handlers} == handlers
     assert warnings.filters == filters
     assert not host_patches.active()
 

@@ -68,27 +68,29 @@ def test_compare_flags_what_differs(run, problem):
     assert (problem in detail) if problem else (detail == "" and rel <= RTOL), (rel, detail)
 
 
-@pytest.mark.parametrize("spec, row", [("fla_gla", "hf"), ("fla_transformer", "hf"), ("hf_llama", "hf"),
-                                       ("hf_kimi_linear", "hf"), ("hf_qwen3_moe", "tp2_hf"),
-                                       ("hf_qwen3_5", "hf"), ("hf_qwen3_next", "hf")])
+EXPORTS = [("fla_gla", "hf"), ("fla_transformer", "hf"), ("hf_llama", "hf"), ("hf_kimi_linear", "hf"),
+           ("hf_qwen3_moe", "tp2_hf"), ("hf_qwen3_5", "hf"), ("hf_qwen3_next", "hf"),
+           *((spec, row) for spec in SPECS for row in ALL_ROWS if row.startswith("hub_") and applies(spec, row))]
+
+
+@pytest.mark.parametrize("spec, row", EXPORTS)
 def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec, row):
-    """An ``hf`` row's export, as a user loads it: model and tokenizer from the folder, then ``generate``
-    (``tp2_hf``: exported under TP2 with each expert's intermediate dim split, the packed gate_up_proj whole)."""
+    """Every export, as a user runs it on a CPU: model (through ``titan_ext.kernels.from_pretrained``, whose
+    portable kernels replace fla's Triton ones that fla models and transformers' hybrids call: Kimi Linear's KDA,
+    Qwen3.5's and Qwen3-Next's Gated DeltaNet) and tokenizer from the folder, then ``generate`` (``tp2_hf``:
+    exported under TP2 with each expert's intermediate dim split; ``hub_*``: imported from a ``save_pretrained``
+    folder, exported in its layout)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from titan_ext import kernels
 
     if matrix[spec, row].status == "unsupported":
         pytest.skip(f"unsupported: {matrix[spec, row].detail}")
     assert matrix[spec, row].status == "ok", matrix[spec, row].detail
-    folder = Matrix(matrix_root, [spec], [row]).hf_export_folder(spec, "base", row)
-    # fla's Triton kernels need a GPU: fla models, and the transformers models whose recurrent layers call them
-    # (Kimi Linear's KDA, Qwen3.5's and Qwen3-Next's Gated DeltaNet), load through titan_ext.kernels, as
-    # docs/gpu.md says
-    calls_fla = spec.startswith("fla_") or spec in ("hf_kimi_linear", "hf_qwen3_5", "hf_qwen3_next")
-    load = kernels.from_pretrained if calls_fla else AutoModelForCausalLM.from_pretrained
-    model, info = load(folder, output_loading_info=True)
+    layout = Matrix(matrix_root, [spec], [row])
+    folder = layout.hub_export_folder(spec, row) if row.startswith("hub_") else layout.hf_export_folder(spec, "base", row)
+    model, info = kernels.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt = tokenizer("The fox found a map", return_tensors="pt")

@@ -55,7 +55,7 @@ def test_interpret_bridges_are_host_patch_rows_undone_by_undo():
 
     host_patches.undo()
     before = (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer)
-    host_patches.apply_interpreter()
+    host_patches.apply_once(host_patches.INTERPRETER)
     try:
         assert interpreter.FunctionRewriter.ast_transformer is not before[1]
         assert autotuner.Autotuner._bench is not before[0]

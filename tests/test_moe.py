@@ -64,6 +64,31 @@ def test_balance_loss_is_the_models_own_for_one_sequence(base):
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
 
 
+def _packed_step_loss(**overrides) -> torch.Tensor:
+    """titan_ext's model and loss on two packed documents (the block-causal 4D mask path), from seed 0."""
+    a = args(**overrides)
+    torch.manual_seed(0)
+    model = build_model(a).float()
+    moe.apply_router_records(model, moe.moe_choice(model))
+    tokens = torch.randint(0, 2048, (2, 24))
+    document_positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1)
+    loss_fn = moe.with_balance_loss(lambda job_config: cross_entropy_sum)(None)
+    return loss_fn(model(tokens, document_positions=document_positions), torch.roll(tokens, -1, 1))
+
+
+def test_a_config_asking_for_router_logits_trains_with_the_balancing_loss_counted_once():
+    """``output_router_logits: true``: transformers' causal LM would add its own balancing loss (from a mask it
+    cannot read, a packed 4D one); titan_ext counts it, once, as for ``false``."""
+    from titan_ext import host_checks
+
+    asked = args(output_router_logits=True)
+    assert asked.to_hf_config().output_router_logits is False and asked.architecture()["output_router_logits"]
+    host_checks.check_transformers_attention(asked)  # the preflight's probe on a 4D mask
+    counted = _packed_step_loss(output_router_logits=False)
+    assert _packed_step_loss(output_router_logits=True) == counted
+    assert counted - _packed_step_loss(router_aux_loss_coef=0.0) > 0.01 * 1.5 * 48  # the term, once
+
+
 def test_balance_loss_per_sequence_with_ignored_labels():
     """Each sequence: its valid tokens x the model's loss with those tokens as its mask."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func

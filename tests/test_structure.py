@@ -37,7 +37,7 @@ FAMILIES = {
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4),
 }
 EXPECTED = {
-    "nemotron_h": ("model.layers", "model.norm_f", [("unknown mixer", "mixer"), ("transformers attention", "mixer"),
+    "nemotron_h": ("model.layers", "model.norm_f", [("transformers' mamba2", "mixer"), ("transformers attention", "mixer"),
                                                    ("no mixer (FFN only)", "")]),
     "falcon_h1": ("model.layers", "model.final_layernorm", [("transformers attention + unknown mixer", "self_attn+mamba")] * 2),
     "lfm2": ("model.layers", "model.embedding_norm", [("unknown mixer", "conv"), ("transformers attention", "self_attn")]),
@@ -77,8 +77,9 @@ def test_a_known_layout_under_any_name_runs_titan_ext_forward():
 
 
 def test_what_needs_an_unknown_mixers_insides_is_refused_in_one_line(caplog):
-    args = HFModelArgs(library="transformers", config={"model_type": "nemotron_h", **SMALL, **FAMILIES["nemotron_h"]})
-    reason = ("layer 0's token mixer 'mixer' (transformers.models.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer) "
+    """Falcon-H1's Mamba2 mixer (μP multipliers: not titan_ext's ``TransformersMamba2``) beside its attention."""
+    args = HFModelArgs(library="transformers", config={"model_type": "falcon_h1", **SMALL, **FAMILIES["falcon_h1"]})
+    reason = ("layer 0's token mixer 'mamba' (transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer) "
               "is not one titan_ext knows, so it has no {what}; {fix}, or register a mixer for it (docs/extending.md)")
     assert args.context_parallel_blocker() == reason.format(what="context-parallel path", fix="set the degree to 1")
     assert args.document_mask_blocker() == reason.format(what="packed-document path", fix="turn document_mask off")
@@ -88,7 +89,8 @@ def test_what_needs_an_unknown_mixers_insides_is_refused_in_one_line(caplog):
     with caplog.at_level(logging.WARNING):
         _, flops = args.get_nparams_and_flops(model, 64)
     assert flops > 0 and [r.getMessage() for r in caplog.records] == [
-        "titan_ext: no FLOP count beyond their weights for the token mixers of layers [0] (unknown mixer); MFU "
+        "titan_ext: no FLOP count beyond their weights for the token mixers of layers [0, 1] (transformers attention + "
+        "unknown mixer); MFU "
         "counts 6 FLOPs per matmul weight there"]
 
 

@@ -36,7 +36,6 @@ from titan_ext.models import mixers
 from titan_ext.models.gla import gla
 from titan_ext.tensor_parallel import (
     apply_tp_from_plan,
-    check_tp,
     float8_tp_enabled,
     plan_class,
     sequence_parallel_enabled,
@@ -229,19 +228,19 @@ def test_lm_head_layout_follows_loss_parallel():
     assert head.output_layouts[0].is_replicate() and head.use_local_output
 
 
-def test_check_tp_turns_validation_into_a_config_error():
+def test_the_tp_choice_is_checked_against_the_model_in_one_line():
     from titan_ext.models.adapter import meta_model
 
     debug, six_heads = meta_model(debug_gla_args()), meta_model(gla(hidden_size=96, num_heads=6))
-    check_tp(debug, job())
-    check_tp(six_heads, job(degree=1))  # no TP, nothing to check
+    assert tp_choice(debug, job()) is not None
+    assert tp_choice(six_heads, job(degree=1)) is None  # no TP, nothing to check
     with pytest.raises(ConfigError) as e:
-        check_tp(six_heads, job(degree=4))
+        tp_choice(six_heads, job(degree=4))
     assert "num_heads=6 is not divisible by --parallelism.tensor_parallel_degree=4" in str(e.value)
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="--training.seq_len=127"):
-        check_tp(debug, job(seq_len=127))
-    check_tp(debug, job(seq_len=127, disable_sp=True))
+        tp_choice(debug, job(seq_len=127))
+    tp_choice(debug, job(seq_len=127, disable_sp=True))
 
 
 def test_a_config_the_library_refuses_is_one_line_before_the_build():

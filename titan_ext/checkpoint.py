@@ -1,20 +1,22 @@
 """HF checkpoints in and out of torchtitan: ``--checkpoint.initial_load_in_hf`` / ``last_save_in_hf``.
 
-titan_ext models keep HF's parameter names, so the state-dict mapping is the
-identity: a tied head's weight is in neither side's state dict (HF's safetensors
-and titan_ext's models both hold the shared tensor once, under the input
-embedding's name; ``titan_ext.models.adapter``).
+titan_ext models keep transformers' (or fla's) parameter names and layout, so torchtitan's state dict goes over
+in the model's names; the hub's own layout (one tensor per expert, ...) is read and written through transformers'
+checkpoint conversion (``titan_ext.hub_layout``): on import by the safetensors reader, on export by rewriting the
+folder when the job closes. A tied head's weight is in neither side's state dict (HF's safetensors and titan_ext's
+models both hold the shared tensor once, under the input embedding's name; ``titan_ext.models.adapter``).
 
 Before the model is built, ``titan_ext.preflight`` checks a checkpoint to be
 loaded against the model (``check_hf_config``; DCP shapes against a meta model). After
 an HF save, torchtitan's folder holds only the weights (and its per-rank
 ``sharded/`` parts): ``finish_hf_export`` makes it a self-contained HF
-directory (``config.json``, the tokenizer files, no ``sharded/``) when the
+directory in the hub's layout (``config.json``, the tokenizer files, no ``sharded/``) when the
 job closes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -22,7 +24,7 @@ from typing import Any
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_ext import strided_checkpoint
+from titan_ext import hub_layout, strided_checkpoint
 from titan_ext.errors import ConfigError
 from titan_ext.models.args import BOOKKEEPING
 
@@ -37,16 +39,29 @@ def checkpoint_config(model_args):
 
 
 class HFStateDictAdapter(StateDictAdapter):
-    """Identity mapping between a titan_ext model and its HF checkpoint."""
+    """torchtitan's state dict in the model's names; HF folders in the hub's layout (``titan_ext.hub_layout``)."""
 
     def __init__(self, model_args, hf_assets_path: str | None):
         from titan_ext.data import resolve_asset_path
 
         path = resolve_asset_path(hf_assets_path or "")
         # torchtitan warns when the assets lack a safetensors index; without one it writes a single file anyway.
-        has_index = bool(path) and os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+        has_index = bool(path) and os.path.isfile(os.path.join(path, hub_layout.INDEX))
         super().__init__(model_args, path if has_index else None)
         self.model_args = model_args
+        if self.fqn_to_index_mapping:  # the assets' index names hub tensors: each model tensor goes to its sources' file
+            plan = hub_layout.import_plan(self.meta_model, path)
+            self.fqn_to_index_mapping = hub_layout.model_index(plan, self.fqn_to_index_mapping,
+                                                                self.meta_model.state_dict())
+
+    @functools.cached_property
+    def meta_model(self):
+        from titan_ext.models.adapter import meta_model
+
+        return meta_model(self.model_args)
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        return hub_layout.HubReader(path, hub_layout.import_plan(self.meta_model, path))
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         # experts split over TP (a strided layout) go over as one box per rank (titan_ext.strided_checkpoint)
@@ -103,6 +118,9 @@ def finish_hf_export(model_args, checkpoint_dir: str, hf_assets_path: str) -> st
     folder = last_hf_save(checkpoint_dir)
     if folder is None:
         return None
+    from titan_ext.models.adapter import meta_model
+
+    hub_layout.to_hub_layout(meta_model(model_args), folder)
     checkpoint_config(model_args).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         source = os.path.join(hf_assets_path, name)

@@ -99,6 +99,18 @@ def fla_kda_drivers() -> types.SimpleNamespace:
     return types.SimpleNamespace(**{name: value for part in parts for name, value in vars(part).items()})
 
 
+@functools.cache
+def transformers_weight_conversion() -> types.SimpleNamespace:
+    """transformers' checkpoint conversion (5.x): the conversion list a model loads through
+    (``get_model_conversion_mapping``), the renaming of one checkpoint key (``rename_source_key``), the key order
+    converters collect in (``dot_natural_key``), the save-side reverse (``revert_weight_conversion``), and the
+    classes of its transforms and of the operations titan_ext reads a box of (``MergeModulelist``, ``Concatenate``)."""
+    mapping = _lookup("transformers", "transformers.conversion_mapping", "get_model_conversion_mapping")
+    core = _lookup("transformers", "transformers.core_model_loading", "WeightConverter", "WeightRenaming",
+                   "MergeModulelist", "Concatenate", "rename_source_key", "revert_weight_conversion", "dot_natural_key")
+    return types.SimpleNamespace(**vars(mapping), **vars(core))
+
+
 def transformers_own_classes(model_type: str) -> tuple[type, type] | None:
     """(config class, causal-LM class) transformers itself ships for ``model_type`` (None: it ships none),
     whatever another library registered under that name since (importing fla registers its Mamba, Mamba2 and
@@ -598,3 +610,18 @@ def dataloader_dataset_state(loader_state: dict) -> tuple[object, int]:
             f"titan_ext reads torchdata's StatefulDataLoader state ({error!r}); installed torchdata "
             f"{_version('torchdata')}, supported {SUPPORTED['torchdata']}: install a supported version"
         ) from None
+
+
+def dcp_storage_extents(metadata) -> dict[str, int]:
+    """Each file a DCP checkpoint's metadata names -> the bytes it must hold: its entries' largest offset + length
+    (``Metadata.storage_data`` holds torch's private ``_StorageInfo`` records for a file-system checkpoint)."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+def dcp_written_files(results) -> set[str]:
+    """The files every rank wrote, from the write results DCP hands ``StorageWriter.finish`` (one list per rank,
+    each result's ``storage_data`` a private ``_StorageInfo`` for a file-system checkpoint)."""
+    return {result.storage_data.relative_path for rank_results in results for result in rank_results}

@@ -66,6 +66,16 @@ class TitanExt:
     balancing: a per-expert bias added to the router's scores to choose the top-k experts, moved by 1e-3 toward
     even use after each optimizer step from the tokens each expert got over the global batch)."""
 
+    damaged_checkpoint: str = "stop"
+    """What resuming does when the step it would load is damaged (a file missing, cut short, or changed since the
+    save, found before the model is built): "stop" in one line naming the step, the file and the older steps to
+    give ``--checkpoint.load_step``, or "skip" to the newest whole step, with one WARNING naming the damaged one.
+    Nothing on disk changes either way. A step asked for by ``--checkpoint.load_step`` always stops."""
+
+    log_every_rank: bool = False
+    """Every rank prints its INFO lines and step line, as torchtitan does; by default ranks other than 0 print
+    only warnings and errors, and the step line comes from the rank holding the loss (``titan_ext.progress``)."""
+
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,
     to this JSON-lines file (the console rounds them)."""

@@ -120,7 +120,8 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
     blocks = {int(index): block for index, block in model.blocks().named_children()}  # a stage's keep theirs
     parts = [(index, part) for index in blocks for part in model.mixers[index].parts if part.mixes_tokens]
-    attend = attention_across_ranks(cp_mesh, layout, choice) if any(p.cp_attention for _, p in parts) else None
+    attention = [mixer for _, mixer in parts if mixer.cp_attention]
+    attend = attention_across_ranks(cp_mesh, layout, choice, gathered(attention)) if attention else None
     key = _binding_key()  # one for all blocks: blocks of one class share one bound class, so compiled code too
     for index, mixer in parts:
         module, path = blocks[index].get_submodule(mixer.path), _path_of(mixer)
@@ -232,13 +233,20 @@ def _counted(fn, layout, path: str):
     return counted
 
 
-def attention_across_ranks(cp_mesh, layout, choice: CPChoice):
+def gathered(attention_mixers) -> str:
+    """What masked attention all-gathers, named for the mixers the model has (MLA's latents only with MLA)."""
+    latents = any(mixer.cp_latents for mixer in attention_mixers)
+    plain = any(not mixer.cp_latents for mixer in attention_mixers)
+    return ", ".join(["attention over all-gathered keys and values"] * plain + ["MLA's over all-gathered latents"] * latents)
+
+
+def attention_across_ranks(cp_mesh, layout, choice: CPChoice, gathers: str):
     """``attend(query, key, value, scale=None, window=None, dropout=0.0)`` of this rank's pieces
     (``[B, H, T_local, D]``) over the whole sequence: torch's ring attention, or where the attention is
-    masked (``choice.masked_attention``) all-gathered keys and values."""
+    masked (``choice.masked_attention``) all-gathered keys and values (``gathers``: what the log names)."""
     if choice.masked_attention:
-        logger.info(f"Applied context parallelism ({layout.world} ranks): attention over all-gathered keys and "
-                    f"values, MLA's over all-gathered latents ({choice.masked_attention}: masked beyond causality)")
+        logger.info(f"Applied context parallelism ({layout.world} ranks): {gathers} ({choice.masked_attention}: "
+                    "masked beyond causality)")
         return functools.partial(cp_attention.gathered_sdpa, layout=layout)
     from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
 

@@ -10,8 +10,11 @@
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU.
 * ``PER_JOB``: a flag or one object of the job, changed by the feature that
   needs it (DDP with compile, CP's rotate method, the optimizer's step, the
-  metrics logger and close, the trainer's split of a batch and its close).
+  metrics logger, step line, colours and close, the trainer's split of a batch and its close).
 * ``PIPELINE``: in a pipeline-parallel job of a model with tied embeddings.
+* ``CHECKPOINT_MANIFEST``: in a job that saves checkpoints; ``SKIP_DAMAGED_STEPS``: in a
+  job that resumes past damaged steps (``--titan_ext.damaged_checkpoint skip``).
+* ``SIGNALS``: the SIGINT and SIGTERM handlers of every titan_ext job (Python's, not a library's).
 * ``INTERPRETER``: in a job whose fla kernels run under Triton's interpreter on
   the CPU (``--titan_ext.kernels fla`` with ``TRITON_INTERPRET=1``).
 * ``CUDA``: in a job whose fla kernels run on CUDA (Triton's autotuning).
@@ -145,6 +148,8 @@ class _DropMessages(logging.Filter):
 CPU_MODE_LOGS: tuple[tuple[str, str, str], ...] = (
     ("torchao", "Failed to load", "torchao's CUDA extensions (mxfp8, cutlass), on import"),
     ("", "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING]", "torchtitan sets an NCCL variable; gloo never reads it"),
+    ("", "Peak FLOPS used for computing MFU: inf",
+     "the CPU has no peak FLOPS (get_peak_flops above): no MFU to compute, and the step line prints none"),
 )
 
 # Python warnings of any titan_ext job that ask nothing of its user: (message regex, why, versions seen).
@@ -160,6 +165,9 @@ JOB_LOGS: tuple[tuple[str, str, str], ...] = (
      "torchao 0.18 registers its enums with torch.compile on import, which torch 2.13 deprecates"),
     ("transformers.utils.generic", "`past_key_values`/`cache_params` are deprecated",
      "fla 0.6's models build their outputs with past_key_values=, which transformers 5.24 renamed to cache"),
+    ("", "Pipeline Parallel loss is not visible",
+     "torchtitan's hint (every rank, under PP) to list the last stage's rank in LOG_RANK: titan_ext prints the step "
+     "line from that rank (titan_ext.progress)"),
 )
 
 
@@ -213,6 +221,8 @@ JOB: tuple[tuple[str, str], ...] = (
      "no titan_ext, so it sets torch's flag itself, as torchtitan's own apply_tp does)"),
     ("torch CP: DTensor's SDPA handlers", "ring attention under CP (torchtitan's apply_cp_to_attention_module, as for "
      "its own models; titan_ext.context_parallel.apply_cp); torchtitan never turns it off"),
+    ("root logger's handlers: filter progress.OtherRankQuiet", "on a rank other than 0, warnings, errors and the "
+     "step line only (quiet_other_rank; torchtitan prints every INFO line once per rank)"),
 )
 """Changes a job makes through torchtitan's or model_plans' own functions (listed, not applied here)."""
 
@@ -294,6 +304,18 @@ METRICS_LOG = InstancePatch(
     "logged ones (titan_ext.moe, titan_ext.metrics)",
     TORCHTITAN,
 )
+METRICS_STEP_LINE = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.log",
+    "its step line says step N of --training.steps and the time left, and no MFU where the device has no peak "
+    "FLOPS; it is printed by the rank holding the loss only (titan_ext.progress, titan_ext.metrics)",
+    TORCHTITAN,
+)
+METRICS_COLOR = InstancePatch(
+    "torchtitan.components.metrics:MetricsProcessor.color",
+    "torchtitan colours its lines with ANSI codes unless --metrics.disable_color_printing, also into a file: "
+    "no colours off a terminal or with NO_COLOR set (titan_ext.progress)",
+    TORCHTITAN,
+)
 TRAINER_BATCH = InstancePatch(
     "torchtitan.train:Trainer.post_dataloading_process",
     "torchtitan hands the dataloader's extra inputs to the first pipeline stage only, and its extra kwargs (its "
@@ -310,7 +332,7 @@ TRAINER_CLOSE = InstancePatch(
     TORCHTITAN,
 )
 PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE,
-                                               METRICS_LOG, TRAINER_BATCH, TRAINER_CLOSE)
+                                               METRICS_LOG, METRICS_STEP_LINE, METRICS_COLOR, TRAINER_BATCH, TRAINER_CLOSE)
 """Applied by the feature that needs it, to its own job (each names it)."""
 
 
@@ -421,6 +443,47 @@ STRIDED_CHECKPOINT: tuple[Patch, ...] = tuple(
                                 ("__get_tensor_shard__", "get_tensor_shard"))
 )
 """A job that splits its experts' intermediate dims over TP (``titan_ext.moe.apply_expert_tp``)."""
+
+
+def _checkpoints(name: str):
+    def new(original):
+        return resolve(f"titan_ext.inputs.checkpoints:{name}")(original)
+
+    return new
+
+
+CHECKPOINT_MANIFEST: tuple[Patch, ...] = (
+    Patch(
+        "torch.distributed.checkpoint.filesystem:FileSystemWriter.write_data",
+        "each rank records the size and CRC-32 of the files it wrote, as a piece of the step's manifest, while the "
+        "page cache holds them (titan_ext.inputs.checkpoints.recording_checksums)",
+        TORCH, _checkpoints("recording_checksums"),
+    ),
+    Patch(
+        "torch.distributed.checkpoint.filesystem:FileSystemWriter.finish",
+        "DCP records where each tensor lies in a step's files, not their sizes or checksums, so a shard changed "
+        "within its size loads as garbage: rank 0, once every rank's files are written and before DCP writes "
+        ".metadata, joins the ranks' pieces into the step's manifest (titan_ext.inputs.checkpoints); "
+        "HF exports (their own writer's finish) are not changed",
+        TORCH, _checkpoints("manifest_before_metadata"),
+    ),
+)
+"""A job that saves DCP checkpoints (``--checkpoint.enable``)."""
+
+SKIP_DAMAGED_STEPS: tuple[Patch, ...] = (
+    Patch(
+        "torchtitan.components.checkpoint:CheckpointManager._find_load_step",
+        "torchtitan resumes from the newest step folder with a .metadata: with --titan_ext.damaged_checkpoint skip, "
+        "from the newest whole one (titan_ext.inputs.checkpoints.newest_whole_step, the step the job's checks read)",
+        TORCHTITAN, _checkpoints("newest_whole_step_finder"),
+    ),
+)
+"""A job with ``--titan_ext.damaged_checkpoint skip``."""
+
+SIGNALS: tuple[str, ...] = ("SIGINT", "SIGTERM")
+"""The Python handlers a titan_ext job installs (``apply_signal_handlers``): Ctrl-C or a scheduler's SIGTERM
+ends every rank at once, rank 0 first saying in one line the step reached and what a rerun loads, instead of a
+KeyboardInterrupt traceback per rank (``titan_ext.interrupt``). Restored by ``undo()``."""
 
 
 def _sdpa_for_flash_attn(name: str):
@@ -623,7 +686,8 @@ PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, S
 
 
 _undo_stack: list[Callable[[], None]] = []
-_applied: set[str] = set()
+_applied: set[int] = set()
+"""The tables applied in this process (by identity), until ``undo()``."""
 
 
 def apply(patches: tuple[Patch, ...]) -> None:
@@ -633,54 +697,48 @@ def apply(patches: tuple[Patch, ...]) -> None:
 
 
 def apply_cpu_mode() -> None:
-    """``CPU_MODE`` and its warning/log filters, once per process (a process may run several jobs)."""
-    if "cpu_mode" in _applied:
+    """``CPU_MODE`` and its warning/log filters, once per process."""
+    if id(CPU_MODE) in _applied:
         return
-    _applied.add("cpu_mode")
-    apply(CPU_MODE)
+    apply_once(CPU_MODE)
     _quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])
 
 
-def apply_cuda() -> None:
-    """``CUDA``, once per process."""
-    if "cuda" in _applied:
+def apply_once(patches: tuple[Patch, ...]) -> None:
+    """A table's rows, once per process (a process may run several jobs: a bench, the integration matrix)."""
+    if id(patches) in _applied:
         return
-    _applied.add("cuda")
-    apply(CUDA)
+    _applied.add(id(patches))
+    apply(patches)
 
 
-def apply_interpreter() -> None:
-    """``INTERPRETER``, once per process."""
-    if "interpreter" in _applied:
-        return
-    _applied.add("interpreter")
-    apply(INTERPRETER)
+def apply_signal_handlers(handler: Callable) -> None:
+    """``handler`` for each of ``SIGNALS``; ``undo()`` restores the handlers before."""
+    import signal
 
-
-def apply_pipeline() -> None:
-    """``PIPELINE``, once per process."""
-    if "pipeline" in _applied:
-        return
-    _applied.add("pipeline")
-    apply(PIPELINE)
-
-
-def apply_strided_checkpoint() -> None:
-    """``STRIDED_CHECKPOINT``, once per process."""
-    if "strided_checkpoint" in _applied:
-        return
-    _applied.add("strided_checkpoint")
-    apply(STRIDED_CHECKPOINT)
+    for name in SIGNALS:
+        number = getattr(signal, name)
+        before = signal.signal(number, handler)
+        _undo_stack.append(lambda n=number, b=before: signal.signal(n, b))
 
 
 def apply_job() -> None:
-    if "job" in _applied:
+    """``JOB``'s log filter and its warning/log filters, once per process."""
+    if id(JOB) in _applied:
         return
-    _applied.add("job")
+    _applied.add(id(JOB))
     log_filter = _OneLineModelArgs()
     logging.getLogger().addFilter(log_filter)
     _undo_stack.append(lambda: logging.getLogger().removeFilter(log_filter))
     _quiet([message for message, _, _ in JOB_WARNINGS], [(name, part) for name, part, _ in JOB_LOGS])
+
+
+def quiet_other_rank(log_filter: logging.Filter) -> None:
+    """The job's filter on the root logger's handlers (torchtitan's ``init_logger`` makes them anew for each job,
+    so a filter ends with its job); ``undo()`` removes it."""
+    for handler in list(logging.getLogger().handlers):
+        handler.addFilter(log_filter)
+        _undo_stack.append(lambda h=handler: h.removeFilter(log_filter))
 
 
 def _quiet(messages: list[str], logs: list[tuple[str, str]]) -> None:

@@ -19,15 +19,13 @@ import dataclasses
 import logging
 import os
 
-import torch
-
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, loss, moe,
-    nonfinite, pipeline, preflight, tensor_parallel,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, interrupt, loss,
+    moe, nonfinite, pipeline, preflight, progress, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
-from titan_ext.inputs import degrees
+from titan_ext.inputs import checkpoints, degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.models.args import HFModelArgs
 
@@ -59,12 +57,19 @@ def on_trainer_import() -> None:
         exit_with(error)
     host_patches.apply_job()
     host_patches.TRAINER_CLOSE.apply(compat.importing_trainer(), data.ending_dataloader_workers)
+    interrupt.install(compat.importing_trainer(), job_config)
+    if job_config.checkpoint.enable:
+        host_patches.apply_once(host_patches.CHECKPOINT_MANIFEST)
+    if checkpoints.damaged_checkpoint_policy(job_config) == "skip":
+        host_patches.apply_once(host_patches.SKIP_DAMAGED_STEPS)
+    if progress.quiets_this_rank(job_config):
+        host_patches.quiet_other_rank(progress.OtherRankQuiet())
     if documents.enabled(job_config):  # every pipeline stage reads the boundaries
         host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():
-        host_patches.apply_interpreter()
+        host_patches.apply_once(host_patches.INTERPRETER)
     elif path == "fla":
-        host_patches.apply_cuda()
+        host_patches.apply_once(host_patches.CUDA)
     if _cpu_mode:
         host_patches.apply_cpu_mode()
         if rank() == 0:
@@ -72,10 +77,6 @@ def on_trainer_import() -> None:
                 "titan_ext: CPU mode: no accelerator in use, torchtitan runs on the CPU with gloo "
                 f"(fla models on titan_ext's portable kernels; {cpu_mode.FORCE_ENV}=1 forces this on a GPU machine)"
             )
-
-
-def in_cpu_mode() -> bool:
-    return _cpu_mode
 
 
 KERNELS_OPTION = "--titan_ext.kernels"
@@ -90,7 +91,9 @@ def kernel_path(job_config=None) -> str:
     choice = getattr(getattr(job_config, "titan_ext", None), "kernels", "auto")
     if choice not in KERNEL_CHOICES:
         raise ConfigError(f"{KERNELS_OPTION}={choice!r} is not one of {KERNEL_CHOICES}; use one of them")
-    on_cuda = torch.cuda.is_available() and not (_cpu_mode or cpu_mode.forced())
+    from titan_ext import kernels
+
+    on_cuda = kernels.default_path() == "fla"  # the one rule: fla's kernels on CUDA unless CPU mode is forced
     if choice == "fla" and not on_cuda and not interpreting():
         raise ConfigError(
             f"{KERNELS_OPTION}='fla' runs fla's Triton kernels, which need a CUDA GPU or, on the CPU, Triton's "

@@ -1,4 +1,5 @@
-"""torchtitan's metrics processor, plus an optional full-precision JSON-lines log, plus the job's end.
+"""torchtitan's metrics processor, plus an optional full-precision JSON-lines log, a readable step line
+(``titan_ext.progress``), plus the job's end.
 
 The console log rounds the loss to 5 decimals; comparing runs (parity,
 exact resume) needs every bit, so ``--titan_ext.metrics_jsonl PATH`` makes
@@ -20,8 +21,9 @@ from typing import Any
 import torch.distributed as dist
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
+from torchtitan.tools.utils import NoColor
 
-from titan_ext import compat, host_patches, moe
+from titan_ext import compat, host_patches, moe, progress
 from titan_ext.checkpoint import finish_hf_export
 from titan_ext.job_plan import plan_of
 
@@ -54,6 +56,12 @@ def build_metrics_processor(job_config, parallel_dims, model_args, tag=None) -> 
         host_patches.METRICS_LOGGER.apply(processor, lambda logger: JsonlLogger(logger, plan.metrics_jsonl))
     if plan.moe is not None:
         host_patches.METRICS_LOG.apply(processor, lambda log: _with_moe_metrics(log, parallel_dims, rank0))
+    shown = progress.every_rank(job_config) or rank == logs_loss
+    host_patches.METRICS_STEP_LINE.apply(
+        processor, lambda log: progress.with_progress(log, job_config.training.steps, shown, progress.has_peak(processor))
+    )
+    if not progress.colours_wanted():
+        host_patches.METRICS_COLOR.apply(processor, lambda _: NoColor())
     if plan.hf_export and rank0:
         checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
         host_patches.METRICS_CLOSE.apply(

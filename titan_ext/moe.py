@@ -199,7 +199,7 @@ def apply_expert_tp(model: nn.Module, mesh) -> None:
 
     from titan_ext import host_patches
 
-    host_patches.apply_strided_checkpoint()
+    host_patches.apply_once(host_patches.STRIDED_CHECKPOINT)
 
     ep = mesh.ndim == 2
     outer = [Shard(0)] if ep else []

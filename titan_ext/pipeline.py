@@ -341,7 +341,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     if model.structure.tied:
         embeddings, _, _, head = model_parts_of(model)
         tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
-        host_patches.apply_pipeline()
+        host_patches.apply_once(host_patches.PIPELINE)
     schedule = TokenMeanSchedule(loss_fn, loss_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
                                  pp_group=mesh.get_group(), tied=tied)
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))

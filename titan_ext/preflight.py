@@ -10,11 +10,14 @@ compile, Float8, document masking, CP, the HF config, checkpoints to load). Each
 
 from __future__ import annotations
 
+import logging
 import os
 
 from titan_ext.inputs import checkpoints, degrees, jsonl, names, tokenizer
 from titan_ext.compile import model_compile_enabled
-from titan_ext.errors import ConfigError
+from titan_ext.errors import ConfigError, rank
+
+logger = logging.getLogger()
 
 def check_job_config(job_config, world_size: int) -> None:
     degrees.check_positive_numbers(job_config)
@@ -25,6 +28,20 @@ def check_job_config(job_config, world_size: int) -> None:
     _check_tokenizer(job_config)
     _check_document_mask(job_config)
     _check_titan_ext_parallelism(job_config, world_size)
+    _check_steps_to_resume(job_config)
+
+
+def _check_steps_to_resume(job_config) -> None:
+    """The step a resume loads is whole, read before anything is built (``checkpoints.resume_from``); the step
+    folders it passes over (unfinished saves, and damaged ones with ``damaged_checkpoint`` "skip") are named in
+    one WARNING."""
+    checkpoints.damaged_checkpoint_policy(job_config)
+    found = checkpoints.resume(job_config)
+    if found is None or not found.passed_over or rank() != 0:
+        return
+    folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
+    then = f"resuming from {os.path.basename(found.path)}" if found.path else "training starts from step 1"
+    logger.warning(f"titan_ext: --checkpoint.folder={folder!r}: passed over {', '.join(found.passed_over)}; {then}")
 
 
 def _titan_ext_spec(name: str) -> bool:
@@ -164,7 +181,7 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 
     Returns the meta-device model the checks read (the job plan reads it too).
     """
-    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, moe, tensor_parallel
+    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, moe
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
@@ -181,7 +198,6 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     documents.check_model(model_args, job_config)
     moe.check_moe(model, job_config)
     context_parallel.check_cp(model_args, job_config)
-    tensor_parallel.check_tp(model, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)
     _check_checkpoint_to_load(model_args, model, job_config, world_size)
@@ -265,9 +281,55 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
         checkpoints.check_hf_checkpoint_dir(path, option)
         checkpoints.check_hf_checkpoint_shapes(path, shapes, option)
+        _check_hub_tensors(model, path, option)
     else:
-        checkpoints.check_dcp_checkpoint(path, shapes, f"{option} ({path})")
+        initial = option == "--checkpoint.initial_load_path"
+        where = f"{option}={path!r}" if initial else f"{path!r} (resumed from {option})"
+        checkpoints.check_dcp_checkpoint(path, shapes, where)
     _check_data_parallel_degree(job_config, world_size)
+
+
+def _check_hub_tensors(model, path: str, option: str) -> None:
+    """Every tensor of the model made from the HF folder's (through transformers' conversion), with the model's
+    shape: a checkpoint of another layout fails here, not in DCP's load on every rank."""
+    from titan_ext import hub_layout
+
+    _check_not_quantized(path, option)
+    plan = hub_layout.import_plan(model, path)
+    expected = model.state_dict()
+    if missing := plan.missing(expected):
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"{option}={path!r} holds nothing {type(model).__name__}'s {missing[0]!r}{more} loads from, directly or "
+            "through transformers' checkpoint conversion; point it at a checkpoint of this model"
+        )
+    for key, shape in hub_layout.target_shapes(plan).items():
+        if tuple(expected[key].shape) != shape:
+            sources = plan.sources_of(key)
+            raise ConfigError(
+                f"{option}={path!r}: {sources[0]!r}{' and the rest of its group' if len(sources) > 1 else ''} make "
+                f"{key!r} of shape {list(shape)}, this model needs {list(expected[key].shape)}; the folder lacks tensors "
+                "or its config.json does not describe its weights: download it again or fix its config.json"
+            )
+
+
+def _check_not_quantized(path: str, option: str) -> None:
+    """A hub folder of quantized weights (DeepSeek-V3's fp8 blocks with their scales, gpt-oss's mxfp4) holds no
+    tensor titan_ext trains: its values are codes, read as weights they would be garbage."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            quantization = json.load(f).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # the folder's own checks say what is wrong with it
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ConfigError(
+            f"{option}={path!r} holds quantized weights (config.json's quantization_config: {method}); titan_ext "
+            "trains from full-precision weights: dequantize the checkpoint to bf16 first (its authors' conversion "
+            "script, or transformers' from_pretrained and save_pretrained without the quantization config)"
+        )
 
 
 def _check_data_parallel_degree(job_config, world_size: int) -> None:

@@ -32,26 +32,6 @@ def float8_tp_enabled(job_config) -> bool:
     return job_config.quantize.linear.float8.recipe_name in (None, "tensorwise")
 
 
-def check_tp(model: nn.Module, job_config) -> None:
-    """What TP needs from the architecture (``model`` on the meta device): a registered plan whose
-    entries the model has, and sizes it can split."""
-    degree = job_config.parallelism.tensor_parallel_degree
-    if degree <= 1:
-        return
-    from model_plans import TPOptions, validate_tp
-
-    from titan_ext.data import sections
-
-    try:
-        plan_cls = plan_class(model, degree)
-        plan = plan_cls(TPOptions(sequence_parallel=sequence_parallel_enabled(job_config),
-                                  expert_parallel=job_config.parallelism.expert_parallel_degree > 1))
-        for section in sections(job_config):  # validation windows are split as training's are
-            validate_tp(model, plan, degree, getattr(job_config, section).seq_len, f"--{section}.seq_len")
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-
-
 def plan_class(model: nn.Module, degree: int) -> type:
     """The TP plan class of a model (titan_ext's, or any transformers or fla causal LM, on any device).
 
@@ -73,6 +53,9 @@ def plan_class(model: nn.Module, degree: int) -> type:
                     f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer {part.path!r} "
                     f"({part.name}) has no tensor-parallel plan in titan_ext; set the degree to 1"
                 )
+            if reason := part.tensor_parallel_blocker(degree):
+                raise ConfigError(f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer "
+                                  f"{part.path!r} ({part.name}): {reason}")
         if parts:
             others[index] = functools.partial(_entries_of, tuple(parts))
             paths[index] = tuple(part.path for part in parts)
@@ -105,19 +88,32 @@ def _entries_of(parts: tuple, plan) -> dict:
 
 
 def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
-    """The job's TP: the plan found for ``model`` (the meta-device model ``check_tp`` checked) and its options."""
+    """The job's TP: the plan found for ``model`` (on the meta device) and its options, checked against the model
+    (a registered plan whose entries the model has, sizes it can split) before anything is built."""
+    from model_plans import TPOptions, validate_tp
+
+    from titan_ext.data import sections
+
     p = job_config.parallelism
     if p.tensor_parallel_degree <= 1:
         return None
-    return TPChoice(
-        degree=p.tensor_parallel_degree,
-        plan_cls=plan_class(model, p.tensor_parallel_degree),
-        sequence_parallel=sequence_parallel_enabled(job_config),
-        loss_parallel=not p.disable_loss_parallel,
-        float8=float8_tp_enabled(job_config),
-        async_tp=p.enable_async_tensor_parallel,
-        expert_parallel=p.expert_parallel_degree > 1,
-    )
+    try:
+        choice = TPChoice(
+            degree=p.tensor_parallel_degree,
+            plan_cls=plan_class(model, p.tensor_parallel_degree),
+            sequence_parallel=sequence_parallel_enabled(job_config),
+            loss_parallel=not p.disable_loss_parallel,
+            float8=float8_tp_enabled(job_config),
+            async_tp=p.enable_async_tensor_parallel,
+            expert_parallel=p.expert_parallel_degree > 1,
+        )
+        plan = choice.plan_cls(TPOptions(sequence_parallel=choice.sequence_parallel,
+                                         expert_parallel=choice.expert_parallel))
+        for section in sections(job_config):  # validation windows are split as training's are
+            validate_tp(model, plan, choice.degree, getattr(job_config, section).seq_len, f"--{section}.seq_len")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return choice
 
 
 def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = False) -> None:

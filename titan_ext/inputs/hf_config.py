@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import importlib
 import inspect
@@ -38,56 +37,88 @@ _DIVIDES = (
 # Hub metadata that transformers keeps verbatim but that describes no architecture.
 _HF_METADATA = {"auto_map"}
 
-# Keys earlier transformers releases wrote into the config.json of the model types titan_ext trains, which
-# today's classes neither declare nor read (Qwen3-Next's and Qwen3's sliding-window fields, Llama's
-# pretraining_tp): a real checkpoint carries them, and transformers ignores them.
-WRITTEN_BY_TRANSFORMERS = {"use_sliding_window", "sliding_window", "max_window_layers", "pretraining_tp"}
-
 # ``config.name`` and ``getattr(config, "name"`` / ``hasattr(self.config, "name"`` in a modeling file.
 _READ = re.compile(r"""\bconfig\.([A-Za-z]\w*)|(?:get|has)attr\(\s*(?:self\.)?config\s*,\s*["']([A-Za-z]\w*)["']""")
+
+# ``kwargs.get("name"``, ``kwargs.pop("name"``, ``kwargs["name"]`` and ``"name" in kwargs`` in a configuration file.
+_KWARGS_READ = re.compile(r"""kwargs(?:\.get|\.pop)\(\s*["'](\w+)["']|kwargs\[\s*["'](\w+)["']\s*\]|["'](\w+)["']\s+in\s+kwargs\b""")
+
+
+def _module_source(module_name: str) -> str:
+    try:
+        return inspect.getsource(importlib.import_module(module_name))
+    except (ImportError, OSError, TypeError):  # no source (a user's class defined in a notebook): none known
+        return ""
 
 
 @functools.cache
 def modeling_reads(config_class) -> frozenset[str]:
     """The config keys the class's modeling file reads: some only through ``getattr`` with a default
     (Qwen3-MoE's ``head_dim``), so the class never declares them."""
-    module = sys.modules[config_class.__module__]
-    name = module.__name__.rpartition(".")[2]
+    package, _, name = config_class.__module__.rpartition(".")
     if not name.startswith("configuration_"):
         return frozenset()
-    try:
-        modeling = importlib.import_module(module.__name__.rpartition(".")[0] + ".modeling_" + name[len("configuration_"):])
-        source = inspect.getsource(modeling)
-    except (ImportError, OSError, TypeError):  # no modeling file beside the config (a user's class): none known
-        return frozenset()
+    source = _module_source(f"{package}.modeling_{name[len('configuration_'):]}")
     return frozenset(a or b for a, b in _READ.findall(source))
 
 
-def _consumes(config_class, key: str, value) -> bool:
-    """Whether the class reads ``key``: an older spelling (Llama's ``rope_theta``, ``torch_dtype``)
-    is mapped onto another field and dropped, while an unknown key is kept verbatim in ``to_dict()``."""
-    try:  # a copy: transformers writes into nested dicts it is given (Llama's rope_scaling gains rope_theta)
-        return key not in config_class(**{key: copy.deepcopy(value)}).to_dict()
-    except Exception:  # the class validated the key itself (and rejected this value): it knows it
-        return True
+@functools.cache
+def config_reads(config_class) -> frozenset[str]:
+    """The keys the class (or a base) takes out of its extra keyword arguments: a checkpoint's older or
+    nested spelling (Kimi Linear's ``linear_attn_config``, which becomes ``layer_types``, Gemma 3's
+    ``sliding_window_pattern``), read in ``__init__`` but kept verbatim in ``to_dict()``."""
+    modules = {cls.__module__ for cls in config_class.__mro__ if cls.__module__ not in ("builtins", "typing")}
+    return frozenset(
+        next(name for name in match if name) for module in modules for match in _KWARGS_READ.findall(_module_source(module))
+    )
 
 
-def _check_keys(config: dict, config_class, source: str) -> None:
-    """A misspelled key would be ignored silently (HF configs keep unknown keys as attributes): a key
-    close to a known one stops the job; any other key nothing reads is one warning line."""
-    declared = {*config_class().to_dict(), *config_class.attribute_map, *_HF_METADATA}
-    known = declared | modeling_reads(config_class) | WRITTEN_BY_TRANSFORMERS
-    for key, value in config.items():
-        if key in known or _consumes(config_class, key, value):
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1)
-        if close:
-            raise ConfigError(
-                f"{source} has unknown key {key!r} ({config_class.__name__} does not read it); "
-                f"rename it to {close[0]!r}"
-            )
-        logger.warning(f"titan_ext: {source}: key {key!r} is read neither by {config_class.__name__} nor by its "
-                       "modeling code; ignored")
+@functools.cache
+def _declared(config_class) -> frozenset[str]:
+    """The keys the class names: its fields with their defaults, their aliases, its ``__init__``'s parameters."""
+    return frozenset({*config_class().to_dict(), *config_class.attribute_map,
+                      *inspect.signature(config_class.__init__).parameters})
+
+
+def _built(config_class, config: dict) -> dict | None:
+    """``to_dict()`` of the class built from ``config`` (a copy: transformers writes into nested dicts it is
+    given), or None where the class refuses it."""
+    try:
+        return config_class(**copy.deepcopy(config)).to_dict()
+    except Exception:  # the class validated the keys itself: the caller's build says why
+        return None
+
+
+def _changes_the_config(config_class, config: dict, key: str, built: dict | None) -> bool:
+    """Whether the class reads ``key``: dropping it changes what the class builds. An older spelling
+    (Llama's ``rope_theta``, ``torch_dtype``) is mapped onto another field and dropped; an unknown key is kept
+    verbatim in ``to_dict()`` and changes nothing else."""
+    without = _built(config_class, {k: v for k, v in config.items() if k != key})
+    if built is None or without is None:
+        return True  # the class validates what it is given: it knows the key
+    return key not in built or {k: v for k, v in built.items() if k != key} != without
+
+
+def unread_keys(config: dict, config_class) -> list[str]:
+    """The keys of ``config`` that neither the class nor its modeling code reads (as transformers does, they
+    are kept and ignored). Hub files carry many: keys of the authors' own code (DeepSeek-V3's ``ep_size``),
+    of generation (``cache_implementation``), of releases past (``use_sliding_window``)."""
+    known = _declared(config_class) | modeling_reads(config_class) | config_reads(config_class) | _HF_METADATA
+    fields = {key: value for key, value in config.items() if key != "model_type"}  # the class's own, not a field
+    candidates = [key for key in fields if key not in known]
+    if not candidates:
+        return []
+    built = _built(config_class, fields)
+    return [key for key in candidates if not _changes_the_config(config_class, fields, key, built)]
+
+
+def _warn_unread_keys(config: dict, config_class, source: str) -> None:
+    """Every key of a hub config.json is accepted; the ones nothing reads are named once, since a misspelled
+    key is among them (the model then takes the default)."""
+    unread = unread_keys(config, config_class)
+    if unread:
+        logger.warning(f"titan_ext: {source}: {config_class.__name__} and its modeling code read none of "
+                       f"{', '.join(map(repr, unread))}; ignored")
 
 
 def _options(annotation) -> tuple:
@@ -168,11 +199,12 @@ def _check_values(config: dict, source: str) -> None:
 
 
 def check_hf_config_fields(config: dict, config_class, source: str) -> None:
-    """Check an HF config.json that overrides a flavor: known keys, JSON types, buildable sizes.
+    """Check an HF config.json that overrides a flavor: JSON types and buildable sizes refuse; keys nothing reads
+    are one warning line.
 
     Divisibility is checked among the keys ``config`` holds; pass the flavor's
     architecture merged with the overrides to check the resulting model.
     """
-    _check_keys(config, config_class, source)
     _check_types(config, config_class, source)
     _check_values(config, source)
+    _warn_unread_keys(config, config_class, source)

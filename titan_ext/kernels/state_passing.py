@@ -16,9 +16,9 @@ Each rank
 
 Two kinds of recurrence:
 
-* ``DiagonalDecay`` (GLA; simple GLA, lightning attention, RetNet and Mamba-2 have
-  the same shape, one decay per head): the state decays per key channel, ``M`` is
-  a diagonal (``exp`` of the summed log decay), and ``F`` and ``c_t`` are closed forms, one einsum each.
+* ``DiagonalDecay`` (GLA; RetNet and Mamba-2 have the same shape): the state
+  decays per key channel (or per head: simple GLA's scalar gate), ``M`` is a diagonal (``exp`` of the summed log decay),
+  and ``F`` and ``c_t`` are closed forms, one einsum each.
 * ``AffineState`` (the gated delta rule: ``M`` is the product of
   ``exp(g_t) (I - beta_t k_t k_t^T)``, a full ``K x K`` matrix): the kernel
   computes them itself. With its values widened by ``K`` zero columns and the
@@ -266,10 +266,10 @@ def _diagonal_pieces(kernel, recurrence: DiagonalDecay, q, k, v, rows, continues
     if not packed:  # each piece row from zero, as a batch of rows
         inputs = {name: _as_rows(x, rows) for name, x in inputs.items()}
     o, _ = kernel(**inputs, **kwargs)
+    if g.dim() < k.dim():  # one decay per head (simple GLA, Mamba-2): the same on every key channel
+        g = g[..., None].expand(k.shape)
     dtype = torch.promote_types(q.dtype, _FP32)
     q, k, v, g = (_as_rows(x, rows).to(dtype) for x in (q, k, v, g))
-    if g.dim() < q.dim():  # simple GLA's ``[B, T, H]``: one decay per head, the same on every key channel
-        g = g[..., None].expand_as(q)
     scale = kwargs.get("scale") or q.shape[-1] ** -0.5
     G = g.cumsum(dim=1)
     total = G[:, -1]

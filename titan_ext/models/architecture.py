@@ -67,7 +67,12 @@ class TransformersArchitecture(Architecture):
 
     def config_overrides(self, model_class):
         # torch's fused SDPA kernels on every device; no flash-attn package needed.
-        return {"attn_implementation": "sdpa"} if getattr(model_class, "_supports_sdpa", False) else {}
+        overrides = {"attn_implementation": "sdpa"} if getattr(model_class, "_supports_sdpa", False) else {}
+        if hasattr(model_class.config_class, "output_router_logits"):
+            # titan_ext's loss counts the routers' balancing loss (titan_ext.moe); asked for router logits, the
+            # causal LM's own forward would add it again, from a mask it cannot read (a packed 4D one)
+            overrides["output_router_logits"] = False
+        return overrides
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}

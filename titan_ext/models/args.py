@@ -46,9 +46,10 @@ def load_hf_config_json(path: str, option: str = HF_CONFIG_OPTION) -> dict[str, 
 BOOKKEEPING = {
     "_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "id2label",
     "is_encoder_decoder", "label2id", "output_attentions", "output_hidden_states", "problem_type",
-    "return_dict", "torch_dtype", "transformers_version", "use_cache",
+    "return_dict", "torch_dtype", "transformers_version", "use_cache", "quantization_config",
 }
-"""Keys every HF config carries that describe no architecture."""
+"""Keys every HF config carries that describe no architecture (``quantization_config``: how a checkpoint's weights
+were stored; titan_ext trains, and exports, full-precision weights)."""
 
 
 def architecture_fields(config_class: type, given: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGa
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
 from titan_ext.models.mixers.lightning import TransformersLightningAttention
+from titan_ext.models.mixers.mamba2 import TransformersMamba2
 from titan_ext.models.mixers.mla import TransformersMLA
 from titan_ext.models.mixers.short_conv import TransformersShortConv
 
@@ -37,6 +38,7 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNet,
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
+    TransformersMamba2,
     TransformersShortConv,
     TransformersLightningAttention,
 )
@@ -47,7 +49,8 @@ FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
-           "TransformersLightningAttention", "TransformersMLA", "TransformersShortConv", "Unknown", "recognize"]
+           "TransformersLightningAttention", "TransformersMLA", "TransformersMamba2", "TransformersShortConv", "Unknown",
+           "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:

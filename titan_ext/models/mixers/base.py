@@ -105,6 +105,10 @@ class Mixer:
         where it has none."""
         return None
 
+    def tensor_parallel_blocker(self, degree: int) -> str | None:
+        """Why its TP entries cannot split it over ``degree`` ranks (sizes its own linears' do not show), or None."""
+        return None
+
     def flops_per_token(self, config, layer: int, seq_len: int) -> int | None:
         """Training FLOPs per token of this layer's mixing beyond its projections; None if unknown."""
         return None

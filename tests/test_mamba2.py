@@ -1,0 +1,122 @@
+"""transformers' Mamba2 mixers (``models.mixers.mamba2``): recognised by what they hold and call in every family
+that copies ``Mamba2Mixer``, trained through titan_ext's forward (``kernels.transformers_mamba2``) equal to
+transformers' own; documents restart the scan and the convolution; TP's shares and refusals. TP and CP on two
+real ranks against one process are the integration matrix's (``hf_nemotron_h``: ``tp2``, ``cp2``, ``cp2_docs``);
+the scan's state passing is ``test_state_passing.py``'s (``simple_gla``)."""
+
+import pytest
+import torch
+
+from titan_ext.census_configs import tiny_config
+from titan_ext.models import mixers
+from titan_ext.models.adapter import build_model
+from titan_ext.models.args import transformers_model
+
+SEQ = 40
+
+FAMILIES = {  # two layers each (Bamba and Granite: the first Mamba2, the second attention)
+    "mamba2": {"num_hidden_layers": 2},
+    "bamba": {"num_hidden_layers": 2, "attn_layer_indices": [1]},
+    "granitemoehybrid": {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"]},
+    "nemotron_h": {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "full_attention"],
+                   "n_groups": 2, "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16},
+    "zamba2": {"num_hidden_layers": 2, "layers_block_type": ["linear_attention", "linear_attention"]},
+}
+
+
+def tiny(model_type: str, **fields):
+    config = {**tiny_config(model_type), **FAMILIES.get(model_type, {}), **fields}
+    config.pop("model_type", None)
+    return transformers_model(model_type, **config)
+
+
+def titan_and_transformers(model_type: str):
+    """titan_ext's training model and transformers' own from the same weights."""
+    import fla  # noqa: F401  (titan_ext's models take their training forwards where fla is imported)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = build_model(tiny(model_type))
+    model.init_weights()
+    reference = AutoModelForCausalLM.from_config(model.config)
+    reference.load_state_dict(model.state_dict(), strict=False)  # Zamba2 ties its head: no key of its own
+    reference.tie_weights()
+    return model, reference
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_mamba2_mixers_train_equal_to_transformers(model_type):
+    """Logits and every gradient equal transformers' forward (its torch reference kernels) in fp32. The decay's
+    parameters (``A_log``, ``dt_bias``) take a gradient summed over every pair of tokens, with cancellation: the
+    portable simple GLA's fp32 cumulative decays leave it ~1e-4 off (both are as far from fp64, measured on Bamba:
+    transformers 2e-5, titan_ext 6e-4 on the smallest); 1e-5 everywhere else."""
+    model, reference = titan_and_transformers(model_type)
+    assert any(isinstance(mixer, mixers.TransformersMamba2) for mixer in model.mixers)
+    found = next(m for m in model.modules() if type(m).__name__.endswith(("Mixer", "MambaLayer")))
+    assert type(found).forward.__name__ == "mamba2_forward"
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), reference(tokens, use_cache=False).logits
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    ours.sum().backward()
+    theirs.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        decay = name.endswith(("A_log", "dt_bias"))
+        assert (p.grad - q.grad).norm() <= (2e-3 if decay else 1e-5) * q.grad.norm() + 1e-9, name
+
+
+def test_documents_restart_mamba2_scan_and_convolution():
+    """With document masking (as a job applies it: ``cu_seq_lens_q``) each packed document's logits equal the
+    document's alone: the scan's state and the short convolution restart."""
+    from titan_ext.documents import apply_document_attention
+
+    model, _ = titan_and_transformers("mamba2")
+    apply_document_attention(model)
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    starts = [0, 15, 16, 33]  # a 1-token document, and one shorter than the convolution reaches back
+    positions = torch.arange(SEQ).expand(2, SEQ).clone()
+    for first, last in zip(starts, starts[1:] + [SEQ]):
+        positions[:, first:last] -= first
+    packed = model(tokens, document_positions=positions)
+    alone = torch.cat([model(tokens[:, first:last]) for first, last in zip(starts, starts[1:] + [SEQ])], dim=1)
+    assert torch.allclose(packed, alone, atol=1e-5)
+    assert not torch.allclose(model(tokens)[:, 16:], alone[:, 16:], atol=1e-3)  # without them: documents mix
+
+
+def test_falcon_h1_mamba_is_left_unknown():
+    """Falcon-H1's mixer holds Mamba2's parts but scales its input and projections (μP multipliers, a buffer) and
+    may gate after its norm: titan_ext's forward would be wrong, so it stays an unknown mixer (replicated under TP,
+    CP and documents refused in one line)."""
+    args = tiny("falcon_h1", num_hidden_layers=1)
+    parts = [part for mixer in args.layer_mixers() for part in mixer.parts]
+    assert [type(part) for part in parts] == [mixers.TransformersAttention, mixers.Unknown]
+    assert "FalconH1Mixer) is not one titan_ext knows" in args.context_parallel_blocker()
+
+
+def share(heads, groups, ranks, rank):
+    """The share of ``rank`` of a mixer of ``heads`` heads of 4 channels in ``groups`` groups of 2 states."""
+    from types import SimpleNamespace
+
+    from titan_ext.kernels.transformers_mamba2 import Share
+
+    return Share.on(SimpleNamespace(num_heads=heads, n_groups=groups, head_dim=4, ssm_state_size=2), ranks, rank)
+
+
+@pytest.mark.parametrize("heads,groups,ranks,rank,rows,whole", [
+    # no TP: z, x, B, C, dt whole
+    (4, 2, 1, 0, [(0, 16), (16, 16), (32, 4), (36, 4), (40, 4)], True),
+    # two groups over two ranks: rank 1 has heads 2-3 and group 1
+    (4, 2, 2, 1, [(8, 8), (24, 8), (34, 2), (38, 2), (42, 2)], True),
+    # one group over two ranks: both take all of B and C; the group's norm spans the ranks
+    (4, 1, 2, 1, [(8, 8), (24, 8), (32, 2), (34, 2), (38, 2)], False),
+])
+def test_each_rank_multiplies_its_heads_and_groups_rows(heads, groups, ranks, rank, rows, whole):
+    found = share(heads, groups, ranks, rank)
+    assert found.projection_rows() == rows and found.whole_groups is whole
+
+
+def test_tp_refuses_heads_or_groups_that_do_not_split():
+    module = build_model(tiny("mamba2", num_heads=6, n_groups=3, head_dim=32, expand=3)).backbone.layers[0].mixer
+    mixer = mixers.TransformersMamba2("mixer", module)
+    assert mixer.tensor_parallel_blocker(3) is None and mixer.tensor_parallel_blocker(6) is None
+    assert "6 heads in 3 groups do not split over 2 ranks" in mixer.tensor_parallel_blocker(2)
+    assert "do not split over 4 ranks" in mixer.tensor_parallel_blocker(4)

@@ -1,0 +1,38 @@
+"""Ctrl-C or SIGTERM ends a titan_ext job in one line: the step reached and what the same command run again loads.
+
+torchrun hands SIGINT and SIGTERM on to every rank (a terminal's Ctrl-C reaches them all directly). Without a
+handler each rank raises KeyboardInterrupt wherever it is, inside a collective or a checkpoint save, and prints
+its traceback, or dies of SIGTERM in silence. Here every rank leaves at once with ``os._exit`` (no cleanup to
+hang on a rank already gone; a save cut short leaves a step without ``.metadata``, which resuming passes over),
+rank 0 after its one line. torchrun's own report of the signal is not the job's to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from titan_ext import host_patches
+from titan_ext.errors import rank
+from titan_ext.inputs import checkpoints
+
+
+def install(trainer, job_config) -> None:
+    """Handle SIGINT and SIGTERM in this rank of the job ``trainer`` runs."""
+
+    def stop(number: int, frame) -> None:
+        if rank() == 0:
+            logging.getLogger().warning(f"titan_ext: {interrupted_line(number, trainer, job_config)}")
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+        os._exit(128 + number)
+
+    host_patches.apply_signal_handlers(stop)
+
+
+def interrupted_line(number: int, trainer, job_config) -> str:
+    step, steps = getattr(trainer, "step", 0), job_config.training.steps
+    where = f"at step {step} of {steps}" if step else "before the first step"
+    return (f"stopped by {signal.Signals(number).name} {where}; the same command "
+            f"{checkpoints.rerun_resumes_from(job_config)}")

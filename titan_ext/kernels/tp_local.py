@@ -72,11 +72,11 @@ def this_ranks_rows(weight, sizes: list[int]):
     if not isinstance(weight, DTensor):
         return weight
     mesh = weight.device_mesh
-    whole = _SumGradients.apply(weight.to_local(), mesh.get_group())
+    whole = SumGradients.apply(weight.to_local(), mesh.get_group())
     return torch.cat([part.chunk(mesh.size())[mesh.get_local_rank()] for part in whole.split(sizes)])
 
 
-class _SumGradients(torch.autograd.Function):
+class SumGradients(torch.autograd.Function):
     """The identity, its gradient summed over ``group``: each rank's gradient covers its own rows of a
     replicated weight, and the weight's gradient must be the whole (and equal on every rank)."""
 

@@ -4,6 +4,8 @@ context parallelism its state passes across ranks as GLA's does (``state_passing
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch.nn as nn
 from model_plans.styles import Composed, HeadShare, NormParallel
 
@@ -25,7 +27,8 @@ class TransformersLightningAttention(Mixer):
     passed across ranks under CP; under TP on its rank's heads."""
 
     name = "transformers' lightning attention"
-    children = frozenset({"qkv_proj", "output_gate", "out_proj", "norm"})
+    held: ClassVar[frozenset[str]] = frozenset({"qkv_proj", "output_gate", "out_proj", "norm"})
+    """The modules it holds (among others: its activation)."""
     cp_kernels = {"chunk_simple_gla": DiagonalDecay(gate="g")}
     recurrent_documents = True
 
@@ -39,7 +42,7 @@ class TransformersLightningAttention(Mixer):
         held = {name for name, _ in module.named_children()}
         buffers = dict(module.named_buffers(recurse=False))
         qkv, rates = getattr(module, "qkv_proj", None), buffers.get("slope_rate")
-        return (cls.children <= held and isinstance(qkv, nn.Linear) and rates is not None
+        return (cls.held <= held and isinstance(qkv, nn.Linear) and rates is not None
                 and qkv.out_features == 3 * rates.numel() * getattr(module, "head_dim", 0))
 
     def training_forward(self):

@@ -27,6 +27,12 @@ the Megatron minimum:
   linears take the plan's dense-FFN entries ``mlp.gate_proj``...) is a dense FFN on the block's gathered input: ``colwise`` as above, its ``rowwise`` output ``self.shared_out_proj()`` (this
   rank's partial share, summed with the routed experts' by the block); a one-output linear beside it that the
   HF plan leaves out (``shared_expert_gate``) ``self.shared_gate()`` (replicated).
+- ``mla_kv_a_proj`` on an MLA attention's key-latent projection (DeepSeek-V2's ``kv_a_proj_with_mqa``) ->
+  what titan_ext's MLA mixer does (``titan_ext.models.mixers.mla``): the projection replicated, its output this
+  rank's plain tensor whose shared rotary key (the config's last ``qk_rope_head_dim`` columns) sums its gradient
+  over the ranks (``SharedKeyLatent``, HF's ``MlaKvAProjParallel``); the attention's down-projections and their
+  norms that the HF plan leaves out (``q_a_proj``, ``q_a_layernorm``, ``kv_a_layernorm``: HF's TP keeps them whole)
+  replicated, on the attention's input gathered in high precision (no Float8 colwise linears).
 - parameter-holding norms directly in a block that the HF plan leaves out (``input_layernorm``,
   ``post_attention_layernorm``, Gemma's ``pre_``/``post_feedforward_layernorm``) -> ``self.norm()``.
 
@@ -50,17 +56,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.nn as nn
-from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
 from model_plans.base import IfPresent, Plan, TPPlan, experts_placed
-from model_plans.styles import NormParallel
+from model_plans.styles import NormParallel, PlaceParameters, SharedKeyLatent
 
-_TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts")
+_TRANSLATED = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "mla_kv_a_proj")
 """The block strategies with a titan_ext counterpart (see the module docstring)."""
 
 _PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm", "router", "experts", "shared_rowwise",
-                  "shared_gate", "replicated")
+                  "shared_gate", "replicated", "mla_kv_a_proj", "latent_linear", "latent_norm")
 """Roles whose style places a module's parameters (``gather`` only lays out an input)."""
 
 
@@ -68,12 +74,14 @@ _PLACING_ROLES = ("colwise", "rowwise", "head_norm", "residual_norm", "router", 
 class BlockEntry:
     """What a module of a decoder layer does under TP.
 
-    ``role``: ``gather``, ``colwise``, ``rowwise``, ``head_norm`` or ``residual_norm``;
-    ``keyword``: for ``gather``, the keyword the block passes the input by (None: positionally).
+    ``role``: ``gather``, ``colwise``, ``rowwise``, ``head_norm``, ``residual_norm``, ... (``HFTPPlan._style``);
+    ``keyword``: for ``gather``, the keyword the block passes the input by (None: positionally);
+    ``high_precision``: for ``gather``, an input replicated projections read (MLA's), never Float8's.
     """
 
     role: str
     keyword: str | None = None
+    high_precision: bool = False
 
 
 class HFTPPlan(TPPlan):
@@ -88,6 +96,9 @@ class HFTPPlan(TPPlan):
     per_block: tuple[tuple[tuple[str, BlockEntry], ...], ...] = ()
     """Each block's own entries, by index, where blocks differ in what one module is (a hybrid's dense and MoE
     FFNs under one name); else empty, and every block takes ``entries``."""
+
+    rope_width: int = 0
+    """The config's ``qk_rope_head_dim``: the rotary key's width in an MLA key-latent projection's output."""
 
     kept_whole: tuple[str, ...] = ()
     """Model-level modules beside the embedding, the layers, the final norm and the head, kept whole on every
@@ -110,12 +121,23 @@ class HFTPPlan(TPPlan):
 
     def _style(self, module: str, entry: BlockEntry) -> ParallelStyle:
         if entry.role == "gather":
+            if entry.high_precision:
+                return self._gather_high_precision(entry.keyword)
             return self.gather(module, entry.keyword)[module]
         styles = {"colwise": self.colwise, "rowwise": self.out_proj, "head_norm": self.head_norm,
-                  "replicated": self.replicated,
+                  "replicated": self.replicated, "mla_kv_a_proj": lambda: SharedKeyLatent(self.rope_width),
+                  "latent_linear": lambda: PlaceParameters(Replicate()),
+                  "latent_norm": lambda: NormParallel(Replicate()),
                   "residual_norm": self.norm, "moe_block": self.moe_block, "router": self.router,
                   "shared_rowwise": self.shared_out_proj, "shared_gate": self.shared_gate}
         return styles[entry.role]()
+
+    def _gather_high_precision(self, keyword: str | None) -> PrepareModuleInput:
+        """An input all-gathered from the residual, never as Float8 (replicated projections read it)."""
+        if keyword is None:
+            return PrepareModuleInput(input_layouts=(self.activation,), desired_input_layouts=(Replicate(),))
+        return PrepareModuleInput(input_kwarg_layouts={keyword: self.activation},
+                                  desired_input_kwarg_layouts={keyword: Replicate()})
 
     def head_norm(self) -> NormParallel:
         """A norm on this rank's heads: a replicated weight whose gradient DTensor sums over the TP ranks."""
@@ -149,7 +171,8 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
     final_norm, kept_whole = _model_level(base, embeddings, layers, model_type, prefix)
     stack = f"{_join(prefix, layers)}.*"
     blocks = list(base.get_submodule(layers))
-    per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index, ()))
+    rope_width = getattr(config, "qk_rope_head_dim", None) or 0
+    per_block = [_block_entries(block, block_plan, model_type, stack, other_mixers.get(index, ()), rope_width)
                  for index, block in enumerate(blocks)]
     merged = _merge(per_block)
     entries, optional = merged if merged is not None else (per_block[0], set())
@@ -167,6 +190,7 @@ def hf_plan_class(model: nn.Module, other_mixers: Mapping[int, tuple[str, ...]] 
         entries=tuple(entries.items()),
         optional=frozenset(optional),
         per_block=() if merged is not None else tuple(tuple(block.items()) for block in per_block),
+        rope_width=rope_width,
     )
     return type(name, (HFTPPlan,), attributes)
 
@@ -254,7 +278,7 @@ def _model_level(base: nn.Module, embeddings: str, layers: str, model_type: str,
 
 
 def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str,
-                   other_mixers: tuple[str, ...] = ()) -> dict[str, BlockEntry]:
+                   other_mixers: tuple[str, ...] = (), rope_width: int = 0) -> dict[str, BlockEntry]:
     """One block's entries, in module order (none under ``other_mixers``, planned elsewhere).
 
     Each of the block's modules is translated from its own HF entries; one whose entries do not translate,
@@ -268,7 +292,7 @@ def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str
     named, groups, whole = {}, set(), []
     for child, child_plan in by_child.items():
         try:
-            child_named = _translated(block, child_plan, model_type, stack)
+            child_named = _translated(block, child_plan, model_type, stack, rope_width)
             child_groups = _groups(child_named, model_type, stack)
             _check_coverage(block, child_named, child_groups, child, model_type, stack)
         except ValueError:
@@ -287,9 +311,10 @@ def _block_entries(block: nn.Module, block_plan: dict[str, str], model_type: str
     whole += [name for name, child in block.named_children()
               if _holds_parameters(child) and not any(_under(p, (name,)) for p in placed)]
     entries = {}
+    latent_groups = {_parent(p) for p, e in named.items() if e.role == "mla_kv_a_proj"}
     for name, _ in block.named_modules():
         if name in groups:
-            entries[name] = BlockEntry("gather", _input_keyword(block, name, model_type, stack))
+            entries[name] = BlockEntry("gather", _input_keyword(block, name, model_type, stack), name in latent_groups)
         elif name in named:
             entries[name] = named[name]
         elif name in residual_norms:
@@ -308,7 +333,8 @@ def _holds_experts(block: nn.Module, child: str) -> bool:
     return any(name.rpartition(".")[2] == "experts" for name, _ in module.named_modules())
 
 
-def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str) -> dict[str, BlockEntry]:
+def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, stack: str,
+                rope_width: int = 0) -> dict[str, BlockEntry]:
     """The HF entries this block has, as roles. An entry naming nothing here is skipped, as HF does."""
     named = {}
     experts = [path for path, strategy in block_plan.items() if strategy == "moe_tp_experts"]
@@ -332,11 +358,31 @@ def _translated(block: nn.Module, block_plan: dict[str, str], model_type: str, s
             if not _is_norm(module):
                 raise _untranslated(model_type, where, strategy, "only per-head norms inside attention translate")
             named[path] = BlockEntry("head_norm")
+        elif strategy == "mla_kv_a_proj" and not rope_width:
+            raise _untranslated(model_type, where, strategy, "the config has no qk_rope_head_dim, the width of the "
+                                "rotary key every head shares")
         else:
             if not isinstance(module, nn.Linear):
                 raise _untranslated(model_type, where, strategy, f"{type(module).__name__} is not a linear")
             named[path] = BlockEntry(strategy)
+    for path in [p for p, entry in named.items() if entry.role == "mla_kv_a_proj"]:
+        named.update(_latent_projections(block, _parent(path), named))
     return named
+
+
+def _latent_projections(block: nn.Module, attention: str, named: dict[str, BlockEntry]) -> dict[str, BlockEntry]:
+    """An MLA attention's modules the HF plan leaves out (its down-projections and their norms, kept whole by HF's
+    TP): replicated linears and norms. Anything else stays unplaced (the coverage check keeps the attention whole)."""
+    found = {}
+    for name, module in block.get_submodule(attention).named_modules():
+        path = _join(attention, name)
+        if path in named or next(module.parameters(recurse=False), None) is None:
+            continue
+        if isinstance(module, nn.Linear):
+            found[path] = BlockEntry("latent_linear")
+        elif all(p.dim() == 1 for p in module.parameters()) and not list(module.children()):
+            found[path] = BlockEntry("latent_norm")
+    return found
 
 
 def _moe_entries(block: nn.Module, path: str, block_plan: dict[str, str], model_type: str,

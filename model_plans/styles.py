@@ -196,27 +196,48 @@ class LocalWidth(ParallelStyle):
         return f"LocalWidth({self.attribute!r})"
 
 
-class SharedKeyLatent(ParallelStyle):
-    """MLA's ``kv_a_proj_with_mqa`` (replicated weight) inside a head-split attention (on the attention
-    module, whose ``qk_rope_head_dim`` it reads): its output becomes this rank's plain tensor.
-
-    Its latent columns go on through the replicated ``kv_a_layernorm`` into the colwise ``kv_b_proj``, which
-    sums their gradient over the ranks; its last ``qk_rope_head_dim`` columns are the rotary key every head
-    shares, read by this rank's heads alone, so their gradient is summed here (an all-reduce in the backward).
-    """
+class HeadShare(ParallelStyle):
+    """Records on the module which share of its heads this rank holds (``tp_share``: (rank, ranks)), as its
+    colwise projections split them: for a forward that reads per-head values beside them that TP does not
+    place (MiniMax's decay rates, a buffer its initializer sets)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        projection, width, group = module.kv_a_proj_with_mqa, module.qk_rope_head_dim, device_mesh.get_group()
+        module.tp_share = (device_mesh.get_local_rank(), device_mesh.size())
+        return module
+
+    def __repr__(self) -> str:
+        return "HeadShare()"
+
+
+class SharedKeyLatent(ParallelStyle):
+    """MLA's key-latent projection (``kv_a_proj_with_mqa``, what HF's plans call ``mla_kv_a_proj``) inside a
+    head-split attention: its weight replicated, its output this rank's plain tensor.
+
+    Its latent columns go on through the replicated ``kv_a_layernorm`` into the colwise ``kv_b_proj``, which
+    sums their gradient over the ranks; its last ``width`` columns (``qk_rope_head_dim``) are the rotary key
+    every head shares, read by this rank's heads alone, so their gradient is summed here (an all-reduce in the
+    backward).
+    """
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        replicated = PlaceParameters(Replicate())
+        replicated.src_data_rank = self.src_data_rank
+        replicated._apply(module, device_mesh)
+        width, group = self.width, device_mesh.get_group()
 
         def to_local(mod, args, output):
             local = output.to_local() if isinstance(output, DTensor) else output
             return _SumTailGradient.apply(local, width, group)
 
-        projection.register_forward_hook(to_local)
+        module.register_forward_hook(to_local)
         return module
 
     def __repr__(self) -> str:
-        return "SharedKeyLatent()"
+        return f"SharedKeyLatent({self.width})"
 
 
 class _SumTailGradient(torch.autograd.Function):

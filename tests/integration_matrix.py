@@ -92,6 +92,15 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   layer) in ``single``, ``fsdp2``, ``tp2`` (the Mamba2 heads split, its one group and gated norm shared by both
   ranks), ``pp2``, ``cp2`` (state passing with a decay per head, the convolution's halo, ring attention) and
   ``cp2_docs`` (scan and convolution restart, all-gathered attention, with AC and compile).
+- ``hf_lfm2``: transformers' LFM2 (a gated short convolution at layer 0, known by what it holds, on titan_ext's
+  forward; attention at layer 1) in ``single``, ``tp2`` (the convolution's channels split, its
+  packed ``in_proj`` replicated with each rank's rows of each gate), ``cp2`` (the convolution's halo, ring
+  attention) and ``cp2_docs`` (the convolution restarting at each document, all-gathered attention).
+- ``hf_minimax``: transformers' MiniMax (lightning attention at layer 0, known by what it holds, on titan_ext's
+  forward: fla's simple GLA, a fixed decay per head; attention at layer 1; MoE FFNs) in ``single``, ``tp2``
+  (heads split; the norm over every head's outputs sums its squares over the ranks), ``cp2`` (state passing with
+  a decay per head, ring attention) and ``cp2_docs`` (the state restarting at each document, all-gathered
+  attention).
 - ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
   portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
   import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
@@ -298,6 +307,18 @@ TINY_NEMOTRON_H = {"model_type": "nemotron_h", "hidden_size": 64, "intermediate_
                    "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16, "vocab_size": 2048,
                    "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
+# transformers' LFM2: a gated short convolution (titan_ext's forward of it, by structure) then attention (untied:
+# a tied weight's DTensor norm rounds apart from one process's by ~1.5e-5, TIED_DTENSOR_RTOL).
+TINY_LFM2 = {"model_type": "lfm2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": ["conv", "full_attention"],
+             "vocab_size": 2048, "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+# transformers' MiniMax: lightning attention (titan_ext's forward of it: simple GLA) then attention, MoE FFNs.
+TINY_MINIMAX = {"model_type": "minimax", "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"], "num_local_experts": 4, "num_experts_per_tok": 2,
+                "block_size": 16, "vocab_size": 2048, "max_position_embeddings": 512}
+
 # A sliding window on every layer (Mistral's): under CP the attention is masked by it over all-gathered keys and
 # values, with and without documents.
 TINY_MISTRAL_WINDOW = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -350,6 +371,10 @@ SPECS = {
     # torchtitan's auxiliary-loss-free balancing (a routing bias, the same on every rank) under EP x HSDP and EP x TP
     "hf_moe_bias": Spec("debug_llama.toml", flags=("--model.name", "hf", "--titan_ext.moe_balance", "bias"),
                         hf_config=TINY_QWEN3_MOE, rows=("single", "ep2_hsdp2x2", "ep2_tp2", "pp2")),
+    "hf_lfm2": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_LFM2,
+                    rows=("single", "tp2", "cp2", "cp2_docs")),
+    "hf_minimax": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_MINIMAX,
+                       rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
                           rows=("single", "fsdp2", "tp2", "pp2", "cp2", "cp2_docs")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
@@ -426,14 +451,19 @@ CP_ATTENTION_RTOL = (("hf_llama", 2e-5), ("fla_transformer", 2e-5), ("hf_mistral
 # GLA's compiled, fully checkpointed CP row with documents: on this session's CPU (2026-11-29) its grad norm
 # differed by 1.05e-5 from one process at main's HEAD before this change too (the same figures to every digit);
 # on earlier machines under 1e-5. Reduction order in fp32, not a path: its cp2 and cp2_tp2_docs rows hold 1e-5.
-CP_DOCS_RTOL = (*CP_ATTENTION_RTOL, ("fla_gated_deltanet", 1e-4), ("hf_qwen3_5", 3e-5), ("fla_gla", 2e-5))
+CP_DOCS_RTOL = (*CP_ATTENTION_RTOL, ("fla_gated_deltanet", 1e-4), ("hf_qwen3_5", 3e-5), ("fla_gla", 2e-5),
+                ("hf_minimax", 2e-5))  # (see CP_RTOL below)
 # Qwen3.5 and Qwen3-Next: CP2 differs from one process by 8.5e-6 and 9.3e-6 (6.8e-6 with documents), exactly as
 # much as FSDP2 without CP does (the grad norm over FSDP's DTensor shards, see above; their RMSNorms compute in
 # fp32); a margin over TP_RTOL. In fp64 the exchange is exact to 1e-12 but for those norms
 # (tests/test_context_parallel.py, ``hf_qwen3_5``).
 # KDA's gate gradients (A_log, dt_bias) carry fp32 noise as Gated DeltaNet's do (above): from the seed every
 # initializer now sets, step 5's grad norm under cp2 differs by 2.1e-5 (2026-11-29).
-CP_RTOL = (*CP_ATTENTION_RTOL, ("hf_qwen3_5", 3e-5), ("hf_qwen3_next", 3e-5), ("fla_kda", 3e-5))
+# MiniMax (lightning attention, MoE FFNs): its cp2 and tp2 grad norms differ from one process by 9.4e-6, cp2_docs's
+# (compiled, full AC) by 1.1e-5, their losses by 1e-7 and their routing not at all (2026-11-29): the norm over
+# FSDP's DTensor shards again; in fp64 its forward equals transformers' to 1e-9 (tests/test_lightning.py) and the
+# scalar decay's state passing one pass to 1e-10 (tests/test_state_passing.py).
+CP_RTOL = (*CP_ATTENTION_RTOL, ("hf_qwen3_5", 3e-5), ("hf_qwen3_next", 3e-5), ("fla_kda", 3e-5), ("hf_minimax", 2e-5))
 # Tied specs under TP (and under PP with FSDP or TP): the one vocab-sharded weight carries the embedding's and
 # the head's gradients, the largest of the model, and torch's total norm over its DTensor shards rounds
 # differently from the plain norm of the same gradient (as FSDP's does: hf_llama's fsdp2 row differs from one

@@ -178,6 +178,25 @@ def test_a_block_module_the_plan_cannot_split_is_kept_whole(model_type, override
     validate_tp(model, hf_plan_class(model)(), 2, 64)
 
 
+MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 12,
+       "num_key_value_heads": 4, "first_k_dense_replace": 2, "use_cache": False}
+"""DeepSeek-V2's multi-head latent attention (dense MLPs in both layers; no cache, which would mix DTensors)."""
+
+
+def test_mla_kv_a_proj_translates_to_what_the_mla_mixer_does():
+    """HF's ``mla_kv_a_proj``: the key-latent projection replicated with its shared rotary key's gradient summed
+    (``SharedKeyLatent``), the down-projections and norms the HF plan leaves out replicated, the input gathered in
+    high precision; the up-projections colwise, o_proj rowwise, as ``models.mixers.mla`` lays out MLA."""
+    plan_cls = hf_plan_class(build("deepseek_v2", "meta", **MLA))
+    roles = {path: entry.role for path, entry in plan_cls.entries if path.startswith("self_attn")}
+    assert roles == {"self_attn": "gather", "self_attn.q_a_proj": "latent_linear",
+                     "self_attn.q_a_layernorm": "latent_norm", "self_attn.q_b_proj": "colwise",
+                     "self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "self_attn.kv_a_layernorm": "latent_norm",
+                     "self_attn.kv_b_proj": "colwise", "self_attn.o_proj": "rowwise"}
+    assert dict(plan_cls.entries)["self_attn"].high_precision and plan_cls.rope_width == 8
+    assert repr(plan_cls().block_plan(0)["self_attn.kv_a_proj_with_mqa"]) == "SharedKeyLatent(8)"
+
+
 def test_a_model_without_an_hf_plan_keeps_its_blocks_whole_given_its_layers():
     model = build("qwen3", "meta", base_model_tp_plan={})
     assert hf_plan_class(model) is None
@@ -295,13 +314,15 @@ def _relative_error(actual, expected):
 EXACT_CASES = [("qwen3", "sp"), ("qwen3", "no_sp"), ("gemma3_text", "sp"),
                ("qwen3+tied", "sp"), ("qwen3+tied", "no_sp"), ("llama+tied", "sp"),
                ("qwen3+mlp_whole", "sp"), ("qwen3+mlp_whole", "no_sp"), ("cohere+qk_norm", "sp"),
-               ("gpt2+no_dropout", "sp"), ("gpt2+no_dropout", "no_sp")]
+               ("gpt2+no_dropout", "sp"), ("gpt2+no_dropout", "no_sp"), ("deepseek_v2+mla", "sp"),
+               ("deepseek_v2+mla", "no_sp")]
 """``+tied``: ``tie_word_embeddings`` (Llama 3.2, Qwen3 0.6-4B, Gemma): one weight, sharded once on the vocabulary,
 serves the embedding and the head, with sequence and loss parallel on or off. ``+mlp_whole``: the HF plan leaves
 the MLP out, ``+qk_norm``: Cohere's per-head norms, which its plan leaves out: that module kept whole on every rank.
-GPT-2 (no HF plan): its position embedding beside the final norm, and its blocks' modules, kept whole."""
+GPT-2 (no HF plan): its position embedding beside the final norm, and its blocks' modules, kept whole.
+``+mla``: DeepSeek-V2's latent attention, its HF plan's ``mla_kv_a_proj`` translated."""
 VARIANTS = {"tied": {"tie_word_embeddings": True}, "qk_norm": {"use_qk_norm": True},
-            "no_dropout": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+            "no_dropout": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}, "mla": MLA,
             "mlp_whole": qwen3_plan(**{f"layers.*.mlp.{p}": None for p in ("gate_proj", "up_proj", "down_proj")})}
 STEPS = 3
 

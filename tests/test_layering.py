@@ -159,6 +159,8 @@ def test_a_mixer_is_named_by_its_module_and_its_registration_line_only():
         "TransformersGatedDeltaNetGrouped": set(),
         "TransformersKDA": set(),
         "TransformersMamba2": set(),
+        "TransformersShortConv": set(),
+        "TransformersLightningAttention": set(),
     }
 
 

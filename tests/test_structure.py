@@ -40,10 +40,12 @@ EXPECTED = {
     "nemotron_h": ("model.layers", "model.norm_f", [("transformers' mamba2", "mixer"), ("transformers attention", "mixer"),
                                                    ("no mixer (FFN only)", "")]),
     "falcon_h1": ("model.layers", "model.final_layernorm", [("transformers attention + unknown mixer", "self_attn+mamba")] * 2),
-    "lfm2": ("model.layers", "model.embedding_norm", [("unknown mixer", "conv"), ("transformers attention", "self_attn")]),
+    "lfm2": ("model.layers", "model.embedding_norm", [("transformers' short convolution", "conv"),
+                                                      ("transformers attention", "self_attn")]),
     "qwen3_5_moe_text": ("model.layers", "model.norm", [("transformers' gated deltanet", "linear_attn"),
                                                        ("transformers attention", "self_attn")]),
-    "minimax": ("model.layers", "model.norm", [("unknown mixer", "self_attn"), ("transformers attention", "self_attn")]),
+    "minimax": ("model.layers", "model.norm", [("transformers' lightning attention", "self_attn"),
+                                              ("transformers attention", "self_attn")]),
     "gpt2": ("transformer.h", "transformer.ln_f", [("transformers attention", "attn")] * 2),
 }
 

@@ -31,7 +31,8 @@ MLA (``models.mixers.mla``) where masked all-gathers its compressed keys and val
 dims and the shared rotary key per token) and each rank expands them to its own heads.
 
 Each layer takes its token mixer's path (``titan_ext.models.mixers``): ``cp_kernels`` (a recurrence:
-the global names it calls and each one's kind of recurrence) or ``cp_attention`` (fla's ``Attention``,
+the global names it calls and each one's kind of recurrence), ``cp_halos`` (short convolutions alone: the
+previous piece's last inputs) or ``cp_attention`` (fla's ``Attention``,
 or the attention registry a transformers attention module reads). A hybrid model runs both on one CP
 mesh and one ``PieceLayout``; a layer whose mixer has neither stops the job before the build
 (``check_cp``), and a layer whose path did not run in the first forward stops it after step 1.
@@ -125,7 +126,7 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     for index, mixer in parts:
         module, path = blocks[index].get_submodule(mixer.path), _path_of(mixer)
         bound_key = f"{key}:{path}"  # a mixer's bound classes see its own replacements only
-        if mixer.cp_kernels:
+        if mixer.cp_kernels or mixer.cp_halos:
             _bind_state_passing(module, mixer, layout, bound_key)
         elif mixer.cp_attention == "transformers" and mixer.cp_latents and choice.masked_attention:
             _bind_gathered_latents(module, mixer.cp_latents, layout, bound_key)
@@ -148,12 +149,15 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
 
 def _path_of(mixer) -> str:
     """The name of a mixer's CP path, as the layout counts its runs."""
-    return "state passing" if mixer.cp_kernels else f"{mixer.cp_attention} attention"
+    if mixer.cp_kernels:
+        return "state passing"
+    return "convolution halo" if mixer.cp_halos else f"{mixer.cp_attention} attention"
 
 
 def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> None:
     """The recurrence's kernels pass their states across ranks (``kernels.state_passing``; fla's own
-    cp_context is not used), and its short convolutions read the previous piece's last inputs."""
+    cp_context is not used), and its short convolutions read the previous piece's last inputs (a mixer of
+    short convolutions alone, ``cp_halos``: those calls are its path, counted)."""
     from titan_ext.kernels import binding
     from titan_ext.kernels.state_passing import conv_across_ranks
 
@@ -161,6 +165,8 @@ def _bind_state_passing(mixer_module: nn.Module, mixer, layout, key: str) -> Non
     replacements = {scope[name]: _counted(_kernel_across_ranks(mixer, scope[name], recurrence, layout), layout,
                                           _path_of(mixer))
                     for name, recurrence in mixer.cp_kernels.items() if name in scope}
+    replacements.update({scope[name]: _counted(conv_across_ranks(scope[name], layout), layout, _path_of(mixer))
+                         for name in mixer.cp_halos if name in scope})
     if mixer.cp_contract == "transformers" and "causal_conv1d_fn" in scope:  # q, k and v in one convolution
         replacements[scope["causal_conv1d_fn"]] = _transformers_conv_across_ranks(layout)
     # each convolution needs the previous piece's last inputs: the ShortConvolution modules' kernel, and the

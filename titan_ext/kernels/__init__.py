@@ -50,7 +50,7 @@ KERNEL_MODULES = (
     "activations", "conv", "conv_op", "delta_rule", "delta_rule_op", "elementwise_ops", "gated_delta",
     "gated_delta_op", "gla", "gla_op", "kda", "kda_op", "layer_cache", "losses", "norm_ops", "norms",
     "recurrent_gla_op", "rotary", "rotary_op", "simple_gla", "tp_local", "transformers_gated_deltanet",
-    "transformers_kda",
+    "transformers_kda", "transformers_lightning", "transformers_short_conv",
 )
 """The modules of ``titan_ext.kernels`` with ``KERNELS``, ``SIGNATURES`` or ``SAVE_LIST`` (torch ops whose outputs
 op-level SAC keeps): a new one is one entry here."""

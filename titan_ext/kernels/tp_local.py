@@ -55,6 +55,32 @@ def local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
+def this_ranks_rows(weight, sizes: list[int]):
+    """A replicated weight's rows of this rank's heads (``sizes``: its segments along dim 0, each split evenly
+    across the TP ranks), its gradient summed over them; a plain weight (no TP) as it is."""
+    if not isinstance(weight, DTensor):
+        return weight
+    mesh = weight.device_mesh
+    whole = SumGradients.apply(weight.to_local(), mesh.get_group())
+    return torch.cat([part.chunk(mesh.size())[mesh.get_local_rank()] for part in whole.split(sizes)])
+
+
+class SumGradients(torch.autograd.Function):
+    """The identity, its gradient summed over ``group``: each rank's gradient covers its own rows of a
+    replicated weight, and the weight's gradient must be the whole (and equal on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def waiting_for_gradients(out):
     """``out`` (a tensor, or a tuple of tensors and None), each tensor that takes a gradient through
     ``compat.waited``: its gradient reaches the fla kernel's backward finished."""

@@ -18,8 +18,8 @@ holds here too:
 Widths are read from the tensors, so the layer runs on whatever share of its heads it holds: under TP
 (``mixers.TransformersGatedDeltaNet.tp_entries``) the weights holding all queries, then all keys, then all
 values (Qwen3.5's ``in_proj_qkv``, the ``conv1d``) are replicated, and each rank takes its heads' rows of
-each (``_rows``). Training only: a cache is refused (titan_ext's models run with ``use_cache=False``), as is
-a 2D padding mask.
+each (``tp_local.this_ranks_rows``). Training only: a cache is refused (titan_ext's models run with
+``use_cache=False``), as is a 2D padding mask.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule
 from torch.distributed.tensor import DTensor, Partial
 
 from titan_ext.kernels.gated_delta import _softplus
-from titan_ext.kernels.tp_local import local
+from titan_ext.kernels.tp_local import local, this_ranks_rows
 
 
 def qwen3_5_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -39,7 +39,7 @@ def qwen3_5_forward(self, hidden_states, cache=None, attention_mask=None, **kwar
     all values), the output gate, beta and the decay's input from their own."""
     _check_training(self, cache, attention_mask, kwargs)
     if isinstance(self.in_proj_qkv.weight, DTensor):  # TP: this rank's heads' rows of the replicated weight
-        rows = _rows(self.in_proj_qkv.weight, [self.key_dim, self.key_dim, self.value_dim])
+        rows = this_ranks_rows(self.in_proj_qkv.weight, [self.key_dim, self.key_dim, self.value_dim])
         mixed = F.linear(hidden_states.to_local(grad_placements=(Partial(),)), rows)
     else:
         mixed = self.in_proj_qkv(hidden_states)
@@ -76,8 +76,8 @@ def _mix(self, mixed, z, b, a, cu_seqlens, conv, rule):
     if cu_seqlens is not None:  # packed documents: the rows as one row, sequences at cu_seqlens (fla's layout)
         mixed, z, b, a = (x.reshape(1, -1, x.shape[-1]) for x in (mixed, z, b, a))
     sizes = [self.key_dim, self.key_dim, self.value_dim]
-    bias = None if self.conv1d.bias is None else _rows(self.conv1d.bias, sizes)
-    mixed, _ = conv(x=mixed, weight=_rows(self.conv1d.weight, sizes).squeeze(1), bias=bias,
+    bias = None if self.conv1d.bias is None else this_ranks_rows(self.conv1d.bias, sizes)
+    mixed, _ = conv(x=mixed, weight=this_ranks_rows(self.conv1d.weight, sizes).squeeze(1), bias=bias,
                      activation=self.activation, cu_seqlens=cu_seqlens)
     share = self.conv_dim // mixed.shape[-1]  # 1, or the tensor-parallel degree: this rank's share of the heads
     keys, values = self.key_dim // share, self.value_dim // share
@@ -89,32 +89,6 @@ def _mix(self, mixed, z, b, a, cu_seqlens, conv, rule):
     o, _ = rule(q=q, k=k, v=v, g=g, beta=b.sigmoid(), use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
     o = self.norm(o, z.unflatten(-1, (-1, self.head_v_dim)))  # per value head: its own rows, one shared weight
     return self.out_proj(o.reshape(*shape, -1))
-
-
-def _rows(weight, sizes: list[int]):
-    """A replicated weight's rows of this rank's heads (``sizes``: its segments along dim 0, each split evenly
-    across the TP ranks), its gradient summed over them; a plain weight (no TP) as it is."""
-    if not isinstance(weight, DTensor):
-        return weight
-    mesh = weight.device_mesh
-    whole = _SumGradients.apply(weight.to_local(), mesh.get_group())
-    return torch.cat([part.chunk(mesh.size())[mesh.get_local_rank()] for part in whole.split(sizes)])
-
-
-class _SumGradients(torch.autograd.Function):
-    """The identity, its gradient summed over ``group``: each rank's gradient covers its own rows of a
-    replicated weight, and the weight's gradient must be the whole (and equal on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 SIGNATURES = {

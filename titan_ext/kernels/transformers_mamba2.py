@@ -34,8 +34,8 @@ from fla.ops.simple_gla.chunk import chunk_simple_gla
 from torch.distributed.tensor import DTensor, Partial
 
 from titan_ext import compat
-from titan_ext.kernels.tp_local import local
-from titan_ext.kernels.transformers_gated_deltanet import _check_training, _SumGradients
+from titan_ext.kernels.tp_local import SumGradients, local
+from titan_ext.kernels.transformers_gated_deltanet import _check_training
 
 
 def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -119,13 +119,13 @@ def _local_input(hidden_states):
 
 def _linear_rows(module, rows: list[tuple[int, int]]):
     """(weight, bias) of ``module`` restricted to ``rows`` under TP (its weights replicated: gradients summed over
-    the TP ranks, ``_SumGradients``); the module's own without TP."""
+    the TP ranks, ``SumGradients``); the module's own without TP."""
     weight, bias = module.weight, module.bias
     if not isinstance(weight, DTensor):
         return weight, bias
     group = weight.device_mesh.get_group()
     index = torch.cat([torch.arange(start, start + length, device=weight.device) for start, length in rows])
-    return tuple(None if p is None else _SumGradients.apply(p.to_local(), group).index_select(0, index)
+    return tuple(None if p is None else SumGradients.apply(p.to_local(), group).index_select(0, index)
                  for p in (weight, bias))
 
 

@@ -37,9 +37,10 @@ class TitanCausalLM:
         self.arch = model_args.arch
         self.structure = structure_of(self)
         self.mixers = self.structure.mixers  # each layer's token mixer, by index, recognised from its modules
+        # a mixer's own forward imports the fla kernels it calls (LFM2's convolution: whether or not the model did)
+        forwards = {part.module_class.forward: forward for mixer in self.mixers for part in mixer.parts
+                    if (forward := part.training_forward()) is not None}
         if "fla" in sys.modules:  # only fla's kernels are replaced, and only a process that imported fla calls them
-            forwards = {part.module_class.forward: forward for mixer in self.mixers for part in mixer.parts
-                        if (forward := part.training_forward()) is not None}
             kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True, forwards=forwards)
         if self.structure.tied:
             self.register_state_dict_post_hook(_without_tied_head)
@@ -105,7 +106,8 @@ class TitanCausalLM:
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
             mask = packing.block_causal_mask(document_positions)
             inputs = {**first, "position_ids": document_positions, "attention_mask": mask}
-            if any(part.cp_kernels for mixer in self.mixers for part in mixer.parts):  # recurrent layers: one packed row
+            if any(part.cp_kernels or part.cp_halos for mixer in self.mixers for part in mixer.parts):  # recurrent or
+                # convolution layers: one packed row
                 inputs["cu_seq_lens_q"] = packing.cu_seqlens(document_positions)
         base = self.get_submodule(self.structure.layers.partition(".")[0])  # the model under the head (Llama 4's too)
         hidden = base(**inputs, use_cache=False, return_dict=True).last_hidden_state

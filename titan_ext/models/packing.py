@@ -62,10 +62,11 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
         if local is None:  # or within each document
             return {**first, "position_ids": positions}
         inputs = {**first, "position_ids": local, "attention_mask": _MASKED_BY_LAYOUT.to(local.device)}
-        if any(part.cp_kernels for part in parts):  # a hybrid's recurrent layers: piece rows as one packed row
+        if any(part.cp_kernels or part.cp_halos for part in parts):  # a hybrid's recurrent or convolution layers:
+            # the piece rows as one packed row
             inputs["cu_seq_lens_q"] = packed_cu_seqlens(layout)
         return inputs
-    if local is None or not any(part.cp_kernels for part in parts):  # fla's attention reads the layout
+    if local is None or not any(part.cp_kernels or part.cp_halos for part in parts):  # fla's attention reads the layout
         return first
     # recurrent mixers on packed documents: the piece rows as one row (fla's attention layers read the layout)
     flat = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}

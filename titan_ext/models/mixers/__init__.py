@@ -23,8 +23,10 @@ from titan_ext.models.mixers.base import Mixer, NoMixer, Parallel, Unknown, clas
 from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGatedDeltaNet, TransformersGatedDeltaNetGrouped
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
+from titan_ext.models.mixers.lightning import TransformersLightningAttention
 from titan_ext.models.mixers.mamba2 import TransformersMamba2
 from titan_ext.models.mixers.mla import TransformersMLA
+from titan_ext.models.mixers.short_conv import TransformersShortConv
 
 MIXERS: tuple[type[Mixer], ...] = (
     GLA,
@@ -37,6 +39,8 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
     TransformersMamba2,
+    TransformersShortConv,
+    TransformersLightningAttention,
 )
 """Every mixer titan_ext knows; where two recognise a module, the more specific class (a subclass) wins."""
 
@@ -45,7 +49,8 @@ FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 
 __all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
-           "TransformersMLA", "TransformersMamba2", "Unknown", "recognize"]
+           "TransformersLightningAttention", "TransformersMLA", "TransformersMamba2", "TransformersShortConv", "Unknown",
+           "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:

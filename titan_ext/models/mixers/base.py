@@ -61,6 +61,10 @@ class Mixer:
     cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
     """Context parallelism for a recurrence (``titan_ext.context_parallel``): the kernels it calls by global
     name, each with its kind of recurrence (``kernels.state_passing``)."""
+    cp_halos: ClassVar[tuple[str, ...]] = ()
+    """Context parallelism for short convolutions with no recurrence around them (LFM2's): the convolution
+    kernels it calls by global name (fla's ``causal_conv1d`` contract), each made to read the previous piece's
+    last inputs (``state_passing.conv_across_ranks``)."""
     cp_contract: ClassVar[str] = "fla"
     """The call contract of its ``cp_kernels``: ``fla`` (documents as ``cu_seqlens`` from the model's forward,
     short convolutions in fla's ``ShortConvolution``) or ``transformers`` (``[B, T]`` rows: under CP the
@@ -120,7 +124,7 @@ class Mixer:
 
     def context_parallel_blocker(self, config, layer: int) -> str | None:
         """Why this layer cannot split sequences across ranks (a one-line reason and fix), or None."""
-        if not (self.cp_kernels or self.cp_attention):
+        if not (self.cp_kernels or self.cp_halos or self.cp_attention):
             return f"titan_ext has no context-parallel path for {self.name} yet; set it to 1"
         return None
 

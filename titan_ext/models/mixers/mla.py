@@ -9,7 +9,7 @@ A head's query-key dim (``qk_nope_head_dim + qk_rope_head_dim``) differs from it
 from __future__ import annotations
 
 from model_plans.base import IfPresent
-from model_plans.styles import Composed, NormParallel, PlaceParameters, SharedKeyLatent
+from model_plans.styles import NormParallel, SharedKeyLatent
 
 from titan_ext.models.mixers.attention import TransformersAttention
 
@@ -30,24 +30,29 @@ class TransformersMLA(TransformersAttention):
     name = "transformers mla"
     cp_latents = "expand_kv"
 
+    def __init__(self, path: str = "", module=None):
+        super().__init__(path, module)
+        self.rope_width = getattr(module, "qk_rope_head_dim", 0)
+        """The rotary key's width in ``kv_a_proj_with_mqa``'s output, shared by every head."""
+
     def tp_entries(self, plan):
         """Heads split after the latent projections. The down-projections and their norms (``q_a_proj``/
         ``q_a_layernorm``, ``kv_a_proj_with_mqa``/``kv_a_layernorm``: hidden -> rank, small) are replicated;
         the up-projections (``q_b_proj`` or ``q_proj``, ``kv_b_proj``) colwise, o_proj rowwise. The rotary key
         every head shares leaves ``kv_a_proj_with_mqa`` as this rank's plain tensor, its gradient summed over
-        the ranks (``SharedKeyLatent``). The input is gathered in high precision for the replicated
-        projections."""
+        the ranks (``SharedKeyLatent``, what HF's plans call ``mla_kv_a_proj``). The input is gathered in high
+        precision for the replicated projections."""
         from fla.modules.parallel import PrepareModuleWeight
         from torch.distributed.tensor import Replicate
 
         at = self.path
         return {
-            at: Composed(plan.gather_high_precision(), SharedKeyLatent()),
+            at: plan.gather_high_precision(),
             f"{at}.q_proj": IfPresent(plan.colwise()),  # without q_lora_rank
             f"{at}.q_a_proj": IfPresent(PrepareModuleWeight(layouts=Replicate())),
             f"{at}.q_a_layernorm": IfPresent(NormParallel(Replicate())),
             f"{at}.q_b_proj": IfPresent(plan.colwise()),
-            f"{at}.kv_a_proj_with_mqa": PlaceParameters(Replicate()),  # its output: SharedKeyLatent
+            f"{at}.kv_a_proj_with_mqa": SharedKeyLatent(self.rope_width),
             f"{at}.kv_a_layernorm": NormParallel(Replicate()),
             f"{at}.kv_b_proj": plan.colwise(),
             f"{at}.o_proj": plan.out_proj(),

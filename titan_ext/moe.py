@@ -22,8 +22,11 @@ states, and the gradient comes back the same way (``apply_router_records``).
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import logging
+import textwrap
 import weakref
 
 import torch
@@ -48,17 +51,36 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 def router_of(block: nn.Module) -> nn.Module | None:
     """A MoE block's router, whatever the block calls it (Qwen's ``gate``, gpt-oss's ``router``): beside the
-    block's ``experts``, the module choosing ``top_k`` of them by a weight with one row per expert."""
+    block's ``experts``, which its forward hands the router's choice (``experts(hidden, indices, weights)``), the
+    module choosing ``top_k`` of them (its contract is probed at the job's start: ``host_checks``). Llama 4's
+    experts take the tokens already weighted: no such block."""
     experts = getattr(block, "experts", None)
-    if not isinstance(experts, nn.Module):
+    if not isinstance(experts, nn.Module) or not _experts_take_the_choice(type(block)):
         return None
-    count = getattr(experts, "num_experts", None)
-    for child in block.children():
-        weight = getattr(child, "weight", None)
-        if (child is not experts and hasattr(child, "top_k") and isinstance(weight, torch.Tensor) and weight.ndim == 2
-                and weight.shape[0] == (count or getattr(child, "num_experts", None))):
-            return child
-    return None
+    router = next((child for child in block.children() if child is not experts and hasattr(child, "top_k")), None)
+    return router if router is not None and _scores_each_expert(router, experts) else None
+
+
+def _scores_each_expert(router: nn.Module, experts: nn.Module) -> bool:
+    """Whether a linear of the router has one row per expert (LongCat's scores computeless experts too: its
+    logits are not the experts', which the balancing loss counts)."""
+    stacked = getattr(experts, "gate_up_proj", None)
+    count = getattr(router, "num_experts", None) or (stacked.shape[0] if stacked is not None else None)
+    weights = [p for p in router.parameters() if p.ndim == 2]
+    return count is None or not weights or any(w.shape[0] == count for w in weights)
+
+
+@functools.cache
+def _experts_take_the_choice(cls: type) -> bool:
+    """Whether ``cls.forward`` calls ``self.experts`` with three arguments or more (hidden states, the top-k
+    experts and their weights); True where its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "experts"
+               and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+               and len(node.args) + len(node.keywords) >= 3 for node in ast.walk(tree))
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -183,8 +205,9 @@ def _check_ep(blocks: list[nn.Module], p) -> None:
     option = f"--parallelism.expert_parallel_degree={ep}"
     _check_stacked(blocks, option)
     for block in blocks:
-        if block.experts.num_experts % ep:
-            raise ConfigError(f"{option} does not divide the model's {block.experts.num_experts} experts; pick a divisor")
+        count = block.experts.gate_up_proj.shape[0]
+        if count % ep:
+            raise ConfigError(f"{option} does not divide the model's {count} experts; pick a divisor")
 
 
 def _check_split_intermediate(blocks: list[nn.Module], p) -> None:

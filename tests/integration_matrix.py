@@ -86,7 +86,10 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
   (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
 - ``hf_mistral_window``: a sliding window on every layer, under CP masked over all-gathered keys and values
-  (``cp2``, ``cp2_docs``); ``hf_qwen2_moe``'s ``cp2``: attention with a MoE FFN, by no model type's name.
+  (``cp2``, ``cp2_docs``); ``hf_gpt_oss``: attention sinks (a sliding-window and a full layer) and a MoE FFN whose
+  router is ``router`` and whose experts hold biases, in ``single``, ``cp2`` and ``cp2_docs`` (all-gathered keys and
+  values, rescored per block: 3.1 s and 5.2 s) and ``tp2`` (its HF plan splits nothing in a block: kept whole; 2.9
+  s), the balancing loss in each; ``hf_qwen2_moe``'s ``cp2``: attention with a MoE FFN, by no model type's name.
 - ``hf_nemotron_h``: a family titan_ext never names, known by what its layers hold (transformers' Nemotron-H:
   a Mamba2 mixer on titan_ext's forward, its scan fla's simple GLA on the portable kernel; attention; an FFN-only
   layer) in ``single``, ``fsdp2``, ``tp2`` (the Mamba2 heads split, its one group and gated norm shared by both
@@ -325,6 +328,16 @@ TINY_MISTRAL_WINDOW = {"model_type": "mistral", "hidden_size": 64, "intermediate
                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 24,
                        "vocab_size": 2048, "max_position_embeddings": 512}
 
+# gpt-oss: attention sinks (one logit per head in each softmax's denominator) on a sliding-window layer and a full
+# one, and a MoE FFN whose router is ``router`` and whose experts add biases and a clamped SwiGLU: under CP and
+# with documents its attention runs over all-gathered keys and values, rescored per block (the ring applies no
+# sinks); under TP its HF plan splits nothing in a block (attention and experts kept whole); its balancing loss in
+# every row.
+TINY_GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 24,
+                "router_aux_loss_coef": 0.01, "vocab_size": 2048, "max_position_embeddings": 512}
+
 
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
@@ -354,6 +367,8 @@ SPECS = {
                          rows=("single", "ep2_tp2", "cp2")),
     "hf_mistral_window": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_MISTRAL_WINDOW,
                               rows=("single", "cp2", "cp2_docs")),
+    "hf_gpt_oss": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_GPT_OSS,
+                       rows=("single", "cp2", "cp2_docs", "tp2")),
     "hf_deepseek_v3": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_DEEPSEEK_V3,
                            rows=("single", "tp2", "hub_fsdp2")),
     "hf_kimi_linear": Spec("debug_kimi_linear.toml", rows=("single", "ep2_hf", "pp2", "hf", "tp2", "ep2_tp2_fsdp2", "ep2_cp2",

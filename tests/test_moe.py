@@ -24,6 +24,12 @@ TINY = json.loads((REPO / "train_configs" / "debug_qwen3_moe.json").read_text())
 TINY_OLMOE = {"model_type": "olmoe", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
               "vocab_size": 2048, "router_aux_loss_coef": 0.01, "max_position_embeddings": 512}
+TINY_GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "vocab_size": 2048, "router_aux_loss_coef": 0.01,
+                "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+                "max_position_embeddings": 512}
+"""gpt-oss: its MoE block holds ``router`` (with a bias) and experts with biases and a clamped SwiGLU."""
 
 
 def args(base=TINY, **overrides) -> HFModelArgs:
@@ -50,7 +56,7 @@ def titan_loss(model, tokens, labels):
     return loss_fn(model(tokens).logits, labels)
 
 
-@pytest.mark.parametrize("base", [TINY, TINY_OLMOE], ids=["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("base", [TINY, TINY_OLMOE, TINY_GPT_OSS], ids=["qwen3_moe", "olmoe", "gpt_oss"])
 def test_balance_loss_is_the_models_own_for_one_sequence(base):
     """One sequence: titan_ext's loss / tokens == transformers' CE + router_aux_loss_coef x its aux_loss."""
     model = real_model(base=base)
@@ -274,6 +280,25 @@ def test_tensor_parallel_leaves_the_experts_to_titan_ext_moe():
         plan = plan_cls(TPOptions(expert_parallel=expert_parallel)).block_plan(0)
         assert isinstance(plan["mlp"], MoEBlockParallel) and plan["mlp.experts"].by == by
         assert "mlp.gate" in plan
+
+
+def test_a_router_is_known_by_what_it_holds_whatever_its_name():
+    """gpt-oss's ``mlp.router`` (Qwen's is ``mlp.gate``): the module beside the experts with a row per expert."""
+    model = meta_model(args(TINY_GPT_OSS))
+    blocks = moe.moe_blocks(model)
+    assert [moe.router_of(b) for b in blocks] == [layer.mlp.router for layer in model.model.layers]
+    assert moe.moe_choice(model).num_experts == 8 and moe.moe_choice(model).aux_loss_coef == 0.01
+
+
+def test_experts_with_biases_stay_whole_under_tp_and_refuse_ep():
+    """gpt-oss's experts (biases, a clamped SwiGLU on interleaved gate/up rows) have no expert-parallel path: TP
+    keeps its MoE blocks whole (its HF plan splits nothing in them), EP is refused in one line naming them."""
+    model = meta_model(args(TINY_GPT_OSS))
+    moe.check_moe(model, parallelism(tensor_parallel_degree=2))
+    assert not moe.moe_choice(model, parallelism(tensor_parallel_degree=2)).split_intermediate
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree=2: GptOssExperts \(holding down_proj, "
+                                          r"down_proj_bias, .*\) has no expert-parallel path in titan_ext"):
+        moe.check_moe(model, parallelism(expert_parallel_degree=2))
 
 
 def test_tp_and_etp_choose_how_the_experts_split():

@@ -51,6 +51,7 @@ from titan_ext import documents
 from titan_ext.errors import ConfigError, HostChanged
 from titan_ext.job_plan import CPChoice
 from titan_ext.kernels import cp_attention
+from titan_ext.kernels.attention_block import score_options
 from titan_ext.tensor_parallel import sequence_parallel_enabled
 
 logger = logging.getLogger()
@@ -241,9 +242,10 @@ def gathered(attention_mixers) -> str:
 
 
 def attention_across_ranks(cp_mesh, layout, choice: CPChoice, gathers: str):
-    """``attend(query, key, value, scale=None, window=None, dropout=0.0)`` of this rank's pieces
-    (``[B, H, T_local, D]``) over the whole sequence: torch's ring attention, or where the attention is
-    masked (``choice.masked_attention``) all-gathered keys and values (``gathers``: what the log names)."""
+    """``attend(query, key, value, scale=None, window=None, dropout=0.0, sinks=None, softcap=None)`` of this
+    rank's pieces (``[B, H, T_local, D]``) over the whole sequence: torch's ring attention, or where the
+    attention is masked or rescored (``choice.masked_attention``) all-gathered keys and values (``gathers``: what
+    the log names)."""
     if choice.masked_attention:
         logger.info(f"Applied context parallelism ({layout.world} ranks): {gathers} ({choice.masked_attention}: "
                     "masked beyond causality)")
@@ -258,9 +260,9 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice, gathers: str):
     logger.info(f"Applied context parallelism ({layout.world} ranks): torch's ring attention "
                 f"(rotate method {choice.rotate_method})")
 
-    def attend(query, key, value, scale=None, window=None, dropout=0.0):
-        if window:  # a window makes the attention masked: planned as all-gathered (ring_attention_blocker)
-            raise ValueError("torch's ring attention runs causal attention only, not a sliding window")
+    def attend(query, key, value, scale=None, window=None, dropout=0.0, **scores):
+        if window or scores:  # masked or rescored attention: planned as all-gathered (ring_attention_blocker)
+            raise ValueError(f"torch's ring attention runs causal attention only, not {window=} or {sorted(scores)}")
         groups = query.shape[1] // key.shape[1]
         if groups > 1:  # the ring's kernels take as many key/value heads as query heads (torchtitan repeats too)
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -291,12 +293,10 @@ def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str,
     def across_ranks(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                      **kwargs):
         layout.mark("transformers attention")
-        unread = sorted(name for name, value in kwargs.items() if name in _UNREAD_ATTENTION_OPTIONS and value is not None)
-        if unread:  # refused before the build where the model says so (Mixer.context_parallel_blocker)
-            raise HostChanged("transformers", f"{type(module).__qualname__} passes its attention {unread}, which "
-                                              "titan_ext's context-parallel attention does not apply")
+        scores = {name: value for name, value in score_options(kwargs).items() if value is not None}
         window = {"window": sliding_window} if sliding_window else {}  # masked attention (ring_attention_blocker)
-        return attend(query, key, value, scale=scaling, dropout=dropout, **window).transpose(1, 2).contiguous(), None
+        return attend(query, key, value, scale=scaling, dropout=dropout, **window,
+                      **scores).transpose(1, 2).contiguous(), None
 
     cls = type(attention)
     registry = (cls.__module__, "ALL_ATTENTION_FUNCTIONS")  # the modeling file's attention registry
@@ -307,10 +307,6 @@ def _bind_transformers_attention(attention: nn.Module, layout, attend, key: str,
             "transformers", f"{cls.__qualname__}.forward no longer reads {registry[1]} from {registry[0]}, "
             "where context parallelism puts its attention"
         )
-
-
-_UNREAD_ATTENTION_OPTIONS = ("s_aux", "sinks", "softcap")
-"""Options a transformers attention may hand its attention function that CP's attention would drop."""
 
 
 def _bind_gathered_latents(attention: nn.Module, method: str, layout, key: str) -> None:
@@ -325,8 +321,8 @@ def _bind_gathered_latents(attention: nn.Module, method: str, layout, key: str) 
     def expand_gathered(self, latent, rotary_key):
         return expand(self, *cp_attention.gathered_latents(latent, rotary_key, layout))
 
-    def attend(query, key, value, scale=None, dropout=0.0, window=None):  # the keys and values are the whole sequence's
-        return cp_attention.per_document_sdpa(query, key, value, layout, scale, window, dropout=dropout)
+    def attend(query, key, value, scale=None, dropout=0.0, window=None, **scores):  # the whole sequence's keys, values
+        return cp_attention.per_document_sdpa(query, key, value, layout, scale, window, dropout, **scores)
 
     _bind_transformers_attention(attention, layout, attend, key, {expand: expand_gathered})
 

@@ -164,41 +164,43 @@ def check_transformers_experts(model_args, bias: bool = False, placed: bool = Fa
     experts placed by EP or split by TP) its experts module computes, per token, the sum over its top-k of
     weight x ``down(act(gate) * up)`` with ``gate`` the first half of ``gate_up_proj``'s rows (expert
     parallelism computes exactly that, rank by rank)."""
-    from titan_ext.moe import ROUTER_FIELDS, bias_router, moe_blocks
+    from titan_ext.moe import ROUTER_FIELDS, bias_router, moe_blocks, router_of, stacked_plainly
 
     model = tiny_copy(model_args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     blocks = moe_blocks(model) if model is not None else []
     if not blocks:
         return
     block = blocks[0]
+    router = router_of(block)
     x = torch.randn(5, model.config.hidden_size)
     with torch.no_grad():
         try:
-            logits, weights, index = block.gate(x)
+            logits, weights, index = router(x)
         except Exception as error:  # noqa: BLE001  (another contract: MiniMax-M2's takes its bias, Zaya's [B, T, D])
             raise ConfigError(
-                f"{model_args.model_type!r} models' MoE router {type(block.gate).__qualname__} is not called as "
-                f"gate(hidden_states) -> (logits, weights, experts), which titan_ext's MoE support reads "
+                f"{model_args.model_type!r} models' MoE router {type(router).__qualname__} is not called as "
+                f"router(hidden_states) -> (logits, weights, experts), which titan_ext's MoE support reads "
                 f"({type(error).__name__}: {error}); train a MoE model whose router is"
             ) from None
-        experts = getattr(block.experts, "gate_up_proj", None)
-        if experts is not None and logits.shape[-1] != experts.shape[0]:  # Zaya's router scores a null expert too
+        stacked = getattr(block.experts, "gate_up_proj", None)
+        count = stacked.shape[0] if stacked is not None else getattr(router, "num_experts", None)
+        if count is not None and logits.shape[-1] != count:  # Zaya's and LongCat's score computeless experts too
             raise ConfigError(
-                f"{model_args.model_type!r} models' MoE router {type(block.gate).__qualname__} scores "
-                f"{logits.shape[-1]} choices for {experts.shape[0]} experts, which titan_ext's balancing loss cannot "
+                f"{model_args.model_type!r} models' MoE router {type(router).__qualname__} scores "
+                f"{logits.shape[-1]} choices for {count} experts, which titan_ext's balancing loss cannot "
                 "count; train a MoE model whose router scores its experts"
             )
-        if not torch.equal(logits.float().softmax(-1).topk(block.gate.top_k, -1).indices.sort(-1).values,
+        if not torch.equal(logits.float().softmax(-1).topk(router.top_k, -1).indices.sort(-1).values,
                            index.sort(-1).values):
-            raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer returns its logits first or no "
+            raise HostChanged("transformers", f"{type(router).__qualname__} no longer returns its logits first or no "
                                               "longer picks the top-k of their softmax, which the balancing loss reads")
-        if bias and all(hasattr(block.gate, name) for name in ROUTER_FIELDS):  # what moe_balance = "bias" recomputes
-            _, biased_weights, biased_index = bias_router(copy.deepcopy(block.gate))(x)
+        if bias and all(hasattr(router, name) for name in ROUTER_FIELDS):  # what moe_balance = "bias" recomputes
+            _, biased_weights, biased_index = bias_router(copy.deepcopy(router))(x)
             if not (torch.equal(biased_index, index) and torch.allclose(biased_weights, weights)):
-                raise HostChanged("transformers", f"{type(block.gate).__qualname__} no longer weighs its top-k experts by "
+                raise HostChanged("transformers", f"{type(router).__qualname__} no longer weighs its top-k experts by "
                                                   "their softmax probabilities (renormalized if norm_topk_prob), which "
                                                   "titan_ext's biased router (moe_balance = 'bias') computes")
-        if not placed:
+        if not placed or not stacked_plainly(block.experts):  # other experts: refused by name (moe.check_moe)
             return
         experts = block.experts
         try:

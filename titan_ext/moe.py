@@ -2,8 +2,8 @@
 parallelism, the experts' tensor parallelism, and the parallelisms titan_ext cannot combine with them yet,
 refused in one line.
 
-transformers' MoE blocks hold a router (``gate``: ``router_logits, scores, indices = gate(x)``) and one
-``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch
+transformers' MoE blocks hold a router (``router_logits, scores, indices = router(x)``; found by what it holds,
+``router_of``: Qwen's ``gate``, gpt-oss's ``router``) and one ``experts`` module of stacked weights. Their causal LMs add ``router_aux_loss_coef`` x the Switch
 Transformer balancing loss only when asked for router logits and given labels, which torchtitan never
 does (it computes the loss from the logits). Here a forward hook on each router keeps its logits, and the
 loss adds the balancing term (``with_balance_loss``).
@@ -22,8 +22,11 @@ states, and the gradient comes back the same way (``apply_router_records``).
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import logging
+import textwrap
 import weakref
 
 import torch
@@ -42,8 +45,56 @@ IGNORE_INDEX = -100
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """transformers' sparse MoE blocks: a router ``gate`` with ``top_k`` beside an ``experts`` module."""
-    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(getattr(m, "gate", None), "top_k")]
+    """transformers' sparse MoE blocks: a router (``router_of``) beside an ``experts`` module."""
+    return [m for m in model.modules() if router_of(m) is not None]
+
+
+def router_of(block: nn.Module) -> nn.Module | None:
+    """A MoE block's router, whatever the block calls it (Qwen's ``gate``, gpt-oss's ``router``): beside the
+    block's ``experts``, which its forward hands the router's choice (``experts(hidden, indices, weights)``), the
+    module choosing ``top_k`` of them (its contract is probed at the job's start: ``host_checks``). Llama 4's
+    experts take the tokens already weighted: no such block."""
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module) or not _experts_take_the_choice(type(block)):
+        return None
+    router = next((child for child in block.children() if child is not experts and hasattr(child, "top_k")), None)
+    return router if router is not None and _scores_each_expert(router, experts) else None
+
+
+def _scores_each_expert(router: nn.Module, experts: nn.Module) -> bool:
+    """Whether a linear of the router has one row per expert (LongCat's scores computeless experts too: its
+    logits are not the experts', which the balancing loss counts)."""
+    stacked = getattr(experts, "gate_up_proj", None)
+    count = getattr(router, "num_experts", None) or (stacked.shape[0] if stacked is not None else None)
+    weights = [p for p in router.parameters() if p.ndim == 2]
+    return count is None or not weights or any(w.shape[0] == count for w in weights)
+
+
+@functools.cache
+def _experts_take_the_choice(cls: type) -> bool:
+    """Whether ``cls.forward`` calls ``self.experts`` with three arguments or more (hidden states, the top-k
+    experts and their weights); True where its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "experts"
+               and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+               and len(node.args) + len(node.keywords) >= 3 for node in ast.walk(tree))
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    return [router_of(block) for block in moe_blocks(model)]
+
+
+STACKED = ["down_proj", "gate_up_proj"]
+"""The experts' parameters expert parallelism and expert TP split and compute: ``down(act(gate) * up)``."""
+
+
+def stacked_plainly(experts: nn.Module) -> bool:
+    """Experts of stacked ``gate_up_proj`` and ``down_proj`` alone (not gpt-oss's, which add biases, a clamped
+    SwiGLU and interleaved gate/up rows)."""
+    return sorted(name for name, _ in experts.named_parameters()) == STACKED
 
 
 BALANCES = ("aux_loss", "bias")
@@ -66,12 +117,13 @@ def moe_choice(model: nn.Module, job_config=None) -> MoEChoice | None:
     blocks = moe_blocks(model)
     if not blocks:
         return None
-    gate = blocks[0].gate
+    gate = router_of(blocks[0])
     balance = balance_option(job_config)
     coef = float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0) if balance == "aux_loss" else 0.0
     p = job_config.parallelism if job_config is not None else None
     return MoEChoice(aux_loss_coef=coef, num_experts=gate.num_experts, top_k=gate.top_k,
-                     ep=p.expert_parallel_degree if p else 1, split_intermediate=bool(p) and splits_intermediate(p),
+                     ep=p.expert_parallel_degree if p else 1,
+                     split_intermediate=bool(p) and splits_intermediate(p, blocks),
                      balance=balance, record_routers=balance == "aux_loss",
                      moe_layers=tuple(moe_layer_indices(model)))
 
@@ -85,7 +137,7 @@ def check_moe(model: nn.Module, job_config) -> None:
         raise ConfigError(f"--titan_ext.moe_balance={balance!r} is not one of {', '.join(BALANCES)}; pick one")
     if balance == "bias" and not blocks:
         raise ConfigError("--titan_ext.moe_balance='bias': this model has no experts (a dense model); remove it")
-    router = blocks[0].gate if blocks else None
+    router = router_of(blocks[0]) if blocks else None
     if balance == "bias" and not all(hasattr(router, name) for name in ROUTER_FIELDS):
         raise ConfigError(
             f"--titan_ext.moe_balance='bias': titan_ext biases transformers' softmax top-k routers (holding "
@@ -108,7 +160,7 @@ def check_moe(model: nn.Module, job_config) -> None:
         return
     if p.expert_parallel_degree > 1:
         _check_ep(blocks, p)
-    if splits_intermediate(p):
+    if splits_intermediate(p, blocks):
         _check_split_intermediate(blocks, p)
     if p.tensor_parallel_degree > 1 and torch.__version__ < "2.13" and _softmax_top_k(router):
         raise ConfigError(
@@ -126,21 +178,25 @@ def _softmax_top_k(router: nn.Module) -> bool:
     return all(hasattr(router, name) for name in ROUTER_FIELDS) and not hasattr(router, "e_score_correction_bias")
 
 
-def splits_intermediate(p) -> bool:
+def splits_intermediate(p, blocks: list[nn.Module]) -> bool:
     """Whether each expert's intermediate dim is split over the TP ranks: torchtitan's TP of the experts, under
-    TP without EP and under EP with ``expert_tensor_parallel_degree`` equal to the TP degree (ETP=TP)."""
+    TP without EP and under EP with ``expert_tensor_parallel_degree`` equal to the TP degree (ETP=TP). Experts
+    other than plainly stacked ones are split by no path: under TP without EP their block stays whole on every
+    rank (as their model's HF plan, naming no split of them, leaves it; gpt-oss's), under EP refused."""
     tp = p.tensor_parallel_degree
+    if p.expert_parallel_degree == 1 and not all(stacked_plainly(block.experts) for block in blocks):
+        return False
     return tp > 1 and (p.expert_parallel_degree == 1 or p.expert_tensor_parallel_degree == tp)
 
 
 def _check_stacked(blocks: list[nn.Module], option: str) -> None:
     for block in blocks:
         experts = block.experts
-        names = sorted(name for name, _ in experts.named_parameters())
-        if names != ["down_proj", "gate_up_proj"]:
+        if not stacked_plainly(experts):
+            names = sorted(name for name, _ in experts.named_parameters())
             raise ConfigError(
-                f"{option}: titan_ext splits experts of stacked gate_up_proj/down_proj weights; "
-                f"{type(experts).__name__} holds {names}; set it to 1"
+                f"{option}: {type(experts).__name__} (holding {', '.join(names)}) has no expert-parallel path in "
+                f"titan_ext, which splits experts of stacked {' and '.join(STACKED)} alone; set it to 1"
             )
 
 
@@ -149,8 +205,9 @@ def _check_ep(blocks: list[nn.Module], p) -> None:
     option = f"--parallelism.expert_parallel_degree={ep}"
     _check_stacked(blocks, option)
     for block in blocks:
-        if block.experts.num_experts % ep:
-            raise ConfigError(f"{option} does not divide the model's {block.experts.num_experts} experts; pick a divisor")
+        count = block.experts.gate_up_proj.shape[0]
+        if count % ep:
+            raise ConfigError(f"{option} does not divide the model's {count} experts; pick a divisor")
 
 
 def _check_split_intermediate(blocks: list[nn.Module], p) -> None:
@@ -307,8 +364,8 @@ def apply_expert_bias(model: nn.Module) -> None:
     ``expert_bias`` (a buffer saved in checkpoints) added to the router's probabilities to choose the top-k
     experts only (the chosen experts' weights are the unbiased probabilities), and the tokens each expert got
     since the last optimizer step (``tokens_per_expert``), which ``update_expert_bias`` turns into the bias."""
-    for block in moe_blocks(model):
-        bias_router(block.gate)
+    for router in routers(model):
+        bias_router(router)
 
 
 def bias_router(gate: nn.Module) -> nn.Module:
@@ -358,16 +415,16 @@ def update_expert_bias(model_parts: list[nn.Module], group: dist.ProcessGroup | 
     its over-used ones (centered), from the tokens each expert got over the global batch (summed over
     ``group``, the batch's ranks): the same bias on every rank. Under PP ``model_parts`` are this rank's
     stages: each router's counts are its own stage's, over all the step's microbatches."""
-    routers = [block.gate for part in model_parts for block in moe_blocks(part)]
-    if not routers:
+    biased = [router for part in model_parts for router in routers(part)]
+    if not biased:
         return
-    counts = torch.stack([router.tokens_per_expert for router in routers])  # [MoE layers here, experts]
+    counts = torch.stack([router.tokens_per_expert for router in biased])  # [MoE layers here, experts]
     slots = [RECORDS.choice.moe_layers.index(i) for part in model_parts for i in moe_layer_indices(part)]
     RECORDS.add_step(counts.new_zeros(()), counts.new_zeros(()), counts, slots)  # summed over the ranks when logged
     if group is not None and dist.is_initialized():
         dist.all_reduce(counts, group=group)
     with torch.no_grad():
-        for router, count in zip(routers, counts):
+        for router, count in zip(biased, counts):
             delta = BIAS_RATE * torch.sign(count.mean() - count)
             router.expert_bias += delta - delta.mean()
             router.tokens_per_expert.zero_()
@@ -376,11 +433,11 @@ def update_expert_bias(model_parts: list[nn.Module], group: dist.ProcessGroup | 
 def tokens_counted(model_parts: list[nn.Module], counts: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The biased routers' token counts since the last update (none without the routing bias); given ``counts``
     (an earlier return), they are set back to those (the pipeline's warm-up step on gloo counts for no step)."""
-    routers = [block.gate for part in model_parts for block in moe_blocks(part) if hasattr(block.gate, "expert_bias")]
+    biased = [router for part in model_parts for router in routers(part) if hasattr(router, "expert_bias")]
     with torch.no_grad():
-        for router, count in zip(routers, counts or ()):
+        for router, count in zip(biased, counts or ()):
             router.tokens_per_expert.copy_(count)
-    return [router.tokens_per_expert.clone() for router in routers]
+    return [router.tokens_per_expert.clone() for router in biased]
 
 
 def with_expert_bias_update(build_optimizers):
@@ -486,7 +543,7 @@ def apply_router_records(model: nn.Module, choice: MoEChoice | None,
     logits: list[torch.Tensor] = []
     carried: list[torch.Tensor] = []
     slots = [choice.moe_layers.index(i) for i in moe_layer_indices(model)]
-    hooks = [block.gate.register_forward_hook(functools.partial(_record, logits)) for block in moe_blocks(model)]
+    hooks = [router.register_forward_hook(functools.partial(_record, logits)) for router in routers(model)]
     if getattr(model, "takes_hidden_states", False):  # a pipeline stage after the first
         hooks.append(model.register_forward_pre_hook(functools.partial(_receive_statistics, choice, carried)))
     hooks.append(model.register_forward_hook(functools.partial(_stage_end, choice, logits, carried, slots)))

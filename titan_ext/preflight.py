@@ -188,7 +188,7 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     uses = {host_checks.FEATURES[0]: job_config.parallelism.context_parallel_degree > 1 or documents.enabled(job_config),
             host_checks.FEATURES[1]: moe.balance_option(job_config) == "bias",
             host_checks.FEATURES[2]: job_config.parallelism.expert_parallel_degree > 1
-            or job_config.parallelism.tensor_parallel_degree > 1}
+            or moe.splits_intermediate(job_config.parallelism, moe.moe_blocks(model))}
     host_checks.check_host(model_args, frozenset(feature for feature, used in uses.items() if used))
     if kernel_path == "portable":
         _check_portable(model_args, model)

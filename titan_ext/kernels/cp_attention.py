@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_ext import compat
+from titan_ext.kernels.attention_block import QUERY_BLOCK, attention_block
 from titan_ext.kernels.state_passing import in_sequence_order
 
 
@@ -44,7 +45,8 @@ class OneAttention:
         return self.fn
 
 
-def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0):
+def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = None, dropout=0.0, sinks=None,
+                  softcap=None):
     """Masked causal attention of this rank's queries over every rank's keys and values (``[B, H, T, D]``).
 
     K and V are all-gathered differentiably and put in sequence order; each block of local queries attends to
@@ -53,7 +55,7 @@ def gathered_sdpa(query, key, value, layout, scale=None, window: int | None = No
     held for the duration of one layer's attention; no mask grows with the square of the sequence.
     """
     keys, values = (gathered_sequence(x, layout) for x in (key, value))
-    return per_document_sdpa(query, keys, values, layout, scale, window, dropout)
+    return per_document_sdpa(query, keys, values, layout, scale, window, dropout, sinks, softcap)
 
 
 def gathered_sequence(x, layout, dim: int = 2):
@@ -85,19 +87,16 @@ def gathered_latents(latent, rotary_key, layout):
     return nope, rotary
 
 
-QUERY_BLOCK = 1024
-"""Queries per SDPA call of ``per_document_sdpa``: its masks are ``QUERY_BLOCK x`` (a document's keys) at most."""
-
-
 @torch.compiler.disable  # a host-side loop over pieces and documents: one graph break, no recompile per count
-def per_document_sdpa(query, keys, values, layout, scale=None, window: int | None = None, dropout=0.0):
-    """``gathered_sdpa``'s attention, one SDPA call per (row, piece, document, block of queries): each block
-    of a document's local queries attends to that document's keys up to the block's last query (causal,
-    within ``window``), so no mask grows with the square of the row (a block's is ``QUERY_BLOCK`` x its keys,
-    and with a window at most ``QUERY_BLOCK`` x ``QUERY_BLOCK + window``). Without documents
-    (``layout.document_positions`` None: a sliding window alone) each row is one document."""
+def per_document_sdpa(query, keys, values, layout, scale=None, window: int | None = None, dropout=0.0, sinks=None,
+                      softcap=None):
+    """``gathered_sdpa``'s attention, one call per (row, piece, document, block of queries): each block of a
+    document's local queries attends to that document's keys up to the block's last query (causal, within
+    ``window``; with ``sinks`` and ``softcap`` where the model has them: ``attention_block``), so no mask grows
+    with the square of the row (a block's is ``QUERY_BLOCK`` x its keys, and with a window at most
+    ``QUERY_BLOCK`` x ``QUERY_BLOCK + window``). Without documents (``layout.document_positions`` None: a
+    sliding window alone) each row is one document."""
     out = query.new_empty(*query.shape[:3], values.shape[-1])
-    gqa = query.shape[1] != keys.shape[1]
     documents = layout.document_positions
     if documents is None:
         documents = torch.arange(keys.shape[2]).expand(query.shape[0], -1)
@@ -105,16 +104,8 @@ def per_document_sdpa(query, keys, values, layout, scale=None, window: int | Non
         for local, first, last in _query_blocks(positions, documents, window):
             q = query[row: row + 1, :, local: local + last - first[1]]
             k, v = (x[row: row + 1, :, first[0]: last] for x in (keys, values))
-            causal_offset = first[1] - first[0]  # keys before the block's first query
-            mask = None
-            if causal_offset or (window is not None and last - first[0] > window):
-                rows = torch.arange(q.shape[2], device=q.device)[:, None] + causal_offset
-                distance = rows - torch.arange(k.shape[2], device=q.device)[None, :]
-                mask = distance >= 0
-                if window is not None:
-                    mask = mask & (distance < window)
-            out[row: row + 1, :, local: local + q.shape[2]] = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+            out[row: row + 1, :, local: local + q.shape[2]] = attention_block(
+                q, k, v, first[1] - first[0], window, scale, dropout, sinks, softcap)  # keys before the first query
     return out
 
 

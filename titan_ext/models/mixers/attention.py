@@ -58,9 +58,10 @@ class FlaAttention(Mixer):
 class TransformersAttention(Mixer):
     """A transformers attention module: one whose forward calls the attention its modeling file looks up in
     ``ALL_ATTENTION_FUNCTIONS`` (where context parallelism and document masking put theirs; that it does, and
-    rotates at the positions given, is probed at every job's start: ``host_checks``). A sliding window is
-    honoured (masked attention over all-gathered keys and values under CP); attention sinks and logit
-    softcapping have no CP or per-document path here."""
+    rotates at the positions given, is probed at every job's start: ``host_checks``). A sliding window,
+    attention sinks (gpt-oss) and logit softcapping (Gemma 2) are honoured under CP by attention over
+    all-gathered keys and values (torch's ring applies none of them), and with documents by the per-document
+    attention (``kernels.attention_block``)."""
 
     name = "transformers attention"
     cp_attention = "transformers"
@@ -69,7 +70,7 @@ class TransformersAttention(Mixer):
         super().__init__(path, module)
         config = getattr(module, "config", None)  # a window per layer on the module, else the model's (Mistral)
         self.window = getattr(module, "sliding_window", getattr(config, "sliding_window", None))
-        self.unsupported = [what for what, present in (
+        self.rescored = [what for what, present in (
             ("attention sinks", module is not None and getattr(module, "sinks", None) is not None),
             ("logit softcapping", getattr(config, "attn_logit_softcapping", None) is not None),
         ) if present]
@@ -94,18 +95,9 @@ class TransformersAttention(Mixer):
         dropout = getattr(config, "attention_dropout", 0.0)
         if dropout:
             return f"attention_dropout={dropout}"
+        if self.rescored:
+            return ", ".join(self.rescored)
         return f"sliding_window={self.window}" if self.window else None
-
-    def _refusal(self, what: str, fix: str) -> str | None:
-        if not self.unsupported:
-            return None
-        return (f"{self.module_name}'s {', '.join(self.unsupported)} has no {what} in titan_ext; {fix}")
-
-    def context_parallel_blocker(self, config, layer):
-        return self._refusal("context-parallel path", "set the degree to 1")
-
-    def document_mask_blocker(self, config, layer):
-        return self._refusal("per-document path", "turn document_mask off")
 
     def flops_per_token(self, config, layer, seq_len):
         heads = getattr(config, "num_attention_heads", None)

@@ -44,7 +44,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   loaded with ``initial_load_in_hf`` under FSDP2, TP2 or EP2 x FSDP2, trained one step at learning rate 0 and
   exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
   (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
-  three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied), DeepSeek-V3 (MLA) and Qwen3.5 in FSDP2.
+  three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied) in FSDP2 and TP2, DeepSeek-V3 (MLA) and
+  Qwen3.5 in FSDP2.
 - ``walkthrough``: docs/checkpoints-and-hf.md's continued pretraining, its 8-GPU torchrun command read from the
   page (``tests/walkthrough.py``) and run on 2 ranks from a ``write_hub_folder`` folder of the same model type:
   Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
@@ -544,7 +545,7 @@ ROWS = {
     # FSDP2, TP2 and EP2 x FSDP2: step 1's loss equals transformers' own forward's on the same batch, and the job's
     # export (one step at learning rate 0) holds the folder's tensors under its names (``evaluate_hub``)
     "hub_fsdp2": Row(2, parallel(shard=2), kind="hub", rtol=TP_RTOL, specs=("hf_llama",)),
-    "hub_tp2": Row(2, parallel(tp=2), kind="hub", rtol=TP_RTOL, specs=()),
+    "hub_tp2": Row(2, parallel(tp=2), kind="hub", rtol=TP_RTOL, specs=("hf_llama",)),
     "hub_ep2": Row(2, (*parallel(shard=2), *EP2), kind="hub", rtol=TP_RTOL, specs=()),
     # docs/checkpoints-and-hf.md's continued pretraining from a hub checkpoint, its 8-GPU command read from the page
     # and run on 2 ranks (``tests/walkthrough.py``: FSDP 2, or EP 2 x FSDP 2), from the spec's hub folder

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -197,11 +198,17 @@ def experts_placed(options: TPOptions) -> PlacedElsewhere:
 
 
 def with_layer_mixers(plan_cls: type[TPPlan], layer_mixers: dict[int, Callable[[TPPlan], Plan]]) -> type[TPPlan]:
-    """``plan_cls`` for a hybrid model: the layers ``layer_mixers`` names take that mixer's entries."""
+    """``plan_cls`` whose layers named in ``layer_mixers`` take those entries (a hybrid's, or every layer's mixer
+    its own); the same arguments give the same class."""
     if not layer_mixers:
         return plan_cls
+    return _with_layer_mixers(plan_cls, tuple(sorted(layer_mixers.items())))
+
+
+@functools.cache
+def _with_layer_mixers(plan_cls: type[TPPlan], layer_mixers: tuple) -> type[TPPlan]:
     return type(plan_cls.__name__, (plan_cls,), {"__module__": plan_cls.__module__, "__qualname__": plan_cls.__qualname__,
-                                                   "layer_mixers": tuple(sorted(layer_mixers.items()))})
+                                                   "layer_mixers": layer_mixers})
 
 
 def short_conv_plan(at: str = "attn") -> Plan:

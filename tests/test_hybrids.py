@@ -140,7 +140,7 @@ def test_a_layer_without_a_path_is_refused_naming_it(monkeypatch):
 
 def layer_entries(plan_cls) -> dict[int, list[str]]:
     """The layers whose token mixers bring their own TP entries, and those mixers."""
-    return {index: [part.name for part in entries.args[0]] for index, entries in plan_cls.layer_mixers}
+    return {index: [part.name for part in entries.parts] for index, entries in plan_cls.layer_mixers}
 
 
 def test_pipeline_stages_balance_each_layers_cost():

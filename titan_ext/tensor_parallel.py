@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch.nn as nn
 
@@ -57,12 +58,10 @@ def plan_class(model: nn.Module, degree: int) -> type:
                 raise ConfigError(f"--parallelism.tensor_parallel_degree={degree}: layer {index}'s token mixer "
                                   f"{part.path!r} ({part.name}): {reason}")
         if parts:
-            others[index] = functools.partial(_entries_of, tuple(parts))
+            others[index] = MixerEntries(tuple(parts))
             paths[index] = tuple(part.path for part in parts)
     if by_structure:
-        plan_cls = type("FlaTPPlan", (TPPlan,), {"__module__": __name__, "embeddings": structure.embeddings,
-                                                  "layers": structure.layers, "final_norm": structure.final_norm,
-                                                  "lm_head": structure.head})
+        plan_cls = _fla_plan_class(structure.embeddings, structure.layers, structure.final_norm, structure.head)
     else:
         layers = None
         if arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
@@ -82,9 +81,24 @@ def _arch_and_structure(model: nn.Module) -> tuple:
     return architecture_of(type(model.config)), structure_of(model)
 
 
-def _entries_of(parts: tuple, plan) -> dict:
-    """The TP entries of a layer's token mixers, for a plan (``TPPlan.layer_mixers``)."""
-    return {path: style for part in parts for path, style in part.tp_entries(plan).items()}
+@dataclass(frozen=True)
+class MixerEntries:
+    """The TP entries of a layer's token mixers, for a plan (``TPPlan.layer_mixers``): equal for equal mixers, so
+    the plan class found twice for one model is one class (the job plan compares equal)."""
+
+    parts: tuple
+
+    def __call__(self, plan) -> dict:
+        return {path: style for part in self.parts for path, style in part.tp_entries(plan).items()}
+
+
+@functools.cache
+def _fla_plan_class(embeddings: str | None, layers: str, final_norm: str | None, head: str | None) -> type:
+    """fla's block names, where the model keeps its parts (an fla model type without a registered plan)."""
+    from model_plans import TPPlan
+
+    return type("FlaTPPlan", (TPPlan,), {"__module__": __name__, "embeddings": embeddings, "layers": layers,
+                                          "final_norm": final_norm, "lm_head": head})
 
 
 def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
@@ -136,7 +150,7 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = F
         f"{model.config.model_type!r}) tensor parallelism (degree {choice.degree}): "
         f"sequence_parallel={options.sequence_parallel}, loss_parallel={options.loss_parallel}, "
         f"float8={options.float8}, async={choice.async_tp}, head_in_loss={head_in_loss}"
-        + "".join(f"; layer {index}: {', '.join(f'{part.path} ({part.name})' for part in entries.args[0])} by its own "
+        + "".join(f"; layer {index}: {', '.join(f'{part.path} ({part.name})' for part in entries.parts)} by its own "
                   "entries" for index, entries in plan.layer_mixers)
         + "".join(f"; {path} kept whole on every rank" for path, entry in getattr(plan, "entries", ())
                   if getattr(entry, "role", "") == "replicated")

@@ -713,9 +713,12 @@ def apply_once(patches: tuple[Patch, ...]) -> None:
 
 
 def apply_signal_handlers(handler: Callable) -> None:
-    """``handler`` for each of ``SIGNALS``; ``undo()`` restores the handlers before."""
+    """``handler`` for each of ``SIGNALS``, once per process; ``undo()`` restores the handlers before."""
     import signal
 
+    if id(SIGNALS) in _applied:
+        return
+    _applied.add(id(SIGNALS))
     for name in SIGNALS:
         number = getattr(signal, name)
         before = signal.signal(number, handler)

@@ -12,23 +12,32 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import weakref
 
 from titan_ext import host_patches
 from titan_ext.errors import rank
 from titan_ext.inputs import checkpoints
 
 
+_job: tuple = (lambda: None, None)
+"""(a weak reference to the running job's trainer, its job config): the handler reads the job it stops, and a
+finished job's trainer (its process groups) is not kept alive by it in a process that runs several."""
+
+
 def install(trainer, job_config) -> None:
-    """Handle SIGINT and SIGTERM in this rank of the job ``trainer`` runs."""
+    """Handle SIGINT and SIGTERM in this rank of the job ``trainer`` runs (the handlers once per process)."""
+    global _job
+    _job = (weakref.ref(trainer), job_config)
+    host_patches.apply_signal_handlers(_stop)
 
-    def stop(number: int, frame) -> None:
-        if rank() == 0:
-            logging.getLogger().warning(f"titan_ext: {interrupted_line(number, trainer, job_config)}")
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-        os._exit(128 + number)
 
-    host_patches.apply_signal_handlers(stop)
+def _stop(number: int, frame) -> None:
+    trainer, job_config = _job[0](), _job[1]
+    if rank() == 0 and job_config is not None:
+        logging.getLogger().warning(f"titan_ext: {interrupted_line(number, trainer, job_config)}")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+    os._exit(128 + number)
 
 
 def interrupted_line(number: int, trainer, job_config) -> str:

@@ -10,7 +10,7 @@ x_t)^T`` and ``y_t = C_t^T h_t + D x_t``, which is fla's simple GLA with ``q = C
 
 * packed documents: with ``cu_seq_lens_q`` (the documents' bounds over the batch's ``B * T`` tokens) the rows
   run as one packed row, and the scan and the convolution restart at every bound;
-* each kernel path (``host_patches.MODEL_KERNELS``) rebinds both names: titan_ext's portable kernels off CUDA,
+* each kernel path (``kernels.replacements``) rebinds both names: titan_ext's portable kernels off CUDA,
   fla's on CUDA;
 * context parallelism wraps the same two names (``context_parallel``: state passing, ``DiagonalDecay``; the
   convolution's halo).

@@ -161,3 +161,21 @@ def first_error(argv: list[str], world: int) -> str:
     except ConfigError as error:
         return str(error)
     return ""
+
+
+def assert_documents_restart(model, length: int, starts: list[int], mixed_from: int) -> None:
+    """With document masking applied as a job applies it (``cu_seq_lens_q``), each packed document's logits
+    equal the document's alone; without the boundaries the documents from ``mixed_from`` on mix (so the check
+    can fail)."""
+    from titan_ext.documents import apply_document_attention
+
+    apply_document_attention(model)
+    tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
+    spans = list(zip(starts, starts[1:] + [length]))
+    positions = torch.arange(length).expand(2, length).clone()
+    for first, last in spans:
+        positions[:, first:last] -= first
+    packed = model(tokens, document_positions=positions)
+    alone = torch.cat([model(tokens[:, first:last]) for first, last in spans], dim=1)
+    assert torch.allclose(packed, alone, atol=1e-5)
+    assert not torch.allclose(model(tokens)[:, mixed_from:], alone[:, mixed_from:], atol=1e-3)

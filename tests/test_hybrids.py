@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import assert_documents_restart
 
 from titan_ext import errors
 from titan_ext.errors import ConfigError
@@ -283,21 +284,11 @@ def test_a_portable_transformers_hybrid_keeps_transformers_forward_and_generates
 def test_documents_restart_transformers_gated_deltanet_state_and_convolution():
     """With document masking (as a job applies it: per-document attention, ``cu_seq_lens_q``) each packed
     document's logits equal the document's alone: the delta rule's state and its short convolution restart."""
-    from titan_ext.documents import apply_document_attention
-
     torch.manual_seed(0)
     model = build_model(transformers_model("qwen3_5_text", **QWEN3_5))
     model.init_weights()
-    apply_document_attention(model)
-    tokens = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(1))
-    starts = [0, 30, 31, 65]  # a 1-token document, and one shorter than the convolution reaches back
-    positions = torch.arange(80).expand(2, 80).clone()
-    for first, last in zip(starts, starts[1:] + [80]):
-        positions[:, first:last] -= first
-    packed = model(tokens, document_positions=positions)
-    alone = torch.cat([model(tokens[:, first:last]) for first, last in zip(starts, starts[1:] + [80])], dim=1)
-    assert torch.allclose(packed, alone, atol=1e-5)
-    assert not torch.allclose(model(tokens)[:, 31:], alone[:, 31:], atol=1e-3)  # without them: documents mix
+    # a 1-token document, and one shorter than the convolution reaches back
+    assert_documents_restart(model, 80, [0, 30, 31, 65], mixed_from=31)
 
 
 def test_a_pipeline_stage_lists_its_own_blocks_layer_types():

@@ -6,6 +6,7 @@ the scan's state passing is ``test_state_passing.py``'s (``simple_gla``)."""
 
 import pytest
 import torch
+from helpers import assert_documents_restart
 
 from titan_ext.census_configs import tiny_config
 from titan_ext.models import mixers
@@ -67,19 +68,9 @@ def test_mamba2_mixers_train_equal_to_transformers(model_type):
 def test_documents_restart_mamba2_scan_and_convolution():
     """With document masking (as a job applies it: ``cu_seq_lens_q``) each packed document's logits equal the
     document's alone: the scan's state and the short convolution restart."""
-    from titan_ext.documents import apply_document_attention
-
     model, _ = titan_and_transformers("mamba2")
-    apply_document_attention(model)
-    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    starts = [0, 15, 16, 33]  # a 1-token document, and one shorter than the convolution reaches back
-    positions = torch.arange(SEQ).expand(2, SEQ).clone()
-    for first, last in zip(starts, starts[1:] + [SEQ]):
-        positions[:, first:last] -= first
-    packed = model(tokens, document_positions=positions)
-    alone = torch.cat([model(tokens[:, first:last]) for first, last in zip(starts, starts[1:] + [SEQ])], dim=1)
-    assert torch.allclose(packed, alone, atol=1e-5)
-    assert not torch.allclose(model(tokens)[:, 16:], alone[:, 16:], atol=1e-3)  # without them: documents mix
+    # a 1-token document, and one shorter than the convolution reaches back
+    assert_documents_restart(model, SEQ, [0, 15, 16, 33], mixed_from=16)
 
 
 def test_falcon_h1_mamba_is_left_unknown():

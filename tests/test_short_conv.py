@@ -4,6 +4,7 @@ Training under TP and CP against one process is the integration matrix's (``hf_l
 
 import pytest
 import torch
+from helpers import assert_documents_restart
 
 from titan_ext.models import mixers
 from titan_ext.models.adapter import build_model
@@ -71,21 +72,11 @@ def test_titan_ext_forward_equals_transformers(bias):
 def test_documents_restart_the_convolution():
     """With document masking (as a job applies it: per-document attention, ``cu_seq_lens_q``) each packed
     document's logits equal the document's alone: the convolution restarts at every document."""
-    from titan_ext.documents import apply_document_attention
-
     torch.manual_seed(0)
     model = build_model(lfm2())
     model.init_weights()
-    apply_document_attention(model)
-    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
-    starts = [0, 15, 16, 18]  # a 1-token document, and one shorter than the convolution reaches back
-    positions = torch.arange(40).expand(2, 40).clone()
-    for first, last in zip(starts, starts[1:] + [40]):
-        positions[:, first:last] -= first
-    packed = model(tokens, document_positions=positions)
-    alone = torch.cat([model(tokens[:, first:last]) for first, last in zip(starts, starts[1:] + [40])], dim=1)
-    assert torch.allclose(packed, alone, atol=1e-5)
-    assert not torch.allclose(model(tokens)[:, 16:], alone[:, 16:], atol=1e-3)  # without them: documents mix
+    # a 1-token document, and one shorter than the convolution reaches back
+    assert_documents_restart(model, 40, [0, 15, 16, 18], mixed_from=16)
 
 
 def test_its_flops_count_the_convolution_and_the_gates():

@@ -51,7 +51,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
   transformers' forward of the folder, the export holds the folder's tensors moved by training, loads with
   ``from_pretrained`` and runs the page's loading block (``evaluate_walkthrough``; 2.3, 2.8 and 4.5 s of 2-rank jobs,
-  2026-11-30). Kimi Linear's folder ships its tokenizer in tiktoken's format, as Kimi's does, and the page's
+  2026-11-29). Kimi Linear's folder ships its tokenizer in tiktoken's format, as Kimi's does, and the page's
   ``python -m titan_ext.tokenizer_json`` writes its tokenizer.json (``write_hub_folder``): the hub rows of
   ``hf_kimi_linear`` train with it too.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
@@ -1246,15 +1246,22 @@ def evaluate(matrix: Matrix, spec: str, row: str) -> Result:
     return Result(spec, row, "ok", worst, note)
 
 
+def step_one_against_transformers(matrix: Matrix, spec: str, row: str, job) -> tuple[list, float, list[str]]:
+    """(the job's losses, step 1's relative difference from transformers' own forward of the spec's hub folder
+    on the job's first batch, the problem when past the row's tolerance)."""
+    losses = series(read_metrics(matrix, job))["loss"]
+    reference = transformers_loss(matrix.hub_folder(spec), job)
+    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
+    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    return losses, rel, problems
+
+
 def evaluate_hub(matrix: Matrix, spec: str, row: str) -> Result:
     """Step 1's loss against transformers' own forward on the job's first batch, and the export against the folder."""
     (job,) = matrix.row_jobs(spec, row)
     if error := job_error(matrix, job):
         return Result(spec, row, "ERROR", None, error)
-    losses = series(read_metrics(matrix, job))["loss"]
-    reference = transformers_loss(matrix.hub_folder(spec), job)
-    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
-    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    losses, rel, problems = step_one_against_transformers(matrix, spec, row, job)
     export = matrix.hub_export_folder(spec, row)
     problems += [p for p in (hf_folder_problem(export), hub_tensors_problem(matrix.hub_folder(spec), export)) if p]
     return Result(spec, row, "MISMATCH" if problems else "ok", rel, "; ".join(problems) or
@@ -1266,7 +1273,7 @@ WALKTHROUGH = {"hf_qwen3": "Qwen3-0.6B", "hf_qwen3_moe": "Qwen3-30B-A3B", "hf_ki
 WALKTHROUGH_STEPS = 2
 WALKTHROUGH_MOVE = 1e-2
 """An exported tensor's largest move from the folder's over the row's steps: AdamW moves an element by about the
-learning rate a step (the TOMLs' 1e-4 and 3e-4; 1.7e-4 to 7.5e-4 measured, 2026-11-30); a tensor put in another's
+learning rate a step (the TOMLs' 1e-4 and 3e-4; 1.7e-4 to 7.5e-4 measured, 2026-11-29); a tensor put in another's
 place differs from it by ~0.1 an element (``HUB_NOISE``), by far more at its largest."""
 
 
@@ -1277,10 +1284,7 @@ def evaluate_walkthrough(matrix: Matrix, spec: str, row: str) -> Result:
     (job,) = matrix.row_jobs(spec, row)
     if error := job_error(matrix, job):
         return Result(spec, row, "ERROR", None, error)
-    losses = series(read_metrics(matrix, job))["loss"]
-    reference = transformers_loss(matrix.hub_folder(spec), job)
-    rel = abs(losses[0] - reference) / abs(reference) if losses else math.inf
-    problems = [] if rel <= ROWS[row].tolerance(spec) else [f"step 1 loss {losses[:1]} vs transformers' {reference!r}"]
+    losses, rel, problems = step_one_against_transformers(matrix, spec, row, job)
     if len(losses) != WALKTHROUGH_STEPS or not all(map(math.isfinite, losses)):
         problems.append(f"losses {losses}, expected {WALKTHROUGH_STEPS} finite ones")
     export = matrix.hub_export_folder(spec, row)

@@ -84,7 +84,7 @@ def retie_embeddings(model: nn.Module, plan: TPPlan) -> None:
         return
     try:
         embeddings, head = model.get_submodule(plan.embeddings), model.get_submodule(plan.lm_head)
-    except AttributeError:  # a pipeline stage without the head (a head's stage keeps the embedding: titan_ext.pipeline)
+    except AttributeError:  # a stage without the head (a head's stage keeps the embedding: titan_ext.parallel.pipeline)
         return
     if embeddings.weight.placements != head.weight.placements:
         raise ValueError(

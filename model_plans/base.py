@@ -38,10 +38,10 @@ class TPOptions:
     """The loss runs the head on its weight's vocabulary shard (titan_ext's chunked loss): the plan places the
     head's weight (``Shard(0)``) and lays out neither its input nor its output."""
     expert_parallel: bool = False
-    """MoE blocks' experts are placed by expert parallelism (titan_ext.moe; over the TP ranks' shares of the
-    tokens with torchtitan's ETP=1, their intermediate dims split over TP with ETP=TP); without it, each expert's
-    intermediate dim is split over the TP ranks (titan_ext.moe.apply_expert_tp). Either way a plan lays out
-    the block around them and names the experts ``experts_placed``."""
+    """MoE blocks' experts are placed by expert parallelism (titan_ext.parallel.expert_parallel; over the TP ranks'
+    shares of the tokens with torchtitan's ETP=1, their intermediate dims split over TP with ETP=TP); without it, each
+    expert's intermediate dim is split over the TP ranks (titan_ext.parallel.expert_parallel.apply_expert_tp). Either
+    way a plan lays out the block around them and names the experts ``experts_placed``."""
 
 
 class TPPlan:
@@ -192,8 +192,9 @@ class TPPlan:
 
 
 def experts_placed(options: TPOptions) -> PlacedElsewhere:
-    """A MoE block's stacked experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``): titan_ext.moe places
-    them before TP, by expert parallelism or by splitting each expert's intermediate dim over the TP ranks."""
+    """A MoE block's stacked experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``):
+    titan_ext.parallel.expert_parallel places them before TP, by expert parallelism or by splitting each expert's
+    intermediate dim over the TP ranks."""
     return PlacedElsewhere("expert parallelism" if options.expert_parallel else "each expert's intermediate dim over TP")
 
 

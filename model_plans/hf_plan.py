@@ -18,11 +18,11 @@ the Megatron minimum:
   dimension (-2), so the forward needs no collective and DTensor sums the weight's gradient
   (partial per rank) over the TP ranks: the same all-reduce, derived rather than hooked.
 - ``moe_tp_experts`` on a MoE block's stacked experts (with ``packed_colwise``/``rowwise`` on their weights) ->
-  the experts placed by ``titan_ext.moe`` (``experts_placed``): without EP each expert's intermediate dim split
-  over the TP ranks as HF splits it (the gate rows and the up rows of the packed ``gate_up_proj`` each split
-  alike), under EP by expert parallelism (over the TP ranks' token shares with torchtitan's ETP=1, split over
-  TP too with ETP=TP); the block around them ``self.moe_block()`` (input gathered, output reduced from the
-  ranks' partial sums) and its router ``self.router()`` (replicated).
+  the experts placed by ``titan_ext.parallel.expert_parallel`` (``experts_placed``): without EP each expert's
+  intermediate dim split over the TP ranks as HF splits it (the gate rows and the up rows of the packed
+  ``gate_up_proj`` each split alike), under EP by expert parallelism (over the TP ranks' token shares with
+  torchtitan's ETP=1, split over TP too with ETP=TP); the block around them ``self.moe_block()`` (input gathered,
+  output reduced from the ranks' partial sums) and its router ``self.router()`` (replicated).
   A shared expert in the block (Qwen3-Next's ``shared_expert``, its linears in the HF plan; Qwen2-MoE's, whose
   linears take the plan's dense-FFN entries ``mlp.gate_proj``...) is a dense FFN on the block's gathered input: ``colwise`` as above, its ``rowwise`` output ``self.shared_out_proj()`` (this
   rank's partial share, summed with the routed experts' by the block); a one-output linear beside it that the

@@ -2,7 +2,7 @@
 ``sparse``); its MLA and KDA layers take their mixers' own entries (``layer_mixers``).
 
 A MoE block (``KimiLinearMoE``, DeepSeek-V3's layout) is laid out as the translated HF plans lay out theirs
-(``model_plans.hf_plan``): its input gathered, its stacked ``experts`` placed by ``titan_ext.moe``
+(``model_plans.hf_plan``): its input gathered, its stacked ``experts`` placed by ``titan_ext.parallel.expert_parallel``
 (``experts_placed``: each expert's intermediate dim split over TP, or expert parallelism), its router (``gate``)
 replicated, its ``shared_experts`` a dense FFN split by TP whose output is this rank's partial share.
 """

@@ -65,11 +65,11 @@ class NormParallel(ParallelStyle):
 class MoEBlockParallel(ParallelStyle):
     """A MoE block (router + experts) whose TP ranks each compute a partial sum of its output: the experts for
     a share of the tokens (EP over the TP ranks), or every token's experts on a share of each expert's
-    intermediate dim (``titan_ext.moe.apply_expert_tp``).
+    intermediate dim (``titan_ext.parallel.expert_parallel.apply_expert_tp``).
 
-    Its input (the residual, laid out as ``layout``) is all-gathered and handed on as a plain tensor whose
-    gradient is declared replicated: the block must make every rank's input gradient the whole one (the
-    experts all-reduce their shares', ``titan_ext.moe``; the replicated router's is the same on every rank).
+    Its input (the residual, laid out as ``layout``) is all-gathered and handed on as a plain tensor whose gradient is
+    declared replicated: the block must make every rank's input gradient the whole one (the experts all-reduce their
+    shares', ``titan_ext.parallel.expert_parallel``; the replicated router's is the same on every rank).
     Its output, the ranks' partial sums, is reduced to ``layout``.
     """
 

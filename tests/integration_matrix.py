@@ -57,7 +57,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
 - ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
   do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
   train a copy on the first and one on the last stage whose gradients are summed every optimizer step
-  (``titan_ext.pipeline.TiedWeight``), against the same tied single-process run: hf_llama in ``pp2``,
+  (``titan_ext.parallel.pipeline.TiedWeight``), against the same tied single-process run: hf_llama in ``pp2``,
   ``pp2_interleaved``, ``pp2_accum2``, ``pp2_fsdp2``, ``pp2_tp2``, the V schedules (both copies on rank 0)
   and the PP checkpoint rows; hf_qwen3 in ``pp2``.
 - ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
@@ -507,7 +507,8 @@ ROWS = {
         specs=("fla_gla", "hf_llama"),  # the fla transformer's TP plan: its tp2 and cp2_tp2 rows
     ),
     "ac_full": Row(1, (*parallel(), *AC, "full")),
-    # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back (titan_ext.moe.apply_ep)
+    # expert parallelism: 4 experts per rank, tokens all-to-all'd to them and back
+    # (titan_ext.parallel.expert_parallel.apply_ep)
     "ep2_hf": Row(2, (*parallel(shard=2), *EP2), kind="hf", cost=2, specs=("hf_qwen3_moe",)),
     # EP x PP x FSDP: the stages carry their routers' statistics to the balancing loss on the last stage
     "ep2_pp2": Row(4, (*parallel(shard=2, pp=2), *EP2), specs=("hf_qwen3_moe",)),
@@ -595,7 +596,7 @@ ROWS = {
     "cp2_docs": Row(2, (*parallel(cp=2), *AC, "full", "--compile.enable", "--compile.backend", "aot_eager"),
                     rtol=TP_RTOL, cost=5, documents=True, spec_rtol=CP_DOCS_RTOL,
                     specs=("fla_gla", "fla_transformer", "hf_llama")),
-    # Pipeline parallelism (titan_ext.pipeline): 1F1B, Interleaved1F1B with 2 stages per rank, and PP x FSDP.
+    # Pipeline parallelism (titan_ext.parallel.pipeline): 1F1B, Interleaved1F1B with 2 stages per rank, and PP x FSDP.
     "pp2": Row(2, parallel(pp=2), rtol=TP_RTOL, specs=PP_SPECS, console=True),
     "pp2_interleaved": Row(2, (*parallel(pp=2), "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
                            rtol=TP_RTOL, specs=PP_SPECS),
@@ -686,7 +687,7 @@ UNSUPPORTED = {
 }
 TENSOR_PARALLEL_ROWS = tuple(row for row, r in ROWS.items() if _tensor_parallel(r.flags))
 SOFTMAX_TOP_K_ROUTED = ("hf_qwen3_moe", "hf_qwen3_next", "hf_qwen2_moe", "hf_moe_bias")
-"""The specs behind transformers' softmax top-k routers (``titan_ext.moe._softmax_top_k``)."""
+"""The specs behind transformers' softmax top-k routers (``titan_ext.parallel.moe_plan._softmax_top_k``)."""
 UNSUPPORTED_PAIRS: dict[tuple[str, str], str] = {}
 """Rows unsupported for some specs only: (spec, row) -> why."""
 if _release("triton") < (3, 9):  # titan_ext refuses it in one line
@@ -1344,10 +1345,10 @@ def first_batch(job: Job):
 
 
 def transformers_loss(folder: Path, job: Job) -> float:
-    """transformers' own forward of the hub folder on the job's first batch: the mean token loss, plus for a MoE
-    model its routers' balancing loss (``aux_loss``) at the config's coefficient, per sequence as titan_ext counts it
-    (``titan_ext.moe``: each sequence's own, weighted by its valid tokens). Hybrids' recurrent kernels run on
-    titan_ext's portable kernels (``titan_ext.kernels``)."""
+    """transformers' own forward of the hub folder on the job's first batch: the mean token loss, plus for a MoE model
+    its routers' balancing loss (``aux_loss``) at the config's coefficient, per sequence as titan_ext counts it
+    (``titan_ext.models.moe.balance_loss``: each sequence's own, weighted by its valid tokens). Hybrids' recurrent
+    kernels run on titan_ext's portable kernels (``titan_ext.kernels``)."""
     import torch
 
     from titan_ext import kernels

@@ -147,7 +147,7 @@ def layer_entries(plan_cls) -> dict[int, list[str]]:
 def test_pipeline_stages_balance_each_layers_cost():
     """Long sequences make the attention layers (4, 5) the costly ones: the first stage takes layers 0-4,
     where splitting by index would give each stage three."""
-    from titan_ext.pipeline import layer_costs, pp_choice
+    from titan_ext.parallel.pipeline_plan import layer_costs, pp_choice
 
     with torch.device("meta"):
         model = build_model(gla_hybrid(layers=6, attn={"layers": [4, 5], "num_heads": 4}))
@@ -294,7 +294,7 @@ def test_documents_restart_transformers_gated_deltanet_state_and_convolution():
 def test_a_pipeline_stage_lists_its_own_blocks_layer_types():
     """transformers' hybrid decoders pick each block's mask by ``config.layer_types[i]``, ``i`` counted from the
     stage's first block: a stage's config lists its own blocks' kinds; the whole model's is unchanged."""
-    from titan_ext.pipeline import stage_model
+    from titan_ext.parallel.pipeline import stage_model
 
     types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
     with torch.device("meta"):

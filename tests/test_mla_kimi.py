@@ -98,9 +98,9 @@ def test_kimi_linear_documents_each_run_alone():
 
 
 def test_moe_ffns_of_kimi_and_deepseek_split_under_tp_with_or_without_ep():
-    """Kimi Linear's and DeepSeek-V3's MoE FFNs under TP: every parameter covered (router, shared experts, the
-    experts placed by titan_ext.moe: split over TP, or by EP); the runs: ``hf_kimi_linear/tp2``, ``ep2_tp2_fsdp2``,
-    ``hf_deepseek_v3/tp2``."""
+    """Kimi Linear's and DeepSeek-V3's MoE FFNs under TP: every parameter covered (router, shared experts, the experts
+    placed by titan_ext.parallel.expert_parallel: split over TP, or by EP); the runs: ``hf_kimi_linear/tp2``,
+    ``ep2_tp2_fsdp2``, ``hf_deepseek_v3/tp2``."""
     from model_plans import TPOptions, validate_tp
 
     from titan_ext.tensor_parallel import plan_class
@@ -122,9 +122,9 @@ def test_moe_ffns_of_kimi_and_deepseek_split_under_tp_with_or_without_ep():
 
 
 def test_kimi_mlp_entry_lays_out_moe_blocks_and_dense_mlps_each_their_way():
-    """One ``mlp`` entry for both kinds of layer: a MoE block (``experts``) takes ``moe_block`` (input gathered,
-    output summed from the ranks' shares), a dense MLP only the gather; experts placed by titan_ext.moe (split
-    over TP, or by EP)."""
+    """One ``mlp`` entry for both kinds of layer: a MoE block (``experts``) takes ``moe_block`` (input gathered, output
+    summed from the ranks' shares), a dense MLP only the gather; experts placed by titan_ext.parallel.expert_parallel
+    (split over TP, or by EP)."""
     import torch.nn as nn
     from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 

@@ -1,6 +1,7 @@
-"""Mixture-of-experts models (titan_ext.moe): the routers' balancing loss as the model computes it, counted
-per token so that splitting a batch (over ranks or micro-batches) changes nothing; MFU counting active experts;
-expert parallelism (with TP: the TP ranks share the tokens) and what it refuses in one line."""
+"""Mixture-of-experts models (titan_ext.models.moe, titan_ext.parallel.moe_plan and expert_parallel): the routers'
+balancing loss as the model computes it, counted per token so that splitting a batch (over ranks or micro-batches)
+changes nothing; MFU counting active experts; expert parallelism (with TP: the TP ranks share the tokens) and what it
+refuses in one line."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_ext import moe
+from titan_ext.host.moe_metrics import step_metrics
+from titan_ext.models.moe.balance_loss import balance_loss_sum, with_balance_loss
+from titan_ext.models.moe.bias_router import BIAS_RATE, apply_expert_bias, update_expert_bias
+from titan_ext.models.moe.blocks import moe_blocks, router_of
+from titan_ext.models.moe.records import (
+    RECORDS, _pack, _receive_statistics, _stage_end, _statistics_width, _unpack, apply_router_records, routed_statistics,
+)
+from titan_ext.parallel.expert_parallel import _local_experts, apply_ep, apply_expert_tp
+from titan_ext.parallel.moe_plan import check_moe, moe_choice
 from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import build_model, meta_model
 from titan_ext.models.args import HFModelArgs, idle_expert_params
@@ -51,8 +60,8 @@ def cross_entropy_sum(pred, labels):
 
 def titan_loss(model, tokens, labels):
     """What torchtitan's step computes: the built loss (a sum) on the model's logits."""
-    moe.apply_router_records(model, moe.moe_choice(model))
-    loss_fn = moe.with_balance_loss(lambda job_config: cross_entropy_sum)(None)
+    apply_router_records(model, moe_choice(model))
+    loss_fn = with_balance_loss(lambda job_config: cross_entropy_sum)(None)
     return loss_fn(model(tokens).logits, labels)
 
 
@@ -75,10 +84,10 @@ def _packed_step_loss(**overrides) -> torch.Tensor:
     a = args(**overrides)
     torch.manual_seed(0)
     model = build_model(a).float()
-    moe.apply_router_records(model, moe.moe_choice(model))
+    apply_router_records(model, moe_choice(model))
     tokens = torch.randint(0, 2048, (2, 24))
     document_positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1)
-    loss_fn = moe.with_balance_loss(lambda job_config: cross_entropy_sum)(None)
+    loss_fn = with_balance_loss(lambda job_config: cross_entropy_sum)(None)
     return loss_fn(model(tokens, document_positions=document_positions), torch.roll(tokens, -1, 1))
 
 
@@ -103,7 +112,7 @@ def test_balance_loss_per_sequence_with_ignored_labels():
     logits = [torch.randn(3 * 10, 8) for _ in range(2)]
     labels = torch.randint(0, 5, (3, 10))
     labels[1, :4] = -100
-    ours, counts = moe.balance_loss_sum(logits, labels, 8, 2)
+    ours, counts = balance_loss_sum(logits, labels, 8, 2)
     expected = 0.0
     for b in range(3):
         mask = (labels[b : b + 1] != -100).long()
@@ -133,44 +142,44 @@ def test_recompute_in_backward_records_nothing():
     from torch.utils.checkpoint import checkpoint
 
     model = real_model()
-    moe.apply_router_records(model, moe.moe_choice(model))
+    apply_router_records(model, moe_choice(model))
     block = model.model.layers[0].mlp
     forward = block.forward
     block.forward = lambda x: checkpoint(forward, x, use_reentrant=False)
     tokens = torch.randint(0, 2048, (1, 8))
     model(tokens).logits.sum().backward()  # layer 0's block routes again in here
-    moe.RECORDS.take()
+    RECORDS.take()
     model(tokens)
-    assert len(moe.RECORDS.take()[0]) == 2  # the next forward's loss sees its 2 MoE layers only
+    assert len(RECORDS.take()[0]) == 2  # the next forward's loss sees its 2 MoE layers only
 
 
 def test_a_forward_without_its_loss_is_an_error():
     model = real_model()
-    moe.apply_router_records(model, moe.moe_choice(model))
+    apply_router_records(model, moe_choice(model))
     tokens = torch.randint(0, 2048, (1, 8))
     model(tokens)
     model(tokens)
     with pytest.raises(RuntimeError, match="2 forwards of a MoE model reached one loss"):
-        moe.RECORDS.take()
+        RECORDS.take()
 
 
 def test_step_metrics():
     model = real_model()
     tokens = torch.randint(0, 2048, (2, 16))
     titan_loss(model, tokens, tokens).backward()
-    metrics = moe.step_metrics(None)
+    metrics = step_metrics(None)
     assert set(metrics) == {"moe/aux_loss", "moe/tokens_per_expert_max", "moe/tokens_per_expert_mean"}
     assert metrics["moe/tokens_per_expert_mean"] == 2 * 16 * 2 / 8  # tokens x top_k over 8 experts
     assert metrics["moe/tokens_per_expert_max"] >= metrics["moe/tokens_per_expert_mean"]
     assert metrics["moe/aux_loss"] > 1.5  # E * sum f P: top_k = 2 at perfect balance
-    assert moe.step_metrics(None) == {}  # reset once logged
+    assert step_metrics(None) == {}  # reset once logged
 
 
 def test_flops_count_active_experts():
     """6 FLOPs per active weight: a token runs top_k = 2 of 8 experts."""
     a = args()
     model = meta_model(a)
-    experts = sum(p.numel() for m in moe.moe_blocks(model) for p in m.experts.parameters())
+    experts = sum(p.numel() for m in moe_blocks(model) for p in m.experts.parameters())
     assert idle_expert_params(model) == experts * 6 // 8
     _, dense_flops = args(num_experts_per_tok=8).get_nparams_and_flops(meta_model(args(num_experts_per_tok=8)), 80)
     _, sparse_flops = a.get_nparams_and_flops(model, 80)
@@ -193,7 +202,7 @@ def parallelism(disable_sequence_parallel=False, **degrees):
 ])  # fmt: skip
 def test_moe_refusals(degrees, phrase):
     with pytest.raises(ConfigError, match=phrase):
-        moe.check_moe(meta_model(args()), parallelism(**degrees))
+        check_moe(meta_model(args()), parallelism(**degrees))
 
 
 def test_softmax_top_k_routers_under_tp_are_refused_on_a_torch_whose_dtensor_topk_cannot_backpropagate(monkeypatch):
@@ -205,11 +214,11 @@ def test_softmax_top_k_routers_under_tp_are_refused_on_a_torch_whose_dtensor_top
     qwen, deepseek = meta_model(args()), meta_model(args(TINY_DEEPSEEK_V3))
     monkeypatch.setattr(torch, "__version__", "2.11.0")
     with pytest.raises(ConfigError, match=r"^--parallelism.tensor_parallel_degree=2 with Qwen3MoeTopKRouter needs torch 2.13"):
-        moe.check_moe(qwen, parallelism(tensor_parallel_degree=2))
-    moe.check_moe(qwen, parallelism(expert_parallel_degree=2))  # the router is no DTensor without TP
-    moe.check_moe(deepseek, parallelism(tensor_parallel_degree=2))
+        check_moe(qwen, parallelism(tensor_parallel_degree=2))
+    check_moe(qwen, parallelism(expert_parallel_degree=2))  # the router is no DTensor without TP
+    check_moe(deepseek, parallelism(tensor_parallel_degree=2))
     monkeypatch.setattr(torch, "__version__", "2.13.0")
-    moe.check_moe(qwen, parallelism(tensor_parallel_degree=2))
+    check_moe(qwen, parallelism(tensor_parallel_degree=2))
 
 
 @pytest.mark.parametrize("degrees", [dict(context_parallel_degree=2),
@@ -227,8 +236,8 @@ def test_cp_and_pp_with_the_balancing_loss(degrees):
     their routers' statistics: the tests below; end to end in hf_qwen3_next's cp2, ep2_cp2 and pp2 rows and
     hf_qwen3_moe's ep2_pp2 and ep2_pp2_tp2, sequence parallel on)."""
     model = meta_model(args())
-    moe.check_moe(model, parallelism(**degrees))
-    assert moe.moe_choice(model, parallelism(**degrees)).record_routers
+    check_moe(model, parallelism(**degrees))
+    assert moe_choice(model, parallelism(**degrees)).record_routers
 
 
 def test_balance_loss_under_cp_adds_up_to_the_whole_sequences(monkeypatch):
@@ -245,16 +254,16 @@ def test_balance_loss_under_cp_adds_up_to_the_whole_sequences(monkeypatch):
 
     def rank_loss(rank):
         local = [x.view(batch, seq, experts)[:, pieces[rank]].reshape(-1, experts) for x in logits]
-        return moe.balance_loss_sum(local, labels[:, pieces[rank]], experts, 2, cp_group="cp")[0]
+        return balance_loss_sum(local, labels[:, pieces[rank]], experts, 2, cp_group="cp")[0]
 
     sent = {}
-    monkeypatch.setattr(moe.dist, "all_reduce", lambda t, group: sent.setdefault(len(sent), t.clone()))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group: sent.setdefault(len(sent), t.clone()))
     rank_loss(0), rank_loss(1)
     calls = iter([1, 0])
-    monkeypatch.setattr(moe.dist, "all_reduce", lambda t, group: t.add_(sent[next(calls)]))
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group: t.add_(sent[next(calls)]))
     split = rank_loss(0) + rank_loss(1)
     split_grads = torch.autograd.grad(split, logits)
-    whole = moe.balance_loss_sum(logits, labels, experts, 2)[0]
+    whole = balance_loss_sum(logits, labels, experts, 2)[0]
     torch.testing.assert_close(split, whole, rtol=1e-6, atol=0)
     for a, b in zip(split_grads, torch.autograd.grad(whole, logits)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
@@ -262,15 +271,15 @@ def test_balance_loss_under_cp_adds_up_to_the_whole_sequences(monkeypatch):
 
 def test_expert_parallel_on_a_dense_model_is_refused():
     dense = meta_model(args(mlp_only_layers=[0, 1]))
-    assert moe.moe_choice(dense) is None
+    assert moe_choice(dense) is None
     with pytest.raises(ConfigError, match="this model has no experts"):
-        moe.check_moe(dense, parallelism(expert_parallel_degree=2))
-    moe.check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
+        check_moe(dense, parallelism(expert_parallel_degree=2))
+    check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
 
 
 def test_tensor_parallel_leaves_the_experts_to_titan_ext_moe():
-    """The translated HF plan lays out a MoE block around its experts, which titan_ext.moe places: split over
-    TP without EP, by EP with it."""
+    """The translated HF plan lays out a MoE block around its experts, which titan_ext.parallel.expert_parallel places:
+    split over TP without EP, by EP with it."""
     from model_plans import TPOptions
     from model_plans.hf_plan import hf_plan_class
     from model_plans.styles import MoEBlockParallel
@@ -285,24 +294,24 @@ def test_tensor_parallel_leaves_the_experts_to_titan_ext_moe():
 def test_a_router_is_known_by_what_it_holds_whatever_its_name():
     """gpt-oss's ``mlp.router`` (Qwen's is ``mlp.gate``): the module beside the experts with a row per expert."""
     model = meta_model(args(TINY_GPT_OSS))
-    blocks = moe.moe_blocks(model)
-    assert [moe.router_of(b) for b in blocks] == [layer.mlp.router for layer in model.model.layers]
-    assert moe.moe_choice(model).num_experts == 8 and moe.moe_choice(model).aux_loss_coef == 0.01
+    blocks = moe_blocks(model)
+    assert [router_of(b) for b in blocks] == [layer.mlp.router for layer in model.model.layers]
+    assert moe_choice(model).num_experts == 8 and moe_choice(model).aux_loss_coef == 0.01
 
 
 def test_experts_with_biases_stay_whole_under_tp_and_refuse_ep():
     """gpt-oss's experts (biases, a clamped SwiGLU on interleaved gate/up rows) have no expert-parallel path: TP
     keeps its MoE blocks whole (its HF plan splits nothing in them), EP is refused in one line naming them."""
     model = meta_model(args(TINY_GPT_OSS))
-    moe.check_moe(model, parallelism(tensor_parallel_degree=2))
-    assert not moe.moe_choice(model, parallelism(tensor_parallel_degree=2)).split_intermediate
+    check_moe(model, parallelism(tensor_parallel_degree=2))
+    assert not moe_choice(model, parallelism(tensor_parallel_degree=2)).split_intermediate
     with pytest.raises(ConfigError, match=r"expert_parallel_degree=2: GptOssExperts \(holding down_proj, "
                                           r"down_proj_bias, .*\) has no expert-parallel path in titan_ext"):
-        moe.check_moe(model, parallelism(expert_parallel_degree=2))
+        check_moe(model, parallelism(expert_parallel_degree=2))
 
 
 def test_tp_and_etp_choose_how_the_experts_split():
-    choice = lambda **degrees: moe.moe_choice(meta_model(args()), parallelism(**degrees))  # noqa: E731
+    choice = lambda **degrees: moe_choice(meta_model(args()), parallelism(**degrees))  # noqa: E731
     assert choice(tensor_parallel_degree=2).split_intermediate  # torchtitan's ep=1, tp>1
     assert not choice(tensor_parallel_degree=2, expert_parallel_degree=2).split_intermediate  # ETP=1
     assert choice(tensor_parallel_degree=2, expert_parallel_degree=2, expert_tensor_parallel_degree=2).split_intermediate
@@ -318,7 +327,7 @@ def _expert_parallel_rank(rank, mesh):
     x = torch.randn(2 * 12, 64)
     _, weights, index = block.gate(x)
     cotangent = torch.randn(2 * 12, 64)
-    moe.apply_ep(block, mesh)
+    apply_ep(block, mesh)
     mine = slice(12 * rank, 12 * (rank + 1))
     x_local = x[mine].clone().requires_grad_()
     out = block.experts(x_local, index[mine], weights[mine].detach())
@@ -349,7 +358,7 @@ def _split_intermediate_rank(folder, rank, mesh):
     x = torch.randn(24, 64)
     _, weights, index = block.gate(x)
     cotangent = torch.randn(24, 64)
-    moe.apply_expert_tp(block, mesh)
+    apply_expert_tp(block, mesh)
     x_mine, weights_mine = x.clone().requires_grad_(), weights.detach().clone().requires_grad_()
     partial = block.experts(x_mine, index, weights_mine)
     (partial * cotangent).sum().backward()
@@ -433,7 +442,7 @@ def test_experts_split_by_ep_or_over_tp_equal_the_models_own(tmp_path):
 
 
 def bias_choice(model):
-    return moe.moe_choice(model, SimpleNamespace(titan_ext=SimpleNamespace(moe_balance="bias"),
+    return moe_choice(model, SimpleNamespace(titan_ext=SimpleNamespace(moe_balance="bias"),
                                                  parallelism=parallelism().parallelism))
 
 
@@ -443,7 +452,7 @@ def test_a_zero_bias_routes_as_the_models_own_router(base):
     gate = model.model.layers[0].mlp.gate
     x = torch.randn(24, 64)
     own = gate(x)
-    moe.apply_expert_bias(model)
+    apply_expert_bias(model)
     for mine, theirs in zip(gate(x), own):
         torch.testing.assert_close(mine, theirs)
     saved = model.state_dict()  # the bias resumes with the checkpoint; the counts of a step in flight do not
@@ -453,7 +462,7 @@ def test_a_zero_bias_routes_as_the_models_own_router(base):
 def test_the_bias_chooses_the_experts_and_the_probabilities_weigh_them():
     model = real_model()
     gate = model.model.layers[0].mlp.gate
-    moe.apply_expert_bias(model)
+    apply_expert_bias(model)
     x = torch.randn(24, 64)
     gate.expert_bias[3] = 10.0  # every token's first choice
     logits, weights, index = gate(x)
@@ -470,7 +479,7 @@ def test_a_recompute_in_backward_counts_nothing():
     from torch.utils.checkpoint import checkpoint
 
     model = real_model()
-    moe.apply_expert_bias(model)
+    apply_expert_bias(model)
     block = model.model.layers[0].mlp
     checkpoint(block, torch.randn(1, 4, 64, requires_grad=True), use_reentrant=False).sum().backward()
     assert block.gate.tokens_per_expert.sum() == 4 * 2
@@ -478,28 +487,28 @@ def test_a_recompute_in_backward_counts_nothing():
 
 def test_the_bias_moves_toward_the_under_used_experts():
     model = real_model()
-    moe.apply_router_records(model, bias_choice(model))
-    moe.apply_expert_bias(model)
+    apply_router_records(model, bias_choice(model))
+    apply_expert_bias(model)
     gate = model.model.layers[0].mlp.gate
     gate.tokens_per_expert.copy_(torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))  # mean 2
-    moe.update_expert_bias([model], None)
-    step = moe.BIAS_RATE
+    update_expert_bias([model], None)
+    step = BIAS_RATE
     expected = torch.tensor([-step, step, step, step, step, step, step, -step]) - step * 4 / 8
     torch.testing.assert_close(gate.expert_bias, expected)
     assert gate.tokens_per_expert.sum() == 0
-    metrics = moe.step_metrics(None)
+    metrics = step_metrics(None)
     assert "moe/aux_loss" not in metrics and metrics["moe/tokens_per_expert_max"] == 10
 
 
 def _bias_rank(rank, mesh):
     """Rank ``rank`` of 2 routes its own tokens; the update sums both ranks' counts."""
     model = real_model()
-    moe.apply_router_records(model, bias_choice(model))
-    moe.apply_expert_bias(model)
+    apply_router_records(model, bias_choice(model))
+    apply_expert_bias(model)
     torch.manual_seed(1)
     tokens = torch.randint(0, 2048, (2, 16))
     model(tokens[rank:rank + 1])
-    moe.update_expert_bias([model], mesh.get_group())
+    update_expert_bias([model], mesh.get_group())
     return torch.stack([block.mlp.gate.expert_bias for block in model.model.layers])
 
 
@@ -507,11 +516,11 @@ def test_the_bias_is_the_global_batchs_on_every_rank():
     from helpers import on_forked_ranks
 
     model = real_model()
-    moe.apply_router_records(model, bias_choice(model))
-    moe.apply_expert_bias(model)
+    apply_router_records(model, bias_choice(model))
+    apply_expert_bias(model)
     torch.manual_seed(1)
     model(torch.randint(0, 2048, (2, 16)))
-    moe.update_expert_bias([model], None)
+    update_expert_bias([model], None)
     expected = torch.stack([block.mlp.gate.expert_bias for block in model.model.layers])
     assert expected.abs().sum() > 0
     for rank, bias in on_forked_ranks(2, _bias_rank).items():
@@ -525,19 +534,19 @@ def test_moe_balance_refusals(value, phrase):
     job = parallelism()
     job.titan_ext = SimpleNamespace(moe_balance=value)
     with pytest.raises(ConfigError, match=phrase):
-        moe.check_moe(meta_model(args()), job)
+        check_moe(meta_model(args()), job)
     job.titan_ext.moe_balance = "bias"
     with pytest.raises(ConfigError, match="this model has no experts"):
-        moe.check_moe(meta_model(args(mlp_only_layers=[0, 1])), job)
+        check_moe(meta_model(args(mlp_only_layers=[0, 1])), job)
     mixtral = {**TINY_OLMOE, "model_type": "mixtral", "num_local_experts": 8}
     with pytest.raises(ConfigError, match="moe_balance='bias': titan_ext biases transformers' softmax top-k routers"):
-        moe.check_moe(meta_model(args(mixtral)), job)
+        check_moe(meta_model(args(mixtral)), job)
     job.checkpoint = SimpleNamespace(initial_load_in_hf=False, last_save_in_hf=True)
     with pytest.raises(ConfigError, match="moe_balance='bias' with --checkpoint.last_save_in_hf: transformers' qwen3_moe"):
-        moe.check_moe(meta_model(args()), job)
+        check_moe(meta_model(args()), job)
     job.checkpoint.last_save_in_hf = False
     job.parallelism.pipeline_parallel_degree = 2  # the bias under PP: each stage's routers (hf_moe_bias pp2)
-    moe.check_moe(meta_model(args()), job)
+    check_moe(meta_model(args()), job)
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["torch_grouped_mm", "transformers_fallback"])
@@ -572,7 +581,7 @@ def test_grouped_gemm_equals_a_loop_over_experts(counts, grouped, monkeypatch):
             outputs.append(F.linear(act(gate) * up, down[expert]))
         return torch.cat(outputs)
 
-    mine = outputs_and_grads(lambda: moe._local_experts(act, rows, counts, gate_up, down))
+    mine = outputs_and_grads(lambda: _local_experts(act, rows, counts, gate_up, down))
     for got, expected in zip(mine, outputs_and_grads(loop)):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
@@ -585,25 +594,25 @@ def test_pipeline_stages_carry_the_balancing_loss_and_its_gradient():
     a = args(num_hidden_layers=3)
     whole = build_model(a)
     whole.init_weights()
-    from titan_ext.pipeline import stage_model
+    from titan_ext.parallel.pipeline import stage_model
 
     stages = [stage_model(whole, names) for names in (("model.embed_tokens", "model.layers.0"), ("model.layers.1",),
                                                       ("model.layers.2", "model.norm", "lm_head"))]
     tokens = torch.randint(0, 2048, (2, 12))
     labels = torch.randint(0, 2048, (2, 12))
     labels[1, :5] = -100
-    loss_fn = moe.with_balance_loss(lambda job_config: cross_entropy_sum)(None)
+    loss_fn = with_balance_loss(lambda job_config: cross_entropy_sum)(None)
 
     def run(parts):
-        choice = moe.moe_choice(whole)
+        choice = moe_choice(whole)
         for part in parts:
-            moe.apply_router_records(part, choice)
+            apply_router_records(part, choice)
         hidden = tokens
         for part in parts:
             hidden = part(hidden)
         loss = loss_fn(hidden, labels)
         loss.backward()
-        return loss, moe.RECORDS.stats
+        return loss, RECORDS.stats
 
     split, split_stats = run(stages)
     whole_loss, whole_stats = run([whole])
@@ -620,10 +629,10 @@ def test_statistics_travel_exactly_beside_bf16_hidden_states():
     """Beside bf16 hidden states the float32 statistics travel as their bits (a cast would round them), and
     their gradient comes back the same way."""
     statistics = torch.rand(2, 3, 16, dtype=torch.float64).float().requires_grad_()
-    packed = moe._pack(statistics, torch.bfloat16)
-    assert packed.dtype == torch.bfloat16 and packed.shape[-1] == moe._statistics_width(8, torch.bfloat16) == 32
+    packed = _pack(statistics, torch.bfloat16)
+    assert packed.dtype == torch.bfloat16 and packed.shape[-1] == _statistics_width(8, torch.bfloat16) == 32
     hidden = torch.randn(2, 3, 4, dtype=torch.bfloat16)
-    received = moe._unpack(torch.cat([hidden, packed], dim=-1)[..., 4:])
+    received = _unpack(torch.cat([hidden, packed], dim=-1)[..., 4:])
     assert torch.equal(received, statistics)
     weights = torch.randn(2, 3, 16)
     (received * weights).sum().backward()
@@ -636,20 +645,20 @@ def test_under_sequence_parallel_each_tp_rank_sends_the_whole_sequences_statisti
     channels; the next stage's TP rank unfolds them whole, exactly, and their gradient comes back to the
     routers' logits (end to end: hf_qwen3_moe's ep2_pp2_tp2 row)."""
     torch.manual_seed(0)
-    choice = moe.moe_choice(meta_model(args()))
-    moe.RECORDS.__init__()
-    moe.RECORDS.choice = choice
+    choice = moe_choice(meta_model(args()))
+    RECORDS.__init__()
+    RECORDS.choice = choice
     tp = SimpleNamespace(size=lambda: 2)
     sender = SimpleNamespace(residual_layout=(tp, None), get_output_embeddings=lambda: None)
     logits = torch.randn(2 * 8, 8, requires_grad=True)  # [B x T, experts]: the gathered sequences, T = 8
     shard = torch.randn(2, 4, 64)
-    sent = moe._stage_end(choice, [logits], [], [0], sender, (), shard)
+    sent = _stage_end(choice, [logits], [], [0], sender, (), shard)
     assert sent.shape == (2, 4, 64 + 2 * 2 * 8)
     carried = []
-    (hidden,) = moe._receive_statistics(choice, carried, SimpleNamespace(residual_layout=(tp, None)), (sent,))
+    (hidden,) = _receive_statistics(choice, carried, SimpleNamespace(residual_layout=(tp, None)), (sent,))
     assert torch.equal(hidden, shard)
     again = logits.detach().requires_grad_()
-    expected = moe.routed_statistics([again], 8, 2, (2, 8), "cpu")[0]
+    expected = routed_statistics([again], 8, 2, (2, 8), "cpu")[0]
     assert carried[0].shape == (2, 8, 16) and torch.equal(carried[0], expected)
     weights = torch.randn(2, 8, 16)
     (carried[0] * weights).sum().backward()
@@ -659,25 +668,25 @@ def test_under_sequence_parallel_each_tp_rank_sends_the_whole_sequences_statisti
 
 def test_a_forward_outside_the_pipelines_microbatches_records_and_counts_nothing():
     """Under PP torch 2.13 runs each stage once for its metadata inference (on unfilled receive buffers) before
-    the schedule's forwards of microbatches: that forward (``RECORDS.live`` off, ``titan_ext.pipeline``'s
+    the schedule's forwards of microbatches: that forward (``RECORDS.live`` off, ``titan_ext.parallel.pipeline``'s
     ``MicroBatchStage``) leaves no logits for a loss and counts no tokens for the routing bias."""
     tokens = torch.randint(0, 2048, (1, 8))
     recorded, biased = real_model(), real_model()
-    moe.apply_router_records(biased, bias_choice(biased))
-    moe.apply_expert_bias(biased)
-    moe.apply_router_records(recorded, moe.moe_choice(recorded))
+    apply_router_records(biased, bias_choice(biased))
+    apply_expert_bias(biased)
+    apply_router_records(recorded, moe_choice(recorded))
     gate = biased.model.layers[0].mlp.gate
     try:
-        moe.RECORDS.live = False
+        RECORDS.live = False
         recorded(tokens)
         biased(tokens)
-        assert moe.RECORDS.take() is None and gate.tokens_per_expert.sum() == 0
-        moe.RECORDS.live = True
+        assert RECORDS.take() is None and gate.tokens_per_expert.sum() == 0
+        RECORDS.live = True
         recorded(tokens)
         biased(tokens)
-        assert moe.RECORDS.take() is not None and gate.tokens_per_expert.sum() == 8 * 2
+        assert RECORDS.take() is not None and gate.tokens_per_expert.sum() == 8 * 2
     finally:
-        moe.RECORDS.live = True
+        RECORDS.live = True
 
 
 TINY_DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -700,9 +709,9 @@ def test_the_experts_dispatch_to_transformers_grouped_gemm(base, overrides):
         model = build_model(args(base, **overrides))
     from titan_ext.planner import experts as planned
 
-    assert moe.moe_blocks(model)
+    assert moe_blocks(model)
     assert model.config._experts_implementation == "grouped_mm"
-    assert {planned._implementation(block.experts) for block in moe.moe_blocks(model)} == {"grouped_mm"}  # planned so
+    assert {planned._implementation(block.experts) for block in moe_blocks(model)} == {"grouped_mm"}  # planned so
 
 
 def test_grouped_experts_equal_the_models_loop(monkeypatch):
@@ -724,6 +733,6 @@ def test_grouped_experts_equal_the_models_loop(monkeypatch):
         logits = m(tokens)
         (logits * cotangent).sum().backward()
         results.append([logits.detach(), *(p.grad for p in m.parameters())])
-    assert len(calls) == 2 * len(moe.moe_blocks(model))
+    assert len(calls) == 2 * len(moe_blocks(model))
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

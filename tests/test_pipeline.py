@@ -17,7 +17,8 @@ from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import gla_flavors
 from titan_ext.models.llama import llama_flavors
-from titan_ext.pipeline import StageLayers, pp_choice, stage_model
+from titan_ext.parallel.pipeline import StageLayers, stage_model
+from titan_ext.parallel.pipeline_plan import pp_choice
 
 FLAVORS = {"fla_gla": gla_flavors, "hf_llama": llama_flavors}
 
@@ -149,7 +150,8 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
 
     from titan_ext import host_patches
     from titan_ext.job_plan import PPChoice
-    from titan_ext.pipeline import TiedWeight, TokenMeanSchedule, model_parts_of
+    from titan_ext.parallel.pipeline import TiedWeight, TokenMeanSchedule
+    from titan_ext.parallel.pipeline_plan import model_parts_of
 
     torch.manual_seed(0)
     whole = build_model(tied_llama()).double()

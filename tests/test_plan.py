@@ -64,7 +64,7 @@ def argv(flags: list[str], dump: Path | None = None) -> list[str]:
 
 
 def runs_here(name: str) -> bool:
-    """Experts under TP are refused on torch < 2.13 (``moe.check_moe``): those layouts have no real run there."""
+    """Experts under TP are refused on torch < 2.13 (``moe_plan.check_moe``): those layouts have no real run there."""
     return not (name.endswith("tp2_moe") and torch.__version__ < "2.13")
 
 
@@ -624,7 +624,7 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     result = layouts.plan_sweep(MOE, 2, 50.0, workers=2)  # two processes: a run-time TP plan class stays in its own
     pickle.dumps(result.planned)  # what a worker process sends back: an HF model's TP plan class is made at run time
     planned = {layout.name(): plans for layout, plans in result.planned.items()}
-    under_tp = {"tp 2, experts over ep 2"} if torch.__version__ >= "2.13" else set()  # else refused: moe.check_moe
+    under_tp = {"tp 2, experts over ep 2"} if torch.__version__ >= "2.13" else set()  # else refused: moe_plan.check_moe
     assert {"fsdp 2", "fsdp 2, experts over ep 2", "cp 2, experts over ep 2", *under_tp} <= set(planned)
     assert not any(c.kind == "all_to_all" for c in planned["fsdp 2"][0].collectives)
     for layout, plans in result.planned.items():

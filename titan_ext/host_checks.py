@@ -164,7 +164,8 @@ def check_transformers_experts(model_args, bias: bool = False, placed: bool = Fa
     experts placed by EP or split by TP) its experts module computes, per token, the sum over its top-k of
     weight x ``down(act(gate) * up)`` with ``gate`` the first half of ``gate_up_proj``'s rows (expert
     parallelism computes exactly that, rank by rank)."""
-    from titan_ext.moe import ROUTER_FIELDS, bias_router, moe_blocks, router_of, stacked_plainly
+    from titan_ext.models.moe.bias_router import ROUTER_FIELDS, bias_router
+    from titan_ext.models.moe.blocks import moe_blocks, router_of, stacked_plainly
 
     model = tiny_copy(model_args, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     blocks = moe_blocks(model) if model is not None else []
@@ -200,7 +201,7 @@ def check_transformers_experts(model_args, bias: bool = False, placed: bool = Fa
                 raise HostChanged("transformers", f"{type(router).__qualname__} no longer weighs its top-k experts by "
                                                   "their softmax probabilities (renormalized if norm_topk_prob), which "
                                                   "titan_ext's biased router (moe_balance = 'bias') computes")
-        if not placed or not stacked_plainly(block.experts):  # other experts: refused by name (moe.check_moe)
+        if not placed or not stacked_plainly(block.experts):  # other experts: refused by name (moe_plan.check_moe)
             return
         experts = block.experts
         try:

@@ -301,7 +301,7 @@ METRICS_CLOSE = InstancePatch(
 METRICS_LOG = InstancePatch(
     "torchtitan.components.metrics:MetricsProcessor.log",
     "a mixture-of-experts model's per-step metrics (the routers' balancing loss, tokens per expert) join the "
-    "logged ones (titan_ext.moe, titan_ext.metrics)",
+    "logged ones (titan_ext.host.moe_metrics, titan_ext.metrics)",
     TORCHTITAN,
 )
 METRICS_STEP_LINE = InstancePatch(
@@ -386,13 +386,13 @@ CUDA: tuple[Patch, ...] = (
 
 TIED_COPY = "_titan_ext_tied_copy"
 """Marks a pipeline stage's copy of a tied weight that gradient clipping must not count again (every copy but
-the first stage's; set by ``titan_ext.pipeline.TiedWeight``)."""
+the first stage's; set by ``titan_ext.parallel.pipeline.TiedWeight``)."""
 
 
 def _tied_weight_counted_once(original):
-    """Under PP torchtitan sums each stage's gradient norm; a tied weight has a copy on the first and the last
-    stage (``titan_ext.pipeline.TiedWeight``, equal gradients): the norm counts the first stage's only, and
-    every copy is clipped by the same factor. Without marked copies, torchtitan's function as shipped."""
+    """Under PP torchtitan sums each stage's gradient norm; a tied weight has a copy on the first and the last stage
+    (``titan_ext.parallel.pipeline.TiedWeight``, equal gradients): the norm counts the first stage's only, and every
+    copy is clipped by the same factor. Without marked copies, torchtitan's function as shipped."""
     import torch
 
     def is_tied_copy(param) -> bool:
@@ -419,7 +419,7 @@ PIPELINE: tuple[Patch, ...] = (
         TORCHTITAN, _tied_weight_counted_once,
     ),
 )
-"""A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.pipeline``)."""
+"""A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.parallel.pipeline``)."""
 
 
 def _strided_checkpoint(name: str):
@@ -442,7 +442,7 @@ STRIDED_CHECKPOINT: tuple[Patch, ...] = tuple(
                                 ("__create_chunk_list__", "create_chunk_list"),
                                 ("__get_tensor_shard__", "get_tensor_shard"))
 )
-"""A job that splits its experts' intermediate dims over TP (``titan_ext.moe.apply_expert_tp``)."""
+"""A job that splits its experts' intermediate dims over TP (``titan_ext.parallel.expert_parallel.apply_expert_tp``)."""
 
 
 def _checkpoints(name: str):

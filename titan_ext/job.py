@@ -21,13 +21,14 @@ import os
 
 from titan_ext import (
     activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, interrupt, loss,
-    moe, nonfinite, pipeline, preflight, progress, tensor_parallel,
+    nonfinite, preflight, progress, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
 from titan_ext.inputs import checkpoints, degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.models.args import HFModelArgs
+from titan_ext.parallel import moe_plan, pipeline_plan
 
 logger = logging.getLogger()
 
@@ -165,12 +166,12 @@ def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
         kernel_path=model_args.kernel_path,
         tp=tensor_parallel.tp_choice(meta, job_config),
         cp=context_parallel.cp_choice(model_args, job_config),
-        pp=pipeline.pp_choice(meta, job_config, world_size),
+        pp=pipeline_plan.pp_choice(meta, job_config, world_size),
         ac=activation_checkpoint.ac_choice(job_config),
         compile=CompileChoice(model=model_compile_enabled(job_config), backend=job_config.compile.backend),
         float8=float8_choice,
         data_parallel=_data_parallel(job_config, world_size),
-        moe=moe.moe_choice(meta, job_config),
+        moe=moe_plan.moe_choice(meta, job_config),
         loss=loss.loss_choice(meta, job_config, float8_choice and float8_choice.filter_fqns),
         document_mask=documents.enabled(job_config),
         nonfinite=nonfinite.policy(section),

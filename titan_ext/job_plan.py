@@ -22,7 +22,8 @@ class TPChoice:
     float8: bool
     async_tp: bool
     expert_parallel: bool = False
-    """MoE experts placed by expert parallelism over the TP ranks' token shares (EP x TP, titan_ext.moe)."""
+    """MoE experts placed by expert parallelism over the TP ranks' token shares (EP x TP,
+    titan_ext.parallel.expert_parallel)."""
 
 
 @dataclass(frozen=True)
@@ -95,15 +96,17 @@ class MoEChoice:
     num_experts: int
     top_k: int
     ep: int = 1
-    """``--parallelism.expert_parallel_degree``: experts split over that many ranks (titan_ext.moe.apply_ep)."""
+    """``--parallelism.expert_parallel_degree``: experts split over that many ranks
+    (titan_ext.parallel.expert_parallel.apply_ep)."""
     split_intermediate: bool = False
-    """Each expert's intermediate dim split over the TP ranks (titan_ext.moe.apply_expert_tp): TP without EP, or
-    ``expert_tensor_parallel_degree`` equal to the TP degree (torchtitan's ETP=TP)."""
+    """Each expert's intermediate dim split over the TP ranks (titan_ext.parallel.expert_parallel.apply_expert_tp): TP
+    without EP, or ``expert_tensor_parallel_degree`` equal to the TP degree (torchtitan's ETP=TP)."""
     record_routers: bool = True
     """Router logits kept for the balancing loss and the routing metrics (not with ``balance`` "bias")."""
     balance: str = "aux_loss"
     """``[titan_ext] moe_balance``: "aux_loss" (the router's balancing loss, as the model was trained) or "bias"
-    (torchtitan's auxiliary-loss-free balancing: a per-expert routing bias, titan_ext.moe.apply_expert_bias)."""
+    (torchtitan's auxiliary-loss-free balancing: a per-expert routing bias,
+    titan_ext.models.moe.bias_router.apply_expert_bias)."""
     moe_layers: tuple[int, ...] = ()
     """The whole model's decoder layers holding a MoE block: the balancing loss pools them, and pipeline stages
     count their tokens per expert in these slots."""
@@ -130,7 +133,7 @@ class JobPlan:
     float8: Float8Choice | None
     data_parallel: DataParallelChoice
     moe: MoEChoice | None
-    """A mixture-of-experts model's routing (titan_ext.moe); None for a dense model."""
+    """A mixture-of-experts model's routing (titan_ext.parallel.moe_plan); None for a dense model."""
     loss: LossChoice | None
     """None: torchtitan's loss over the model's logits."""
     document_mask: bool

@@ -23,8 +23,9 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
 from torchtitan.tools.utils import NoColor
 
-from titan_ext import compat, host_patches, moe, progress
+from titan_ext import compat, host_patches, progress
 from titan_ext.checkpoint import finish_hf_export
+from titan_ext.host.moe_metrics import step_metrics
 from titan_ext.job_plan import plan_of
 
 logger = logging.getLogger()
@@ -76,7 +77,7 @@ def _with_moe_metrics(log, parallel_dims, rank0: bool):
     def log_step(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         batch_mesh = parallel_dims.get_optional_mesh("loss")
         pp_group = parallel_dims.get_mesh("pp").get_group() if parallel_dims.pp_enabled else None
-        routing = moe.step_metrics(batch_mesh.get_group() if batch_mesh is not None else None, pp_group)
+        routing = step_metrics(batch_mesh.get_group() if batch_mesh is not None else None, pp_group)
         log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **routing})
         if routing and rank0:
             logger.info("  ".join(f"{name}: {value:.6g}" for name, value in routing.items()))

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from titan_ext import host_patches
 from titan_ext.errors import ConfigError, exit_with, take_deferred
 from titan_ext.job_plan import plan_of
-from titan_ext.moe import with_balance_loss
+from titan_ext.models.moe.balance_loss import with_balance_loss
 
 logger = logging.getLogger()
 
@@ -120,7 +120,7 @@ def _job_loss(job_config, **kwargs):
     return build_loss(job_config, **kwargs)
 
 
-build_watched_loss = watch_loss(with_balance_loss(_job_loss))  # the job's loss (titan_ext.loss) + MoE routers' balancing loss (titan_ext.moe)
+build_watched_loss = watch_loss(with_balance_loss(_job_loss))  # the job's loss (titan_ext.loss) + MoE routers' balancing loss (titan_ext.models.moe)
 
 
 def guard_optimizer_step(build_lr_schedulers_fn):

@@ -23,7 +23,10 @@ from titan_ext.float8 import keep_high_precision
 from titan_ext.documents import apply_document_attention
 from titan_ext.job_plan import plan_of
 from titan_ext.loss import apply_chunked_loss
-from titan_ext.moe import apply_ep, apply_expert_bias, apply_expert_tp, apply_router_records, moe_blocks
+from titan_ext.models.moe.bias_router import apply_expert_bias
+from titan_ext.models.moe.blocks import moe_blocks
+from titan_ext.models.moe.records import apply_router_records
+from titan_ext.parallel.expert_parallel import apply_ep, apply_expert_tp
 
 logger = logging.getLogger()
 

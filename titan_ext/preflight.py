@@ -181,14 +181,16 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 
     Returns the meta-device model the checks read (the job plan reads it too).
     """
-    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks, moe
+    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks
+    from titan_ext.models.moe.blocks import moe_blocks
+    from titan_ext.parallel import moe_plan
     from titan_ext.models.adapter import meta_model
 
     model = meta_model(model_args)  # a config the library refuses stops here
     uses = {host_checks.FEATURES[0]: job_config.parallelism.context_parallel_degree > 1 or documents.enabled(job_config),
-            host_checks.FEATURES[1]: moe.balance_option(job_config) == "bias",
+            host_checks.FEATURES[1]: moe_plan.balance_option(job_config) == "bias",
             host_checks.FEATURES[2]: job_config.parallelism.expert_parallel_degree > 1
-            or moe.splits_intermediate(job_config.parallelism, moe.moe_blocks(model))}
+            or moe_plan.splits_intermediate(job_config.parallelism, moe_blocks(model))}
     host_checks.check_host(model_args, frozenset(feature for feature, used in uses.items() if used))
     if kernel_path == "portable":
         _check_portable(model_args, model)
@@ -196,7 +198,7 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
     _check_vocabulary(model_args, model, job_config)
     _check_initialized(model_args, job_config)
     documents.check_model(model_args, job_config)
-    moe.check_moe(model, job_config)
+    moe_plan.check_moe(model, job_config)
     context_parallel.check_cp(model_args, job_config)
     activation_checkpoint.check_ac(job_config.activation_checkpoint, model_compile_enabled(job_config))
     float8.check_float8(job_config)

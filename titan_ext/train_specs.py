@@ -45,11 +45,12 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.protocols.train_spec import TrainSpec
 
-    from titan_ext import data, metrics, moe, nonfinite
+    from titan_ext import data, metrics, nonfinite
     from titan_ext.checkpoint import HFStateDictAdapter
     from titan_ext.models.adapter import build_model
+    from titan_ext.models.moe.bias_router import with_expert_bias_update
     from titan_ext.parallelize import parallelize_hf_model
-    from titan_ext.pipeline import pipeline_hf_model
+    from titan_ext.parallel.pipeline import pipeline_hf_model
     from titan_ext.validate import build_validator
 
     return TrainSpec(
@@ -57,7 +58,7 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
         model_args=Flavors(flavors),
         parallelize_fn=config_boundary(parallelize_hf_model),
         pipelining_fn=config_boundary(pipeline_hf_model),
-        build_optimizers_fn=moe.with_expert_bias_update(build_optimizers),
+        build_optimizers_fn=with_expert_bias_update(build_optimizers),
         build_lr_schedulers_fn=nonfinite.guard_optimizer_step(build_lr_schedulers),
         build_dataloader_fn=config_boundary(data.build_dataloader),
         build_tokenizer_fn=config_boundary(data.build_tokenizer),

@@ -64,7 +64,7 @@ class TitanCausalLM:
     sequence length (positions, masks) from their input's shape."""
 
     takes_hidden_states = False
-    """Set on a pipeline stage after the first (``titan_ext.pipeline``): its forward takes the previous
+    """Set on a pipeline stage after the first (``titan_ext.parallel.pipeline``): its forward takes the previous
     stage's hidden states, though a tied head's stage holds the embedding (whose weight the head is)."""
 
     head_in_loss = False
@@ -86,7 +86,7 @@ class TitanCausalLM:
 
         ``positions`` come from torchtitan under context parallelism: each token's place in the whole
         row. A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of
-        tokens, and one without the head returns hidden states (``titan_ext.pipeline``).
+        tokens, and one without the head returns hidden states (``titan_ext.parallel.pipeline``).
         """
         if not self.takes_hidden_states:
             first = {"input_ids": tokens}
@@ -147,7 +147,8 @@ class TitanCausalLM:
                 if not _sharded_parameters(module):
                     raise
                 self._init_on_whole_tensors(owner, module)
-            if hasattr(module, "init_titan_ext_buffers"):  # state titan_ext adds to a module (titan_ext.moe's expert bias)
+            # state titan_ext adds to a module (the routing bias: titan_ext.models.moe.bias_router)
+            if hasattr(module, "init_titan_ext_buffers"):
                 module.init_titan_ext_buffers()
         if ties_embeddings(self.config) and None not in (self.get_input_embeddings(), self.get_output_embeddings()):
             self.tie_weights()  # a pipeline stage may hold the embedding alone
@@ -212,7 +213,7 @@ def _sharded_parameters(module: nn.Module) -> dict[str, DTensor]:
 def _without_tied_head(model: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     """A tied head's weight is the embedding's: state dicts (and so DCP checkpoints) hold it once, under the
     embedding's name, as HF checkpoints do; loading the embedding loads the head. A pipeline stage holding
-    the head holds the embedding too (``titan_ext.pipeline``), so every stage and one process agree."""
+    the head holds the embedding too (``titan_ext.parallel.pipeline``), so every stage and one process agree."""
     head = model.get_output_embeddings()
     if head is not None and model.get_input_embeddings() is not None:
         name = next(name for name, module in model.named_modules() if module is head)

@@ -69,8 +69,8 @@ class TransformersArchitecture(Architecture):
         # torch's fused SDPA kernels on every device; no flash-attn package needed.
         overrides = {"attn_implementation": "sdpa"} if getattr(model_class, "_supports_sdpa", False) else {}
         if hasattr(model_class.config_class, "output_router_logits"):
-            # titan_ext's loss counts the routers' balancing loss (titan_ext.moe); asked for router logits, the
-            # causal LM's own forward would add it again, from a mask it cannot read (a packed 4D one)
+            # titan_ext's loss counts the routers' balancing loss (titan_ext.models.moe.balance_loss); asked for router
+            # logits, the causal LM's own forward would add it again, from a mask it cannot read (a packed 4D one)
             overrides["output_router_logits"] = False
         return overrides
 

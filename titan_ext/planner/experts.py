@@ -31,9 +31,9 @@ def shares(total: int, parts: int) -> list[int]:
 @contextlib.contextmanager
 def evenly_routed(model_parts):
     """Every MoE block's experts module in ``model_parts`` computes with even routing inside the block."""
-    from titan_ext import moe
+    from titan_ext.models.moe.blocks import moe_blocks
 
-    swapped = [block.experts for part in model_parts for block in moe.moe_blocks(part)]
+    swapped = [block.experts for part in model_parts for block in moe_blocks(part)]
     for experts in swapped:
         if hasattr(experts, "ep_group"):
             forward = _parallel_forward
@@ -63,10 +63,11 @@ def _computed(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down
 
 
 def _parallel_forward(self, hidden_states, top_k_index, top_k_weights):
-    """``titan_ext.moe``'s forward: with each expert's intermediate dim split over TP (``split_intermediate``)
-    the inputs' gradients summed over the TP ranks (an all-reduce each in backward) and this rank's share of
-    every expert computed on its local weights; with expert parallelism its experts' slots exchanged."""
-    from titan_ext.moe import share_gradient
+    """``titan_ext.parallel.expert_parallel``'s forward: with each expert's intermediate dim split over TP
+    (``split_intermediate``) the inputs' gradients summed over the TP ranks (an all-reduce each in backward) and
+    this rank's share of every expert computed on its local weights; with expert parallelism its experts' slots
+    exchanged."""
+    from titan_ext.parallel.expert_parallel import share_gradient
 
     if self.split_intermediate:
         hidden_states, top_k_weights = (share_gradient(x, self.tp_mesh) for x in (hidden_states, top_k_weights))
@@ -118,9 +119,9 @@ def _forward(self, hidden_states, top_k_index, top_k_weights, looped: bool = Fal
 
 
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
-    """``titan_ext.moe``'s expert-parallel forward with the counts even routing gives: every rank sends each
-    rank the slots of that rank's experts and receives as many from each."""
-    from titan_ext.moe import _inverse
+    """``titan_ext.parallel.expert_parallel``'s expert-parallel forward with the counts even routing gives: every
+    rank sends each rank the slots of that rank's experts and receives as many from each."""
+    from titan_ext.parallel.expert_parallel import _inverse
 
     group, ep = self.ep_group, dist.get_world_size(self.ep_group)
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()

@@ -1,42 +1,35 @@
-"""Pipeline parallelism for HF-layout models: the train specs' ``pipelining_fn``.
+"""Pipeline parallelism for HF-layout models at run time: the train specs' ``pipelining_fn``.
 
 torchtitan's ``pipeline_llm`` splits a model by its own top-level names
 (``tok_embeddings``, ``layers.N``, ``norm``, ``output``) and re-indexes a
 ``ModuleList``. titan_ext's models nest HF names (``model.layers.N``) and must
 keep them, so checkpoints (DCP and HF) mean the same tensors with and without
 PP. Here each stage is a copy of the meta-device model holding its blocks under
-their original indices (``StageLayers``); the embedding, final norm and head
+their original indices (``StageLayers``), as the plan chose them
+(``titan_ext.parallel.pipeline_plan``); the embedding, final norm and head
 exist only on the stages that run them, and the adapter's forward takes hidden
 states where the embedding is gone and returns them where the head is
-(``titan_ext.models.adapter``). Stages are balanced as torchtitan balances its
-own (its ``generate_llm_fqn_per_model_part``, with the embedding and the head
-weighted as ``pipeline_parallel_first/last_stage_less_layers`` blocks), or follow
-``--parallelism.module_fqns_per_model_part`` in HF names. torchtitan's
-``build_pipeline_schedule`` runs any of its schedules over them. A head tied to
-the embedding has a copy of the weight on the first and on the last stage, kept
-equal (``TiedWeight``).
+(``titan_ext.models.adapter``). torchtitan's ``build_pipeline_schedule`` runs
+any of its schedules over them. A head tied to the embedding has a copy of the
+weight on the first and on the last stage, kept equal (``TiedWeight``).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import itertools
 import logging
-import math
 
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext import host_patches, moe
-from titan_ext.errors import ConfigError
+from titan_ext import host_patches
 from titan_ext.job_plan import PPChoice, plan_of
+from titan_ext.models.moe.bias_router import tokens_counted
+from titan_ext.models.moe.records import RECORDS
+from titan_ext.parallel.pipeline_plan import model_parts_of
 
 logger = logging.getLogger()
-
-DEGREE = "--parallelism.pipeline_parallel_degree"
-SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 
 
 class StageLayers(nn.Module):
@@ -59,222 +52,6 @@ class StageLayers(nn.Module):
 
     def __getitem__(self, index):
         return list(self._modules.values())[index]
-
-
-def model_parts_of(model: nn.Module) -> tuple[str, str, str, str]:
-    """FQNs of (input embedding, block list, final norm, output head), found in the model."""
-    s = model.structure
-    return s.embeddings, s.layers, s.final_norm, s.head
-
-
-def _schedule_class(name: str):
-    from torch.distributed.pipelining.schedules import get_schedule_class
-
-    try:
-        return get_schedule_class(name)
-    except ValueError as error:
-        raise ConfigError(f"{SCHEDULE}={name!r}: {error}; pick one of those") from None
-
-
-def _stages_per_rank(p, num_layers: int, single: bool) -> int:
-    """torchtitan's rule: 1 stage per rank for single-stage schedules, 2 for looped ones, unless
-    ``pipeline_parallel_layers_per_stage`` sets the count."""
-    per_stage = p.pipeline_parallel_layers_per_stage
-    if per_stage is None:
-        return 1 if single else 2
-    option = f"--parallelism.pipeline_parallel_layers_per_stage={per_stage}"
-    weights = p.pipeline_parallel_first_stage_less_layers + p.pipeline_parallel_last_stage_less_layers
-    stages = math.ceil((num_layers + weights) / per_stage)
-    if stages % p.pipeline_parallel_degree:
-        raise ConfigError(
-            f"{option} makes {stages} stages for {num_layers} blocks (+{weights} for embedding and head), which do not "
-            f"divide over {DEGREE}={p.pipeline_parallel_degree}; pick a layers-per-stage that does"
-        )
-    per_rank = stages // p.pipeline_parallel_degree
-    if single != (per_rank == 1):
-        need = "exactly 1 stage" if single else "at least 2 stages"
-        raise ConfigError(
-            f"{option} gives {per_rank} stage(s) per rank, and {SCHEDULE}={p.pipeline_parallel_schedule!r} runs "
-            f"{need} per rank; change the layers per stage or the schedule"
-        )
-    return per_rank
-
-
-def _balanced_stages(model: nn.Module, p, count: int, seq_len: int) -> list[list[str]]:
-    """torchtitan's balancing, in this model's names; a hybrid's by each layer's cost (``_cost_balanced``)."""
-    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
-
-    embeddings, layers, norm, head = model_parts_of(model)
-    num_layers = len(model.blocks())
-    if model.structure.hybrid:
-        return _cost_balanced(model, p, count, seq_len)
-    try:
-        generic = generate_llm_fqn_per_model_part(
-            count, num_layers, p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
-        )
-    except ValueError as error:
-        raise ConfigError(
-            f"{DEGREE}={p.pipeline_parallel_degree} cannot split {num_layers} blocks into {count} stages ({error}); "
-            "use fewer stages or a model with more blocks"
-        ) from None
-    rename = {"tok_embeddings": embeddings, "norm": norm, "output": head}
-    stages = [[rename.get(name, name.replace("layers.", f"{layers}.", 1)) for name in stage] for stage in generic]
-    return [[name for name in stage if name is not None] for stage in stages]  # no final norm of parameters
-
-
-def layer_costs(model: nn.Module, seq_len: int) -> list[int]:
-    """Training FLOPs per token of each block: 6 per matmul weight plus its token mixer's own
-    (``titan_ext.models.mixers``; a hybrid's attention layers cost more than its recurrent ones)."""
-    blocks = model.blocks()
-    return [6 * sum(p.numel() for p in block.parameters()) + (mixer.flops_per_token(model.config, i, seq_len) or 0)
-            for i, (block, mixer) in enumerate(zip(blocks, model.mixers))]
-
-
-def _cost_balanced(model: nn.Module, p, count: int, seq_len: int) -> list[list[str]]:
-    """Contiguous stages of at least one block each whose largest cost is smallest; the embedding and the
-    head weigh as many average blocks as torchtitan's ``pipeline_parallel_first/last_stage_less_layers``."""
-    embeddings, layers, norm, head = model_parts_of(model)
-    costs = layer_costs(model, seq_len)
-    n = len(costs)
-    if count > n:
-        raise ConfigError(f"{DEGREE}={p.pipeline_parallel_degree} cannot split {n} blocks into {count} stages; "
-                          "use fewer stages or a model with more blocks")
-    mean = sum(costs) / n
-    first, last = p.pipeline_parallel_first_stage_less_layers * mean, p.pipeline_parallel_last_stage_less_layers * mean
-    prefix = [0, *itertools.accumulate(costs)]
-
-    @functools.cache
-    def best(start: int, stages: int) -> tuple[float, tuple[int, ...]]:
-        """(largest stage cost, cut points) for blocks ``start:`` in ``stages`` stages."""
-        extra = first if start == 0 else 0
-        if stages == 1:
-            return prefix[n] - prefix[start] + extra + last, ()
-        options = []
-        for end in range(start + 1, n - stages + 2):
-            rest, cuts = best(end, stages - 1)
-            options.append((max(prefix[end] - prefix[start] + extra, rest), (end, *cuts)))
-        return min(options)
-
-    bounds = [0, *best(0, count)[1], n]
-    stages = [[f"{layers}.{i}" for i in range(a, b)] for a, b in zip(bounds, bounds[1:])]
-    stages[0].insert(0, embeddings)
-    stages[-1] += [name for name in (norm, head) if name is not None]
-    return stages
-
-
-def _check_given_stages(model: nn.Module, stages: list[list[str]]) -> None:
-    """``module_fqns_per_model_part``: every part named once, each name a part of this model."""
-    embeddings, layers, norm, head = model_parts_of(model)
-    parts = [embeddings, *(f"{layers}.{i}" for i in range(len(model.blocks()))), *([norm] if norm else []), head]
-    named = [name for stage in stages for name in stage]
-    option = "--parallelism.module_fqns_per_model_part"
-    for name in named:
-        if name not in parts:
-            raise ConfigError(f"{option} names {name!r}, which is not a part of this model; its parts are {parts}")
-    missing = [name for name in parts if name not in named]
-    twice = sorted({name for name in named if named.count(name) > 1})
-    if missing or twice:
-        raise ConfigError(f"{option} must name every part once: missing {missing}, repeated {twice}")
-
-
-def pp_choice(model: nn.Module, job_config, world_size: int) -> PPChoice | None:
-    """Check PP against the meta-device model and decide the stages (before the build)."""
-    p = job_config.parallelism
-    if p.pipeline_parallel_degree <= 1:
-        return None
-    from torch.distributed.pipelining.schedules import (
-        PipelineScheduleSingle,
-        ScheduleDualPipeV,
-        ScheduleZBVZeroBubble,
-    )
-
-    schedule = p.pipeline_parallel_schedule
-    schedule_class = _schedule_class(schedule)
-    training = job_config.training
-    batch, micro = training.local_batch_size, p.pipeline_parallel_microbatch_size
-    if batch % micro:
-        raise ConfigError(
-            f"--training.local_batch_size={batch} is not divisible by --parallelism.pipeline_parallel_microbatch_size="
-            f"{micro}; pick sizes that divide"
-        )
-    validation = job_config.validation
-    if validation.enable and (validation.local_batch_size != batch or validation.seq_len != training.seq_len):
-        raise ConfigError(  # the schedule's microbatches and stage buffers are sized once, for training's batch
-            f"--validation.local_batch_size={validation.local_batch_size} and --validation.seq_len={validation.seq_len} "
-            f"must equal training's ({batch}, {training.seq_len}) under {DEGREE}={p.pipeline_parallel_degree}; "
-            "set them to training's"
-        )
-    if p.module_fqns_per_model_part:
-        stages = [list(stage) for stage in p.module_fqns_per_model_part]
-        _check_given_stages(model, stages)
-    else:
-        per_rank = _stages_per_rank(p, len(model.blocks()), issubclass(schedule_class, PipelineScheduleSingle))
-        stages = _balanced_stages(model, p, per_rank * p.pipeline_parallel_degree, training.seq_len)
-    if len(stages) % p.pipeline_parallel_degree:
-        raise ConfigError(
-            f"{len(stages)} pipeline stages do not divide over {DEGREE}={p.pipeline_parallel_degree}; "
-            "give a multiple of the degree"
-        )
-    v_shape = schedule_class in (ScheduleZBVZeroBubble, ScheduleDualPipeV)
-    if v_shape and validation.enable:
-        raise ConfigError(
-            f"--validation.enable with {SCHEDULE}={schedule!r}: torch's forward-only pass of a V-shaped schedule "
-            "waits forever for a receive (seen on gloo); validate with another schedule or turn validation off"
-        )
-    per_rank = len(stages) // p.pipeline_parallel_degree
-    if v_shape and per_rank != 2:
-        raise ConfigError(f"{SCHEDULE}={schedule!r} runs 2 stages per rank (a V), not {per_rank}; give 2 per rank")
-    if schedule_class is ScheduleDualPipeV and p.pipeline_parallel_expert_parallel_overlap and not torch.accelerator.is_available():
-        raise ConfigError(
-            f"{SCHEDULE}='DualPipeV' with --parallelism.pipeline_parallel_expert_parallel_overlap (torchtitan's "
-            "default) needs an accelerator's streams; set --parallelism.no-pipeline_parallel_expert_parallel_overlap "
-            "(it overlaps expert-parallel communication, which titan_ext's models do not have)"
-        )
-    _check_microbatches(schedule, schedule_class, batch // micro, p.pipeline_parallel_degree)
-    if schedule_class is ScheduleDualPipeV and batch // micro < len(stages):
-        raise ConfigError(
-            f"{SCHEDULE}='DualPipeV' needs a microbatch per stage: {batch // micro} microbatches for {len(stages)} stages; "
-            "raise --training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size"
-        )
-    if v_shape and not torch.accelerator.is_available() and torch.__version__ < "2.13":
-        raise ConfigError(
-            f"{SCHEDULE}={schedule!r} on CPU (gloo) needs torch 2.13 or later: torch {torch.__version__}'s V-shaped "
-            "schedules first send to their own rank, which gloo cannot (the job stalls until its timeout); pick another schedule"
-        )
-    step_batch = training.local_batch_size * _dp_degree(job_config, world_size)
-    accumulation = training.global_batch_size // step_batch if training.global_batch_size > 0 else 1
-    return PPChoice(p.pipeline_parallel_degree, schedule, accumulation, tuple(tuple(s) for s in stages), v_shape)
-
-
-def _check_microbatches(schedule: str, schedule_class: type, microbatches: int, degree: int) -> None:
-    """What torch's schedules assert when the schedule is built, after the model: 1F1B needs a microbatch per
-    stage; the interleaved ones a whole number of rounds (``max(1, microbatches // degree)``)."""
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
-
-    fix = ("raise --training.local_batch_size or lower --parallelism.pipeline_parallel_microbatch_size "
-           "(microbatches = local batch / microbatch size)")
-    if issubclass(schedule_class, Schedule1F1B) and microbatches < degree:
-        raise ConfigError(
-            f"{SCHEDULE}={schedule!r} needs at least one microbatch per stage: {microbatches} microbatch(es) for "
-            f"{DEGREE}={degree}; {fix}"
-        )
-    rounds = max(1, microbatches // degree)
-    if issubclass(schedule_class, (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)) and microbatches % rounds:
-        raise ConfigError(
-            f"{SCHEDULE}={schedule!r} runs the microbatches in rounds of {DEGREE}={degree}: {microbatches} "
-            f"microbatches are not a multiple of its {rounds} rounds; {fix}"
-        )
-
-
-def _dp_degree(job_config, world_size: int) -> int:
-    from titan_ext.inputs import degrees
-
-    p = job_config.parallelism
-    return degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
 
 
 def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
@@ -332,7 +109,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
         stages.append(MicroBatchStage(part, index, len(choice.stages), device, group=mesh.get_group()))
         parts.append(part)
         logger.info(f"PP: stage {index} of {len(choice.stages)} holds {list(choice.stages[index])}")
-    moe.RECORDS.live = False  # until a stage runs a microbatch (MicroBatchStage)
+    RECORDS.live = False  # until a stage runs a microbatch (MicroBatchStage)
     from titan_ext.cpu_mode import on_gloo
 
     # the last stage's labels are this rank's piece of its batch: count them over data and context parallel ranks
@@ -482,7 +259,7 @@ class TokenMeanSchedule:
 
     def loss_fn(self, pred, labels):
         if self._warming_up:
-            moe.RECORDS.take()  # what the forward left for the MoE balancing loss, dropped with the loss
+            RECORDS.take()  # what the forward left for the MoE balancing loss, dropped with the loss
             return pred.sum() * 0  # a loss for the schedule's backward, kept from the non-finite guard
         if self._tokens is None:  # validation: the sum, as the validator expects
             return self._loss_fn(pred, labels)
@@ -502,11 +279,11 @@ class TokenMeanSchedule:
             self._tied.sync()
         if self._warm_up:  # once, on gloo: see the class docstring
             self._warm_up, self._warming_up = False, True
-            routing = moe.RECORDS.stats  # a MoE model's routing counts: the warm-up's are not a step's
-            counted = moe.tokens_counted(self._parts)
+            routing = RECORDS.stats  # a MoE model's routing counts: the warm-up's are not a step's
+            counted = tokens_counted(self._parts)
             self._schedule.step(*args, target=target, losses=[] if losses is not None else None, **kwargs)
-            self._warming_up, moe.RECORDS.stats = False, routing
-            moe.tokens_counted(self._parts, counted)
+            self._warming_up, RECORDS.stats = False, routing
+            tokens_counted(self._parts, counted)
             for part in self._parts:
                 part.zero_grad(set_to_none=True)
         result = self._schedule.step(*args, target=target, losses=losses, **kwargs)
@@ -558,7 +335,8 @@ class MicroBatchStage(PipelineStage):
     and activation checkpointing recomputes blocks inside a backward: the layout keeps one record per
     micro-batch, and the stage selects it before each forward and backward (``PieceLayout.micro_batch``).
     Without CP it is torch's stage. For a MoE model it also marks the forwards of micro-batches as the ones
-    its routers record and count (``moe.RouterRecords.live``), not torch's metadata inference.
+    its routers record and count (``RouterRecords.live``, ``titan_ext.models.moe.records``), not torch's
+    metadata inference.
     """
 
     def _select(self, index: int) -> None:
@@ -568,11 +346,11 @@ class MicroBatchStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self._select(fwd_chunk_id)
-        moe.RECORDS.live = True  # a MoE model's routers record this forward, not torch's metadata inference
+        RECORDS.live = True  # a MoE model's routers record this forward, not torch's metadata inference
         try:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         finally:
-            moe.RECORDS.live = False
+            RECORDS.live = False
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         self._select(bwd_chunk_id)

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext import host_patches, moe
+from titan_ext import moe
+from titan_ext.parallel import host_patches
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import PPChoice, plan_of
 

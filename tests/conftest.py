@@ -99,12 +99,13 @@ def guest_runs(request, matrix_launch):
 @pytest.fixture(scope="session", autouse=True)
 def fla_kernels_tuned_as_in_cuda_jobs():
     """On a GPU machine the CUDA tests' fla kernels autotune as titan_ext's jobs on CUDA do, their configs
-    compiled together (``host_patches.CUDA``): on a fresh H200 they took 403 s, compiling and tuning one config
+    compiled together (``kernels.host_patches.CUDA``): on a fresh H200 they took 403 s, compiling and tuning one config
     at a time."""
     import torch
 
     if torch.cuda.is_available():
-        from titan_ext import host_patches
+        from titan_ext.host import patches
+        from titan_ext.kernels import host_patches as kernel_patches
 
-        host_patches.apply_once(host_patches.CUDA)
+        patches.apply_once(kernel_patches.CUDA)
     yield

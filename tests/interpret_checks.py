@@ -24,9 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from titan_ext import host_patches  # noqa: E402
+from titan_ext.host import patches  # noqa: E402
+from titan_ext.kernels import host_patches as kernel_patches  # noqa: E402
 
-host_patches.apply_once(host_patches.INTERPRETER)
+patches.apply_once(kernel_patches.INTERPRETER)
 
 
 def rel(a, b) -> float:
@@ -363,7 +364,7 @@ def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
     from titan_ext.job_plan import CPChoice
     from titan_ext.kernels.state_passing import piece_order
 
-    host_patches.apply_once(host_patches.INTERPRETER)  # a forkserver child imports afresh
+    patches.apply_once(kernel_patches.INTERPRETER)  # a forkserver child imports afresh
     worst = {}
     for name in names:
         args = tiny_args(name, **({"use_short_conv": True} if name == "gla" else {}))
@@ -393,7 +394,7 @@ def _tp_rank(rank, mesh, name="gated_deltanet"):
 
     from titan_ext.tensor_parallel import plan_class
 
-    host_patches.apply_once(host_patches.INTERPRETER)
+    patches.apply_once(kernel_patches.INTERPRETER)
     args = tiny_args(name)
     whole = built(args, "fla")
     model = built(args, "fla", like=whole)

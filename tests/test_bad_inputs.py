@@ -353,9 +353,9 @@ def test_a_damaged_dcp_step_is_one_line_naming_the_file(tmp_path, case):
 def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
     """With titan_ext's save (its manifest, written before DCP's .metadata) a flipped byte is found; DCP alone
     records no checksum, so the same step saved without it passes its size check."""
-    from titan_ext import host_patches
+    from titan_ext.host import checkpoint_patches, patches
 
-    with host_patches.scoped(host_patches.CHECKPOINT_MANIFEST):
+    with patches.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "titan_ext" / "step-10", EXPECTED))
     plain = Path(save_dcp(tmp_path / "dcp" / "step-10", EXPECTED))
     assert (path / checkpoints.MANIFEST).is_file() and not (plain / checkpoints.MANIFEST).exists()
@@ -370,9 +370,9 @@ def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
 
 def test_each_rank_reads_the_checksums_of_its_share_of_the_files(tmp_path, monkeypatch):
     """Rank r of N sums every N-th file: the job reads its checkpoint once in all; sizes every rank checks."""
-    from titan_ext import host_patches
+    from titan_ext.host import checkpoint_patches, patches
 
-    with host_patches.scoped(host_patches.CHECKPOINT_MANIFEST):
+    with patches.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "step-10", EXPECTED))
     data = bytearray(shard(path).read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -211,9 +211,9 @@ DOCUMENT_STARTS = [0, 13, 40, 41, 80, 100, 150]
 
 def _two_ranks(rank, mesh):
     """One of two gloo ranks: each case's model under CP=2 on this rank's pieces vs one process on the whole batch."""
-    from titan_ext import host_patches
+    from titan_ext.host import cpu_patches
 
-    host_patches.apply_cpu_mode()  # torch's ring on the CPU (this forked rank's own copy of torch)
+    cpu_patches.apply_cpu_mode()  # torch's ring on the CPU (this forked rank's own copy of torch)
     compat.torch_cp_options()._cp_options.convert_to_f32 = False  # the ring merges fp64 blocks in fp64
     from titan_ext.kernels import cp_attention
 
@@ -300,13 +300,13 @@ def test_two_ranks_equal_one_process():
 
 @pytest.fixture
 def ring_on_cpu():
-    """torch's ring attention with titan_ext's CPU handlers (``host_patches.CPU_MODE``), in this process only
+    """torch's ring attention with titan_ext's CPU handlers (``host.cpu_patches.CPU_MODE``), in this process only
     for the test; torch's CP dispatcher (turned on by ``apply_cp``) is turned off after it."""
     from torch.distributed.tensor.experimental._attention import _disable_context_parallel_dispatcher
 
-    from titan_ext import host_patches
+    from titan_ext.host import cpu_patches
 
-    undo = next(p for p in host_patches.CPU_MODE if p.target.endswith(":custom_ops")).apply()
+    undo = next(p for p in cpu_patches.CPU_MODE if p.target.endswith(":custom_ops")).apply()
     options = compat.torch_cp_options()._cp_options
     saved = (options.enable_load_balance, options.rotate_method)
     try:

@@ -197,19 +197,19 @@ def test_apply_cpu_mode_rebinds_torchtitan_devices_and_undo_restores_them():
     import torchtitan.tools.utils as tools_utils
     from torch.distributed.fsdp import FSDPModule
 
-    from titan_ext import host_patches
     from titan_ext.cpu_mode import CPU_DEVICE_MODULE
+    from titan_ext.host import cpu_patches, patches
 
-    if host_patches.active():
+    if patches.active():
         pytest.skip("host patches are already applied in this process")
     targets = [(tools_utils, "device_type"), (tools_utils, "device_module"), (tools_utils, "get_peak_flops"),
                (dist_utils, "device_type"), (dist_utils, "device_module"), (parallel_dims, "device_type"),
                (metrics, "device_type"), (metrics, "device_module")]
     originals = {(m.__name__, name): getattr(m, name) for m, name in targets}
     divide_factor = vars(FSDPModule)["set_gradient_divide_factor"]
-    assert {p.target for p in host_patches.CPU_MODE} >= {f"{m}:{n}" for m, n in originals}
+    assert {p.target for p in cpu_patches.CPU_MODE} >= {f"{m}:{n}" for m, n in originals}
 
-    host_patches.apply_cpu_mode()
+    cpu_patches.apply_cpu_mode()
     try:
         for module in (tools_utils, dist_utils, metrics, parallel_dims):
             assert module.device_type == "cpu", module.__name__
@@ -221,8 +221,8 @@ def test_apply_cpu_mode_rebinds_torchtitan_devices_and_undo_restores_them():
         monitor = metrics.build_device_memory_monitor()
         assert monitor.get_peak_stats().max_reserved_gib > 0
     finally:
-        host_patches.undo()
-    assert not host_patches.active()
+        patches.undo()
+    assert not patches.active()
     for (module_name, name), original in originals.items():
         module = {m.__name__: m for m, _ in targets}[module_name]
         assert getattr(module, name) is original, f"{module_name}.{name} not restored"

@@ -1,4 +1,5 @@
-"""``import titan_ext`` leaves its hosts alone; every change it makes is in ``host_patches`` and undoes exactly."""
+"""``import titan_ext`` leaves its hosts alone; every change it makes is a row of a table in one of
+``host.patches.TABLE_MODULES`` and undoes exactly."""
 
 import json
 import signal
@@ -10,7 +11,12 @@ import pytest
 from launch import REPO
 
 import titan_ext  # noqa: F401
-from titan_ext import host_patches, kernels
+from titan_ext import compat, kernels
+from titan_ext.checkpoints import host_patches as strided_patches
+from titan_ext.host import checkpoint_patches, cpu_patches, job_patches, patches
+from titan_ext.kernels import host_patches as kernel_patches
+from titan_ext.parallel import host_patches as pipeline_patches
+from titan_ext.planner import host_patches as planner_patches
 
 # Run in a fresh interpreter: the test process has imported titan_ext (and built models) long before.
 IMPORT_CHANGES_NOTHING = r"""
@@ -79,29 +85,50 @@ def test_import_does_not_import_fla_or_transformers():
 
 
 def test_every_row_says_why_and_for_which_versions():
-    for patch in (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.BUILD, *host_patches.STRIDED_CHECKPOINT,
-                  *host_patches.PLANNER, *host_patches.INTERPRETER, *host_patches.CUDA,
-                  *host_patches.CHECKPOINT_MANIFEST, *host_patches.SKIP_DAMAGED_STEPS):
-        owner, name = patch.owner_and_name()  # the target exists in the installed version
-        assert hasattr(owner, name), patch.target
-        assert patch.why and patch.checked, patch.target
+    for row in patches.rows():
+        owner, name = compat.owner_and_name(row.target)  # the target exists in the installed version
+        # an instance row names an attribute the class defines or declares (torchtitan sets
+        # MetricsProcessor.logger in __init__), any other row one its module, class or object holds
+        assert hasattr(owner, name) or (isinstance(row, patches.InstancePatch)
+                                        and name in getattr(owner, "__annotations__", {})), row.target
+        assert row.why and row.checked, row.target
     for path in kernels.PATHS:
         assert kernels.replacements(path)  # every kernel module's KERNELS row resolves
-    for row in host_patches.PER_JOB:
-        owner, name = host_patches.owner_and_name(row.target)
-        # a class row names an attribute the class defines or declares (torchtitan sets MetricsProcessor.logger
-        # in __init__), a flag row one its module or object holds
-        assert hasattr(owner, name) or name in getattr(owner, "__annotations__", {}), row.target
-        assert row.why and row.checked, row.target
+
+
+def test_the_tables_are_those_of_the_table_modules():
+    """``rows()`` holds every table a reader finds (each module's ``TABLES``): 38 rows, each once."""
+    tables = (cpu_patches.CPU_MODE, job_patches.PER_JOB, checkpoint_patches.CHECKPOINT_MANIFEST,
+              checkpoint_patches.SKIP_DAMAGED_STEPS, pipeline_patches.PIPELINE, strided_patches.STRIDED_CHECKPOINT,
+              kernel_patches.BUILD, kernel_patches.INTERPRETER, kernel_patches.CUDA, planner_patches.PLANNER)
+    assert [id(row) for row in patches.rows()] == [id(row) for table in tables for row in table]
+    assert len(patches.rows()) == 38
+
+
+def defining_modules() -> set[str]:
+    """The package modules whose code builds a row (calls ``Patch``, ``Setting`` or ``InstancePatch``)."""
+    import ast
+
+    kinds, found = {"Patch", "Setting", "InstancePatch"}, set()
+    for path in (REPO / "titan_ext").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in kinds:
+                found.add(".".join(path.relative_to(REPO).with_suffix("").parts))
+    return found
+
+
+def test_every_module_that_builds_a_row_is_a_table_module():
+    """A table outside ``TABLE_MODULES`` would be a change no reader of the list finds."""
+    assert defining_modules() == set(patches.TABLE_MODULES)
 
 
 def test_a_setting_row_is_undone():
     import torch._dynamo.config as dynamo_config
 
     before = dynamo_config.optimize_ddp
-    host_patches.OPTIMIZE_DDP.set("ddp_optimizer")
+    job_patches.OPTIMIZE_DDP.set("ddp_optimizer")
     assert dynamo_config.optimize_ddp == "ddp_optimizer"
-    host_patches.undo()
+    patches.undo()
     assert dynamo_config.optimize_ddp == before
 
 
@@ -113,39 +140,39 @@ def test_an_instance_row_changes_one_object_of_its_class_only():
             pass
 
     one, other = Mine(), Mine()
-    host_patches.OPTIMIZER_STEP.apply(one, lambda step: "guarded")
+    job_patches.OPTIMIZER_STEP.apply(one, lambda step: "guarded")
     assert one.step == "guarded" and other.step != "guarded"
     with pytest.raises(TypeError, match="OptimizersContainer"):
-        host_patches.OPTIMIZER_STEP.apply(object(), lambda step: step)
+        job_patches.OPTIMIZER_STEP.apply(object(), lambda step: step)
 
 
 def test_undo_restores_every_original():
     originals = {}
-    host_patches.undo()  # whatever earlier tests left
-    rows = (*host_patches.CPU_MODE, *host_patches.PIPELINE, *host_patches.STRIDED_CHECKPOINT,
-            *host_patches.SKIP_DAMAGED_STEPS)
+    patches.undo()  # whatever earlier tests left
+    rows = (*cpu_patches.CPU_MODE, *pipeline_patches.PIPELINE, *strided_patches.STRIDED_CHECKPOINT,
+            *checkpoint_patches.SKIP_DAMAGED_STEPS)
     for patch in rows:
         owner, name = patch.owner_and_name()
         originals[patch.target] = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     filters, handlers = list(warnings.filters), {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
-    host_patches.apply_job()
-    host_patches.apply_once(host_patches.CHECKPOINT_MANIFEST)
-    host_patches.apply_once(host_patches.SKIP_DAMAGED_STEPS)
-    host_patches.apply_signal_handlers(lambda number, frame: None)
+    job_patches.apply_job()
+    patches.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
+    patches.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
+    job_patches.apply_signal_handlers(lambda number, frame: None)
     assert "finish" in vars(FileSystemWriter) and signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]
-    host_patches.apply_cpu_mode()
-    host_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
-    host_patches.apply_once(host_patches.PIPELINE)
-    host_patches.apply_once(host_patches.PIPELINE)
-    host_patches.apply_once(host_patches.STRIDED_CHECKPOINT)
+    cpu_patches.apply_cpu_mode()
+    cpu_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
+    patches.apply_once(pipeline_patches.PIPELINE)
+    patches.apply_once(pipeline_patches.PIPELINE)
+    patches.apply_once(strided_patches.STRIDED_CHECKPOINT)
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
     assert tools_utils.device_type == "cpu" and len(warnings.filters) > len(filters)
     assert dist_utils.clip_grad_norm_ is not originals["torchtitan.distributed.utils:clip_grad_norm_"]
-    host_patches.undo()
+    patches.undo()
     for patch in rows:
         owner, name = patch.owner_and_name()
         now = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
@@ -153,14 +180,14 @@ def test_undo_restores_every_original():
     assert "finish" not in vars(FileSystemWriter)  # inherited again, as shipped
     assert {n: signal.getsignal(n) for n in handlers} == handlers
     assert warnings.filters == filters
-    assert not host_patches.active()
+    assert not patches.active()
 
 
 def test_build_patches_last_only_while_building():
     import fla.layers.attn as attn
 
     before = attn.flash_attn_func
-    with host_patches.building():
+    with kernel_patches.building():
         assert attn.flash_attn_func is not None
     assert attn.flash_attn_func is before
 
@@ -214,26 +241,26 @@ def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
     """Each JOB_WARNINGS/JOB_LOGS row drops its message during a titan_ext job, and only then."""
     import logging
 
-    host_patches.undo()
+    patches.undo()
 
     def emitted() -> int:
         caplog.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.filterwarnings("always", append=True)  # behind the job's filters, which come first
-            for message, _, _ in host_patches.JOB_WARNINGS:
+            for message, _, _ in job_patches.JOB_WARNINGS:
                 warnings.warn(message.replace(".*", " (FSDPGLAForTitan) "), UserWarning)
         with caplog.at_level(logging.WARNING):
-            for name, part, _ in host_patches.JOB_LOGS:
+            for name, part, _ in job_patches.JOB_LOGS:
                 logging.getLogger(name).warning(f"x {part} y")
         return len(caught) + len(caplog.records)
 
-    everything = len(host_patches.JOB_WARNINGS) + len(host_patches.JOB_LOGS)
+    everything = len(job_patches.JOB_WARNINGS) + len(job_patches.JOB_LOGS)
     assert emitted() == everything
-    host_patches.apply_job()
+    job_patches.apply_job()
     try:
         assert emitted() == 0
     finally:
-        host_patches.undo()
+        patches.undo()
     assert emitted() == everything
 
 
@@ -245,16 +272,16 @@ def test_an_entry_point_is_quiet_for_its_call_alone(caplog):
         caplog.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.filterwarnings("always", append=True)
-            for message, _, _ in host_patches.ENTRY_WARNINGS:
+            for message, _, _ in job_patches.ENTRY_WARNINGS:
                 warnings.warn(f"{message} y", FutureWarning)
         with caplog.at_level(logging.WARNING):
-            for name, part, _ in host_patches.JOB_LOGS:
+            for name, part, _ in job_patches.JOB_LOGS:
                 logging.getLogger(name).warning(f"x {part} y")
         return len(caught) + len(caplog.records)
 
-    everything = len(host_patches.ENTRY_WARNINGS) + len(host_patches.JOB_LOGS)
+    everything = len(job_patches.ENTRY_WARNINGS) + len(job_patches.JOB_LOGS)
     assert emitted() == everything
-    with host_patches.quiet_entry():
+    with job_patches.quiet_entry():
         assert emitted() == 0
     assert emitted() == everything
 
@@ -275,13 +302,13 @@ def test_document_positions_reach_every_pipeline_stage():
     labels = torch.zeros(2, 4, dtype=torch.long)
     _, _, extra_inputs, extra_kwargs = trainer.post_dataloading_process(dict(batch), labels)
     assert "document_positions" in extra_inputs and "document_positions" not in extra_kwargs  # torchtitan's split
-    host_patches.TRAINER_BATCH.apply(trainer, documents.to_every_stage)
+    job_patches.TRAINER_BATCH.apply(trainer, documents.to_every_stage)
     _, _, extra_inputs, extra_kwargs = trainer.post_dataloading_process(dict(batch), labels)
     assert extra_inputs == {} and extra_kwargs["document_positions"] is batch["document_positions"]
     assert "post_dataloading_process" not in vars(Trainer) or vars(Trainer)["post_dataloading_process"] is \
         Trainer.post_dataloading_process  # the class is untouched
     with pytest.raises(TypeError):
-        host_patches.TRAINER_BATCH.apply(types.SimpleNamespace(), documents.to_every_stage)
+        job_patches.TRAINER_BATCH.apply(types.SimpleNamespace(), documents.to_every_stage)
 
 
 def test_the_planners_fake_cache_keys_tell_apart_exactly_what_torchs_do():
@@ -306,7 +333,7 @@ def test_the_planners_fake_cache_keys_tell_apart_exactly_what_torchs_do():
         return [mode._cache_key(_CacheKeyState(mode.shape_env), torch.ops.aten.add.Tensor, args, {}) for args in calls]
 
     torchs, shipped = keys(), FakeTensorMode._prep_args_for_hash
-    with host_patches.scoped((host_patches.FAKE_CACHE_KEYS,)):
+    with patches.scoped((planner_patches.FAKE_CACHE_KEYS,)):
         assert FakeTensorMode._prep_args_for_hash is not shipped
         ours = keys()
     assert FakeTensorMode._prep_args_for_hash is shipped
@@ -337,7 +364,7 @@ def test_a_planned_ranks_mesh_has_the_groups_and_names_it_has_without_the_planne
         import torch
 
         if torch.__version__ >= "2.13":  # torch 2.11's new_group takes other arguments: left as shipped there
-            assert c10d._new_group_with_tag.__module__ == "titan_ext.host_patches"
+            assert c10d._new_group_with_tag.__module__ == "titan_ext.planner.host_patches"
         planned = groups()
     assert c10d._new_group_with_tag.__module__ == "torch.distributed.distributed_c10d"  # restored
     dist.init_process_group("fake", store=compat.fake_process_group().FakeStore(), rank=21, world_size=64)

@@ -10,9 +10,11 @@ import pytest
 import torch
 from launch import REPO
 
-from titan_ext import compat, host_patches
+from titan_ext import compat
 from titan_ext.errors import ConfigError
+from titan_ext.host import patches
 from titan_ext.job import INTERPRETER_TRITON
+from titan_ext.kernels import host_patches as kernel_patches
 
 CHECKS = REPO / "tests" / "interpret_checks.py"
 EXPECTED = [
@@ -54,16 +56,16 @@ def test_interpret_bridges_are_host_patch_rows_undone_by_undo():
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
 
-    host_patches.undo()
+    patches.undo()
     before = (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer)
-    host_patches.apply_once(host_patches.INTERPRETER)
+    patches.apply_once(kernel_patches.INTERPRETER)
     try:
         assert interpreter.FunctionRewriter.ast_transformer is not before[1]
         assert autotuner.Autotuner._bench is not before[0]
-        for patch in host_patches.INTERPRETER:
+        for patch in kernel_patches.INTERPRETER:
             assert patch.why and patch.checked
     finally:
-        host_patches.undo()
+        patches.undo()
     assert (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer) == before
 
 

@@ -1,7 +1,8 @@
 """The import graph of ``titan_ext`` and ``model_plans``, imports inside functions counted: one way, no cycle.
 
 registration (``titan_ext/__init__``, ``train_specs``) -> the coordinator (``job``) -> features -> models ->
-kernels; the plan's data (``job_plan``) is a leaf every layer may read.
+kernels; the plan's data (``job_plan``) is a leaf every layer may read, and so is the machinery every table of
+changes to a host library uses (``host.patches``).
 """
 
 import ast
@@ -13,6 +14,7 @@ REGISTRATION = {"titan_ext", "titan_ext.train_specs"}
 COORDINATOR = "titan_ext.job"
 WINGS = ("titan_ext.host", "titan_ext.parallel")
 """Packages above the models (issue 61's wings): each module in them counts as a feature, as a top-level one does."""
+PATCH_MACHINERY = "titan_ext.host.patches"
 
 
 def modules() -> dict[str, Path]:
@@ -103,13 +105,18 @@ def test_the_plan_data_is_a_leaf():
     assert import_graph()["titan_ext.job_plan"] == set()
 
 
+def test_the_patch_machinery_is_a_leaf():
+    """Kernels, models, features and the planner each keep their table beside their code, on one machinery."""
+    assert import_graph()[PATCH_MACHINERY] == {"titan_ext.compat"}
+
+
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """Module -> what it imports against the flow: kernels import no model, feature or coordinator; models no
     feature or coordinator; model_plans no titan_ext."""
     features = {name for name in graph if name.startswith("titan_ext.") and name.count(".") == 1} - {
         "titan_ext.job_plan", "titan_ext.errors", "titan_ext.compat", "titan_ext.cpu_mode", "titan_ext.inputs",
-        "titan_ext.host_patches", "titan_ext.kernels", "titan_ext.models",
-    } | {name for name in graph if name.startswith(tuple(f"{wing}." for wing in WINGS))}
+        "titan_ext.kernels", "titan_ext.models",
+    } | {name for name in graph if name.startswith(tuple(f"{wing}." for wing in WINGS))} - {PATCH_MACHINERY}
     found = {}
     for name, targets in graph.items():
         if name.startswith("model_plans"):

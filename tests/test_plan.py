@@ -52,9 +52,9 @@ all-to-alls' bytes summed over the ranks equal the real ranks' sum (every slot i
 def _host_patches_undone():
     """The planner points torchtitan at the CPU in its process (``titan_ext.plan.prepare``): not for later tests."""
     yield
-    from titan_ext import host_patches
+    from titan_ext.host import patches
 
-    host_patches.undo()
+    patches.undo()
 
 
 def argv(flags: list[str], dump: Path | None = None) -> list[str]:
@@ -193,7 +193,7 @@ def test_recorded_bytes_are_the_whole_buffer_for_c10d_and_functional_collectives
 
 def test_a_step_peak_counts_no_dtensor_shape_inference():
     """DTensor infers an op's global output shape on fake tensors of the global shapes where its cache does not
-    know the op yet, as in a planned step (a first one): no memory (``host_patches.SHAPE_INFERENCE``). The peak
+    know the op yet, as in a planned step (a first one): no memory (``planner.host_patches.SHAPE_INFERENCE``). The peak
     of a DTensor op is its local result's 2 KiB, not the 8 KiB more of a global input and output."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -10,7 +10,8 @@ import pytest
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.utils import Color, NoColor
 
-from titan_ext import host_patches, progress
+from titan_ext import progress
+from titan_ext.host import job_patches, patches
 
 
 def processor(color, peak: float) -> MetricsProcessor:
@@ -99,9 +100,9 @@ def test_the_quiet_filter_leaves_with_undo():
     root.addHandler(handler)
     try:
         quiet = progress.OtherRankQuiet()
-        host_patches.quiet_other_rank(quiet)
+        job_patches.quiet_other_rank(quiet)
         assert quiet in handler.filters
-        host_patches.undo()
+        patches.undo()
         assert quiet not in handler.filters
     finally:
         root.removeHandler(handler)

@@ -1,6 +1,6 @@
 """fla's ``Attention`` on PyTorch SDPA (no flash-attn) against explicit softmax attention, fp32.
 
-fla's layer refuses to build without flash-attn except inside ``host_patches.building()``;
+fla's layer refuses to build without flash-attn except inside ``kernels.host_patches.building()``;
 ``kernels.portable`` then gives that one layer SDPA (and torch rotary/RMSNorm). fla is not changed.
 """
 
@@ -12,8 +12,8 @@ import torch
 from fla.layers.attn import Attention
 
 from titan_ext import kernels
-from titan_ext.host_patches import building
 from titan_ext.kernels import sdpa_attention
+from titan_ext.kernels.host_patches import building
 
 FLASH_ATTN_AS_SHIPPED = fla.layers.attn.flash_attn_func
 

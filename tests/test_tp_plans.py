@@ -281,7 +281,7 @@ def tiny_llama():
 def tiny_transformer():
     from fla.models import TransformerConfig, TransformerForCausalLM
 
-    from titan_ext.host_patches import building
+    from titan_ext.kernels.host_patches import building
 
     config = TransformerConfig(hidden_size=64, num_hidden_layers=1, num_heads=4, num_kv_heads=2, vocab_size=128,
                                qk_norm=True, fuse_cross_entropy=False, fuse_linear_cross_entropy=False)

@@ -438,10 +438,10 @@ def _tie_derived_dims(defaults: dict[str, Any], fields: dict[str, Any]) -> None:
 
 def _building(library: str):
     """fla's softmax ``Attention`` refuses to be built without flash-attn; titan_ext builds it with torch's SDPA
-    (``host_patches.BUILD``), as its jobs do."""
+    (``kernels.host_patches.BUILD``), as its jobs do."""
     if library != "fla":
         return contextlib.nullcontext()
-    from titan_ext.host_patches import building
+    from titan_ext.kernels.host_patches import building
 
     return building()
 

@@ -252,11 +252,12 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice, gathers: str):
         return functools.partial(cp_attention.gathered_sdpa, layout=layout)
     from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
 
-    from titan_ext import compat, host_patches
+    from titan_ext import compat
+    from titan_ext.host import job_patches
 
     ring = cp_attention.RingSDPA(layout.per_rank)
     apply_cp_to_attention_module([ring], cp_mesh, "sdpa")
-    host_patches.CP_ROTATE_METHOD.set(choice.rotate_method, compat.torch_cp_options().set_rotate_method)
+    job_patches.CP_ROTATE_METHOD.set(choice.rotate_method, compat.torch_cp_options().set_rotate_method)
     logger.info(f"Applied context parallelism ({layout.world} ranks): torch's ring attention "
                 f"(rotate method {choice.rotate_method})")
 

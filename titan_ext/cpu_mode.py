@@ -2,7 +2,7 @@
 
 torchtitan 0.2.2 picks its device once, at import, and falls back to
 ``"cuda"`` when nothing is available. In CPU mode the patches in
-``titan_ext.host_patches.CPU_MODE`` point it at the CPU and gloo, for
+``titan_ext.host.cpu_patches.CPU_MODE`` point it at the CPU and gloo, for
 torchtitan's own models as well as titan_ext's. CPU mode is decided once per
 process, when torchtitan's Trainer imports titan_ext:
 

@@ -14,7 +14,7 @@ import os
 import signal
 import weakref
 
-from titan_ext import host_patches
+from titan_ext.host import job_patches
 from titan_ext.errors import rank
 from titan_ext.inputs import checkpoints
 
@@ -28,7 +28,7 @@ def install(trainer, job_config) -> None:
     """Handle SIGINT and SIGTERM in this rank of the job ``trainer`` runs (the handlers once per process)."""
     global _job
     _job = (weakref.ref(trainer), job_config)
-    host_patches.apply_signal_handlers(_stop)
+    job_patches.apply_signal_handlers(_stop)
 
 
 def _stop(number: int, frame) -> None:

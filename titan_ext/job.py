@@ -20,13 +20,15 @@ import logging
 import os
 
 from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, host_patches, interrupt, loss,
+    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, interrupt, loss,
     nonfinite, preflight, progress, tensor_parallel,
 )
 from titan_ext.compile import model_compile_enabled
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
+from titan_ext.host import checkpoint_patches, cpu_patches, job_patches, patches
 from titan_ext.inputs import checkpoints, degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
+from titan_ext.kernels import host_patches as kernel_patches
 from titan_ext.models.args import HFModelArgs
 from titan_ext.parallel import moe_plan, pipeline_plan
 
@@ -56,23 +58,23 @@ def on_trainer_import() -> None:
         path = kernel_path(job_config)
     except ConfigError as error:
         exit_with(error)
-    host_patches.apply_job()
-    host_patches.TRAINER_CLOSE.apply(compat.importing_trainer(), data.ending_dataloader_workers)
+    job_patches.apply_job()
+    job_patches.TRAINER_CLOSE.apply(compat.importing_trainer(), data.ending_dataloader_workers)
     interrupt.install(compat.importing_trainer(), job_config)
     if job_config.checkpoint.enable:
-        host_patches.apply_once(host_patches.CHECKPOINT_MANIFEST)
+        patches.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
     if checkpoints.damaged_checkpoint_policy(job_config) == "skip":
-        host_patches.apply_once(host_patches.SKIP_DAMAGED_STEPS)
+        patches.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
     if progress.quiets_this_rank(job_config):
-        host_patches.quiet_other_rank(progress.OtherRankQuiet())
+        job_patches.quiet_other_rank(progress.OtherRankQuiet())
     if documents.enabled(job_config):  # every pipeline stage reads the boundaries
-        host_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
+        job_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():
-        host_patches.apply_once(host_patches.INTERPRETER)
+        patches.apply_once(kernel_patches.INTERPRETER)
     elif path == "fla":
-        host_patches.apply_once(host_patches.CUDA)
+        patches.apply_once(kernel_patches.CUDA)
     if _cpu_mode:
-        host_patches.apply_cpu_mode()
+        cpu_patches.apply_cpu_mode()
         if rank() == 0:
             logger.warning(
                 "titan_ext: CPU mode: no accelerator in use, torchtitan runs on the CPU with gloo "
@@ -83,7 +85,7 @@ def on_trainer_import() -> None:
 KERNELS_OPTION = "--titan_ext.kernels"
 KERNEL_CHOICES = ("auto", "fla", "portable")
 INTERPRETER_TRITON = (3, 9)
-"""The first Triton whose interpreter runs fla's kernels on the CPU (with ``host_patches.INTERPRETER``)."""
+"""The first Triton whose interpreter runs fla's kernels on the CPU (with ``kernels.host_patches.INTERPRETER``)."""
 
 
 def kernel_path(job_config=None) -> str:

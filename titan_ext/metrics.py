@@ -23,7 +23,8 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
 from torchtitan.tools.utils import NoColor
 
-from titan_ext import compat, host_patches, progress
+from titan_ext import compat, progress
+from titan_ext.host import job_patches
 from titan_ext.checkpoint import finish_hf_export
 from titan_ext.host.moe_metrics import step_metrics
 from titan_ext.job_plan import plan_of
@@ -54,18 +55,18 @@ def build_metrics_processor(job_config, parallel_dims, model_args, tag=None) -> 
     # torchtitan logs from rank 0 for ZBVZeroBubble only; DualPipeV's last stage is on rank 0 too
     logs_loss = 0 if plan.pp is not None and plan.pp.v_shape else compat.metrics_rank(parallel_dims, job_config)
     if plan.metrics_jsonl and rank == logs_loss:
-        host_patches.METRICS_LOGGER.apply(processor, lambda logger: JsonlLogger(logger, plan.metrics_jsonl))
+        job_patches.METRICS_LOGGER.apply(processor, lambda logger: JsonlLogger(logger, plan.metrics_jsonl))
     if plan.moe is not None:
-        host_patches.METRICS_LOG.apply(processor, lambda log: _with_moe_metrics(log, parallel_dims, rank0))
+        job_patches.METRICS_LOG.apply(processor, lambda log: _with_moe_metrics(log, parallel_dims, rank0))
     shown = progress.every_rank(job_config) or rank == logs_loss
-    host_patches.METRICS_STEP_LINE.apply(
+    job_patches.METRICS_STEP_LINE.apply(
         processor, lambda log: progress.with_progress(log, job_config.training.steps, shown, progress.has_peak(processor))
     )
     if not progress.colours_wanted():
-        host_patches.METRICS_COLOR.apply(processor, lambda _: NoColor())
+        job_patches.METRICS_COLOR.apply(processor, lambda _: NoColor())
     if plan.hf_export and rank0:
         checkpoint_dir = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
-        host_patches.METRICS_CLOSE.apply(
+        job_patches.METRICS_CLOSE.apply(
             processor, lambda close: _then(close, lambda: finish_hf_export(model_args, checkpoint_dir, plan.hf_assets_path))
         )
     return processor

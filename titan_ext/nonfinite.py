@@ -29,7 +29,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from titan_ext import host_patches
+from titan_ext.host import job_patches
 from titan_ext.errors import ConfigError, exit_with, take_deferred
 from titan_ext.job_plan import plan_of
 from titan_ext.models.moe.balance_loss import with_balance_loss
@@ -153,7 +153,7 @@ def guard_optimizer_step(build_lr_schedulers_fn):
 
             return step
 
-        host_patches.OPTIMIZER_STEP.apply(optimizers, guarded)
+        job_patches.OPTIMIZER_STEP.apply(optimizers, guarded)
         return schedulers
 
     return build

@@ -15,7 +15,7 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan_ext import host_patches
+from titan_ext.host import job_patches
 from titan_ext.activation_checkpoint import apply_ac
 from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
@@ -131,7 +131,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, compile_enabled: bool) -> N
     the global token count) that would scale gradients by 1/world_size.
     """
     if compile_enabled:
-        host_patches.OPTIMIZE_DDP.set("ddp_optimizer")
+        job_patches.OPTIMIZE_DDP.set("ddp_optimizer")
     replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
     model.register_comm_hook(dp_mesh.get_group(), _allreduce_sum_hook)
     logger.info("Applied DDP (gradient sum) to the model")

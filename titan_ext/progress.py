@@ -11,7 +11,7 @@ CPU). In a titan_ext job:
 * colours only on a terminal, and not with ``NO_COLOR`` set (https://no-color.org);
 * no ``mfu`` where the device has no peak FLOPS to divide by.
 
-Every change to torchtitan's objects goes through ``titan_ext.host_patches``.
+Every change to torchtitan's objects is a row of ``titan_ext.host.job_patches``.
 """
 
 from __future__ import annotations

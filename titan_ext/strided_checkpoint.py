@@ -6,7 +6,7 @@ for the full tensor and every redistribution, but not one box of the global tens
 each rank's shard of a DTensor as one box: it saves such a parameter, and its optimizer states, as overlapping chunks
 ("has overlapping chunks"). Here such a DTensor is described as boxes of its local rows (one per piece and leading
 index: contiguous views, read and written in place), the checkpoint the full ``[E, 2I, H]`` tensor as one process saves
-it. Any other DTensor is left to torch (``host_patches.STRIDED_CHECKPOINT``).
+it. Any other DTensor is left to torch (``checkpoints.host_patches.STRIDED_CHECKPOINT``).
 
 torch's safetensors writer (HF exports) names each rank's chunks by the tensor's name, one chunk per rank: for an
 HF export or import such a tensor is handed over with one box per rank (``one_box``, its strided shard moved to

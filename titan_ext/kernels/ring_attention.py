@@ -9,7 +9,7 @@ queries against every rank's keys and values in turn, merged by logsumexp).
 That dispatcher knows CUDA's kernels only (flash, efficient, cuDNN). On a CPU,
 SDPA's kernel is ``_scaled_dot_product_flash_attention_for_cpu``: the handlers
 below route it and its backward through the same template, one CPU flash call
-per block. ``host_patches.CPU_MODE`` adds them to torch's table; on CUDA torch
+per block. ``host.cpu_patches.CPU_MODE`` adds them to torch's table; on CUDA torch
 runs as shipped.
 """
 

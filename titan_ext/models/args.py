@@ -163,10 +163,10 @@ class HFModelArgs(BaseModelArgs):
         self.classes()  # an unknown model type is one line here
 
     def build_context(self):
-        """``host_patches.BUILD`` while an fla model is constructed (fla's Attention, in the transformer and
+        """``kernels.host_patches.BUILD`` while an fla model is constructed (fla's Attention, in the transformer and
         in hybrids, refuses to be built without flash-attn)."""
         if self.library == "fla":
-            from titan_ext.host_patches import building
+            from titan_ext.kernels.host_patches import building
 
             return building()
         return contextlib.nullcontext()

@@ -48,7 +48,7 @@ def apply_expert_tp(model: nn.Module, mesh) -> None:
     boxes."""
     from torch.distributed.tensor import Shard
 
-    from titan_ext import host_patches
+    from titan_ext.checkpoints import host_patches
 
     host_patches.apply_once(host_patches.STRIDED_CHECKPOINT)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext import host_patches
+from titan_ext.parallel import host_patches
 from titan_ext.job_plan import PPChoice, plan_of
 from titan_ext.models.moe.bias_router import tokens_counted
 from titan_ext.models.moe.records import RECORDS

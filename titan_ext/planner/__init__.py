@@ -14,10 +14,10 @@ assumptions. Not imported by ``import titan_ext``.
 def prepare() -> None:
     """titan_ext registered, and torchtitan pointed at the CPU: the planner never touches an accelerator."""
     import titan_ext  # noqa: F401  (the train specs)
-    from titan_ext import host_patches
+    from titan_ext.host import cpu_patches, job_patches
 
-    host_patches.apply_job()
-    host_patches.apply_cpu_mode()
+    job_patches.apply_job()
+    cpu_patches.apply_cpu_mode()
 
 
 def job_config_of(argv: list[str]):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import Counter
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_ext import host_patches
+from titan_ext.planner import host_patches
 from titan_ext.planner.collectives import Watcher
 
 GIB, MIB = 2**30, 2**20
@@ -112,9 +111,10 @@ class StepPeak(Watcher):
         number, size, _ = self._live.pop(key)
         self.events.append((number, -size))
 
-    def _resized(self, storage) -> None:
+    def resized(self, storage) -> None:
         """FSDP frees a gathered weight's memory by resizing its storage to 0 and gathers into it again by
-        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees: ``storage_resized``)."""
+        resizing it back (``UntypedStorage.resize_``, which no operator dispatch sees; ``host_patches.STORAGE_RESIZES``
+        tells)."""
         held = self._live.get(storage._cdata)
         if held is not None and held[1] != storage.nbytes():
             number, size, ref = held
@@ -170,14 +170,12 @@ class StepPeak(Watcher):
         return peak, at
 
     def __enter__(self):
-        self._resizes = host_patches.scoped((host_patches.STORAGE_RESIZES, host_patches.SHAPE_INFERENCE))
-        self._resizes.__enter__()
-        _counting.append(self)
+        self._counted = host_patches.counting(self)
+        self._counted.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _counting.remove(self)
-        self._resizes.__exit__(None, None, None)
+        self._counted.__exit__(None, None, None)
         return super().__exit__(*exc)
 
 
@@ -189,26 +187,6 @@ def _tensors(values):
             yield value
         elif isinstance(value, (list, tuple)):
             yield from _tensors(value)
-
-
-_counting: list[StepPeak] = []
-"""The step peaks inside their ``with``."""
-
-
-def storage_resized(storage) -> None:
-    """What ``UntypedStorage.resize_`` tells inside a step peak's ``with`` (``host_patches.STORAGE_RESIZES``)."""
-    for peak in _counting:
-        peak._resized(storage)
-
-
-@contextlib.contextmanager
-def uncounted():
-    """Allocations the step peaks inside their ``with`` do not count: DTensor's shape inference on fake
-    tensors (``host_patches.SHAPE_INFERENCE``), which holds no memory."""
-    with contextlib.ExitStack() as stack:
-        for peak in _counting:
-            stack.enter_context(peak.paused())
-        yield
 
 
 def gradients(model_parts) -> list[torch.Tensor]:

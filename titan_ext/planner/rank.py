@@ -16,10 +16,10 @@ from unittest import mock
 
 import torch
 
-from titan_ext import compat, host_patches
+from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import plan_of
-from titan_ext.planner import collectives, estimates, experts, memory
+from titan_ext.planner import collectives, estimates, experts, host_patches, memory
 
 
 @dataclass(frozen=True)

@@ -1351,10 +1351,10 @@ def transformers_loss(folder: Path, job: Job) -> float:
     kernels run on titan_ext's portable kernels (``titan_ext.kernels``)."""
     import torch
 
-    from titan_ext import kernels
+    from titan_ext import pretrained
 
     tokens, labels = first_batch(job)
-    model = kernels.from_pretrained(str(folder))
+    model = pretrained.from_pretrained(str(folder))
     with torch.no_grad():
         logits = model(tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)

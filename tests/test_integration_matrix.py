@@ -75,7 +75,7 @@ EXPORTS = [("fla_gla", "hf"), ("fla_transformer", "hf"), ("hf_llama", "hf"), ("h
 
 @pytest.mark.parametrize("spec, row", EXPORTS)
 def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec, row):
-    """Every export, as a user runs it on a CPU: model (through ``titan_ext.kernels.from_pretrained``, whose
+    """Every export, as a user runs it on a CPU: model (through ``titan_ext.pretrained.from_pretrained``, whose
     portable kernels replace fla's Triton ones that fla models and transformers' hybrids call: Kimi Linear's KDA,
     Qwen3.5's and Qwen3-Next's Gated DeltaNet) and tokenizer from the folder, then ``generate`` (``tp2_hf``:
     exported under TP2 with each expert's intermediate dim split; ``hub_*``: imported from a ``save_pretrained``
@@ -83,14 +83,14 @@ def test_exported_hf_folder_loads_and_generates_on_cpu(matrix, matrix_root, spec
     import torch
     from transformers import AutoTokenizer
 
-    from titan_ext import kernels
+    from titan_ext import pretrained
 
     if matrix[spec, row].status == "unsupported":
         pytest.skip(f"unsupported: {matrix[spec, row].detail}")
     assert matrix[spec, row].status == "ok", matrix[spec, row].detail
     layout = Matrix(matrix_root, [spec], [row])
     folder = layout.hub_export_folder(spec, row) if row.startswith("hub_") else layout.hf_export_folder(spec, "base", row)
-    model, info = kernels.from_pretrained(folder, output_loading_info=True)
+    model, info = pretrained.from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt = tokenizer("The fox found a map", return_tensors="pt")

@@ -559,8 +559,8 @@ def test_gla_model_incremental_decoding_matches_full_forward():
 
 GENERATE = """
 import torch
-from titan_ext import kernels
-model = kernels.from_pretrained({path!r})
+from titan_ext import pretrained
+model = pretrained.from_pretrained({path!r})
 out = model.generate(input_ids=torch.tensor([[1, 5, 9]]), max_new_tokens=3, do_sample=False)
 print(out.shape[1])
 """

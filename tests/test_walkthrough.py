@@ -99,4 +99,4 @@ def test_the_loading_block_names_the_dense_export_of_the_page():
     code, path = walkthrough.load_example()
     dense = dict(walkthrough.flags(MODELS["Qwen3-0.6B"].train, ()))
     assert path == os.path.join(dense["--job.dump_folder"], "checkpoint", f"step-{dense['--training.steps']}")
-    assert "from titan_ext.kernels import from_pretrained" in code and "model = from_pretrained(export)" in code
+    assert "from titan_ext.pretrained import from_pretrained" in code and "model = from_pretrained(export)" in code

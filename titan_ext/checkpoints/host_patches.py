@@ -27,6 +27,6 @@ STRIDED_CHECKPOINT: tuple[Patch, ...] = tuple(
                                 ("__create_chunk_list__", "create_chunk_list"),
                                 ("__get_tensor_shard__", "get_tensor_shard"))
 )
-"""A job that splits its experts' intermediate dims over TP (``titan_ext.moe.apply_expert_tp``)."""
+"""A job that splits its experts' intermediate dims over TP (``titan_ext.parallel.expert_parallel.apply_expert_tp``)."""
 
 TABLES = (STRIDED_CHECKPOINT,)

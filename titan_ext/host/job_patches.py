@@ -38,7 +38,7 @@ JOB_LOGS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-# Python warnings of titan_ext's entry points other than training (``titan_ext.kernels.from_pretrained(...)``
+# Python warnings of titan_ext's entry points other than training (``titan_ext.pretrained.from_pretrained(...)``
 # and its ``generate``, the planner) that ask nothing of their user: (message regex, why, versions seen).
 ENTRY_WARNINGS: tuple[tuple[str, str, str], ...] = (
     ("`past_key_values` is deprecated and will be removed",

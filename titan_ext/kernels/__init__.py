@@ -17,8 +17,8 @@ signatures it was written against (``SIGNATURES``); ``KERNEL_MODULES`` names tho
 
 ``bind(model, path)`` applies a path to one model (``binding``): fla's modules
 and classes are never changed. ``portable(model)`` is the public entry point
-for running an fla model on a machine without a GPU; ``from_pretrained`` loads
-one (e.g. titan_ext's HF export) and makes it portable.
+for running an fla model on a machine without a GPU (``titan_ext.pretrained.from_pretrained``
+loads one, e.g. titan_ext's HF export, and makes it portable).
 
 Why not fla's backend registry (``fla/backends.py``)? It swaps *internal*
 helpers inside fla's hand-written autograd Functions (a torch backend would
@@ -55,7 +55,7 @@ KERNEL_MODULES = (
 """The modules of ``titan_ext.kernels`` with ``KERNELS``, ``SIGNATURES`` or ``SAVE_LIST`` (torch ops whose outputs
 op-level SAC keeps): a new one is one entry here."""
 
-__all__ = ["KERNEL_MODULES", "PATHS", "bind", "default_path", "from_pretrained", "kernel_rows", "portable",
+__all__ = ["KERNEL_MODULES", "PATHS", "bind", "default_path", "kernel_rows", "portable",
            "replacements", "sac_save_list", "signatures", "unported"]
 
 
@@ -128,43 +128,6 @@ def portable(model: nn.Module) -> nn.Module:
     then ``model.generate(...)`` works without a GPU. Only this model changes.
     """
     return bind(model, "portable")
-
-
-def from_pretrained(path, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)``, made ``portable``.
-
-    Needed rather than ``portable(AutoModelForCausalLM.from_pretrained(...))``
-    for fla's transformer without flash-attn: its Attention refuses to be
-    built at all, so the build runs under ``host_patches.BUILD``. The load and
-    the model's ``generate`` run with a quiet console (``host.job_patches.quiet_entry``):
-    the libraries' import and deprecation notices ask nothing of the user.
-    """
-    from titan_ext.host.job_patches import quiet_entry
-    from titan_ext.kernels.host_patches import building
-
-    with quiet_entry():
-        import fla  # noqa: F401  (registers fla's model types with transformers)
-        from transformers import AutoModelForCausalLM
-
-        with building():
-            loaded = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    model = loaded[0] if isinstance(loaded, tuple) else loaded
-    portable(model)
-    _quiet_generate(model)
-    return loaded
-
-
-def _quiet_generate(model: nn.Module) -> None:
-    """This model's ``generate`` under ``host.job_patches.quiet_entry`` (fla's generation code warns at every call);
-    a bound method, so that a copy of the model (``copy.deepcopy``) generates with itself."""
-    model.generate = types.MethodType(_generate_quietly, model)
-
-
-def _generate_quietly(self, *args, **kwargs):
-    from titan_ext.host.job_patches import quiet_entry
-
-    with quiet_entry():
-        return type(self).generate(self, *args, **kwargs)
 
 
 def unported(model: nn.Module) -> dict[str, str]:

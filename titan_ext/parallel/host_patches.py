@@ -1,4 +1,4 @@
-"""The change to torchtitan's gradient clipping that a pipeline with a tied weight needs (``titan_ext.pipeline``)."""
+"""The change to torchtitan's gradient clipping that a pipeline with a tied weight needs (``titan_ext.parallel.pipeline``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from titan_ext.host.patches import TORCHTITAN, Patch, apply_once  # noqa: F401  
 
 TIED_COPY = "_titan_ext_tied_copy"
 """Marks a pipeline stage's copy of a tied weight that gradient clipping must not count again (every copy but
-the first stage's; set by ``titan_ext.pipeline.TiedWeight``)."""
+the first stage's; set by ``titan_ext.parallel.pipeline.TiedWeight``)."""
 
 
 def _tied_weight_counted_once(original):
     """Under PP torchtitan sums each stage's gradient norm; a tied weight has a copy on the first and the last
-    stage (``titan_ext.pipeline.TiedWeight``, equal gradients): the norm counts the first stage's only, and
+    stage (``titan_ext.parallel.pipeline.TiedWeight``, equal gradients): the norm counts the first stage's only, and
     every copy is clipped by the same factor. Without marked copies, torchtitan's function as shipped."""
     import torch
 
@@ -39,6 +39,6 @@ PIPELINE: tuple[Patch, ...] = (
         TORCHTITAN, _tied_weight_counted_once,
     ),
 )
-"""A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.pipeline``)."""
+"""A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.parallel.pipeline``)."""
 
 TABLES = (PIPELINE,)

@@ -87,7 +87,9 @@ def test_every_row_says_why_and_for_which_versions():
         assert patch.why and patch.checked, patch.target
     for path in kernels.PATHS:
         assert kernels.replacements(path)  # every kernel module's KERNELS row resolves
-    for row in host_patches.PER_JOB:
+    from titan_ext.planner import torch_patches
+
+    for row in (*host_patches.PER_JOB, *torch_patches.ROWS):
         owner, name = host_patches.owner_and_name(row.target)
         # a class row names an attribute the class defines or declares (torchtitan sets MetricsProcessor.logger
         # in __init__), a flag row one its module or object holds
@@ -172,7 +174,7 @@ def test_the_planners_rows_last_only_inside_its_blocks():
     import torch
     import transformers.masking_utils as masking
 
-    from titan_ext.planner import memory, rank
+    from titan_ext.planner import memory, microbatches, rank
 
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
@@ -188,12 +190,12 @@ def test_the_planners_rows_last_only_inside_its_blocks():
         assert masking.find_packed_sequence_indices(torch.arange(4)[None]) is None
     with rank._schedules_as_on_a_real_group():
         assert schedules.dist is not dist and schedules.dist.get_backend is not dist.get_backend
-    stepped = rank._Microbatches.__new__(rank._Microbatches)
+    stepped = microbatches.Microbatches.__new__(microbatches.Microbatches)
     with stepped:
-        assert schedules._batch_p2p is not p2p and rank._STEPPED == [stepped]
+        assert schedules._batch_p2p is not p2p and microbatches._STEPPED == [stepped]
     assert masking.find_packed_sequence_indices is finder and torch.UntypedStorage.resize_ is inherited
     assert "resize_" not in vars(torch.UntypedStorage)
-    assert schedules.dist is dist and schedules._batch_p2p is p2p and rank._STEPPED == []
+    assert schedules.dist is dist and schedules._batch_p2p is p2p and microbatches._STEPPED == []
     assert ShardingPropagator._propagate_tensor_meta_non_cached is infer
 
 

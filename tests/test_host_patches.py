@@ -190,6 +190,13 @@ def test_the_planners_rows_last_only_inside_its_blocks():
         assert masking.find_packed_sequence_indices(torch.arange(4)[None]) is None
     with rank._schedules_as_on_a_real_group():
         assert schedules.dist is not dist and schedules.dist.get_backend is not dist.get_backend
+    from titan_ext.kernels import cp_attention
+    from titan_ext.planner import torch_patches
+
+    attend = cp_attention.per_document_sdpa
+    with host_patches.scoped((torch_patches.DOCUMENTS_AS_WHOLE_ROWS,)):
+        assert cp_attention.per_document_sdpa is not attend
+    assert cp_attention.per_document_sdpa is attend
     stepped = microbatches.Microbatches.__new__(microbatches.Microbatches)
     with stepped:
         assert schedules._batch_p2p is not p2p and microbatches._STEPPED == [stepped]

@@ -529,9 +529,9 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     tp = ["--parallelism.tensor_parallel_degree", "2"]
     assert stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
                                                     "--training.local_batch_size", "16"])), None) == 3  # 2 periods
-    assert _stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
-                                                     "--parallelism.pipeline_parallel_degree", "2",
-                                                     "--training.local_batch_size", "16"])), None) == 4  # p + 2
+    assert stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
+                                                    "--parallelism.pipeline_parallel_degree", "2",
+                                                    "--training.local_batch_size", "16"])), None) == 4  # p + 2
 
 def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
     """Masked attention under CP is planned (each fake row one document of whole windows); MLA's sends what a

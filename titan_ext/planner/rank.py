@@ -178,7 +178,7 @@ def simulate_rank(job_config, world: int, rank: int = 0, how: Stepping = Steppin
                 return replace(twin[0], rank=rank, stages=indices, parallel_dims=dims)
             neighbours = (stages.other_stages(built.model, built.plan.pp, dims, job_config,
                                               _raising(built.spec.parallelize_fn), seen) if dims.pp_enabled else {})
-        stepped = _stepped(job_config, dims, built, parts, neighbours, seen, how, phase)
+        stepped = _stepped(_Ready(job_config, dims, built, parts, neighbours, seen), how, phase)
         planned = RankPlan(rank, indices, param_bytes, stepped.grad_bytes, stepped.optimizer_bytes, stepped.saved_bytes,
                            stepped.peak_bytes, stepped.collectives, built.plan, dims, stepped.microbatch)
         if key is not None:
@@ -223,6 +223,19 @@ def _parallelized(job_config, dims, built: _Built, count: int | None) -> _Parts:
 
 
 @dataclass(frozen=True)
+class _Ready:
+    """A rank built and parallelized, to be stepped: its job and mesh, what was built, its parts, the other
+    ranks' stages it computes its input with (``stages.other_stages``), and the layout's ranks planned before."""
+
+    job_config: object
+    dims: object
+    built: _Built
+    parts: _Parts
+    neighbours: dict
+    seen: stages.StagesSeen
+
+
+@dataclass(frozen=True)
 class _Stepped:
     """What one fake step of a rank measured (``RankPlan``'s fields of the same names)."""
 
@@ -234,21 +247,20 @@ class _Stepped:
     microbatch: tuple | None
 
 
-def _stepped(job_config, dims, built: _Built, parts: _Parts, neighbours: dict, seen: stages.StagesSeen,
-             how: Stepping, phase: Phases) -> _Stepped:
+def _stepped(ready: _Ready, how: Stepping, phase: Phases) -> _Stepped:
     """The rank's parts (and the other ranks' stages it computes its input with) on fake tensors, one step
     recorded, then the optimizer's step: the state it creates."""
+    job_config, dims, built, parts = ready.job_config, ready.dims, ready.built, ready.parts
     device = torch.device("cpu")
     with _fake_tensors(), (_ScalarsReadOne() if dims.pp_enabled else contextlib.nullcontext()):
         with phase("parallelize"):
-            for part in [*parts.parts, *neighbours.values()]:
+            for part in [*parts.parts, *ready.neighbours.values()]:
                 part.to_empty(device=device)
                 part.train()
             optimizers = built.spec.build_optimizers_fn(parts.parts, job_config.optimizer, dims)
             step = _step_runner(job_config, dims, parts.parts, parts.schedule, parts.first, parts.last, built.loss_fn,
                                 built.model_args, device, how.microbatches)
-        recorded, saved_bytes, peak_bytes, middle = _recorded_step(job_config, dims, parts, neighbours, seen, step,
-                                                                   how.attribute, phase)
+        recorded, saved_bytes, peak_bytes, middle = _recorded_step(ready, step, how.attribute, phase)
         with phase("optimizer"):
             grad_bytes = memory.grad_bytes(parts.parts)
             with _UpdatesSkipped():
@@ -257,9 +269,9 @@ def _stepped(job_config, dims, built: _Built, parts: _Parts, neighbours: dict, s
     return _Stepped(grad_bytes, optimizer_bytes, saved_bytes, peak_bytes, recorded, middle)
 
 
-def _recorded_step(job_config, dims, parts: _Parts, neighbours: dict, seen: stages.StagesSeen, step,
-                   attribute: bool, phase: Phases) -> tuple:
+def _recorded_step(ready: _Ready, step, attribute: bool, phase: Phases) -> tuple:
     """(the collectives, the saved bytes, the step's peak, a middle microbatch's share or None) of one step."""
+    job_config, dims, parts, neighbours = ready.job_config, ready.dims, ready.parts, ready.neighbours
     recorder = collectives.Recorder(collectives.group_labels(dims))
     saved, peak = _SavedBytes(), memory.StepPeak()
     attributed = None
@@ -268,7 +280,7 @@ def _recorded_step(job_config, dims, parts: _Parts, neighbours: dict, seen: stag
                                                saved, peak, step.tokens.shape[0])
     if dims.pp_enabled:
         stages.stages_told_by_the_planner(parts.schedule, neighbours,
-                                          step.tokens[:, : step.tokens.shape[1] // dims.cp], seen.sent)
+                                          step.tokens[:, : step.tokens.shape[1] // dims.cp], ready.seen.sent)
         stages.first_step_setup_unrecorded(parts.schedule, (recorder, saved, peak), phase)
     modules = [*parts.parts, *neighbours.values()]
     with phase("recorded step"), _whole_windows(), host_patches.scoped((DOCUMENTS_AS_WHOLE_ROWS,)), \
@@ -280,7 +292,8 @@ def _recorded_step(job_config, dims, parts: _Parts, neighbours: dict, seen: stag
     if attributed is not None:
         middle = (*microbatches.middle(attributed, memory.held_through(parts.parts, passes)), attributed.count)
         if not middle[3]:
-            raise microbatches.NotAffine("the step's peak comes while the middle microbatches run, and they keep tensors")
+            raise microbatches.NotAffine(
+                "the step's peak comes while the middle microbatches run, and they keep tensors")
     return tuple(recorder.log), saved.bytes, peak_bytes, middle
 
 

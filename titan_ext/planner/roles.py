@@ -48,14 +48,15 @@ def _by_microbatches(job_config, world: int, checked, phases, extrapolate, reuse
     count = microbatches.stepped_microbatches(job_config, extrapolate)
     if count is None:
         return _ranks(job_config, world, phases, reuse)
-    plan = checked or rank.checked_plan(job_config, world)  # the job's own refusals first, and its plan (its microbatches)
+    plan = checked or rank.checked_plan(job_config, world)  # the job's own refusals first, and its plan
     if plan.data_parallel is not None and (plan.data_parallel.reshard_blocks or plan.data_parallel.reshard_head):
-        return _ranks(job_config, world, phases, reuse)  # FSDP gathers again in the middle microbatches, as the schedule's order has it
+        # FSDP gathers again in the middle microbatches, as the schedule's order has it
+        return _ranks(job_config, world, phases, reuse)
     m = microbatches.job_microbatches(job_config)
     try:
         stepped = _ranks(microbatches.with_microbatches(job_config, count), world, phases, reuse, attribute=True)
         return [microbatches.extrapolated(planned, m, plan) for planned in stepped]
-    except (ConfigError, microbatches.NotAffine):  # a check the smaller batch does not pass (a global batch), or not affine
+    except (ConfigError, microbatches.NotAffine):  # a check the smaller batch fails (a global batch), or not affine
         return _ranks(job_config, world, phases, reuse)
 
 

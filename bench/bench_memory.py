@@ -151,7 +151,7 @@ def plan_case(case: str, tokens: int) -> dict:
     import tempfile
 
     from titan_ext.planner import job_config_of, prepare
-    from titan_ext.planner.rank import plan_rank
+    from titan_ext.planner.rank import simulate_rank
 
     with tempfile.NamedTemporaryFile("w", suffix=".json") as config:
         json.dump(QWEN3_SHAPED, config)
@@ -160,7 +160,7 @@ def plan_case(case: str, tokens: int) -> dict:
         if flags is None:
             return {"planned_peak": None}
         prepare()
-        planned = plan_rank(job_config_of(flags), 1)
+        planned = simulate_rank(job_config_of(flags), 1)
     return {"planned_peak": planned.peak_bytes, "planned_grads": planned.grad_bytes, "planned_saved": planned.saved_bytes}
 
 

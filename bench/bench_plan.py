@@ -36,12 +36,17 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
     prepare()
     from titan_ext.planner import layouts, rank
 
+    try:
+        from titan_ext.planner import roles  # where the layout's planning lives (an older tree: in rank)
+    except ImportError:
+        roles = rank
+
     imported = time.monotonic() - wall
     experts = layouts.experts_of(argv) if hasattr(layouts, "experts_of") else 0
     chosen = [layout for layout in (layouts.candidates(world, experts) if experts else layouts.candidates(world))
               if names is None or layout.name() in names]
     seconds, phases, cpu_each = {}, None, []
-    planned = rank.plan_layout
+    planned = roles.plan_layout
 
     def timed(*args, **kwargs):  # every layout reaches plan_layout, refused ones too: CPU seconds in order
         begin = time.process_time()
@@ -50,7 +55,7 @@ def drive(argv: list[str], world: int, names: list[str] | None) -> dict:
         finally:
             cpu_each.append(time.process_time() - begin)
 
-    rank.plan_layout = timed
+    roles.plan_layout = timed
     if hasattr(layouts, "plan_sweep"):
         phases = rank.Phases()
         original, layouts.candidates = layouts.candidates, lambda world, *more: chosen

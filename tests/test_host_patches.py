@@ -97,12 +97,13 @@ def test_every_row_says_why_and_for_which_versions():
 
 
 def test_the_tables_are_those_of_the_table_modules():
-    """``rows()`` holds every table a reader finds (each module's ``TABLES``): 38 rows, each once."""
+    """``rows()`` holds every table a reader finds (each module's ``TABLES``): 54 rows, each once."""
     tables = (cpu_patches.CPU_MODE, job_patches.PER_JOB, checkpoint_patches.CHECKPOINT_MANIFEST,
               checkpoint_patches.SKIP_DAMAGED_STEPS, pipeline_patches.PIPELINE, strided_patches.STRIDED_CHECKPOINT,
-              kernel_patches.BUILD, kernel_patches.INTERPRETER, kernel_patches.CUDA, planner_patches.PLANNER)
+              kernel_patches.BUILD, kernel_patches.INTERPRETER, kernel_patches.CUDA, planner_patches.PLANNER,
+              planner_patches.STEPPING)
     assert [id(row) for row in patches.rows()] == [id(row) for table in tables for row in table]
-    assert len(patches.rows()) == 38
+    assert len(patches.rows()) == 54
 
 
 def defining_modules() -> set[str]:
@@ -199,7 +200,7 @@ def test_the_planners_rows_last_only_inside_its_blocks():
     import torch
     import transformers.masking_utils as masking
 
-    from titan_ext.planner import memory, rank
+    from titan_ext.planner import memory, microbatches, rank
 
     import torch.distributed as dist
     import torch.distributed.pipelining.schedules as schedules
@@ -215,12 +216,17 @@ def test_the_planners_rows_last_only_inside_its_blocks():
         assert masking.find_packed_sequence_indices(torch.arange(4)[None]) is None
     with rank._schedules_as_on_a_real_group():
         assert schedules.dist is not dist and schedules.dist.get_backend is not dist.get_backend
-    stepped = rank._Microbatches.__new__(rank._Microbatches)
+    from titan_ext.kernels import cp_attention
+    attend = cp_attention.per_document_sdpa
+    with patches.scoped((planner_patches.DOCUMENTS_AS_WHOLE_ROWS,)):
+        assert cp_attention.per_document_sdpa is not attend
+    assert cp_attention.per_document_sdpa is attend
+    stepped = microbatches.Microbatches.__new__(microbatches.Microbatches)
     with stepped:
-        assert schedules._batch_p2p is not p2p and rank._STEPPED == [stepped]
+        assert schedules._batch_p2p is not p2p and microbatches._STEPPED == [stepped]
     assert masking.find_packed_sequence_indices is finder and torch.UntypedStorage.resize_ is inherited
     assert "resize_" not in vars(torch.UntypedStorage)
-    assert schedules.dist is dist and schedules._batch_p2p is p2p and rank._STEPPED == []
+    assert schedules.dist is dist and schedules._batch_p2p is p2p and microbatches._STEPPED == []
     assert ShardingPropagator._propagate_tensor_meta_non_cached is infer
 
 

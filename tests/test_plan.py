@@ -96,7 +96,7 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     """Per rank: parameter, gradient and optimizer bytes, the step's peak, and the collectives of step 2's
     forward and backward (kind, group, group size, count, bytes)."""
     from titan_ext.planner.collectives import summary
-    from titan_ext.planner.rank import plan_rank
+    from titan_ext.planner.rank import simulate_rank
     from titan_ext.planner import job_config_of, prepare
 
     if name.startswith("pp2") and torch.__version__ < "2.13":
@@ -108,7 +108,7 @@ def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     for rank in range(world):
         real = json.loads((real_runs / name / f"rank{rank}.json").read_text())
         again = rank == 0 or (name not in ROUTED and not (name in TP_PEERS and rank % 2))
-        planned = plan_rank(job_config_of(argv(flags)), world, rank) if again else planned
+        planned = simulate_rank(job_config_of(argv(flags)), world, rank) if again else planned
         assert (planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes) == (
             real["param_bytes"], real["grad_bytes"], real["optimizer_bytes"]), f"rank {rank}"
         assert planned.stages == ((rank * 2 // world,) if name.startswith("pp2") else ())
@@ -255,10 +255,10 @@ def test_activation_checkpointing_shrinks_the_recorded_activations():
     """Full AC keeps each block's input instead of everything the block saved: fewer bytes than no AC, and at
     least the blocks' inputs (blocks x batch x seq x hidden, fp32)."""
     from titan_ext.planner import job_config_of, prepare
-    from titan_ext.planner.rank import plan_rank
+    from titan_ext.planner.rank import simulate_rank
 
     prepare()
-    saved = {mode: plan_rank(job_config_of(argv(["--activation_checkpoint.mode", mode])), 1).saved_bytes
+    saved = {mode: simulate_rank(job_config_of(argv(["--activation_checkpoint.mode", mode])), 1).saved_bytes
              for mode in ("none", "full")}
     from titan_ext.train_specs import FLAVORS
 
@@ -344,7 +344,7 @@ import json, sys
 from titan_ext.planner import job_config_of, prepare
 prepare()
 from titan_ext.planner.layouts import candidates
-from titan_ext.planner.rank import plan_layout
+from titan_ext.planner.roles import plan_layout
 argv, world, out = json.loads(sys.argv[1]), int(sys.argv[2]), {}
 for layout in reversed(candidates(world)):  # each after other layouts than in the sweep, the sweep's last first
     try:
@@ -439,11 +439,12 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
     CP or TP; 1F1B, 4 microbatches), and layouts of 8 microbatches (1F1B, interleaved, 4 stages), stepped with
     max(3, p + 1) microbatches, a middle one's saves, collectives and held bytes attributed to it, and
     extrapolated, equal the same layout stepped with all its microbatches, each rank on its own."""
-    from titan_ext.planner import estimates, job_config_of, rank
+    from titan_ext.planner import estimates, job_config_of, microbatches, roles
     from titan_ext.planner.collectives import summary
 
     extrapolated = []
-    monkeypatch.setattr(rank, "_extrapolated", lambda *a, _f=rank._extrapolated: extrapolated.append(_f(*a)) or extrapolated[-1])
+    monkeypatch.setattr(microbatches, "extrapolated",
+                        lambda *a, _f=microbatches.extrapolated: extrapolated.append(_f(*a)) or extrapolated[-1])
 
     def fields(planned):
         return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
@@ -451,15 +452,15 @@ def test_a_pipelined_rank_extrapolated_from_fewer_microbatches_equals_its_full_s
 
     result, _ = debug_sweep
     cases = [(result.world, argv(layout.flags())) for layout in result.planned  # 4 microbatches: with 3 (not CP)
-             if 1 < layout.pp < 3 and rank._stepped_microbatches(job_config_of(argv(layout.flags())), None)]
+             if 1 < layout.pp < 3 and microbatches.stepped_microbatches(job_config_of(argv(layout.flags())), None)]
     cases += [(world, argv([*flags, "--training.local_batch_size", "8"])) for world, flags in EXTRAPOLATED]
     assert len(cases) >= 5
     in_full = []
     for world, args in cases:
         job = job_config_of(args)
-        full = rank.plan_layout(job, world, extrapolate=False, reuse=False)
+        full = roles.plan_layout(job, world, extrapolate=False, reuse=False)
         count = len(extrapolated)
-        planned = rank.plan_layout(job_config_of(args), world, extrapolate=True)
+        planned = roles.plan_layout(job_config_of(args), world, extrapolate=True)
         if len(extrapolated) != count + len(full):  # stepped in full after all
             in_full.append(args)
         assert fields(planned) == fields(full), args
@@ -477,7 +478,7 @@ def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_st
     middle stages are twins in a hybrid whose attention blocks fall alike in them (FSDP), and with CP and
     documents; not where one holds attention and the other not, nor where FSDP reshards after each forward,
     nor under 1F1B (a stage's warm-up, so its step's peak, depends on its place)."""
-    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner import job_config_of, prepare, rank, roles
     from titan_ext.planner.collectives import summary
 
     prepare()
@@ -504,20 +505,20 @@ def test_a_pipelined_layouts_twin_stages_are_stepped_once_and_equal_their_own_st
         (8, [*model("gla.json"), *fsdp, *gpipe, "--parallelism.fsdp_reshard_after_forward", "always"], 4, False),
     ]:
         steps.clear()
-        reused = rank.plan_layout(job_config_of(argv(flags)), world)
+        reused = roles.plan_layout(job_config_of(argv(flags)), world)
         assert len(steps) == stepped, flags
         if stepped == 3:
             assert fields(reused)[1][2:] == fields(reused)[2][2:], flags  # the twins
         if compared:
-            assert fields(reused) == fields(rank.plan_layout(job_config_of(argv(flags)), world, reuse=False)), flags
+            assert fields(reused) == fields(roles.plan_layout(job_config_of(argv(flags)), world, reuse=False)), flags
 
 
 def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_verified():
     from titan_ext.planner import job_config_of
-    from titan_ext.planner.rank import _stepped_microbatches
+    from titan_ext.planner.microbatches import stepped_microbatches
 
     def count(batch, pp=2, schedule="1F1B", extrapolate=None):
-        return _stepped_microbatches(job_config_of(argv([
+        return stepped_microbatches(job_config_of(argv([
             "--parallelism.pipeline_parallel_degree", str(pp), "--training.local_batch_size", str(batch),
             "--parallelism.pipeline_parallel_schedule", schedule])), extrapolate)
 
@@ -526,11 +527,11 @@ def test_a_pipelined_rank_is_extrapolated_where_it_is_cheaper_and_its_schedule_v
     assert count(4) == 3 and count(3) is None and count(16, extrapolate=False) is None and count(16, pp=1) is None
     assert count(16, schedule="ZBVZeroBubble") is None  # not verified
     tp = ["--parallelism.tensor_parallel_degree", "2"]
-    assert _stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
-                                                     "--training.local_batch_size", "16"])), None) == 3  # 2 periods
-    assert _stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
-                                                     "--parallelism.pipeline_parallel_degree", "2",
-                                                     "--training.local_batch_size", "16"])), None) == 4  # p + 2
+    assert stepped_microbatches(job_config_of(argv([*tp, "--parallelism.pipeline_parallel_degree", "2",
+                                                    "--training.local_batch_size", "16"])), None) == 3  # 2 periods
+    assert stepped_microbatches(job_config_of(argv(["--parallelism.context_parallel_degree", "2",
+                                                    "--parallelism.pipeline_parallel_degree", "2",
+                                                    "--training.local_batch_size", "16"])), None) == 4  # p + 2
 
 def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_layer(tmp_path):
     """Masked attention under CP is planned (each fake row one document of whole windows); MLA's sends what a
@@ -541,14 +542,14 @@ def test_mla_with_documents_under_cp_plans_one_all_gather_of_its_latents_per_lay
 
     from titan_ext.planner import job_config_of, prepare
     from titan_ext.planner.collectives import summary
-    from titan_ext.planner.rank import plan_rank
+    from titan_ext.planner.rank import simulate_rank
 
     prepare()
     (tmp_path / "mla.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
     argv = ["--job.config_file", str(REPO / "train_configs" / "debug_llama.toml"), "--model.name", "hf",
             "--titan_ext.hf_config", str(tmp_path / "mla.json"), "--titan_ext.document_mask",
             "--parallelism.data_parallel_shard_degree", "2", "--parallelism.context_parallel_degree", "2"]
-    planned = plan_rank(job_config_of(argv), 4, 0)
+    planned = simulate_rank(job_config_of(argv), 4, 0)
     latents = 4 * 128 * (16 + 8) * 4  # the whole buffer: batch 4, 128 tokens, fp32
     rows = [row for row in summary(list(planned.collectives))  # (the MoE layer's balancing loss all-reduces too)
             if row[1] == "cp" and row[0] in ("all_gather", "reduce_scatter")]
@@ -559,12 +560,12 @@ def test_a_model_of_identical_blocks_planned_with_2_and_3_blocks_per_stage_equal
     """Field by field, exactly: an 8-block debug GLA planned with 2 and 3 blocks per pipeline stage (or in the
     model) and extrapolated to its own count equals it planned in full, under FSDP, CP x TP and PP x FSDP
     with full AC (stages of 4 blocks, microbatches extrapolated too)."""
-    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner import blocks, job_config_of, prepare, roles
     from titan_ext.planner.collectives import summary
 
     prepare()
     lines = []
-    monkeypatch.setattr(rank, "_block_line", lambda *a, _f=rank._block_line: lines.append(_f(*a)) or lines[-1])
+    monkeypatch.setattr(blocks, "block_line", lambda *a, _f=blocks.block_line: lines.append(_f(*a)) or lines[-1])
 
     def fields(planned):
         return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
@@ -580,9 +581,9 @@ def test_a_model_of_identical_blocks_planned_with_2_and_3_blocks_per_stage_equal
              "--activation_checkpoint.mode", "full"], 2)] if torch.__version__ >= "2.13" else []),  # PP planning
     ]:
         before = len(lines)
-        reduced = rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=True)
+        reduced = roles.plan_layout(job_config_of(argv([*model, *flags])), 4, by_blocks=True)
         assert len(lines) == before + ranks, flags  # every rank extrapolated
-        assert fields(reduced) == fields(rank.plan_layout(job_config_of(argv([*model, *flags])), 4, blocks=False)), flags
+        assert fields(reduced) == fields(roles.plan_layout(job_config_of(argv([*model, *flags])), 4, by_blocks=False)), flags
 
 
 def test_only_a_model_of_identical_blocks_is_planned_with_fewer():
@@ -590,17 +591,17 @@ def test_only_a_model_of_identical_blocks_is_planned_with_fewer():
 
     from torchtitan.protocols import train_spec as registry
 
-    from titan_ext.planner.rank import _blocks_alike, _fewer_blocks
+    from titan_ext.planner.blocks import alike, fewer_blocks
 
     flavors = registry.get_train_spec("fla_gla").model_args
     every = SimpleNamespace(ac=SimpleNamespace(every=None))
-    assert _blocks_alike(flavors["debugmodel"], every)
-    assert not _blocks_alike(flavors["debugmodel_hybrid"], every)  # attention among the GLA layers
-    assert not _blocks_alike(flavors["debugmodel"], SimpleNamespace(ac=SimpleNamespace(every=2)))  # AC every 2nd block
+    assert alike(flavors["debugmodel"], every)
+    assert not alike(flavors["debugmodel_hybrid"], every)  # attention among the GLA layers
+    assert not alike(flavors["debugmodel"], SimpleNamespace(ac=SimpleNamespace(every=2)))  # AC every 2nd block
     stages = (("model.embeddings", "model.layers.0", "model.layers.1", "model.layers.2"),
               ("model.layers.3", "model.layers.4", "model.norm", "lm_head"))
     indices = [[None, 0, 1, 2], [3, 4, None, None]]
-    assert _fewer_blocks(stages, indices, 2) == [["model.embeddings", "model.layers.0", "model.layers.1"],
+    assert fewer_blocks(stages, indices, 2) == [["model.embeddings", "model.layers.0", "model.layers.1"],
                                                  ["model.layers.2", "model.layers.3", "model.norm", "lm_head"]]
 
 
@@ -610,7 +611,7 @@ MOE = ["--job.config_file", str(REPO / "train_configs" / "debug_qwen3_moe.toml")
 def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     """The debug Qwen3-MoE's 2-rank sweep with EP 2 (the degrees tried at 1,024 ranks are 8 and 64): its EP
     layouts are listed, planned with their all-to-alls on the EP ranks, and equal each planned alone."""
-    from titan_ext.planner import job_config_of, layouts, prepare, rank
+    from titan_ext.planner import job_config_of, layouts, prepare, roles
 
     prepare()
     assert layouts.experts_of(MOE) == 8 and layouts.experts_of(argv([])) == 0
@@ -630,7 +631,7 @@ def test_a_moe_sweep_lists_ep_layouts_each_as_planned_on_its_own(monkeypatch):
     for layout, plans in result.planned.items():
         if layout.ep > 1:
             assert any(c.kind == "all_to_all" and "ep" in c.group.split("+") for c in plans[0].collectives)
-            alone = rank.plan_layout(job_config_of([*MOE, *layout.flags()]), 2)
+            alone = roles.plan_layout(job_config_of([*MOE, *layout.flags()]), 2)
             assert [(r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes, r.collectives)
                     for r in plans] == [(r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                                          r.collectives) for r in alone], layout.name()
@@ -643,7 +644,7 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
     stages 2 and 3 (a block each) are stepped, 4 to 6 take their figures with the step's peak extrapolated
     by their warm-up depth, and every rank equals it planned on its own. Under CP each stage's collectives
     come in the order of its warm-up: they are compared as counts."""
-    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner import job_config_of, prepare, rank, roles
     from titan_ext.planner.collectives import summary
 
     prepare()
@@ -657,10 +658,10 @@ def test_interior_1f1b_stages_of_other_depths_take_two_stepped_ones_peaks(tmp_pa
         return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                  summary(list(r.collectives)), r.plan] for r in planned]
 
-    reused = rank.plan_layout(job_config_of(flags), world)
+    reused = roles.plan_layout(job_config_of(flags), world)
     assert len(steps) == 5  # stages 0, 1 (two blocks), 2, 3 and 7
     assert len({r.peak_bytes for r in reused[2:7]}) == 5  # each depth its own peak
-    assert fields(reused) == fields(rank.plan_layout(job_config_of(flags), world, reuse=False))
+    assert fields(reused) == fields(roles.plan_layout(job_config_of(flags), world, reuse=False))
 
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
@@ -668,13 +669,13 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_
     """Field by field, exactly: PP 2 x CP 2 with 16 microbatches (the first stage's peak comes while the middle
     microbatches run, and they keep tensors: their positions): stepped once with 4, extrapolated to 16 from its
     steady 1F1B periods, equal to each rank stepped with all 16 on its own."""
-    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner import job_config_of, microbatches, prepare, roles
     from titan_ext.planner.collectives import summary
 
     prepare()
     extrapolated = []
-    monkeypatch.setattr(rank, "_extrapolated",
-                        lambda *a, _f=rank._extrapolated: extrapolated.append((a[0].microbatch[4], a[1])) or _f(*a))
+    monkeypatch.setattr(microbatches, "extrapolated",
+                        lambda *a, _f=microbatches.extrapolated: extrapolated.append((a[0].microbatch[4], a[1])) or _f(*a))
     flags = argv(["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
                   "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "16"])
 
@@ -682,9 +683,9 @@ def test_a_pipelined_cp_rank_whose_peak_comes_mid_schedule_is_extrapolated_from_
         return [[r.rank, r.stages, r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.saved_bytes, r.peak_bytes,
                  summary(list(r.collectives)), r.plan] for r in planned]
 
-    planned = rank.plan_layout(job_config_of(flags), 4, extrapolate=True)
+    planned = roles.plan_layout(job_config_of(flags), 4, extrapolate=True)
     assert extrapolated == [(4, 16), (4, 16)]  # one step per rank
-    assert fields(planned) == fields(rank.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))
+    assert fields(planned) == fields(roles.plan_layout(job_config_of(flags), 4, extrapolate=False, reuse=False))
 
 
 def test_a_planned_ranks_group_leaves_the_processs_excepthook_as_it_was():
@@ -711,17 +712,17 @@ def _fsdp_iteration(module) -> list:
 
 @pytest.mark.skipif(torch.__version__ < "2.13", reason="the planner plans PP on torch >= 2.13")
 def test_a_pipelined_ranks_first_step_setup_runs_no_backward_and_leaves_what_torchs_does(monkeypatch):
-    """The schedule's setup before the first step's microbatches runs no backward (``rank._input_gradients_derived``):
+    """The schedule's setup before the first step's microbatches runs no backward (``stages.input_gradients_derived``):
     each stage's gradients' metadata, FSDP's iteration state after the setup, and every figure of the rank are
     as with torch's backward."""
     import contextlib
 
-    from titan_ext.planner import job_config_of, prepare, rank
+    from titan_ext.planner import job_config_of, prepare, rank, stages
 
     prepare()
     flags = argv(["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_degree", "2"])
     seen, backwards = [], []
-    setup, grad = rank._first_step_setup_unrecorded, torch.autograd.grad
+    setup, grad = stages.first_step_setup_unrecorded, torch.autograd.grad
 
     def watched(schedule, *args):
         setup(schedule, *args)
@@ -742,12 +743,12 @@ def test_a_pipelined_ranks_first_step_setup_runs_no_backward_and_leaves_what_tor
         return (planned.rank, planned.stages, planned.param_bytes, planned.grad_bytes, planned.optimizer_bytes,
                 planned.saved_bytes, planned.peak_bytes, planned.collectives, planned.microbatch)
 
-    monkeypatch.setattr(rank, "_first_step_setup_unrecorded", watched)
-    derived = [fields(rank.plan_rank(job_config_of(flags), 4, r)) for r in (0, 2)]
+    monkeypatch.setattr(stages, "first_step_setup_unrecorded", watched)
+    derived = [fields(rank.simulate_rank(job_config_of(flags), 4, r)) for r in (0, 2)]
     assert not backwards and len(seen) == 2
     derived_seen = seen[:]
     seen.clear()
-    monkeypatch.setattr(rank, "_input_gradients_derived", lambda stages: contextlib.nullcontext())  # torch's backward
-    assert derived == [fields(rank.plan_rank(job_config_of(flags), 4, r)) for r in (0, 2)]
+    monkeypatch.setattr(stages, "input_gradients_derived", lambda stages: contextlib.nullcontext())  # torch's backward
+    assert derived == [fields(rank.simulate_rank(job_config_of(flags), 4, r)) for r in (0, 2)]
     assert backwards and derived_seen == seen
     assert seen[1][0][0] is not None and seen[1][2], "the last stage's input gradient, its FSDP groups"

@@ -122,17 +122,17 @@ def _host_patches_undone():
 
 
 def test_a_planned_rank_peaks_as_its_step_run_for_real(tmp_path, _host_patches_undone):
-    """``plan_rank``'s step peak for one rank of a small transformers job, against the profiler's account of the
+    """``simulate_rank``'s step peak for one rank of a small transformers job, against the profiler's account of the
     same model's forward and backward with torchtitan's loss, run for real."""
     from titan_ext.models.adapter import build_model
     from titan_ext.models.args import HFModelArgs
     from titan_ext.planner import job_config_of, prepare
-    from titan_ext.planner.rank import plan_rank
+    from titan_ext.planner.rank import simulate_rank
 
     config = tmp_path / "qwen3_tiny.json"
     config.write_text(json.dumps(QWEN3_TINY))
     prepare()
-    planned = plan_rank(job_config_of([
+    planned = simulate_rank(job_config_of([
         "--job.config_file", "train_configs/debug_llama.toml", "--model.name", "hf", "--model.flavor", "from_config",
         "--titan_ext.hf_config", str(config), "--training.seq_len", "32", "--training.local_batch_size", "1"]), 1)
 

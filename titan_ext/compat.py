@@ -572,7 +572,7 @@ def transformers_masking_module() -> types.ModuleType:
 def set_pipeline_microbatches(schedule, count: int) -> None:
     """A single-stage pipeline schedule (``torch.distributed.pipelining``'s ``PipelineScheduleSingle``) set to
     step ``count`` microbatches after it was built: its constructor's check (1F1B: no fewer than stages) is the
-    whole pipeline's, while the planner steps one stage with its own fewest (``planner.rank._stage_microbatches``)."""
+    whole pipeline's, while the planner steps one stage with its own fewest (``planner.microbatches.stage_microbatches``)."""
     if not hasattr(schedule, "_n_microbatches") or not hasattr(schedule, "_stage"):
         raise CompatError("torch's single-stage pipeline schedule no longer keeps _n_microbatches and _stage")
     schedule._n_microbatches = count
@@ -580,7 +580,7 @@ def set_pipeline_microbatches(schedule, count: int) -> None:
 
 def stage_input_gradients(stage):
     """A torch pipeline stage's ``_compute_input_grads``: its first step's metadata inference computes its input
-    gradients with it (``autograd.grad``), which the planner answers (``planner.rank._input_gradients_derived``)."""
+    gradients with it (``autograd.grad``), which the planner answers (``planner.stages.input_gradients_derived``)."""
     method = getattr(stage, "_compute_input_grads", None)
     if method is None:
         raise CompatError(f"titan_ext needs torch's PipelineStage._compute_input_grads; installed torch "

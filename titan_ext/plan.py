@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare()
     from titan_ext.errors import ConfigError
-    from titan_ext.planner.rank import plan_layout
+    from titan_ext.planner.roles import plan_layout
 
     begin = time.monotonic()
     try:

@@ -159,7 +159,7 @@ def plan_sweep(argv: list[str], world: int, link_gbps: float, phases=None, progr
 
 def _cost(layout: Layout) -> tuple:
     """What planning a layout costs, roughly, for the order the processes take them in: its pipeline ranks step
-    every microbatch, TP and CP step more periods (``rank.PERIODS``)."""
+    every microbatch, TP and CP step more periods (``microbatches.PERIODS``)."""
     return layout.pp, layout.tp * layout.cp > 1
 
 
@@ -167,7 +167,8 @@ def _plan_one(argv: list[str], world: int, link_gbps: float, layout: Layout) -> 
     """(its RankPlans and row, or its reason for being skipped; wall and CPU seconds; the phases' seconds)."""
     from titan_ext.errors import ConfigError
     from titan_ext.planner import estimates, job_config_of
-    from titan_ext.planner.rank import Phases, plan_layout
+    from titan_ext.planner.rank import Phases
+    from titan_ext.planner.roles import plan_layout
 
     job_config = job_config_of([*argv, *layout.flags()])
     phases = Phases()

@@ -57,7 +57,7 @@ class StepPeak(Watcher):
         self._live: dict[int, tuple[int, int, weakref.ref]] = {}
         """storage address -> (allocation number, bytes, a weak reference that reports its release)."""
         self.tag_of = lambda tensor: None
-        """What each allocated tensor is tagged with as it is made (a pipelined step's microbatch: ``planner.rank``)."""
+        """What each allocated tensor is tagged with as it is made (a pipelined step's microbatch: ``planner.microbatches``)."""
         self._tags: dict[int, object] = {}
         self.inherited = lambda tag: True
         """Whether a tensor computed from tensors tagged ``tag`` only, outside any tag, takes it."""

@@ -9,7 +9,7 @@ carries the caches from one lease to the next:
     python3 bench/gpu_proof.py --out proof --deadline 470 tests            # the CUDA tests, in a second call
 
 Stages run in the order given, each NAME[:ARG][@SECONDS] (at most SECONDS, and within ``--deadline``):
-  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA and KDA ops, SDPA on
+  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA, KDA and Gated DeltaNet ops, SDPA on
                 CUDA, autotuning with configs compiled together), with the ops' gradient differences from
                 fla's chunk_gla and chunk_kda
   train:CONFIG  ``--steps`` steps of train_configs/CONFIG.toml through torchrun on one GPU, compiled,
@@ -46,8 +46,8 @@ import torch
 from bench_train import row_letters
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_autotune_compile.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py",
-              "tests/test_gla_op.py"]
+CUDA_TESTS = ["tests/test_gated_delta_op.py", "tests/test_autotune_compile.py", "tests/test_kda_op.py",
+              "tests/test_sdpa_fallback.py", "tests/test_float8.py", "tests/test_gla_op.py"]
 """Those never run on a GPU first: a stage cut short by its time still says something new (its log names each
 test as it passes: ``-v``)."""
 STEP_ONE = re.compile(r"step:\s*1[/\s]")  # titan_ext prints "step: 1/TOTAL"

@@ -31,7 +31,7 @@ from titan_ext import compat
 from titan_ext.kernels import op_parts
 from titan_ext.kernels.gla_op import check_packed_states
 from titan_ext.kernels.op_parts import empty, present
-from titan_ext.kernels.table import TP_LOCAL, Kernel
+from titan_ext.kernels.table import Kernel
 from titan_ext.kernels.tp_local import with_local_args
 
 _FP32 = torch.float32
@@ -219,8 +219,8 @@ KERNELS = (
     Kernel(
         "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule,
         "Gated DeltaNet's training kernel as torch ops around fla's own drivers: op-level SAC can save it and "
-        "compile keeps it in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); "
-        + TP_LOCAL,
+        "compile keeps it in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); under "
+        "TP its A_log/dt_bias arrive as DTensor shards, which fla's Triton code cannot read: their local shards",
         ("fla",),
     ),
 )

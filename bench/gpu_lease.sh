@@ -7,10 +7,14 @@
 #
 #   here, once:        ../shared/tools/gpu-wheels.sh                  (writes .whl)
 #   the device call:   bash bench/gpu_lease.sh [STAGE ...]             carry [".whl"], timeout_s 600
+#   a second call:     bash bench/gpu_lease.sh tests                   the CUDA tests (never beside the bench)
 #   back here:         bash bench/gpu_lease.sh --keep /work/.device/N  (the call's files_at: its results join
 #                      bench/gpu-autotune.tgz; commit it)
 #
-# STAGE as bench/gpu_proof.py takes them (default below). LEASE_SECONDS (default 470) bounds the stages; the
+# STAGE as bench/gpu_proof.py takes them. The default, bench:a,c,d, measures: rows (a), (c) and (d) of
+# bench/bench_train.py side by side (tokens/s, peak allocated memory, time to first step, data-loading share, each
+# a ratio to (a)) and (c)'s top kernels from torch.profiler; its log ends with the table to paste into
+# bench/RESULTS.md. LEASE_SECONDS (default 470) bounds the stages; the
 # install and packing take about 30 s more. $OUT gets summary.jsonl, logs.tgz, env.txt and autotune.tgz, all
 # small: the compiled kernels and Inductor's cache stay behind (lease 3's were over 90 MB, past what a call
 # returns and a carry holds, and packing them ran past its call's time).
@@ -32,7 +36,7 @@ mkdir -p $CACHE /tmp/proof
 $RESULTS unpack $KEPT $CACHE
 { date -u; nvidia-smi -L; python3 -c "import sys, torch, triton, transformers, fla, torchao; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1; } | tee /tmp/proof/env.txt
 
-[ $# -gt 0 ] || set -- train:gla_340M@180 bench:a,c,d@230 tests
+[ $# -gt 0 ] || set -- bench:a,c,d
 python3 bench/gpu_proof.py --out /tmp/proof --deadline "${LEASE_SECONDS:-470}" "$@"
 code=$?
 

@@ -5,10 +5,11 @@ not torchtitan, fla or torchao: fetch them here with ``../shared/tools/gpu-wheel
 ``.whl``); ``bench/gpu_lease.sh`` installs them there, runs this script within the call's time, and
 carries the caches from one lease to the next:
 
-    python3 bench/gpu_proof.py --out proof --deadline 470 train:gla_340M@180 bench:a,c,d@230 tests
+    python3 bench/gpu_proof.py --out proof --deadline 470 bench:a,c,d      # the lease (gpu_lease.sh's default)
+    python3 bench/gpu_proof.py --out proof --deadline 470 tests            # the CUDA tests, in a second call
 
 Stages run in the order given, each NAME[:ARG][@SECONDS] (at most SECONDS, and within ``--deadline``):
-  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA and KDA ops, SDPA on
+  tests         the tests CPU skips for want of CUDA (fla's kernels behind the GLA, KDA and Gated DeltaNet ops, SDPA on
                 CUDA, autotuning with configs compiled together), with the ops' gradient differences from
                 fla's chunk_gla and chunk_kda
   train:CONFIG  ``--steps`` steps of train_configs/CONFIG.toml through torchrun on one GPU, compiled,
@@ -17,7 +18,9 @@ Stages run in the order given, each NAME[:ARG][@SECONDS] (at most SECONDS, and w
                 that took the most time (fla's Triton kernels show by name). The same config twice
                 gives the cold and the warm (Triton cache filled) time to first step.
   eager:CONFIG  the same without compile: Triton's autotuning apart from Inductor's compiling
-  bench         bench/bench_train.py: rows (a)-(g) side by side, one run; ``bench:c,g`` only those rows
+  bench         bench/bench_train.py: rows (a)-(g) side by side, one run (tokens/s, peak allocated memory, time
+                to first step and data-loading share, each as a ratio to the first row; row (c)'s top kernels
+                from torch.profiler); ``bench:a,c,d`` only those rows
 
 A stage that runs out of time is stopped with everything it started, and its summary line says how
 far it got; its log holds every line printed until then. A fresh machine spends minutes autotuning
@@ -43,8 +46,8 @@ import torch
 from bench_train import row_letters
 
 REPO = Path(__file__).resolve().parents[1]
-CUDA_TESTS = ["tests/test_autotune_compile.py", "tests/test_kda_op.py", "tests/test_sdpa_fallback.py", "tests/test_float8.py",
-              "tests/test_gla_op.py"]
+CUDA_TESTS = ["tests/test_gated_delta_op.py", "tests/test_autotune_compile.py", "tests/test_kda_op.py",
+              "tests/test_sdpa_fallback.py", "tests/test_float8.py", "tests/test_gla_op.py"]
 """Those never run on a GPU first: a stage cut short by its time still says something new (its log names each
 test as it passes: ``-v``)."""
 STEP_ONE = re.compile(r"step:\s*1[/\s]")  # titan_ext prints "step: 1/TOTAL"
@@ -224,7 +227,7 @@ def bench(out: Path, rows: str, args, seconds: float | None) -> dict:
     lines = (out / "bench.log").read_text().splitlines()
     return {"stage": "bench", "exit": code, "timed_out": timed_out, "seconds": round(took, 1),
             "measured": [line for line in lines if line.startswith("measured")],
-            "table": [line for line in lines if line.startswith(("|", "GLA", "FLOPs"))]}
+            "table": [line for line in lines if line.startswith(("|", "GLA", "FLOPs", "peak alloc", "Top"))]}
 
 
 def main(argv=None) -> int:

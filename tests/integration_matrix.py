@@ -118,7 +118,7 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   routing and a shared expert) in ``tp2`` (12.1 s).
 - ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
   types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
-  and ``pp2``.
+  and ``pp2``; Gated DeltaNet also ``interpret_tp2`` (fla's kernels, its core as titan_ext's torch op).
 - ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
   under PP and at PP=1; HF export under PP), compared with one process. ``pp2_cp2``: PP x CP (GLA's
   state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
@@ -145,7 +145,8 @@ shards do not test torchtitan's sharding of the data, only the parallelism.
   4-rank and 3.4 s of 2-rank jobs) replaced ``ep2_tp2_fsdp2`` of ``hf_qwen3_moe`` and ``hf_moe_bias`` and
   ``ep2_tp2`` of ``hf_kimi_linear`` (12.0 + 9.1 s and 12.8 s), measured in one launch each, back to back.
 - Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
-  (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA.
+  (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA; ``interpret_cp2``
+  (Gated DeltaNet under CP2 on fla's kernels, Triton's interpreter: 148 s).
 - The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
   are compared with the single-process run's.
 - Rows whose code path does not depend on the model run for fewer specs: ``hsdp2x2`` (GLA),
@@ -350,7 +351,7 @@ SPECS = {
     "hf_llama": Spec("debug_llama.toml"),
     "fla_gated_deltanet": Spec("debug_gated_deltanet.toml", flags=("--model.name", "fla", "--model.flavor",
                                                                     "gated_deltanet-debugmodel"),
-                               rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs")),
+                               rows=(*GENERIC_ROWS, "cp2", "cp2_docs", "pp2_cp2_docs", "interpret_tp2", "interpret_cp2")),
     # KDA's own spec: its TP plan, state passing (with and without documents) and PP.
     "fla_kda": Spec("debug_kda.toml", rows=("single", "fsdp2", "tp2", "cp2", "cp2_docs", "pp2")),
     "fla_gla_hybrid": Spec(
@@ -633,10 +634,16 @@ ROWS = {
     "pp2_resume_pp1": Row(2, parallel(pp=2), kind="resume_pp1", specs=("fla_gla", "hf_llama")),
     "pp2_resume_from_pp1": Row(2, parallel(pp=2), kind="resume_from_pp1", specs=("fla_gla", "hf_llama")),
     # fla's own Triton kernels (the GPU code path) under Triton's interpreter, TP2 with sequence and loss parallel,
-    # against one process on titan_ext's portable kernels ("single").
+    # against one process on titan_ext's portable kernels ("single"); GLA, and Gated DeltaNet on its torch op
+    # (76 s on 2 cores, 2026-11-29).
     # Two steps: the kernels' forward and backward at the seed's weights and after one update (~10 s a step).
-    "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL, specs=("fla_gla",), cost=12,
+    "interpret_tp2": Row(2, (*parallel(tp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL,
+                         specs=("fla_gla", "fla_gated_deltanet"), cost=12,
                          steps=2),
+    # ... and CP2 (state passing around titan_ext::chunk_gated_delta_rule_fwd), opt-in: 148 s on 2 cores (2026-11-29);
+    # tests/interpret_checks.py's cp case checks the same path in CI on a 1-layer model
+    "interpret_cp2": Row(2, (*parallel(cp=2), "--titan_ext.kernels", "fla"), rtol=TP_RTOL,
+                         specs=("fla_gated_deltanet",), spec_rtol=CP_RTOL, cost=12, steps=2, opt_in=True),
     # Packed windows as separate documents (fla: cu_seqlens, Llama: position_ids) under TP2, against one process.
     "docs_tp2": Row(2, parallel(tp=2), rtol=TP_RTOL, documents=True, validation=True, cost=3),
     # The chunked loss (titan_ext.loss), against one process on torchtitan's loss: FSDP2 with compiled blocks
@@ -691,7 +698,7 @@ SOFTMAX_TOP_K_ROUTED = ("hf_qwen3_moe", "hf_qwen3_next", "hf_qwen2_moe", "hf_moe
 UNSUPPORTED_PAIRS: dict[tuple[str, str], str] = {}
 """Rows unsupported for some specs only: (spec, row) -> why."""
 if _release("triton") < (3, 9):  # titan_ext refuses it in one line
-    UNSUPPORTED["interpret_tp2"] = "Triton's interpreter runs fla's kernels from triton 3.9"
+    UNSUPPORTED |= dict.fromkeys(("interpret_tp2", "interpret_cp2"), "Triton's interpreter runs fla's kernels from triton 3.9")
 if _release("torch") < (2, 13):  # titan_ext refuses these in one line
     UNSUPPORTED |= dict.fromkeys(("pp2_zbvzerobubble", "pp2_dualpipev"),
                                  "V-shaped schedules on gloo need torch 2.13 (earlier ones send to their own rank)")

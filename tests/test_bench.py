@@ -1,4 +1,4 @@
-"""The benchmarks still run: bench_train.py --cpu-tiny prints seven rows, bench_data.py three,
+"""The benchmarks still run: bench_train.py --cpu-tiny prints seven rows and row (c)'s profile, bench_data.py three,
 bench_autotune_compile.py --quick two."""
 
 import math
@@ -37,9 +37,42 @@ def test_bench_cpu_tiny_prints_seven_finite_rows():
     waits = re.findall(r"measured \([b-g]\).*waiting for data (\d+\.\d)% of the step", proc.stdout)
     assert len(waits) == 6 and all(0 <= float(w) < 100 for w in waits), proc.stdout[-3000:]
     for row in rows:
-        numbers = [float(cell.replace(",", "")) for cell in row.strip("|").split("|")[1:]]
-        assert len(numbers) == 4 and all(math.isfinite(n) and n >= 0 for n in numbers), row
-        assert numbers[0] > 0, row
+        cells = [cell.strip() for cell in row.strip("|").split("|")[1:]]
+        # on the CPU no allocated peak: n/a, and so its ratio; every other figure a number
+        assert cells[2:4] == ["n/a", "n/a"], row
+        numbers = [float(cell.replace(",", "")) for cell in cells[:2] + cells[4:]]
+        assert len(numbers) == 6 and all(math.isfinite(n) and n >= 0 for n in numbers), row
+        assert numbers[0] > 0 and numbers[2] > 0, row  # tokens/s, seconds to step 1
+    assert "peak alloc: n/a on the CPU" in proc.stdout, proc.stdout[-3000:]
+    # row (c)'s last two steps under torch.profiler: its top ops (the CPU's), after the rows
+    profile = proc.stdout[proc.stdout.index("Top 15 ops by CPU time"):].splitlines()
+    assert "of (c), steps 6-7" in profile[0] and profile[1].startswith("| kernel (CPU: op)"), profile[:3]
+    ops = [line for line in profile[3:] if line.startswith("| ")]
+    assert len(ops) == 15 and any(line.startswith("| aten::mm ") for line in ops), profile[:18]
+
+
+def test_bench_report_keeps_every_column_as_a_ratio_beside_its_figure():
+    """What a lease pastes into bench/RESULTS.md: the rows side by side, each figure beside its ratio to the first
+    row, n/a where a figure is missing, then the profile's table."""
+    bench_train = bench_module("bench_train")
+    args = bench_train.parse_args(["--rows", "a,c,d"])
+    rows = [bench_train.Row("(a) plain PyTorch loop", 1000.0, 10.0, 50.0),
+            bench_train.Row("(c) (b) + compile", 1500.0, 8.0, 25.0, data_loading_percent=2.5),
+            bench_train.Row("(d) (b) + Float8", 1800.0, float("nan"), 100.0, data_loading_percent=3.0)]
+    hotspots = [bench_train.Hotspot("chunk_gla_fwd_kernel_o", 30.0, 60.0, 96),
+                bench_train.Hotspot("sm90_gemm", 20.0, 40.0, 3)]
+    lines = bench_train.report(rows, hotspots, flops=2_000_000_000, peak=1e15, args=args)
+    assert lines[0].startswith("GLA train_configs/gla_340M.toml, batch 16 x seq 2048, median of steps 11-27"), lines[0]
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| (")]
+    header = next(line for line in lines if line.startswith("| run"))
+    assert [cell.strip() for cell in header.strip("|").split("|")] == [
+        "run", "tokens/s", "vs base", "peak alloc GiB", "vs base", "first step s", "vs base", "MFU %", "data wait %"]
+    assert table[1] == ["(c) (b) + compile", "1,500.0", "1.500", "8.00", "0.800", "25.0", "0.500", "0.300", "2.5"]
+    assert table[2][3:5] == ["n/a", "n/a"] and table[2][2] == "1.800", table[2]
+    profile = lines[lines.index("") + 1:]
+    assert profile[0].startswith("Top 2 ") and profile[0].endswith(" of (c), steps 28-30 (torch.profiler)"), profile[0]
+    assert [cell.strip() for cell in profile[1].strip("|").split("|")] == ["kernel (CPU: op)", "ms/step", "share %", "calls/step"]
+    assert [cell.strip() for cell in profile[3].strip("|").split("|")] == ["chunk_gla_fwd_kernel_o", "10.00", "60.0", "32"]
 
 
 def test_bench_rows_option_picks_rows_in_order_and_refuses_unknown_letters(capsys):

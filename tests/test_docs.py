@@ -245,7 +245,8 @@ RUN_BY = {
     "train_configs/debug_gla.toml --titan_ext.kernels fla --parallelism.tensor_parallel_degree 2 "
     "--parallelism.data_parallel_shard_degree 1 --training.steps 3": "matrix:fla_gla/interpret_tp2",
     "python -m pytest -q tests/test_interpret.py": "ci",
-    "python -m pytest -q -rs tests/test_gla_op.py tests/test_kda_op.py tests/test_sdpa_fallback.py tests/test_autotune_compile.py":
+    "python -m pytest -q -rs tests/test_gla_op.py tests/test_kda_op.py tests/test_gated_delta_op.py tests/test_sdpa_fallback.py "
+    "tests/test_autotune_compile.py":
         "ci",  # they skip without CUDA
     "python bench/bench_train.py": "gpu",
     "python bench/bench_train.py --rows c,g": "gpu",  # the selection: test_bench_rows_option_picks_rows_in_order...

@@ -128,15 +128,16 @@ def test_fla_path_gives_fla_kernels_local_shards(mesh):
     import fla.modules.causal_conv1d.ops as conv_ops
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    from titan_ext.kernels import conv_op
+    from titan_ext.kernels import conv_op, gated_delta_op
 
     fla_path = kernels.replacements("fla")
-    for fla_fn in (conv_ops.causal_conv1d_update, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule):
+    for fla_fn in (conv_ops.causal_conv1d_update, fused_recurrent_gated_delta_rule):
         assert fla_path[fla_fn].__wrapped__ is fla_fn
+    assert fla_path[chunk_gated_delta_rule] is gated_delta_op.chunk_gated_delta_rule  # local shards, then the op
     from fla.models import GatedDeltaNetForCausalLM  # a model bound to the fla path reaches the wrappers
 
     attn = kernels.bind(GatedDeltaNetForCausalLM(gdn_config()), "fla").model.layers[0].attn
-    assert attn.forward.__globals__["chunk_gated_delta_rule"] is tp_local.chunk_gated_delta_rule
+    assert attn.forward.__globals__["chunk_gated_delta_rule"] is gated_delta_op.chunk_gated_delta_rule
     assert attn.forward.__globals__["causal_conv1d"] is conv_op.causal_conv1d
     conv_forward = type(attn.q_conv1d).forward  # fla's forward, traced by compile, rebound to the op
     assert not getattr(conv_forward, "_torchdynamo_disable", False)

@@ -24,6 +24,7 @@ EXPECTED = [
     "kda_op_sac", "kda_op_rows", "kda_op_gva", "compiled_blocks_gla", "compiled_blocks_gla_hybrid",
     "compiled_blocks_gated_deltanet", "compiled_blocks_kda", "op_rms_norm", "op_rms_norm_gated", "op_swiglu_linear",
     "op_causal_conv1d", "op_rotary_embedding", "op_fused_recurrent_gla", "op_chunk_gated_delta_rule",
+    "op_chunk_gated_delta_rule_strided",
 ]
 
 

@@ -55,7 +55,7 @@ def test_every_replacement_resolves_for_both_paths():
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from titan_ext.kernels import (conv_op, elementwise_ops, kda_op, layer_cache, recurrent_gla_op,
+    from titan_ext.kernels import (conv_op, elementwise_ops, gated_delta_op, kda_op, layer_cache, recurrent_gla_op,
                                    rotary, rotary_op, tp_local, transformers_gated_deltanet, transformers_kda)
 
     assert fla_path == {
@@ -66,7 +66,7 @@ def test_every_replacement_resolves_for_both_paths():
         vars(GatedDeltaNet)["_use_fused_qkv_conv"]: tp_local.use_fused_qkv_conv,
         fla.modules.causal_conv1d.ops.causal_conv1d: conv_op.causal_conv1d,
         fla.modules.causal_conv1d.ops.causal_conv1d_update: tp_local.causal_conv1d_update,
-        fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: tp_local.chunk_gated_delta_rule,
+        fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule: gated_delta_op.chunk_gated_delta_rule,
         fla.ops.gated_delta_rule.fused_recurrent.fused_recurrent_gated_delta_rule: tp_local.fused_recurrent_gated_delta_rule,
         fla.ops.kda.chunk.chunk_kda: kda_op.chunk_kda,
         fla.ops.kda.fused_recurrent.fused_recurrent_kda: tp_local.fused_recurrent_kda,
@@ -86,7 +86,7 @@ def test_every_replacement_resolves_for_both_paths():
     # what compile keeps in its graph: titan_ext's torch code and ops (fla's drivers inside the ops); fla's
     # decoding and standalone entry points left are opaque to it (tp_local): dynamo never traces into them
     opaque = {fn for fn in fla_path.values() if getattr(fn, "_torchdynamo_disable", False)}
-    assert opaque == {tp_local.causal_conv1d_update, tp_local.chunk_gated_delta_rule, tp_local.fused_recurrent_gated_delta_rule,
+    assert opaque == {tp_local.causal_conv1d_update, tp_local.fused_recurrent_gated_delta_rule,
                       tp_local.fused_recurrent_kda, tp_local.fused_chunk_gla, tp_local.swish, tp_local.sigmoid,
                       tp_local.logsigmoid}
     # the models titan_ext trains: transformers' Gated DeltaNet layers run titan_ext's forward (their mixer's,

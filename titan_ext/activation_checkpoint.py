@@ -30,9 +30,9 @@ The portable Gated DeltaNet and KDA cores are one op each the same way
 (``titan_ext::delta_rule_fwd``, ``titan_ext.kernels.delta_rule_op``; counted in
 ``tests/test_delta_rule_sac.py``), and so is fla's ``chunk_kda`` on CUDA
 (``titan_ext::chunk_kda_fwd``, ``titan_ext.kernels.kda_op``: fla's drivers inside;
-counted under Triton's interpreter, ``tests/interpret_checks.py`` ``kda_op``).
-fla's ``chunk_gated_delta_rule`` on CUDA stays an autograd Function, rerun in
-the recompute.
+counted under Triton's interpreter, ``tests/interpret_checks.py`` ``kda_op``), and
+fla's ``chunk_gated_delta_rule`` (``titan_ext::chunk_gated_delta_rule_fwd``,
+``titan_ext.kernels.gated_delta_op``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ MODES = ("none", "full", "selective", "memory_budget")
 
 def op_sac_save_list() -> set:
     """Ops whose outputs op-level SAC keeps: torchtitan's (matmuls, every other one; attention) + the kernels'
-    own (``kernels.sac_save_list``: the GLA and delta-rule cores, fla's KDA on CUDA)."""
+    own (``kernels.sac_save_list``: the GLA and delta-rule cores, fla's KDA and Gated DeltaNet on CUDA)."""
     from titan_ext import kernels
 
     return compat.torchtitan_ac().op_sac_save_list | kernels.sac_save_list()

@@ -8,7 +8,7 @@ attributes it never reads in control flow (fla's integer ``layer_idx``:
 only consulted when a KV cache is passed) install no guard. fla's
 kernels sit behind ``torch.compiler.disable`` inside its autograd Functions;
 titan_ext's models run every one a GLA, Gated DeltaNet or KDA block reaches as
-a torch op (but Gated DeltaNet's core, still a graph break: ``gated_delta_op``) (``titan_ext.kernels.gla_op``, ``kda_op``, ``gated_delta_op``,
+a torch op (``titan_ext.kernels.gla_op``, ``kda_op``, ``gated_delta_op``,
 ``recurrent_gla_op``, ``norm_ops``, ``elementwise_ops``, ``conv_op``,
 ``rotary_op``), so each block compiles to one graph; the rotary caches are
 filled before the blocks run (``rotary.fill_caches``). A graph break in a block

@@ -5,8 +5,8 @@ signatures it was written against (``SIGNATURES``); ``KERNEL_MODULES`` names tho
 ``replacements`` gathers their rows. A job picks a kernel path once (``titan_ext.job.JobPlan.kernel_path``):
 
 * ``fla`` (CUDA): fla's kernels, every one a GLA, Gated DeltaNet or KDA training
-  block reaches (but Gated DeltaNet's core: ``gated_delta_op``, open) as torch ops
-  around fla's own drivers (``gla_op``, ``kda_op``, ``recurrent_gla_op``, ``norm_ops``, ``elementwise_ops``,
+  block reaches as torch ops
+  around fla's own drivers (``gla_op``, ``kda_op``, ``gated_delta_op``, ``recurrent_gla_op``, ``norm_ops``, ``elementwise_ops``,
   ``conv_op``, ``rotary_op``: op-level SAC, and one compiled graph per block),
   and the rotary cache check (``rotary``); fla's decoding kernels and standalone
   activations are called opaque to torch.compile (``tp_local``: one graph break,

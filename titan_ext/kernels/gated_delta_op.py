@@ -9,6 +9,12 @@ order the Function runs them (the in-kernel L2 norm of q and k, ``sigmoid(beta)`
 cumulated gate, the chunk matrix ``A``, the normalised q/k with their ``rstd``, the activated beta);
 its autograd formula calls ``titan_ext::chunk_gated_delta_rule_bwd`` (fla's ``chunk_gated_delta_rule_bwd``,
 then the norm's and the sigmoid's backward). SAC can ``MUST_SAVE`` the forward (``SAVE_LIST``).
+Both run inside fla's ``input_guard``, as the Function's forward and backward do: the backward reads
+the raw ``v``, ``g`` and ``beta`` the forward saved, the caller's tensors, strided views where fla's
+fused q/k/v convolution leaves them, and fla's kernels read memory densely. Without it the gradients of
+q, k, the gate and beta were wrong wherever the convolution is fused (one process; TP runs the three
+apart), seen as CP=2 and TP=2 disagreeing with one process (``tests/interpret_checks.py``: ``block_ops``'s
+strided case).
 
 What the ops do not take goes to fla's function as shipped: fla's own context parallelism
 (``cp_context``) and precomputed ``chunk_indices``. Under TP the per-head ``A_log``/``dt_bias`` arrive
@@ -25,6 +31,7 @@ from titan_ext import compat
 from titan_ext.kernels import op_parts
 from titan_ext.kernels.gla_op import check_packed_states
 from titan_ext.kernels.op_parts import empty, present
+from titan_ext.kernels.table import Kernel
 from titan_ext.kernels.tp_local import with_local_args
 
 _FP32 = torch.float32
@@ -42,20 +49,25 @@ def chunk_gated_delta_rule_fwd(
     """``(o, final state, cumulated gate, A, normalised q, q rstd, normalised k, k rstd, sigmoid(beta))``, each
     empty where fla keeps none (no final state asked; no in-kernel norm or sigmoid)."""
     fla = compat.fla_block_drivers()
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))  # fla's input_guard
-    qn = kn = q_rstd = k_rstd = beta_act = None
-    if use_qk_l2norm_in_kernel:
-        (qn, q_rstd), (kn, k_rstd) = fla.l2norm_fwd(q), fla.l2norm_fwd(k)
-    if use_beta_sigmoid_in_kernel:
-        beta_act = fla.fused_beta_sigmoid_fwd(beta, scale=2.0 if allow_neg_eigval else 1.0)
-    g_cumsum, o, A, ht, _, _ = fla.chunk_gated_delta_rule_fwd(
-        q=q if qn is None else qn, k=k if kn is None else kn, v=v, g=g, beta=beta if beta_act is None else beta_act,
-        scale=scale, initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, chunk_indices=op_parts.chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu),
-        use_gate_in_kernel=use_gate_in_kernel, A_log=A_log if use_gate_in_kernel else None,
-        dt_bias=dt_bias if use_gate_in_kernel else None, chunk_size=chunk_size,
-    )
-    outputs = (o.to(q.dtype), ht, g_cumsum, A, qn, q_rstd, kn, k_rstd, beta_act)
+
+    @fla.input_guard  # contiguous inputs, the inputs' device current (as around ChunkGatedDeltaRuleFunction.forward)
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
+        qn = kn = q_rstd = k_rstd = beta_act = None
+        if use_qk_l2norm_in_kernel:
+            (qn, q_rstd), (kn, k_rstd) = fla.l2norm_fwd(q), fla.l2norm_fwd(k)
+        if use_beta_sigmoid_in_kernel:
+            beta_act = fla.fused_beta_sigmoid_fwd(beta, scale=2.0 if allow_neg_eigval else 1.0)
+        g_cumsum, o, A, ht, _, _ = fla.chunk_gated_delta_rule_fwd(
+            q=q if qn is None else qn, k=k if kn is None else kn, v=v, g=g,
+            beta=beta if beta_act is None else beta_act, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            chunk_indices=op_parts.chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu),
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log if use_gate_in_kernel else None,
+            dt_bias=dt_bias if use_gate_in_kernel else None, chunk_size=chunk_size,
+        )
+        return o.to(q.dtype), ht, g_cumsum, A, qn, q_rstd, kn, k_rstd, beta_act
+
+    outputs = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
     return tuple(x if x is not None else empty(q) for x in outputs)
 
 
@@ -90,23 +102,32 @@ def chunk_gated_delta_rule_bwd(
     input is absent or unused; ``q``/``k``: the ones fla's kernels read (normalised in the kernel: the forward's
     outputs), ``g`` the raw input, ``beta`` the raw input and ``beta_act`` its sigmoid (empty without one)."""
     fla = compat.fla_block_drivers()
-    do = do.contiguous()
-    dq, dk, dv, db, dg, dh0, dA, dbias = fla.chunk_gated_delta_rule_bwd(
-        q=q, k=k, v=v, g=g_cumsum, beta=beta_act if use_beta_sigmoid_in_kernel else beta, A=A, scale=scale,
-        initial_state=initial_state, do=do, dht=dht, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        chunk_indices=op_parts.chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu),
-        use_gate_in_kernel=use_gate_in_kernel, g_input=g if use_gate_in_kernel else None,
-        A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
-        chunk_size=chunk_size,
-    )
-    if use_qk_l2norm_in_kernel:
-        dq, dk = fla.l2norm_bwd(q, q_rstd, dq), fla.l2norm_bwd(k, k_rstd, dk)
-    if use_beta_sigmoid_in_kernel:
-        db = fla.fused_beta_sigmoid_bwd(x=beta, dy=db, scale=2.0 if allow_neg_eigval else 1.0)
+
+    # contiguous inputs, as around ChunkGatedDeltaRuleFunction.backward: the saved raw v, g and beta are the
+    # caller's tensors, which a fused q/k/v convolution leaves as strided views (fla's kernels read them densely)
+    @fla.input_guard
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, g_cumsum, A, q_rstd, k_rstd, beta_act, do, dht,
+            cu_seqlens):
+        dq, dk, dv, db, dg, dh0, dA, dbias = fla.chunk_gated_delta_rule_bwd(
+            q=q, k=k, v=v, g=g_cumsum, beta=beta_act if use_beta_sigmoid_in_kernel else beta, A=A, scale=scale,
+            initial_state=initial_state, do=do, dht=dht, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            chunk_indices=op_parts.chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu),
+            use_gate_in_kernel=use_gate_in_kernel, g_input=g if use_gate_in_kernel else None,
+            A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
+            chunk_size=chunk_size,
+        )
+        if use_qk_l2norm_in_kernel:
+            dq, dk = fla.l2norm_bwd(q, q_rstd, dq), fla.l2norm_bwd(k, k_rstd, dk)
+        if use_beta_sigmoid_in_kernel:
+            db = fla.fused_beta_sigmoid_bwd(x=beta, dy=db, scale=2.0 if allow_neg_eigval else 1.0)
+        return dq, dk, dv, dg, db, dh0, dA, dbias
+
+    grads = run(q, k, v, g, beta, A_log, dt_bias, initial_state, g_cumsum, A, q_rstd, k_rstd, beta_act, do, dht,
+                cu_seqlens)
     inputs = (q, k, v, g, beta, initial_state, A_log if use_gate_in_kernel else None,
               dt_bias if use_gate_in_kernel else None)
     return tuple(grad.to(x.dtype).contiguous() if grad is not None and x is not None else empty(q)
-                 for grad, x in zip((dq, dk, dv, dg, db, dh0, dA, dbias), inputs))
+                 for grad, x in zip(grads, inputs))
 
 
 @chunk_gated_delta_rule_bwd.register_fake
@@ -192,12 +213,17 @@ def _through_ops(
 
 
 chunk_gated_delta_rule = with_local_args(_through_ops)
-"""fla's ``chunk_gated_delta_rule`` through the ops. Not yet what the ``fla`` path binds (no ``KERNELS`` row; it
-calls ``tp_local.chunk_gated_delta_rule``, opaque: one graph break per Gated DeltaNet block): equal to fla's
-function bit for bit on one packed row (``tests/interpret_checks.py``, ``block_ops``), but a whole Gated DeltaNet
-model on it under CP=2 and TP=2 (``cp``, ``tp``) disagreed with one process; open."""
+"""What titan_ext's Gated DeltaNet models call on the ``fla`` path instead of fla's ``chunk_gated_delta_rule``."""
 
-KERNELS = ()
+KERNELS = (
+    Kernel(
+        "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule,
+        "Gated DeltaNet's training kernel as torch ops around fla's own drivers: op-level SAC can save it and "
+        "compile keeps it in the graph (fla's is a Triton autograd.Function behind torch.compiler.disable); under "
+        "TP its A_log/dt_bias arrive as DTensor shards, which fla's Triton code cannot read: their local shards",
+        ("fla",),
+    ),
+)
 """What titan_ext's models call instead of fla's functions (``kernels.replacements``)."""
 
 SIGNATURES = {

@@ -37,7 +37,6 @@ from fla.modules.activations.ops import logsigmoid as fla_logsigmoid
 from fla.modules.activations.ops import sigmoid as fla_sigmoid
 from fla.modules.activations.ops import swish as fla_swish
 from fla.modules.causal_conv1d.ops import causal_conv1d_update as fla_causal_conv1d_update
-from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 from fla.ops.gated_delta_rule.fused_recurrent import (
     fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule,
 )
@@ -112,7 +111,6 @@ def fla_entry(fn: Callable) -> Callable:
 
 
 causal_conv1d_update = fla_entry(fla_causal_conv1d_update)
-chunk_gated_delta_rule = fla_entry(fla_chunk_gated_delta_rule)  # gated_delta_op: open (its docstring)
 fused_chunk_gla = fla_entry(fla_fused_chunk_gla)
 fused_recurrent_gated_delta_rule = fla_entry(fla_fused_recurrent_gated_delta_rule)
 fused_recurrent_kda = fla_entry(fla_fused_recurrent_kda)
@@ -167,7 +165,6 @@ KERNELS = (
     Kernel("fla.modules.activations.ops:sigmoid", sigmoid, OPAQUE, ("fla",)),
     Kernel("fla.modules.activations.ops:logsigmoid", logsigmoid, OPAQUE, ("fla",)),
     Kernel("fla.modules.causal_conv1d.ops:causal_conv1d_update", causal_conv1d_update, TP_LOCAL, ("fla",)),
-    Kernel("fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule", chunk_gated_delta_rule, TP_LOCAL, ("fla",)),
     Kernel(
         "fla.ops.gated_delta_rule.fused_recurrent:fused_recurrent_gated_delta_rule", fused_recurrent_gated_delta_rule,
         TP_LOCAL,

@@ -24,7 +24,7 @@ from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGa
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
 from titan_ext.models.mixers.lightning import TransformersLightningAttention
-from titan_ext.models.mixers.mamba2 import TransformersMamba2
+from titan_ext.models.mixers.mamba2 import FlaMamba2, TransformersMamba2
 from titan_ext.models.mixers.mla import TransformersMLA
 from titan_ext.models.mixers.short_conv import TransformersShortConv
 
@@ -39,6 +39,7 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
     TransformersMamba2,
+    FlaMamba2,
     TransformersShortConv,
     TransformersLightningAttention,
 )
@@ -47,17 +48,17 @@ MIXERS: tuple[type[Mixer], ...] = (
 FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 """Feed-forward modules whose forward calls fused kernels (so ``_feed_forward`` cannot tell them from a mixer)."""
 
-__all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
+__all__ = ["FlaAttention", "FlaMamba2", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
            "TransformersLightningAttention", "TransformersMLA", "TransformersMamba2", "TransformersShortConv", "Unknown",
-           "recognize"]
+           "is_norm", "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:
     """The token mixer of one decoder layer, from the modules it holds."""
     known, unknown, feed_forward = [], [], []
     for name, child in block.named_children():
-        if next(child.parameters(), None) is None or _norm(child):
+        if next(child.parameters(), None) is None or is_norm(child):
             continue
         mixer = _known(child)
         if mixer is not None:
@@ -77,7 +78,7 @@ def _known(module: nn.Module) -> type[Mixer] | None:
     return next((m for m in found if not any(o is not m and issubclass(o, m) for o in found)), None)
 
 
-def _norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
     """A module whose every parameter is a vector (RMSNorm, LayerNorm): it scales channels, mixing nothing."""
     return all(p.dim() == 1 for p in module.parameters())
 

@@ -67,10 +67,15 @@ def recognize(block: nn.Module) -> Mixer:
             (feed_forward if _feed_forward(child) else unknown).append(name)
     if not known and not unknown and len(feed_forward) > 1:  # which one mixes cannot be told: neither is trusted
         unknown = feed_forward
-    parts = (*known, *(Unknown(name, block.get_submodule(name)) for name in unknown))
+    parts = (*known, *(_unknown(name, block.get_submodule(name)) for name in unknown))
     if not parts:
         return NoMixer()
     return parts[0] if len(parts) == 1 else Parallel(parts)
+
+
+def _unknown(name: str, module: nn.Module) -> Unknown:
+    """An unknown mixer, saying why where a known mixer it resembles is not it."""
+    return Unknown(name, module, next((why for mixer in MIXERS if (why := mixer.near_miss(module))), None))
 
 
 def _known(module: nn.Module) -> type[Mixer] | None:

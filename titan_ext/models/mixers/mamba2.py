@@ -92,6 +92,22 @@ class TransformersMamba2(Mamba2Heads):
         return (set(CALLS) <= calls and held_parameters(module) == set(HELD) and next(module.buffers(), None) is None
                 and all(hasattr(norm, attribute) for attribute in GATED_NORM))
 
+    @classmethod
+    def near_miss(cls, module):
+        """A module calling Mamba2's kernels whose parts differ (Falcon-H1's: μP multipliers in a ``mup_vector``
+        buffer, its gated norm optional): what differs, in a few words."""
+        if not set(CALLS) <= {kernel_name(value) for value in forward_globals(module).values()}:
+            return None
+        held, buffers = held_parameters(module), [name for name, _ in module.named_buffers()]
+        lacks = set(HELD) - held - {"norm"}
+        differences = [f"also holds {', '.join(sorted(held - set(HELD)))}" if held - set(HELD) else "",
+                       f"lacks {', '.join(sorted(lacks))}" if lacks else "",
+                       f"holds buffers {', '.join(buffers)}" if buffers else ""]
+        if not all(hasattr(getattr(module, "norm", None), attribute) for attribute in GATED_NORM):
+            differences.append("has no MambaRMSNormGated norm")
+        found = "; ".join(d for d in differences if d)
+        return f"it calls Mamba2's kernels but {found}: not the Mamba2 math titan_ext computes" if found else None
+
     def training_forward(self):
         from titan_ext.kernels import transformers_mamba2
 

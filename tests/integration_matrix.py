@@ -659,6 +659,56 @@ ROWS = {
 }
 
 
+MIXER_SPECS = {
+    "gla": ("fla", "gla", "fla_gla"),
+    "gated deltanet": ("fla", "gated_deltanet", "fla_gated_deltanet"),
+    "kda": ("fla", "kda", "fla_kda"),
+    "fla attention": ("fla", "transformer", "fla_transformer"),
+    "transformers attention": ("transformers", "llama", "hf_llama"),
+    "transformers mla": ("transformers", "deepseek_v3", "hf_deepseek_v3"),
+    "transformers' gated deltanet": ("transformers", "qwen3_5_text", "hf_qwen3_5"),
+    "transformers' kda": ("transformers", "kimi_linear", "hf_kimi_linear"),
+    "transformers' mamba2": ("transformers", "nemotron_h", "hf_nemotron_h"),
+    "transformers' short convolution": ("transformers", "lfm2", "hf_lfm2"),
+    "transformers' lightning attention": ("transformers", "minimax", "hf_minimax"),
+}
+"""One model per mixer kind (as the census names it) whose matrix rows stand for that kind's multi-rank columns in
+docs/models.md: (library, census model type, matrix spec). The census reads it (``mixer_runs``); a mixer kind
+not here (fla's Mamba2) has plan-time checks only."""
+
+RUN_COLUMNS = {
+    "FSDP2": "--parallelism.data_parallel_shard_degree",
+    "TP": "--parallelism.tensor_parallel_degree",
+    "CP": "--parallelism.context_parallel_degree",
+    "PP": "--parallelism.pipeline_parallel_degree",
+    "EP": "--parallelism.expert_parallel_degree",
+}
+"""The census's multi-rank columns and the degree each stands for."""
+
+
+def _degrees(flags: tuple[str, ...]) -> dict[str, int]:
+    """The parallel degrees above 1 a row's flags set (the last value of a repeated flag wins, as argparse's)."""
+    given = dict(zip(flags[::2], flags[1::2]))
+    return {column: int(given[flag]) for column, flag in RUN_COLUMNS.items()
+            if given.get(flag, "1").isdigit() and int(given.get(flag, "1")) > 1}
+
+
+def mixer_runs() -> dict[str, dict[str, str]]:
+    """For each mixer kind of ``MIXER_SPECS``, each of its model's multi-rank columns (and ``documents``) -> the
+    matrix row (``spec/row``) that trains it equal to one process, the plainest (fewest other parallelisms, no
+    documents unless they are the column, fewest flags); a column no row of that spec runs is left out."""
+    runs = {}
+    for mixer, (_, _, spec) in MIXER_SPECS.items():
+        rows = sorted((len(_degrees(r.flags)), r.documents, len(r.flags), name) for name, r in ROWS.items()
+                      if r.kind in ("train", "resume", "hf") and applies(spec, name))
+        found = {}
+        for *_, name in rows:
+            for column in (*_degrees(ROWS[name].flags), *(("documents",) if ROWS[name].documents else ())):
+                found.setdefault(column, f"{spec}/{name}")
+        runs[mixer] = found
+    return runs
+
+
 _unknown = {f"{spec}/{row}" for spec, s in SPECS.items() for row in s.rows or () if row not in ROWS}
 _unknown |= {f"{row}/{spec}" for row, r in ROWS.items() for spec in r.specs or () if spec not in SPECS}
 assert not _unknown, f"the matrix names rows or specs it does not define (a row would silently not run): {_unknown}"

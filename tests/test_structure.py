@@ -78,7 +78,8 @@ def test_a_known_layout_under_any_name_runs_titan_ext_forward():
     assert type(model.model.layers[0].linear_attn).forward.__code__ is qwen3_5_forward.__code__
 
 
-WHY = "it calls Mamba2's kernels but holds buffers mup_vector; has no MambaRMSNormGated norm: not the Mamba2 math titan_ext computes"
+WHY = ("it calls Mamba2's kernels but holds buffers mup_vector; has no MambaRMSNormGated norm: not the Mamba2 math "
+       "titan_ext computes")
 """Falcon-H1's mixer beside transformers' Mamba2 (``TransformersMamba2.near_miss``)."""
 
 

@@ -201,7 +201,7 @@ def test_the_multi_rank_runs_are_the_matrixs():
     text = MODELS_MD.read_text()
     assert section and "\n".join(section) in text, "docs/models.md is stale: python -m titan_ext.census --out docs/models.md"
     assert "| transformers' mamba2 | transformers `nemotron_h` (`hf_nemotron_h`) | `hf_nemotron_h/fsdp2` | " \
-           "`hf_nemotron_h/tp2` | `hf_nemotron_h/cp2` |" in section
+           "`hf_nemotron_h/tp2` | `hf_nemotron_h/cp2` |" in "\n".join(section)
 
 
 def test_a_planned_cell_of_a_matrix_model_names_its_row():

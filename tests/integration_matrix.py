@@ -340,6 +340,8 @@ TINY_GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size":
                 "router_aux_loss_coef": 0.01, "vocab_size": 2048, "max_position_embeddings": 512}
 
 
+TINY_FLA_MAMBA2 = {"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+                   "state_size": 16, "n_groups": 1, "chunk_size": 16, "vocab_size": 2048}
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
     "fla_transformer": Spec(
@@ -393,6 +395,10 @@ SPECS = {
                        rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
                           rows=("single", "fsdp2", "tp2", "pp2", "cp2", "cp2_docs")),
+    # fla's own Mamba2 layer (FlaMamba2): its heads under TP (one group, shared by both ranks), state passing and the
+    # convolution's halo under CP, with and without documents
+    "fla_mamba2": Spec("debug_gla.toml", flags=("--model.name", "fla"), hf_config=TINY_FLA_MAMBA2,
+                       rows=("single", "tp2", "cp2", "cp2_docs")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -671,10 +677,11 @@ MIXER_SPECS = {
     "transformers' mamba2": ("transformers", "nemotron_h", "hf_nemotron_h"),
     "transformers' short convolution": ("transformers", "lfm2", "hf_lfm2"),
     "transformers' lightning attention": ("transformers", "minimax", "hf_minimax"),
+    "fla mamba2": ("fla", "mamba2", "fla_mamba2"),
 }
 """One model per mixer kind (as the census names it) whose matrix rows stand for that kind's multi-rank columns in
 docs/models.md: (library, census model type, matrix spec). The census reads it (``mixer_runs``); a mixer kind
-not here (fla's Mamba2) has plan-time checks only."""
+not here has plan-time checks only."""
 
 RUN_COLUMNS = {
     "FSDP2": "--parallelism.data_parallel_shard_degree",

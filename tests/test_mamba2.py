@@ -1,7 +1,8 @@
 """transformers' Mamba2 mixers (``models.mixers.mamba2``): recognised by what they hold and call in every family
 that copies ``Mamba2Mixer``, trained through titan_ext's forward (``kernels.transformers_mamba2``) equal to
-transformers' own; documents restart the scan and the convolution; TP's shares and refusals. TP and CP on two
-real ranks against one process are the integration matrix's (``hf_nemotron_h``: ``tp2``, ``cp2``, ``cp2_docs``);
+transformers' own; documents restart the scan and the convolution; TP's shares and refusals; fla's own Mamba2
+layer through the same math, equal to fla's. TP and CP on two real ranks against one process are the integration
+matrix's (``hf_nemotron_h``, ``fla_mamba2``: ``tp2``, ``cp2``, ``cp2_docs``);
 the scan's state passing is ``test_state_passing.py``'s (``simple_gla``)."""
 
 import pytest

@@ -341,6 +341,8 @@ TINY_GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "intermediate_size":
                 "router_aux_loss_coef": 0.01, "vocab_size": 2048, "max_position_embeddings": 512}
 
 
+TINY_FLA_MAMBA2 = {"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+                   "state_size": 16, "n_groups": 1, "chunk_size": 16, "vocab_size": 2048}
 SPECS = {
     "fla_gla": Spec("debug_gla.toml"),
     "fla_transformer": Spec(
@@ -394,6 +396,10 @@ SPECS = {
                        rows=("single", "tp2", "cp2", "cp2_docs")),
     "hf_nemotron_h": Spec("debug_llama.toml", flags=("--model.name", "hf"), hf_config=TINY_NEMOTRON_H,
                           rows=("single", "fsdp2", "tp2", "pp2", "cp2", "cp2_docs")),
+    # fla's own Mamba2 layer (FlaMamba2): its heads under TP (one group, shared by both ranks), state passing and the
+    # convolution's halo under CP, with and without documents
+    "fla_mamba2": Spec("debug_gla.toml", flags=("--model.name", "fla"), hf_config=TINY_FLA_MAMBA2,
+                       rows=("single", "tp2", "cp2", "cp2_docs")),
     # torchtitan's own model, on titan_ext's shipped data and tokenizer (CPU mode covers it too).
     "llama3": Spec("debug_llama.toml", flags=("--model.name", "llama3", "--model.flavor", "debugmodel"),
                    rows=("single", "fsdp2")),
@@ -664,6 +670,57 @@ ROWS = {
     "nan_stop": Row(2, (*parallel(shard=2), *NAN, "--checkpoint.interval", "1"), kind="fails", specs=("fla_gla",),
                     env=(("NAN_AT_STEP", "3"),), expect="non-finite loss (NaN or Inf) at step 3: stopped before its update"),
 }
+
+
+MIXER_SPECS = {
+    "gla": ("fla", "gla", "fla_gla"),
+    "gated deltanet": ("fla", "gated_deltanet", "fla_gated_deltanet"),
+    "kda": ("fla", "kda", "fla_kda"),
+    "fla attention": ("fla", "transformer", "fla_transformer"),
+    "transformers attention": ("transformers", "llama", "hf_llama"),
+    "transformers mla": ("transformers", "deepseek_v3", "hf_deepseek_v3"),
+    "transformers' gated deltanet": ("transformers", "qwen3_5_text", "hf_qwen3_5"),
+    "transformers' kda": ("transformers", "kimi_linear", "hf_kimi_linear"),
+    "transformers' mamba2": ("transformers", "nemotron_h", "hf_nemotron_h"),
+    "transformers' short convolution": ("transformers", "lfm2", "hf_lfm2"),
+    "transformers' lightning attention": ("transformers", "minimax", "hf_minimax"),
+    "fla mamba2": ("fla", "mamba2", "fla_mamba2"),
+}
+"""One model per mixer kind (as the census names it) whose matrix rows stand for that kind's multi-rank columns in
+docs/models.md: (library, census model type, matrix spec). The census reads it (``mixer_runs``); a mixer kind
+not here has plan-time checks only."""
+
+RUN_COLUMNS = {
+    "FSDP2": "--parallelism.data_parallel_shard_degree",
+    "TP": "--parallelism.tensor_parallel_degree",
+    "CP": "--parallelism.context_parallel_degree",
+    "PP": "--parallelism.pipeline_parallel_degree",
+    "EP": "--parallelism.expert_parallel_degree",
+}
+"""The census's multi-rank columns and the degree each stands for."""
+
+
+def _degrees(flags: tuple[str, ...]) -> dict[str, int]:
+    """The parallel degrees above 1 a row's flags set (the last value of a repeated flag wins, as argparse's)."""
+    given = dict(zip(flags[::2], flags[1::2]))
+    return {column: int(given[flag]) for column, flag in RUN_COLUMNS.items()
+            if given.get(flag, "1").isdigit() and int(given.get(flag, "1")) > 1}
+
+
+def mixer_runs() -> dict[str, dict[str, str]]:
+    """For each mixer kind of ``MIXER_SPECS``, each of its model's multi-rank columns (and ``documents``) -> the
+    matrix row (``spec/row``) that trains it equal to one process, the plainest (fewest other parallelisms, no
+    documents unless they are the column, fewest flags); a column no row of that spec runs is left out."""
+    runs = {}
+    for mixer, (_, _, spec) in MIXER_SPECS.items():
+        rows = sorted((len(_degrees(r.flags)), r.documents, len(r.flags), name) for name, r in ROWS.items()
+                      if r.kind in ("train", "resume", "hf") and applies(spec, name))
+        found = {}
+        for *_, name in rows:
+            for column in (*_degrees(ROWS[name].flags), *(("documents",) if ROWS[name].documents else ())):
+                found.setdefault(column, f"{spec}/{name}")
+        runs[mixer] = found
+    return runs
 
 
 _unknown = {f"{spec}/{row}" for spec, s in SPECS.items() for row in s.rows or () if row not in ROWS}

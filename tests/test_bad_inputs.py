@@ -215,6 +215,16 @@ def test_typed_dict_fields_from_typing_and_typing_extensions(gla_config):
         assert hf_config._is_instance({"layers": [0]}, Spec) and not hf_config._is_instance([0], Spec)
 
 
+def test_a_json_list_is_a_tuple_field():
+    """JSON has no tuples: fla's Mamba2 config.json holds ``A_init_range`` (``tuple[float, float]``) as a list, as
+    ``save_pretrained`` writes it; a string there is still refused."""
+    from fla.models import Mamba2Config
+
+    hf_config.check_hf_config_fields({"A_init_range": [1, 16], "dt_limit": [0.0, 0.05]}, Mamba2Config, SOURCE)
+    fails(lambda: hf_config.check_hf_config_fields({"A_init_range": "1,16"}, Mamba2Config, SOURCE), SOURCE,
+          "A_init_range='1,16' has type str", "needs tuple")
+
+
 # ---------------------------------------------------------------- HF safetensors directories
 
 

@@ -192,3 +192,23 @@ def test_the_readme_quotes_the_census():
     fla = re.fullmatch(r"fla: (\d+ of \d+) model types train", fla_line)
     readme = " ".join((REPO / "README.md").read_text().split())
     assert f"{transformers[1]} transformers types and {fla[1]} fla types train" in readme
+
+
+def test_the_multi_rank_runs_are_the_matrixs():
+    """docs/models.md's runs section (one model per mixer kind) is what the integration matrix's rows are now:
+    a row added, dropped or renamed there makes it stale, without running the census."""
+    section = census.runs_section(census.matrix_runs())
+    text = MODELS_MD.read_text()
+    assert section and "\n".join(section) in text, "docs/models.md is stale: python -m titan_ext.census --out docs/models.md"
+    assert "| transformers' mamba2 | transformers `nemotron_h` (`hf_nemotron_h`) | `hf_nemotron_h/fsdp2` | " \
+           "`hf_nemotron_h/tp2` | `hf_nemotron_h/cp2` |" in "\n".join(section)
+
+
+def test_a_planned_cell_of_a_matrix_model_names_its_row():
+    """Only ``plans`` becomes the matrix's row: a refusal, ``n/a`` and the other model types stay as planned."""
+    runs = {"kind": (("transformers", "llama", "hf_llama"), {"TP": "hf_llama/tp2", "CP": "hf_llama/cp2"})}
+    cells = {("transformers", "llama"): {"TP": "plans", "CP": "refused: why", "EP": "n/a"},
+             ("transformers", "qwen3"): {"TP": "plans"}}
+    assert census.with_runs(cells, runs) == {
+        ("transformers", "llama"): {"TP": "ran: `hf_llama/tp2`", "CP": "refused: why", "EP": "n/a"},
+        ("transformers", "qwen3"): {"TP": "plans"}}

@@ -185,6 +185,7 @@ def test_a_mixer_is_named_by_its_module_and_its_registration_line_only():
         "TransformersGatedDeltaNetGrouped": set(),
         "TransformersKDA": set(),
         "TransformersMamba2": set(),
+        "FlaMamba2": set(),
         "TransformersShortConv": set(),
         "TransformersLightningAttention": set(),
     }

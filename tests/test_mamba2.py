@@ -1,7 +1,8 @@
 """transformers' Mamba2 mixers (``models.mixers.mamba2``): recognised by what they hold and call in every family
 that copies ``Mamba2Mixer``, trained through titan_ext's forward (``kernels.transformers_mamba2``) equal to
-transformers' own; documents restart the scan and the convolution; TP's shares and refusals. TP and CP on two
-real ranks against one process are the integration matrix's (``hf_nemotron_h``: ``tp2``, ``cp2``, ``cp2_docs``);
+transformers' own; documents restart the scan and the convolution; TP's shares and refusals; fla's own Mamba2
+layer through the same math, equal to fla's. TP and CP on two real ranks against one process are the integration
+matrix's (``hf_nemotron_h``, ``fla_mamba2``: ``tp2``, ``cp2``, ``cp2_docs``);
 the scan's state passing is ``test_state_passing.py``'s (``simple_gla``)."""
 
 import pytest
@@ -80,7 +81,8 @@ def test_falcon_h1_mamba_is_left_unknown():
     args = tiny("falcon_h1", num_hidden_layers=1)
     parts = [part for mixer in args.layer_mixers() for part in mixer.parts]
     assert [type(part) for part in parts] == [mixers.TransformersAttention, mixers.Unknown]
-    assert "FalconH1Mixer) is not one titan_ext knows" in args.context_parallel_blocker()
+    assert ("FalconH1Mixer) is not one titan_ext knows (it calls Mamba2's kernels but holds buffers mup_vector; has "
+            "no MambaRMSNormGated norm: not the Mamba2 math titan_ext computes)") in args.context_parallel_blocker()
 
 
 def share(heads, groups, ranks, rank):
@@ -111,3 +113,67 @@ def test_tp_refuses_heads_or_groups_that_do_not_split():
     assert mixer.tensor_parallel_blocker(3) is None and mixer.tensor_parallel_blocker(6) is None
     assert "6 heads in 3 groups do not split over 2 ranks" in mixer.tensor_parallel_blocker(2)
     assert "do not split over 4 ranks" in mixer.tensor_parallel_blocker(4)
+
+
+FLA_MAMBA2 = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 16,
+              "state_size": 16, "chunk_size": 16, "dt_min": 0.1, "dt_max": 1.0}
+"""Steps ``dt`` up to 1 (fla's default 0.1 at most): the scan, not the skip, then makes the logits."""
+
+
+def titan_and_fla(**fields):
+    """titan_ext's training model of fla's Mamba2 and fla's own (its torch forward; its norms on the portable
+    kernels, Triton having no CPU) from the same weights."""
+    from fla.models import Mamba2ForCausalLM
+
+    from titan_ext import kernels
+
+    torch.manual_seed(0)
+    model = build_model(fla_model_args(**fields))
+    model.init_weights()
+    reference = kernels.bind(Mamba2ForCausalLM(model.config), "portable")
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    {"norm_before_gate": True},  # fla's norm before its gate
+    {"D_has_hdim": True, "dt_limit": [0.0, 0.05]},  # a skip per channel; dt clamped
+])
+def test_fla_mamba2_trains_equal_to_fla(fields):
+    """fla's Mamba2 layer, known by its class, trains through titan_ext's forward (``kernels.fla_mamba2``): logits
+    and every gradient equal fla's own forward in fp32 (the decay's parameters within the portable scan's fp32
+    cumulative decays, as for transformers' above). One group: with more, fla's torch fallback gives head ``h``
+    group ``h % G`` (it tiles B and C), while mamba_ssm's kernel (fla's CUDA path), transformers and titan_ext give
+    it group ``h // (H / G)``."""
+    model, reference = titan_and_fla(**fields)
+    assert all(isinstance(mixer, mixers.FlaMamba2) for mixer in model.mixers)
+    assert type(model.backbone.layers[0].mixer).forward.__name__ == "fla_mamba2_forward"
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), reference(tokens, use_cache=False).logits
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    ours.sum().backward()
+    theirs.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        decay = name.endswith(("A_log", "dt_bias"))
+        assert (p.grad - q.grad).norm() <= (2e-3 if decay else 1e-5) * q.grad.norm() + 1e-9, name
+
+
+def test_fla_mamba2_documents_restart():
+    """fla's blocks hand their mixer the packed documents' ``cu_seqlens``: scan and convolution restart."""
+    model, _ = titan_and_fla()
+    assert_documents_restart(model, SEQ, [0, 15, 16, 33], mixed_from=16)
+
+
+def test_fla_mamba2_without_its_norm_is_unknown():
+    """``rmsnorm=False`` leaves the layer without a gated norm (``y * act(z)``): not this forward's math, so an
+    unknown mixer (it trains; CP and documents refused in one line)."""
+    args = fla_model_args(rmsnorm=False)
+    assert [type(part) for mixer in args.layer_mixers() for part in mixer.parts] == [mixers.Unknown] * 2
+    assert "(fla.layers.mamba2.Mamba2) is not one titan_ext knows" in args.context_parallel_blocker()
+
+
+def fla_model_args(**fields):
+    from titan_ext.models.args import fla_model
+
+    return fla_model("mamba2", **{**FLA_MAMBA2, **fields})

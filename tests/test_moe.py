@@ -277,6 +277,31 @@ def test_expert_parallel_on_a_dense_model_is_refused():
     check_moe(dense, parallelism(pipeline_parallel_degree=2))  # a dense model: PP as any other
 
 
+def test_experts_beside_computeless_ones_are_named_when_ep_is_refused():
+    """Zaya's router scores its experts and a computeless one (5 rows for 4 experts): not a MoE block titan_ext
+    reads, so EP is refused naming those experts and why, not as a dense model."""
+    from titan_ext.census_configs import tiny_config
+
+    zaya = meta_model(args(tiny_config("zaya")))
+    assert moe_blocks(zaya) == []
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree=2: its experts \(ZayaExperts at "
+                                          r"model.layers.0.mlp.experts\) are chosen by ZayaRouter, .* computeless"):
+        check_moe(zaya, parallelism(expert_parallel_degree=2))
+
+
+def test_aria_experts_refuse_tp_and_ep():
+    """Aria's MoE blocks are read as MoE (its router scores each expert), but its experts are not the stacked
+    ``down(act(gate) * up)`` that EP and expert TP compute: the job's probe of them refuses both in one line."""
+    from titan_ext import host_checks
+    from titan_ext.census_configs import tiny_config
+
+    aria = args(tiny_config("aria_text"))
+    assert moe_blocks(meta_model(aria))
+    host_checks.check_transformers_experts(aria)  # one process: the model's own experts
+    with pytest.raises(ConfigError, match=r"experts \(AriaExperts\) are not the sum of down\(act\(gate\) \* up\)"):
+        host_checks.check_transformers_experts(aria, placed=True)
+
+
 def test_tensor_parallel_leaves_the_experts_to_titan_ext_moe():
     """The translated HF plan lays out a MoE block around its experts, which titan_ext.parallel.expert_parallel places:
     split over TP without EP, by EP with it."""

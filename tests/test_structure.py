@@ -78,11 +78,17 @@ def test_a_known_layout_under_any_name_runs_titan_ext_forward():
     assert type(model.model.layers[0].linear_attn).forward.__code__ is qwen3_5_forward.__code__
 
 
+WHY = ("it calls Mamba2's kernels but holds buffers mup_vector; has no MambaRMSNormGated norm: not the Mamba2 math "
+       "titan_ext computes")
+"""Falcon-H1's mixer beside transformers' Mamba2 (``TransformersMamba2.near_miss``)."""
+
+
 def test_what_needs_an_unknown_mixers_insides_is_refused_in_one_line(caplog):
     """Falcon-H1's Mamba2 mixer (μP multipliers: not titan_ext's ``TransformersMamba2``) beside its attention."""
     args = HFModelArgs(library="transformers", config={"model_type": "falcon_h1", **SMALL, **FAMILIES["falcon_h1"]})
     reason = ("layer 0's token mixer 'mamba' (transformers.models.falcon_h1.modeling_falcon_h1.FalconH1Mixer) "
-              "is not one titan_ext knows, so it has no {what}; {fix}, or register a mixer for it (docs/extending.md)")
+              "is not one titan_ext knows ({why}), so it has no {what}; {fix}, or register a mixer for it "
+              "(docs/extending.md)").replace("{why}", WHY)
     assert args.context_parallel_blocker() == reason.format(what="context-parallel path", fix="set the degree to 1")
     assert args.document_mask_blocker() == reason.format(what="packed-document path", fix="turn document_mask off")
     from titan_ext.models.adapter import meta_model

@@ -84,6 +84,48 @@ COLUMNS = ("model type", "layers' mixers", ONE_PROCESS, *LAYOUTS)
 STEPS = ("mixers", *LAYOUTS, ONE_PROCESS)
 """A type's steps, in the order a worker runs them (the cheap plan checks first)."""
 NOT_RUN = "not run"
+MATRIX = REPO / "tests" / "integration_matrix.py"
+"""The integration matrix, in a clone: its runs stand for one model per mixer kind's multi-rank columns."""
+PLANS = "plans"
+
+
+def matrix_runs() -> dict[str, tuple[tuple[str, str, str], dict[str, str]]]:
+    """Mixer kind -> ((library, model type, matrix spec), {column: ``spec/row``}) from the integration matrix
+    (``MIXER_SPECS``, ``mixer_runs``); empty in an install without the repository's tests."""
+    if not MATRIX.exists():
+        return {}
+    sys.path.insert(0, str(MATRIX.parent))
+    try:
+        import integration_matrix
+    finally:
+        sys.path.remove(str(MATRIX.parent))
+    return {mixer: (integration_matrix.MIXER_SPECS[mixer], runs) for mixer, runs in integration_matrix.mixer_runs().items()}
+
+
+def with_runs(cells: dict, runs: dict) -> dict:
+    """The census's cells with each planned multi-rank cell of a matrix-run model type (``matrix_runs``) naming
+    the matrix row that ran it instead."""
+    ran = {(library, model_type): found for (library, model_type, _), found in runs.values()}
+    return {key: {column: (f"ran: `{ran[key][column]}`" if value == PLANS and column in ran.get(key, {}) else value)
+                  for column, value in cell.items()} for key, cell in cells.items()}
+
+
+def runs_section(runs: dict) -> list[str]:
+    """The table of the matrix's runs, one model per mixer kind."""
+    if not runs:
+        return []
+    columns = [*(c for c in LAYOUTS if c != "documents"), "documents"]
+    lines = ["", "## Runs on several ranks, one model per mixer kind", "",
+             "Each cell names the integration-matrix row (`python tests/integration_matrix.py --spec SPEC --rows ROW`, "
+             "`tests/integration_matrix.py: MIXER_SPECS`) that trains that model equal to one process from one seed "
+             "checkpoint; `—`: no row runs it. The census table's cells of these model types say `ran:` with the same "
+             "row where they plan (the matrix trains its own tiny config of that type, which may hold fewer kinds of layers "
+             "than the census's). A mixer kind not listed has the plan-time checks above only.", "",
+             "| mixer | model type (matrix spec) | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 2)]
+    for mixer, ((library, model_type, spec), found) in runs.items():
+        cells = [f"`{found[c]}`" if c in found else "—" for c in columns]
+        lines.append(f"| {mixer} | {library} `{model_type}` (`{spec}`) | " + " | ".join(cells) + " |")
+    return lines
 
 
 # ---- the one place that reads a built model's mixers -----------------------------------------------
@@ -248,7 +290,7 @@ def plan_result(make_config, world: int, log: Path) -> str:
                 type(model_args).update_from_config.__wrapped__(model_args, config)
             except ConfigError as error:
                 return refusal(str(error))
-            return "plans"
+            return PLANS
         except BaseException as error:  # noqa: BLE001
             if isinstance(error, KeyboardInterrupt):
                 raise
@@ -562,8 +604,11 @@ def render(cells: dict, root: Path, libraries: list[str]) -> str:
         "Each model type's tiny config (`titan_ext/census_configs.py`) trained one step in one process through "
         "torchtitan's Trainer (`--model.name hf` or `fla`, `--titan_ext.hf_config`). The FSDP2, TP, CP, PP, EP "
         "and documents columns say whether titan_ext *plans* the job on 2 ranks (documents: 1): its checks "
-        "before the build, not a run. `TRACEBACK` cells are bugs.",
+        "before the build, not a run, except for one model per mixer kind, run by the integration matrix (`ran:`, "
+        "the last section). `TRACEBACK` cells are bugs.",
     ]
+    runs = matrix_runs()
+    cells = with_runs(cells, runs)
     summaries = []
     body: list[str] = []
     for library in libraries:
@@ -584,7 +629,7 @@ def render(cells: dict, root: Path, libraries: list[str]) -> str:
             body += [f"- `{t}`: {cell_text(left[t], root)}" for t in sorted(left)]
         line = f"{trains} of {len(kept)} model types train"
         summaries.append(line if library == "transformers" else f"{library}: {line}")
-    return "\n".join([*header, *body, "", *reversed(summaries)]) + "\n"
+    return "\n".join([*header, *body, *runs_section(runs), "", *reversed(summaries)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

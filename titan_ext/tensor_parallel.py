@@ -61,7 +61,8 @@ def plan_class(model: nn.Module, degree: int) -> type:
             others[index] = MixerEntries(tuple(parts))
             paths[index] = tuple(part.path for part in parts)
     if by_structure:
-        plan_cls = _fla_plan_class(structure.embeddings, structure.layers, structure.final_norm, structure.head)
+        plan_cls = _fla_plan_class(structure.embeddings, structure.layers, structure.final_norm, structure.head,
+                                   *_fla_block_parts(model.get_submodule(structure.layers)))
     else:
         layers = None
         if arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
@@ -92,13 +93,29 @@ class MixerEntries:
         return {path: style for part in self.parts for path, style in part.tp_entries(plan).items()}
 
 
+def _fla_block_parts(blocks: nn.Module) -> tuple[tuple[str, ...], bool]:
+    """(the residual norms every block holds, whether every block holds fla's ``mlp``): fla's transformer-style
+    blocks hold ``attn_norm``, ``mlp_norm`` and ``mlp``, its Mamba blocks one ``norm`` and no FFN."""
+    from titan_ext.models.mixers import is_norm
+
+    children = [dict(block.named_children()) for block in blocks.children()]
+    norms = set.intersection(*({name for name, child in each.items()
+                                if next(child.parameters(), None) is not None and is_norm(child)} for each in children))
+    return tuple(sorted(norms)), all("mlp" in each for each in children)
+
+
 @functools.cache
-def _fla_plan_class(embeddings: str | None, layers: str, final_norm: str | None, head: str | None) -> type:
+def _fla_plan_class(embeddings: str | None, layers: str, final_norm: str | None, head: str | None,
+                    block_norms: tuple[str, ...], feed_forward: bool) -> type:
     """fla's block names, where the model keeps its parts (an fla model type without a registered plan)."""
     from model_plans import TPPlan
 
+    def block_plan(self, index=None):
+        norms = {name: self.norm() for name in block_norms}
+        return {**norms, **self.mixer_plan(index), **(self.mlp_plan() if feed_forward else {})}
+
     return type("FlaTPPlan", (TPPlan,), {"__module__": __name__, "embeddings": embeddings, "layers": layers,
-                                          "final_norm": final_norm, "lm_head": head})
+                                          "final_norm": final_norm, "lm_head": head, "block_plan": block_plan})
 
 
 def tp_choice(model: nn.Module, job_config) -> TPChoice | None:

@@ -129,7 +129,8 @@ def _options(annotation) -> tuple:
 
 
 def _is_instance(value, kind) -> bool:
-    """JSON's view of a type: bool is not an int, an int is a valid float, None only for ``None``.
+    """JSON's view of a type: bool is not an int, an int is a valid float, a list is a tuple (JSON has no
+    tuples: ``save_pretrained`` writes fla's ``A_init_range`` as one), None only for ``None``.
 
     A TypedDict is a dict, from ``typing`` or ``typing_extensions`` (fla's ``AttentionSpec``; only
     ``typing_extensions.is_typeddict`` knows both); a ``Literal`` holds its values.
@@ -143,6 +144,8 @@ def _is_instance(value, kind) -> bool:
         return isinstance(value, bool) and kind is bool
     if kind is float:
         return isinstance(value, (int, float))
+    if kind is tuple:
+        return isinstance(value, (list, tuple))
     return isinstance(kind, type) and isinstance(value, kind)
 
 

@@ -40,21 +40,38 @@ from titan_ext.kernels.transformers_gated_deltanet import _check_training
 
 def mamba2_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """``Mamba2Mixer.forward`` (and its copies in the hybrids): ``in_proj``, the convolution over ``x``, ``B`` and
-    ``C``, the scan, the gated norm and ``out_proj``."""
+    ``C``, the scan, the gated norm (gate first) and ``out_proj``."""
     _check_training(self, cache, attention_mask, kwargs)
+    norm = GatedNorm(self.norm.variance_epsilon, before_gate=False)
+    return mamba2_mix(self, hidden_states, kwargs.get("cu_seq_lens_q"), self.time_step_limit, norm, causal_conv1d,
+                      chunk_simple_gla)
+
+
+@dataclass(frozen=True)
+class GatedNorm:
+    """How a Mamba2 mixer's gated norm reads its module: its epsilon, and whether it normalises before the gate
+    (fla's ``RMSNormGated(norm_before_gate=True)``) or after (transformers' ``MambaRMSNormGated``)."""
+
+    eps: float
+    before_gate: bool
+
+
+def mamba2_mix(self, hidden_states, cu_seqlens, limit, norm: GatedNorm, conv, rule):
+    """A Mamba2 mixer's output from its parameters (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``, the gated
+    norm's weight, ``out_proj``); ``dt`` clamped to ``limit``. The kernels (``conv``, ``rule``) come from the
+    forward, whose globals the bindings rebind."""
     share = Share.of(self)
     projected = F.linear(_local_input(hidden_states), *_linear_rows(self.in_proj, share.projection_rows()))
     width = share.heads * self.head_dim
     z, xbc, dt = projected.split([width, projected.shape[-1] - width - share.heads, share.heads], dim=-1)
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
     shape = z.shape
     if cu_seqlens is not None:  # packed documents: the rows as one row, sequences at cu_seqlens (fla's layout)
         xbc, dt = xbc.reshape(1, -1, xbc.shape[-1]), dt.reshape(1, -1, dt.shape[-1])
     weight, bias = _linear_rows(self.conv1d, share.conv_rows())
-    xbc, _ = causal_conv1d(x=xbc, weight=weight.squeeze(1), bias=bias, activation=self.activation, cu_seqlens=cu_seqlens)
+    xbc, _ = conv(x=xbc, weight=weight.squeeze(1), bias=bias, activation=self.activation, cu_seqlens=cu_seqlens)
     x, b, c = xbc.split([width, share.groups * self.ssm_state_size, share.groups * self.ssm_state_size], dim=-1)
-    y = _scan(self, x, b, c, dt, share, cu_seqlens, chunk_simple_gla)
-    y = _gated_norm(self.norm, y.reshape(shape), z, share)
+    y = _scan(self, x, b, c, dt, share, cu_seqlens, limit, rule)
+    y = _gated_norm(self.norm, y.reshape(shape), z, share, norm)
     return self.out_proj(y.to(hidden_states.dtype))
 
 
@@ -129,12 +146,12 @@ def _linear_rows(module, rows: list[tuple[int, int]]):
                  for p in (weight, bias))
 
 
-def _scan(self, x, b, c, dt, share: Share, cu_seqlens, rule):
+def _scan(self, x, b, c, dt, share: Share, cu_seqlens, limit, rule):
     """``mamba2_chunk_scan``'s output (``[1 or B, T, heads, P]``, fp32) through ``rule`` (fla's
     ``chunk_simple_gla`` contract): the discretisation in fp32, as transformers has it."""
     wide = torch.promote_types(x.dtype, torch.float32)
     dt = F.softplus(dt + local(self.dt_bias).to(dt.dtype))
-    low, high = self.time_step_limit
+    low, high = limit
     dt = torch.clamp(dt, min=low, max=high).to(wide)
     x = x.unflatten(-1, (share.heads, self.head_dim)).to(wide)
     per_group = share.heads // share.groups
@@ -142,24 +159,28 @@ def _scan(self, x, b, c, dt, share: Share, cu_seqlens, rule):
             for t in (b, c))
     g = -torch.exp(local(self.A_log).to(wide)) * dt
     y, _ = rule(q=c, k=b, v=x * dt[..., None], g=g, scale=1.0, cu_seqlens=cu_seqlens)
-    return y + local(self.D).to(wide)[:, None] * x
+    skip = local(self.D).to(wide)
+    skip = skip.view(share.heads, -1) if skip.numel() > share.heads else skip[:, None]  # per head, or per channel
+    return y + skip * x
 
 
-def _gated_norm(norm, y, z, share: Share):
-    """``MambaRMSNormGated(y, z)`` (``y`` fp32, ``z`` the gate) on this rank's channels: ``y * silu(z)``, divided by
-    the root mean square over its group, times the norm's weight; a group spread over several ranks sums its
-    squares over the TP ranks."""
+def _gated_norm(module, y, z, share: Share, norm: GatedNorm):
+    """The gated norm of ``y`` (fp32) by ``z`` on this rank's channels: ``y * silu(z)`` (or ``y``, where the norm
+    comes before the gate), divided by the root mean square over its group, times the norm's weight (then times
+    ``silu(z)``, where the norm comes first); a group spread over several ranks sums its squares over the TP ranks."""
     dtype = y.dtype
-    y = y.float() * F.silu(z.float())
-    group_size = norm.group_size
+    gate = F.silu(z.float())
+    y = y.float() if norm.before_gate else y.float() * gate
+    group_size = module.group_size
     if share.whole_groups:
         grouped = y.unflatten(-1, (-1, group_size))
         variance = grouped.pow(2).mean(-1, keepdim=True)
     else:  # this rank holds part of one group, as do the next ranks up to the group's end: their parts summed
         grouped = y.unsqueeze(-2)
-        parts = compat.all_gather_autograd(y.pow(2).sum(-1)[None], norm.weight.device_mesh.get_group())
+        parts = compat.all_gather_autograd(y.pow(2).sum(-1)[None], module.weight.device_mesh.get_group())
         sharing = share.num_heads // share.n_groups // share.heads  # ranks per group
         first = share.first_group * sharing
         variance = parts[first : first + sharing].sum(0)[..., None, None] / group_size
-    y = (grouped * torch.rsqrt(variance + norm.variance_epsilon)).flatten(-2)
-    return local(norm.weight) * y.to(dtype)
+    y = (grouped * torch.rsqrt(variance + norm.eps)).flatten(-2)
+    y = local(module.weight) * y.to(dtype)
+    return y * gate.to(dtype) if norm.before_gate else y

@@ -10,7 +10,8 @@ import torch.nn as nn
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import MoEChoice
 from titan_ext.models.moe.bias_router import ROUTER_FIELDS
-from titan_ext.models.moe.blocks import STACKED, moe_blocks, moe_layer_indices, router_of, stacked_plainly
+from titan_ext.models.moe.blocks import (STACKED, moe_blocks, moe_layer_indices, router_of, stacked_plainly,
+                                        without_moe_blocks)
 
 
 BALANCES = ("aux_loss", "bias")
@@ -46,7 +47,7 @@ def check_moe(model: nn.Module, job_config) -> None:
     if balance not in BALANCES:
         raise ConfigError(f"--titan_ext.moe_balance={balance!r} is not one of {', '.join(BALANCES)}; pick one")
     if balance == "bias" and not blocks:
-        raise ConfigError("--titan_ext.moe_balance='bias': this model has no experts (a dense model); remove it")
+        raise ConfigError(f"--titan_ext.moe_balance='bias': {without_moe_blocks(model)}; remove it")
     router = router_of(blocks[0]) if blocks else None
     if balance == "bias" and not all(hasattr(router, name) for name in ROUTER_FIELDS):
         raise ConfigError(
@@ -63,8 +64,7 @@ def check_moe(model: nn.Module, job_config) -> None:
         )
     if p.expert_parallel_degree > 1 and not blocks:
         raise ConfigError(
-            f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: this model has no experts (a dense "
-            "model); set it to 1"
+            f"--parallelism.expert_parallel_degree={p.expert_parallel_degree}: {without_moe_blocks(model)}; set it to 1"
         )
     if not blocks:
         return

@@ -24,7 +24,7 @@ from titan_ext.models.mixers.gated_deltanet import GatedDeltaNet, TransformersGa
 from titan_ext.models.mixers.gla import GLA
 from titan_ext.models.mixers.kda import KDA, TransformersKDA
 from titan_ext.models.mixers.lightning import TransformersLightningAttention
-from titan_ext.models.mixers.mamba2 import TransformersMamba2
+from titan_ext.models.mixers.mamba2 import FlaMamba2, TransformersMamba2
 from titan_ext.models.mixers.mla import TransformersMLA
 from titan_ext.models.mixers.short_conv import TransformersShortConv
 
@@ -39,6 +39,7 @@ MIXERS: tuple[type[Mixer], ...] = (
     TransformersGatedDeltaNetGrouped,
     TransformersKDA,
     TransformersMamba2,
+    FlaMamba2,
     TransformersShortConv,
     TransformersLightningAttention,
 )
@@ -47,17 +48,17 @@ MIXERS: tuple[type[Mixer], ...] = (
 FEED_FORWARD_CLASSES = ("fla.modules.mlp:GatedMLP",)
 """Feed-forward modules whose forward calls fused kernels (so ``_feed_forward`` cannot tell them from a mixer)."""
 
-__all__ = ["FlaAttention", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
+__all__ = ["FlaAttention", "FlaMamba2", "GLA", "GatedDeltaNet", "KDA", "MIXERS", "Mixer", "NoMixer", "Parallel",
            "TransformersAttention", "TransformersGatedDeltaNet", "TransformersGatedDeltaNetGrouped", "TransformersKDA",
            "TransformersLightningAttention", "TransformersMLA", "TransformersMamba2", "TransformersShortConv", "Unknown",
-           "recognize"]
+           "is_norm", "recognize"]
 
 
 def recognize(block: nn.Module) -> Mixer:
     """The token mixer of one decoder layer, from the modules it holds."""
     known, unknown, feed_forward = [], [], []
     for name, child in block.named_children():
-        if next(child.parameters(), None) is None or _norm(child):
+        if next(child.parameters(), None) is None or is_norm(child):
             continue
         mixer = _known(child)
         if mixer is not None:
@@ -66,10 +67,15 @@ def recognize(block: nn.Module) -> Mixer:
             (feed_forward if _feed_forward(child) else unknown).append(name)
     if not known and not unknown and len(feed_forward) > 1:  # which one mixes cannot be told: neither is trusted
         unknown = feed_forward
-    parts = (*known, *(Unknown(name, block.get_submodule(name)) for name in unknown))
+    parts = (*known, *(_unknown(name, block.get_submodule(name)) for name in unknown))
     if not parts:
         return NoMixer()
     return parts[0] if len(parts) == 1 else Parallel(parts)
+
+
+def _unknown(name: str, module: nn.Module) -> Unknown:
+    """An unknown mixer, saying why where a known mixer it resembles is not it."""
+    return Unknown(name, module, next((why for mixer in MIXERS if (why := mixer.near_miss(module))), None))
 
 
 def _known(module: nn.Module) -> type[Mixer] | None:
@@ -77,7 +83,7 @@ def _known(module: nn.Module) -> type[Mixer] | None:
     return next((m for m in found if not any(o is not m and issubclass(o, m) for o in found)), None)
 
 
-def _norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
     """A module whose every parameter is a vector (RMSNorm, LayerNorm): it scales channels, mixing nothing."""
     return all(p.dim() == 1 for p in module.parameters())
 

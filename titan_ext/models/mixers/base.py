@@ -95,6 +95,12 @@ class Mixer:
     def recognizes(cls, module: nn.Module) -> bool:
         return bool(cls.classes) and not class_names(module).isdisjoint(cls.classes)
 
+    @classmethod
+    def near_miss(cls, module: nn.Module) -> str | None:
+        """Why a module that looks like this mixer (it calls its kernels) is not it, for the unknown mixer's
+        refusals (Falcon-H1's Mamba2); None where it does not look like it."""
+        return None
+
     def training_forward(self) -> Callable | None:
         """A forward titan_ext's training models run instead of the module's own (None: its own)."""
         return None
@@ -159,9 +165,15 @@ class Unknown(Mixer):
 
     name = "unknown mixer"
 
+    def __init__(self, path: str = "", module: nn.Module | None = None, near_miss: str | None = None):
+        super().__init__(path, module)
+        self.near_miss_reason = near_miss
+        """Why a known mixer it resembles is not it (``Mixer.near_miss``), or None."""
+
     def _refusal(self, layer: int, what: str, fix: str) -> str:
-        return (f"layer {layer}'s token mixer {self.path!r} ({self.module_name}) is not one titan_ext knows, so it "
-                f"has no {what}; {fix}, or register a mixer for it (docs/extending.md)")
+        why = f" ({self.near_miss_reason})" if self.near_miss_reason else ""
+        return (f"layer {layer}'s token mixer {self.path!r} ({self.module_name}) is not one titan_ext knows{why}, so "
+                f"it has no {what}; {fix}, or register a mixer for it (docs/extending.md)")
 
     def context_parallel_blocker(self, config, layer):
         return self._refusal(layer, "context-parallel path", "set the degree to 1")

@@ -53,6 +53,28 @@ def _experts_take_the_choice(cls: type) -> bool:
                and len(node.args) + len(node.keywords) >= 3 for node in ast.walk(tree))
 
 
+def without_moe_blocks(model: nn.Module) -> str:
+    """What a model without MoE blocks (``moe_blocks``) holds, for a refusal: no experts, or the first experts that
+    are not a block's router's top-k choice, and why (Zaya's and LongCat's routers also choose computeless experts)."""
+    for name, block in model.named_modules():
+        experts = getattr(block, "experts", None)
+        if isinstance(experts, nn.Module) and router_of(block) is None:
+            return f"its experts ({type(experts).__name__} at {name}.experts) {_not_chosen_because(block, experts)}"
+    return "this model has no experts (a dense model)"
+
+
+def _not_chosen_because(block: nn.Module, experts: nn.Module) -> str:
+    """Why ``router_of(block)`` found no router for ``experts``."""
+    if not _experts_take_the_choice(type(block)):
+        return "take no router's top-k choice from their block's forward (they are not a MoE block titan_ext reads)"
+    router = next((child for child in block.children() if child is not experts and hasattr(child, "top_k")), None)
+    if router is None:
+        return "have no module beside them choosing top_k of them (not a MoE block titan_ext reads)"
+    return (f"are chosen by {type(router).__name__}, no linear of which has one row per expert: it also chooses "
+            "computeless experts, which titan_ext's balancing loss and expert parallelism do not count: its blocks "
+            "train as transformers writes them, without either")
+
+
 def routers(model: nn.Module) -> list[nn.Module]:
     return [router_of(block) for block in moe_blocks(model)]
 

@@ -48,7 +48,7 @@ def other_stages(model, choice, dims, job_config, parallelize, seen: StagesSeen)
     """The stages before this rank's last one that other ranks run, built as they build them: a stage
     on another rank tells this one its output's shape and dtype in the first step (torch's handshake).
     None are built where every stage this rank hears from was planned before it (``seen.sent``: what it sent)."""
-    from titan_ext.pipeline import stage_model
+    from titan_ext.parallel.pipeline import stage_model
 
     local = set(choice.stage_indices(dims.get_mesh("pp").get_local_rank()))
     if all(index - 1 in local or index - 1 in seen.sent for index in local if index > 0):

@@ -86,6 +86,7 @@ def run_case(case: str, tokens: int) -> dict:
     from titan_ext.job_plan import LossChoice
     from titan_ext.models.adapter import build_model
     from titan_ext.models.args import HFModelArgs
+    from titan_ext.models.forward_plan import ForwardPlan
 
     torch.manual_seed(0)
     kind, variant = case.split(":")
@@ -96,6 +97,7 @@ def run_case(case: str, tokens: int) -> dict:
         job_loss.apply_chunked_loss(model, LossChoice(chunk_tokens=0))  # the head runs in the loss
     if variant == "per_document":
         documents.apply_document_attention(model)
+    model.forward_plan = ForwardPlan(head_in_loss=chunked, document_attention=variant == "per_document")
     tokens_in = torch.randint(0, VOCAB, (1, tokens))
     labels = torch.randint(0, VOCAB, (1, tokens))
     extra = {"document_positions": document_positions(tokens)} if kind == "docs" and variant != "none" else {}

@@ -170,6 +170,7 @@ def assert_documents_restart(model, length: int, starts: list[int], mixed_from: 
     from titan_ext.documents import apply_document_attention
 
     apply_document_attention(model)
+    plan_forward(model, document_mask=True)
     tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
     spans = list(zip(starts, starts[1:] + [length]))
     positions = torch.arange(length).expand(2, length).clone()
@@ -179,3 +180,15 @@ def assert_documents_restart(model, length: int, starts: list[int], mixed_from: 
     alone = torch.cat([model(tokens[:, first:last]) for first, last in spans], dim=1)
     assert torch.allclose(packed, alone, atol=1e-5)
     assert not torch.allclose(model(tokens)[:, mixed_from:], alone[:, mixed_from:], atol=1e-3)
+
+
+def plan_forward(model, *, cp=None, cp_mesh=None, loss=None, document_mask: bool = False):
+    """``model``'s forward decided as ``parallelize_fn`` decides it for a job with these choices (no TP), and set
+    on it: for a test that applies a feature alone. Returns the ``ForwardPlan``."""
+    from types import SimpleNamespace
+
+    from titan_ext.models.forward_plan import decide_forward
+
+    plan = SimpleNamespace(tp=None, cp=cp, loss=loss, document_mask=document_mask)
+    model.forward_plan = decide_forward(model, plan, cp_mesh=cp_mesh)
+    return model.forward_plan

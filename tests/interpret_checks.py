@@ -369,6 +369,8 @@ def built(args, path: str, like=None):
 
 def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
     """One of two gloo ranks: GLA (short convolutions), Gated DeltaNet and KDA under CP=2 on fla's kernels."""
+    from helpers import plan_forward
+
     from titan_ext.context_parallel import apply_cp
     from titan_ext.job_plan import CPChoice
     from titan_ext.kernels.state_passing import piece_order
@@ -379,7 +381,8 @@ def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
         args = tiny_args(name, **({"use_short_conv": True} if name == "gla" else {}))
         whole = built(args, "fla")
         model = built(args, "fla", like=whole)
-        apply_cp(model, mesh, CPChoice(2, 2))  # head-tail pieces: two per rank
+        choice = CPChoice(2, 2)  # head-tail pieces: two per rank
+        apply_cp(model, mesh, choice, plan_forward(model, cp=choice, cp_mesh=mesh).cp_layout)
         tokens = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
         size = 64 // 4
         mine = torch.cat([torch.arange(p * size, (p + 1) * size) for p in piece_order(rank, 2, 2)])

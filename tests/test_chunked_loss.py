@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import DEBUG_GLA_TOML, REPO, job_config, on_forked_ranks
+from helpers import DEBUG_GLA_TOML, REPO, job_config, on_forked_ranks, plan_forward
 
 from titan_ext.errors import ConfigError
 from titan_ext.kernels.linear_cross_entropy import linear_cross_entropy_sum, tp_linear_cross_entropy_sum
@@ -138,7 +138,9 @@ def test_a_model_whose_head_runs_in_the_loss_equals_its_logits_through_torchtita
     labels[:, -1] = -100
     loss_fn = job_loss.build_loss(job_config(config_file=DEBUG_LLAMA_TOML))
     expected = loss_fn(full(tokens), labels)
-    job_loss.apply_chunked_loss(chunked, LossChoice(chunk_tokens=7))
+    choice = LossChoice(chunk_tokens=7)
+    assert plan_forward(chunked, loss=choice).head_in_loss
+    job_loss.apply_chunked_loss(chunked, choice)
     hidden = chunked(tokens)
     assert hidden.shape == (2, 24, full.config.hidden_size)  # no logits
     actual = loss_fn(hidden, labels)

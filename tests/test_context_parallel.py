@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
-from helpers import on_forked_ranks
+from helpers import on_forked_ranks, plan_forward
 
 from titan_ext import compat
 from titan_ext.context_parallel import apply_cp
@@ -34,7 +34,8 @@ def gla(layers=2, short_conv=False):
 @pytest.mark.parametrize("pieces_per_rank", [1, 2])
 def test_each_gla_layer_sends_one_all_gather_of_its_states(cp_mesh, pieces_per_rank, monkeypatch):
     model = gla(layers=3)
-    apply_cp(model, cp_mesh, CPChoice(2, pieces_per_rank))
+    choice = CPChoice(2, pieces_per_rank)
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     B, T = 2, 128
     tokens = torch.randint(0, 2048, (B, T))
     sent = []
@@ -72,7 +73,8 @@ def test_activation_memory_per_rank_halves_under_cp2(cp_mesh):
     tokens = torch.randint(0, 2048, (1, T))
     whole = saved_bytes(gla(), tokens)
     model = gla()
-    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    choice = CPChoice(2, 1)
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     piece = saved_bytes(model, tokens[:, : T // 2])  # what one CP rank holds
     ratio = piece / whole
     print(f"\nGLA debug model, {T} tokens: activations saved per rank {piece / 2**20:.1f} MiB under CP=2 "
@@ -89,8 +91,9 @@ def test_a_bound_model_is_the_only_holder_of_its_layout(cp_mesh):
     from titan_ext.kernels import binding
 
     model = gla()
-    apply_cp(model, cp_mesh, CPChoice(2, 1))
-    layout = weakref.ref(model.cp_layout)
+    choice = CPChoice(2, 1)
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
+    layout = weakref.ref(model.forward_plan.cp_layout)
     assert not any(key.startswith("context_parallel:") for _, key in binding._bound_classes)
     model(torch.randint(0, 2048, (2, 128)))
     del model
@@ -100,7 +103,8 @@ def test_a_bound_model_is_the_only_holder_of_its_layout(cp_mesh):
 
 def test_short_convolutions_take_their_halo_in_one_all_gather_each(cp_mesh):
     model = gla(layers=2, short_conv=True)
-    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    choice = CPChoice(2, 1)
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     with CommDebugMode() as comm:
         model(torch.randint(0, 2048, (2, 128)))
     counts = {str(op): n for op, n in comm.get_comm_counts().items()}
@@ -118,7 +122,8 @@ def test_gated_deltanet_layer_sends_its_state_map_and_conv_halo_once(cp_mesh, wi
     torch.manual_seed(0)
     model = build_model(copy.deepcopy(gated_deltanet_flavors["debugmodel"]))
     model.init_weights()
-    apply_cp(model, cp_mesh, CPChoice(2, 1))
+    choice = CPChoice(2, 1)
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     B, T = 2, 128
     extra = {"positions": torch.arange(T, 2 * T).expand(B, T)}  # rank 1's piece
     if with_documents:
@@ -152,7 +157,8 @@ def test_mla_under_masked_cp_all_gathers_its_latents_not_its_keys_and_values(cp_
     torch.manual_seed(0)
     model = build_model(transformers_model("deepseek_v3", **MLA))
     model.init_weights()
-    apply_cp(model, cp_mesh, CPChoice(2, 2, masked_attention="--titan_ext.document_mask"))
+    choice = CPChoice(2, 2, masked_attention="--titan_ext.document_mask")
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     B, T = 2, 64
     sent = []
     gather = compat.all_gather_autograd
@@ -183,7 +189,8 @@ def test_masked_cp_logs_the_paths_of_the_models_own_mixers(cp_mesh, caplog, mode
     config = {**QWEN3_5, "vocab_size": 2048} if model_type == "qwen3_5_text" else MLA
     model = build_model(transformers_model(model_type, **config))
     with caplog.at_level(logging.INFO):
-        apply_cp(model, cp_mesh, CPChoice(2, 1, masked_attention="--titan_ext.document_mask"))
+        choice = CPChoice(2, 1, masked_attention="--titan_ext.document_mask")
+        apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     (line,) = [r.getMessage() for r in caplog.records if "masked beyond causality" in r.getMessage()]
     assert named in line and unnamed not in line, line
 
@@ -258,7 +265,8 @@ def _compare(spec, pieces_per_rank, rank, mesh):
     model = copy.deepcopy(whole)
     masks = [mask for mask in ("+window", "+docs") if mask in spec]
     rotate = "alltoall" if "+alltoall" in spec else "allgather"
-    apply_cp(model, mesh, CPChoice(2, pieces_per_rank, masked_attention=", ".join(masks) or None, rotate_method=rotate))
+    choice = CPChoice(2, pieces_per_rank, masked_attention=", ".join(masks) or None, rotate_method=rotate)
+    apply_cp(model, mesh, choice, plan_forward(model, cp=choice, cp_mesh=mesh).cp_layout)
     compat.torch_cp_options()._cp_options.enable_load_balance = pieces_per_rank > 1  # as torchtitan's input sharding
     tokens = torch.randint(0, 2048, (2, 160), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(160).expand(2, 160)
@@ -346,7 +354,8 @@ def test_ring_attention_passes_each_layers_keys_and_values_once(cp_mesh, ring_on
     torch.manual_seed(0)
     model = build_model(copy.deepcopy(llama_flavors["debugmodel"]))
     model.init_weights()
-    apply_cp(model, cp_mesh, CPChoice(2, pieces_per_rank))
+    choice = CPChoice(2, pieces_per_rank)
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     ring_on_cpu.enable_load_balance = pieces_per_rank > 1  # as torchtitan's input sharding sets it
     B, T = 2, 64
     # (not CommDebugMode: its module tracker loses its place around the hooks torch's CP puts on RingSDPA)

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import plan_forward
 from test_text_stream import CharTokenizer, write_shards
 from torch._dynamo.utils import counters
 
@@ -39,8 +40,8 @@ def debug_model(name: str):
     model = build_model(args)
     model.init_weights()
     if extra == "document_attention":
+        assert plan_forward(model, document_mask=True).document_attention
         documents.apply_document_attention(model)
-        assert model.document_attention
     return model
 # two windows of 64 + 1 tokens, each exactly whole documents (a 1-token document too)
 DOCUMENT_LENGTHS = [[7, 30, 1, 27], [40, 2, 23]]

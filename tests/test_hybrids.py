@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import assert_documents_restart
+from helpers import assert_documents_restart, plan_forward
 
 from titan_ext import errors
 from titan_ext.errors import ConfigError
@@ -180,9 +180,10 @@ def test_the_first_step_checks_each_layers_cp_path_ran(cp_mesh, unbound):
     model = build_model(gla_hybrid(layers=2, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2}))
     model.init_weights()
     before = [type(block.attn) for block in model.model.layers]
-    apply_cp(model, cp_mesh, CPChoice(2, 1, masked_attention="a test's mask"))
+    choice = CPChoice(2, 1, masked_attention="a test's mask")
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
     assert all(type(block.attn) is not cls for block, cls in zip(model.model.layers, before))
-    assert model.cp_layout.expected == {"state passing": 1, "fla attention": 1}
+    assert model.forward_plan.cp_layout.expected == {"state passing": 1, "fla attention": 1}
     if unbound is not None:
         model.model.layers[unbound].attn.__class__ = before[unbound]
     tokens = torch.randint(0, 2048, (2, 80))
@@ -206,8 +207,9 @@ def test_the_first_step_checks_transformers_gated_deltanet_cp_path_ran(cp_mesh):
     model = build_model(transformers_model("qwen3_5_text", **QWEN3_5))
     model.init_weights()
     before = type(model.model.layers[0].linear_attn)
-    apply_cp(model, cp_mesh, CPChoice(2, 1, masked_attention="a test's mask"))
-    assert model.cp_layout.expected == {"state passing": 1, "transformers attention": 1}
+    choice = CPChoice(2, 1, masked_attention="a test's mask")
+    apply_cp(model, cp_mesh, choice, plan_forward(model, cp=choice, cp_mesh=cp_mesh).cp_layout)
+    assert model.forward_plan.cp_layout.expected == {"state passing": 1, "transformers attention": 1}
     model.model.layers[0].linear_attn.__class__ = before
     errors.take_deferred()
     model(torch.randint(0, 256, (2, 80)), positions=torch.arange(80, 160).expand(2, 80))

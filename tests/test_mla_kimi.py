@@ -79,12 +79,15 @@ def relative(a, b) -> float:
 def test_kimi_linear_documents_each_run_alone():
     """Packed documents (``--titan_ext.document_mask``): the KDA layer's state and convolution and the MLA
     layer's attention restart at every document; each document's logits equal its own forward alone."""
+    from helpers import plan_forward
+
     from titan_ext.documents import apply_document_attention
 
     torch.set_default_dtype(torch.float64)
     try:
         model = _fp64_model(kimi())
         apply_document_attention(model)
+        plan_forward(model, document_mask=True)
         tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(2))
         starts = [(0, 19), (0, 30, 41)]  # each row's document starts
         positions = torch.stack([torch.cat([torch.arange(e - s) for s, e in zip(row, (*row[1:], 48))]) for row in starts])

@@ -27,6 +27,7 @@ from titan_ext.parallel.moe_plan import check_moe, moe_choice
 from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import build_model, meta_model
 from titan_ext.models.args import HFModelArgs, idle_expert_params
+from titan_ext.models.forward_plan import ForwardPlan
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = json.loads((REPO / "train_configs" / "debug_qwen3_moe.json").read_text())
@@ -674,13 +675,13 @@ def test_under_sequence_parallel_each_tp_rank_sends_the_whole_sequences_statisti
     RECORDS.__init__()
     RECORDS.choice = choice
     tp = SimpleNamespace(size=lambda: 2)
-    sender = SimpleNamespace(residual_layout=(tp, None), get_output_embeddings=lambda: None)
+    sender = SimpleNamespace(forward_plan=ForwardPlan(residual_layout=(tp, None)), get_output_embeddings=lambda: None)
     logits = torch.randn(2 * 8, 8, requires_grad=True)  # [B x T, experts]: the gathered sequences, T = 8
     shard = torch.randn(2, 4, 64)
     sent = _stage_end(choice, [logits], [], [0], sender, (), shard)
     assert sent.shape == (2, 4, 64 + 2 * 2 * 8)
     carried = []
-    (hidden,) = _receive_statistics(choice, carried, SimpleNamespace(residual_layout=(tp, None)), (sent,))
+    (hidden,) = _receive_statistics(choice, carried, SimpleNamespace(forward_plan=sender.forward_plan), (sent,))
     assert torch.equal(hidden, shard)
     again = logits.detach().requires_grad_()
     expected = routed_statistics([again], 8, 2, (2, 8), "cpu")[0]

@@ -121,7 +121,7 @@ def test_a_tied_heads_stage_holds_the_embedding_as_the_weights_owner():
     whole.init_weights()
     first, last = (stage_model(whole, names) for names in (("model.embed_tokens", "model.layers.0"),
                                                            ("model.layers.1", "model.norm", "lm_head")))
-    assert first.lm_head is None and not first.takes_hidden_states and last.takes_hidden_states
+    assert first.lm_head is None and not first.structure.takes_hidden_states and last.structure.takes_hidden_states
     assert last.lm_head.weight is last.get_input_embeddings().weight
     assert [n for n, _ in last.named_parameters()][0] == "model.embed_tokens.weight"
     for model in (whole, first, last):

@@ -110,15 +110,14 @@ def check_cp(model_args, job_config) -> None:
             )
 
 
-def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
+def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice, layout) -> None:
     """Make each block's mixer see the whole sequence across ``cp_mesh``, by its layer's path (only this
     model's modules change): state passing for a recurrence, ring or all-gathered attention for softmax
-    attention, one CP mesh and one ``PieceLayout`` for all. Each path counts its runs; the model checks
-    them after its first forward (``PieceLayout.check_paths``)."""
+    attention, one CP mesh and one ``PieceLayout`` for all (the model's ``forward_plan.cp_layout``, where its
+    forward records each step's positions: ``models.packing.step_inputs``). Each path counts its runs; the
+    model checks them after its first forward (``PieceLayout.check_paths``)."""
     from titan_ext.kernels import binding
-    from titan_ext.kernels.state_passing import PieceLayout
 
-    layout = PieceLayout(cp_mesh.get_group(), choice.pieces_per_rank)
     blocks = {int(index): block for index, block in model.blocks().named_children()}  # a stage's keep theirs
     parts = [(index, part) for index in blocks for part in model.mixers[index].parts if part.mixes_tokens]
     attention = [mixer for _, mixer in parts if mixer.cp_attention]
@@ -141,7 +140,6 @@ def apply_cp(model: nn.Module, cp_mesh, choice: CPChoice) -> None:
     # The blocks keep their bound classes; the cache lets go of them, and with them of this job's group and
     # layout, which would otherwise outlive the job in a process that runs another (the test matrix's driver).
     binding.forget(f"{key}:")
-    model.cp_layout = layout  # the model's forward records each step's positions in it (``models.packing.step_inputs``)
     logger.info(
         f"Applied context parallelism ({layout.world} ranks, {layout.per_rank} piece(s) per rank), per layer: "
         + ", ".join(f"{count} x {path}" for path, count in layout.expected.items())

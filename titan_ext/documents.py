@@ -72,11 +72,9 @@ def to_every_stage(post_dataloading_process):
 
 def apply_document_attention(model) -> None:
     """A transformers model's attention runs each packed document alone, from ``cu_seqlens``
-    (``kernels.document_attention``), instead of a ``B x T x T`` block-causal mask; fla models take
-    ``cu_seqlens`` already. Each block's attention reads it from its modeling file's attention registry
-    (as context parallelism puts its own there)."""
-    if model.arch.packed_layout == "cu_seqlens":
-        return
+    (``kernels.document_attention``), where its ``forward_plan.document_attention`` hands them, instead of a
+    ``B x T x T`` block-causal mask. Each block's attention reads it from its modeling file's attention
+    registry (as context parallelism puts its own there)."""
     import functools
     import sys
 
@@ -101,7 +99,6 @@ def apply_document_attention(model) -> None:
                     "transformers", f"{type(attention).__qualname__}.forward does not read ALL_ATTENTION_FUNCTIONS "
                     f"from {module.__name__}, where {OPTION} puts its per-document attention"
                 )
-    model.document_attention = True
 
 
 def check_model(model_args, job_config) -> None:

@@ -90,12 +90,11 @@ def build_loss(job_config, **kwargs) -> JobLoss:
 
 
 def apply_chunked_loss(model: nn.Module, choice: LossChoice) -> None:
-    """The model returns its hidden states, and its head, called by the job's loss with the labels, returns
-    the chunked loss (a pipeline stage without the head only returns hidden states anyway)."""
+    """The head, called by the job's loss with the labels and the hidden states the model returns
+    (``ForwardPlan.head_in_loss``), returns the chunked loss (a pipeline stage without the head has none)."""
     head = model.get_output_embeddings()
     if head is None:
         return
-    model.head_in_loss = True
     head.forward = functools.partial(_head_loss, head, choice.chunk_tokens)
     loss = _building() if _building is not None else None
     if loss is not None:  # a job's (outside a job, e.g. in a benchmark, the caller calls the head)

@@ -23,6 +23,7 @@ from titan_ext.float8 import keep_high_precision
 from titan_ext.documents import apply_document_attention
 from titan_ext.job_plan import plan_of
 from titan_ext.loss import apply_chunked_loss
+from titan_ext.models.forward_plan import decide_forward
 from titan_ext.models.moe.bias_router import apply_expert_bias
 from titan_ext.models.moe.blocks import moe_blocks
 from titan_ext.models.moe.records import apply_router_records
@@ -33,7 +34,10 @@ logger = logging.getLogger()
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
     plan = plan_of(model)  # the model's args carry the job plan
-    cp_group = parallel_dims.get_mesh("cp").get_group() if plan.cp is not None else None
+    tp_mesh = parallel_dims.get_mesh("tp") if plan.tp is not None else None
+    cp_mesh = parallel_dims.get_mesh("cp") if plan.cp is not None else None
+    forward = model.forward_plan = decide_forward(model, plan, tp_mesh, cp_mesh)  # read by its forward and hooks
+    cp_group = cp_mesh.get_group() if cp_mesh is not None else None
     apply_router_records(model, plan.moe, cp_group)  # for the routers' balancing loss
     if plan.moe is not None and plan.moe.balance == "bias":
         apply_expert_bias(model)
@@ -43,18 +47,18 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         apply_expert_tp(model, parallel_dims.get_mesh(["ep", "etp"] if plan.moe.ep > 1 else "tp"))
     elif plan.moe is not None and plan.moe.ep > 1:
         apply_ep(model, parallel_dims.get_mesh("ep"), parallel_dims.get_mesh("tp") if plan.tp is not None else None)
-    if plan.loss is not None:
+    if forward.head_in_loss:
         apply_chunked_loss(model, plan.loss)
-    if plan.document_mask and plan.cp is None:  # under CP, its attention masks documents itself
+    if forward.document_attention:
         apply_document_attention(model)
     if plan.tp is not None:
         from titan_ext.tensor_parallel import apply_tp_from_plan
 
-        apply_tp_from_plan(model, parallel_dims.get_mesh("tp"), plan.tp, head_in_loss=plan.loss is not None)
+        apply_tp_from_plan(model, tp_mesh, plan.tp, head_in_loss=forward.head_in_loss)
     if plan.cp is not None:
         from titan_ext.context_parallel import apply_cp
 
-        apply_cp(model, parallel_dims.get_mesh("cp"), plan.cp)
+        apply_cp(model, cp_mesh, plan.cp, forward.cp_layout)
     apply_ac(model, plan.ac, dump_folder=job_config.job.dump_folder)
     if plan.compile.model:
         apply_compile(model, plan.compile.backend)
@@ -64,7 +68,7 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
         dims = ["dp_replicate", "fsdp"] if dp.kind == "hsdp" else ["fsdp"]
         expert_dims = ["dp_replicate", "efsdp"] if dp.kind == "hsdp" else ["efsdp"]
         expert_mesh = parallel_dims.get_optional_mesh(expert_dims) if parallel_dims.ep_enabled else None
-        apply_fsdp(model, parallel_dims.get_mesh(dims), dp, expert_mesh, head_alone=plan.loss is not None)
+        apply_fsdp(model, parallel_dims.get_mesh(dims), dp, expert_mesh, head_alone=forward.head_in_loss)
         logger.info(f"Applied {dp.kind.upper()} to the model")
     elif dp.kind == "ddp":
         apply_ddp(model, parallel_dims.get_mesh("dp_replicate"), plan.compile.model)

@@ -156,10 +156,6 @@ def apply_tp_from_plan(model: nn.Module, tp_mesh, choice, head_in_loss: bool = F
                         head_in_loss=head_in_loss, expert_parallel=choice.expert_parallel)
     plan = choice.plan_cls(options)
     apply_tp(model, tp_mesh, plan)
-    if options.sequence_parallel:  # a pipeline stage's hidden states cross stages as this rank's sequence shard
-        from torch.distributed.tensor import Shard
-
-        model.residual_layout = (tp_mesh, (Shard(1),))
     if choice.async_tp:
         enable_async_tp(tp_mesh)
     logger.info(

@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor
 from titan_ext import compat, kernels
 from titan_ext.errors import ConfigError, HostChanged, defer
 from titan_ext.models import packing
+from titan_ext.models.architecture import library_of
 from titan_ext.models.args import HFModelArgs
+from titan_ext.models.forward_plan import ForwardPlan
 from titan_ext.models.structure import structure_of, ties_embeddings
 
 
@@ -58,26 +60,8 @@ class TitanCausalLM:
         except AttributeError:  # a pipeline stage without it
             return None
 
-    residual_layout = None
-    """Set by TP with sequence parallel: (mesh, placements) of the residual stream. A pipeline stage
-    sends and receives its local shard and rewraps it here, since HF decoders read the global
-    sequence length (positions, masks) from their input's shape."""
-
-    takes_hidden_states = False
-    """Set on a pipeline stage after the first (``titan_ext.parallel.pipeline``): its forward takes the previous
-    stage's hidden states, though a tied head's stage holds the embedding (whose weight the head is)."""
-
-    head_in_loss = False
-    """Set by the chunked loss (``titan_ext.loss``): the forward returns the final hidden states, and the loss
-    runs the head over them in chunks."""
-
-    document_attention = False
-    """Set by document masking on a transformers model (``titan_ext.documents.apply_document_attention``): its
-    attention runs each document alone, from ``cu_seqlens``; else it takes a block-causal mask."""
-
-    cp_layout = None
-    """Set by context parallelism (``titan_ext.context_parallel``): this rank's place in the split
-    sequences, where each step's positions are recorded for the bound mixers."""
+    forward_plan = ForwardPlan()
+    """What the job's features decided for this model's forward, once (``models.forward_plan``)."""
 
     def forward(
         self, tokens: torch.Tensor, document_positions: torch.Tensor | None = None, positions: torch.Tensor | None = None
@@ -88,20 +72,21 @@ class TitanCausalLM:
         row. A pipeline stage without the embedding takes hidden states ``[B, T, D]`` instead of
         tokens, and one without the head returns hidden states (``titan_ext.parallel.pipeline``).
         """
-        if not self.takes_hidden_states:
+        plan = self.forward_plan
+        if not self.structure.takes_hidden_states:
             first = {"input_ids": tokens}
         else:  # a later pipeline stage: hidden states in
-            if self.residual_layout is not None:
-                tokens = DTensor.from_local(tokens, *self.residual_layout, run_check=False)
+            if plan.residual_layout is not None:
+                tokens = DTensor.from_local(tokens, *plan.residual_layout, run_check=False)
             first = {"inputs_embeds": tokens}
-        if self.cp_layout is not None:
+        if plan.cp_layout is not None:
             inputs = packing.step_inputs(self, first, positions, document_positions)
         elif document_positions is None:
             inputs = first
         elif self.arch.packed_layout == "cu_seqlens":  # fla: one row, sequences at cu_seqlens
             inputs = {name: x.reshape(1, -1, *x.shape[2:]) for name, x in first.items()}
             inputs["cu_seqlens"] = packing.cu_seqlens(document_positions)
-        elif self.document_attention:  # transformers: rotary positions from position_ids, attention per document
+        elif plan.document_attention:  # transformers: rotary positions from position_ids, attention per document
             inputs = {**first, **packing.document_attention_inputs(document_positions)}
         else:  # transformers: rotary positions from position_ids, and a block-causal mask
             mask = packing.block_causal_mask(document_positions)
@@ -111,17 +96,17 @@ class TitanCausalLM:
                 inputs["cu_seq_lens_q"] = packing.cu_seqlens(document_positions)
         base = self.get_submodule(self.structure.layers.partition(".")[0])  # the model under the head (Llama 4's too)
         hidden = base(**inputs, use_cache=False, return_dict=True).last_hidden_state
-        if self.cp_layout is not None and (missed := self.cp_layout.check_paths()):
+        if plan.cp_layout is not None and (missed := plan.cp_layout.check_paths()):
             # every rank stops at this step's end, together, in one line (``errors.defer``)
             defer(HostChanged(
-                "flash-linear-attention" if self.model_args.library == "fla" else "transformers",
+                "flash-linear-attention" if library_of(type(self.config)) == "fla" else "transformers",
                 f"under context parallelism a layer's path did not run in step 1's forward ({missed}): that layer "
                 "would see only this rank's piece of the sequence",
             ))
         head = self.get_output_embeddings()
         if head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
-        if self.head_in_loss:  # the chunked loss applies the head (titan_ext.loss)
+        if plan.head_in_loss:  # the chunked loss applies the head (titan_ext.loss)
             return hidden
         return head(hidden).view(*tokens.shape[:2], -1)
 

@@ -54,7 +54,7 @@ def step_inputs(model: nn.Module, first: dict, positions, document_positions) ->
     (document masking) are the dataloader's for the whole rows, which torchtitan does not shard.
     Both are recorded in the model's ``PieceLayout`` for the bound attention and kernels.
     """
-    layout = model.cp_layout
+    layout = model.forward_plan.cp_layout
     layout.record(positions, document_positions)
     local = layout.local_document_positions
     parts = [part for mixer in model.mixers for part in mixer.parts]

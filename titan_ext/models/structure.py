@@ -22,7 +22,8 @@ from titan_ext.models.mixers import Mixer
 @dataclass(frozen=True)
 class Structure:
     embeddings: str | None
-    """FQN of the input embedding (None where a pipeline stage does not hold it)."""
+    """FQN of the input embedding the model runs (None in a pipeline stage after the first, ``pipeline.stage_model``;
+    a tied head's stage holds the embedding only as the owner of the head's weight)."""
     layers: str
     """FQN of the layer stack (a ``ModuleList``, or a pipeline stage's ``StageLayers``)."""
     final_norm: str | None
@@ -31,6 +32,11 @@ class Structure:
     """Each layer's token mixer, by index."""
     tied: bool
     """The head's weight is the embedding's (``ties_embeddings``)."""
+
+    @property
+    def takes_hidden_states(self) -> bool:
+        """A pipeline stage after the first: its forward takes the previous stage's hidden states, not tokens."""
+        return self.embeddings is None
 
     @property
     def hybrid(self) -> bool:

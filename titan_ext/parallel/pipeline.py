@@ -17,6 +17,7 @@ weight on the first and on the last stage, kept equal (``TiedWeight``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
@@ -72,7 +73,8 @@ def stage_model(whole: nn.Module, modules: tuple[str, ...]) -> nn.Module:
     kept = {name: block for name, block in blocks.named_children() if f"{layers}.{name}" in keep}
     _replace(model, layers, StageLayers(kept))
     _stage_layer_types(model, [int(name) for name in kept])
-    model.takes_hidden_states = embeddings not in keep
+    if embeddings not in keep:  # a stage after the first: hidden states in (``Structure.takes_hidden_states``)
+        model.structure = dataclasses.replace(model.structure, embeddings=None)
     if embeddings not in keep and not (model.structure.tied and head in keep):
         _replace(model, embeddings, None)
     if norm is not None and norm not in keep:
@@ -192,7 +194,7 @@ class TiedWeight:
         for copy_ in copies[1:]:
             _local(copy_).copy_(first)
         for part, copy_ in zip(self.parts, copies):
-            if part.takes_hidden_states:  # not the first stage's: clipping must not count it again
+            if part.structure.takes_hidden_states:  # not the first stage's: clipping must not count it again
                 setattr(copy_, host_patches.TIED_COPY, True)
         self.synced = True
 
@@ -340,7 +342,7 @@ class MicroBatchStage(PipelineStage):
     """
 
     def _select(self, index: int) -> None:
-        layout = getattr(self.submod, "cp_layout", None)
+        layout = self.submod.forward_plan.cp_layout
         if layout is not None:
             layout.micro_batch(index)
 

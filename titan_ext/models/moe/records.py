@@ -98,7 +98,7 @@ def apply_router_records(model: nn.Module, choice: MoEChoice | None,
     carried: list[torch.Tensor] = []
     slots = [choice.moe_layers.index(i) for i in moe_layer_indices(model)]
     hooks = [router.register_forward_hook(functools.partial(_record, logits)) for router in routers(model)]
-    if getattr(model, "takes_hidden_states", False):  # a pipeline stage after the first
+    if model.structure.takes_hidden_states:  # a pipeline stage after the first
         hooks.append(model.register_forward_pre_hook(functools.partial(_receive_statistics, choice, carried)))
     hooks.append(model.register_forward_hook(functools.partial(_stage_end, choice, logits, carried, slots)))
     model._router_record_hooks = hooks
@@ -140,8 +140,8 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def _sequence_shards(module) -> int:
     """Under sequence parallel a stage's hidden states cross stages as this TP rank's sequence shard, one of
-    this many (``TitanCausalLM.residual_layout``); 1 without."""
-    layout = getattr(module, "residual_layout", None)
+    this many (``ForwardPlan.residual_layout``); 1 without."""
+    layout = module.forward_plan.residual_layout
     return layout[0].size() if layout is not None else 1
 
 

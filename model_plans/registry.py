@@ -7,6 +7,9 @@ from model_plans.base import TPPlan
 from model_plans.hf_plan import hf_plan_class
 
 _PLANS: dict[str, type[TPPlan]] = {}
+"""``model_type`` -> its TP plan class, shipped or a user's (``register_tp_plan``). Apart from titan_ext's
+per-type table (``titan_ext.models.architecture``): model_plans imports no titan_ext, a user's plan replaces
+a shipped one, and a model type with no entry takes its own HF plan translated."""
 
 
 def _shipped(cls: type) -> bool:

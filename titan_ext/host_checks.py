@@ -264,14 +264,16 @@ def _tiny_copy(model_args, config, sizes: dict, layer: int):
 
 
 def _transformers_model(model_args) -> bool:
-    return model_args.library == "transformers"
+    from titan_ext.models.architecture import library_of
+
+    return library_of(model_args.hf_config_class) == "transformers"
 
 
-def _fla_model(model_args) -> bool:
+def _may_call_fla_kernels(model_args) -> bool:
     """An fla model, or one with a token mixer other than softmax attention (whose kernels may be fla's)."""
     from titan_ext.models.mixers import TransformersAttention
 
-    return model_args.library == "fla" or any(
+    return not _transformers_model(model_args) or any(
         part.mixes_tokens and not isinstance(part, TransformersAttention)
         for mixer in model_args.layer_mixers() for part in mixer.parts
     )
@@ -281,7 +283,7 @@ HOST_CHECKS: tuple[HostCheck, ...] = (
     HostCheck("torchtitan", "the trainer backpropagates the loss function's sum divided by the step's global "
               "count of valid tokens", lambda args: True, lambda args, uses: check_torchtitan_loss_scaling(args)),
     HostCheck("flash-linear-attention", "the parameters (names and defaults) of every fla kernel titan_ext "
-              "replaces or calls", _fla_model, lambda args, uses: check_fla_signatures(args)),
+              "replaces or calls", _may_call_fla_kernels, lambda args, uses: check_fla_signatures(args)),
     HostCheck("transformers", "attention modules call the attention their modeling file looks up in "
               "ALL_ATTENTION_FUNCTIONS, rotate queries and keys at the position_ids given, and use a boolean 4D "
               "attention_mask as given", _transformers_model,

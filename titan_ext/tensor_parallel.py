@@ -42,8 +42,11 @@ def plan_class(model: nn.Module, degree: int) -> type:
     own entries (``Mixer.tp_entries``: a hybrid's, an unknown mixer's kept whole)."""
     from model_plans import TPPlan, plan_for_model, registered_model_types, with_layer_mixers
 
+    from titan_ext.models.architecture import library_of
+
     arch, structure = _arch_and_structure(model)
-    by_structure = arch.library == "fla" and model.config.model_type not in registered_model_types()
+    library = library_of(type(model.config))
+    by_structure = library == "fla" and model.config.model_type not in registered_model_types()
     own = None if by_structure else arch.mixer
     others, paths = {}, {}
     for index, mixer in enumerate(structure.mixers):
@@ -65,7 +68,7 @@ def plan_class(model: nn.Module, degree: int) -> type:
                                    *_fla_block_parts(model.get_submodule(structure.layers)))
     else:
         layers = None
-        if arch.library == "transformers":  # without an HF plan: every block module but its mixers kept whole
+        if library == "transformers":  # without an HF plan: every block module but its mixers kept whole
             base = model.base_model_prefix if model.base_model is not model else ""
             layers = structure.layers.removeprefix(f"{base}.") if base else structure.layers
         plan_cls = plan_for_model(model, paths, layers)

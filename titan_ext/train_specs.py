@@ -76,7 +76,9 @@ NAMED = {
     "fla_transformer": transformer_flavors,
     "hf_llama": llama_flavors,
 }
-"""One spec per shipped architecture: its flavors (``--titan_ext.hf_config`` may override their fields)."""
+"""Train-spec name (torchtitan's ``--model.name``) -> its flavors (``--titan_ext.hf_config`` may override their
+fields); one spec per shipped architecture module. Keyed by the name a job picks, not by model type: what a
+model type is lives in ``models.architecture._ARCHITECTURES``, its TP plan in ``model_plans.registry``."""
 
 FROM_CONFIG = "from_config"
 """A generic spec's flavor whose architecture is a config.json (``[titan_ext] hf_config`` or the HF assets')."""

@@ -31,7 +31,6 @@ class Architecture:
     ``models.structure``); methods read the built HF config (defaults filled in)."""
 
     model_type: ClassVar[str] = ""
-    library: ClassVar[str] = "transformers"
     mixer: ClassVar[type[Mixer] | None] = None
     """The token mixer the model type's registered TP plan covers in its ``attn_plan`` (its other layers' mixers
     bring their own entries, ``tensor_parallel.plan_class``)."""
@@ -51,7 +50,6 @@ class Architecture:
 class FlaArchitecture(Architecture):
     """Any fla causal LM: packed documents as ``cu_seqlens``; the loss stays out of the model."""
 
-    library = "fla"
     packed_layout = "cu_seqlens"
 
     def config_overrides(self, model_class):
@@ -76,6 +74,10 @@ class TransformersArchitecture(Architecture):
 
 
 _ARCHITECTURES: dict[str, Architecture] = {}
+"""``model_type`` -> what titan_ext knows of that type as a whole (``architecture_of`` finds a subclass's too),
+whichever train spec trains it. Not the flavor tables (``train_specs.NAMED``: per train-spec name, what
+torchtitan's ``--model.name`` picks) nor the TP plans (``model_plans.registry``: a user registers one there
+without importing titan_ext, and a model type without one takes its HF plan)."""
 _GENERIC = {"fla": FlaArchitecture(), "transformers": TransformersArchitecture()}
 
 
@@ -85,7 +87,8 @@ def register_architecture(cls: type[Architecture]) -> type[Architecture]:
 
 
 def library_of(config_class: type) -> str:
-    """fla for fla's config classes and their subclasses, else transformers."""
+    """Whether a model is fla's: fla for fla's config classes and their subclasses (a model built from one holds
+    fla's modules), else transformers. The one place this is decided."""
     return "fla" if any(k.__module__.startswith("fla.") for k in config_class.__mro__) else "transformers"
 
 

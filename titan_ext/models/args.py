@@ -15,7 +15,7 @@ from torchtitan.protocols.model import BaseModelArgs
 
 from titan_ext.inputs import hf_config
 from titan_ext.errors import ConfigError, config_boundary
-from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes
+from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes, library_of
 from titan_ext.models.structure import Structure, structure_of
 
 logger = logging.getLogger()
@@ -77,7 +77,8 @@ class HFModelArgs(BaseModelArgs):
     """
 
     library: str = "fla"
-    """``fla`` or ``transformers``."""
+    """``fla`` or ``transformers``: the library whose Auto classes the train spec looks ``model_type`` up in (a
+    model type of the other one is refused: ``causal_lm_classes``); whether a model is fla's is ``library_of``."""
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     kernel_path: str = ""
     """The kernels an fla model runs (``titan_ext.kernels``): set from the job's plan; empty outside a job
@@ -165,7 +166,7 @@ class HFModelArgs(BaseModelArgs):
     def build_context(self):
         """``kernels.host_patches.BUILD`` while an fla model is constructed (fla's Attention, in the transformer and
         in hybrids, refuses to be built without flash-attn)."""
-        if self.library == "fla":
+        if library_of(self.hf_config_class) == "fla":
             from titan_ext.kernels.host_patches import building
 
             return building()

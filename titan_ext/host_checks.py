@@ -259,7 +259,7 @@ def _tiny_copy(model_args, config, sizes: dict, layer: int):
     if "fla" in sys.modules:  # its other layers may call fla's kernels: the job's kernel path, as the job's model
         from titan_ext import kernels
 
-        kernels.bind(model, model_args.kernel_path or kernels.default_path())
+        kernels.bind(model, model_args.kernels_to_bind)
     return model
 
 

@@ -43,7 +43,7 @@ class TitanCausalLM:
         forwards = {part.module_class.forward: forward for mixer in self.mixers for part in mixer.parts
                     if (forward := part.training_forward()) is not None}
         if "fla" in sys.modules:  # only fla's kernels are replaced, and only a process that imported fla calls them
-            kernels.bind(self, model_args.kernel_path or kernels.default_path(), training=True, forwards=forwards)
+            kernels.bind(self, model_args.kernels_to_bind, training=True, forwards=forwards)
         if self.structure.tied:
             self.register_state_dict_post_hook(_without_tied_head)
 

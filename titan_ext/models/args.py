@@ -91,6 +91,14 @@ class HFModelArgs(BaseModelArgs):
         super().__setattr__(name, value)
 
     @property
+    def kernels_to_bind(self) -> str:
+        """The kernel path a model built from these args runs: the job plan's, else (outside a job)
+        ``kernels.default_path``."""
+        from titan_ext import kernels
+
+        return self.kernel_path or kernels.default_path()
+
+    @property
     def model_type(self) -> str:
         return self.config.get("model_type", "")
 

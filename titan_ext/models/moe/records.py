@@ -98,7 +98,8 @@ def apply_router_records(model: nn.Module, choice: MoEChoice | None,
     carried: list[torch.Tensor] = []
     slots = [choice.moe_layers.index(i) for i in moe_layer_indices(model)]
     hooks = [router.register_forward_hook(functools.partial(_record, logits)) for router in routers(model)]
-    if model.structure.takes_hidden_states:  # a pipeline stage after the first
+    structure = getattr(model, "structure", None)  # a plain HF model (its own balancing loss, compared) has none
+    if structure is not None and structure.takes_hidden_states:  # a pipeline stage after the first
         hooks.append(model.register_forward_pre_hook(functools.partial(_receive_statistics, choice, carried)))
     hooks.append(model.register_forward_hook(functools.partial(_stage_end, choice, logits, carried, slots)))
     model._router_record_hooks = hooks

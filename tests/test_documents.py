@@ -184,3 +184,12 @@ def test_an_attention_that_does_not_read_the_registry_stops_the_job():
     model.mixers = (mixers.TransformersAttention("self_attn", block.self_attn),)
     with pytest.raises(HostChanged, match="Linear.forward does not read ALL_ATTENTION_FUNCTIONS"):
         documents.apply_document_attention(model)
+
+
+def test_per_document_attention_is_decided_for_a_transformers_model_with_document_masking_only():
+    """``decide_forward``: fla models take ``cu_seqlens`` as they are; a transformers model's attention runs each
+    document alone only when the job masks documents (outside CP, whose attention masks them itself)."""
+    llama, gla = debug_model("hf_llama"), debug_model("fla_gla")
+    assert plan_forward(llama, document_mask=True).document_attention
+    assert not plan_forward(llama).document_attention
+    assert not plan_forward(gla, document_mask=True).document_attention

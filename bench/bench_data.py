@@ -70,7 +70,7 @@ def loader(folder: Path, args, buffer: int, document_mask: bool = False, workers
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
     from torchtitan.config import ConfigManager
 
-    from titan_ext.text_stream import build_stream_dataloader
+    from titan_ext.data.text_stream import build_stream_dataloader
 
     config = ConfigManager().parse_args([
         "--job.config_file", str(SHIPPED),

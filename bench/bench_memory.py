@@ -82,8 +82,9 @@ def run_case(case: str, tokens: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from titan_ext import documents, loss as job_loss
+    from titan_ext.data import documents
     from titan_ext.job_plan import LossChoice
+    from titan_ext.models import loss as job_loss
     from titan_ext.models.adapter import build_model
     from titan_ext.models.args import HFModelArgs
     from titan_ext.models.forward_plan import ForwardPlan

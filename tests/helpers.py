@@ -150,8 +150,8 @@ def first_error(argv: list[str], world: int) -> str:
     from torchtitan.protocols.train_spec import get_train_spec
 
     import titan_ext  # noqa: F401  (train specs)
-    from titan_ext import preflight
     from titan_ext.errors import ConfigError
+    from titan_ext.host import preflight
 
     job_config = ConfigManager().parse_args(argv)
     try:
@@ -167,7 +167,7 @@ def assert_documents_restart(model, length: int, starts: list[int], mixed_from: 
     """With document masking applied as a job applies it (``cu_seq_lens_q``), each packed document's logits
     equal the document's alone; without the boundaries the documents from ``mixed_from`` on mix (so the check
     can fail)."""
-    from titan_ext.documents import apply_document_attention
+    from titan_ext.data.documents import apply_document_attention
 
     apply_document_attention(model)
     plan_forward(model, document_mask=True)

@@ -221,7 +221,7 @@ COMMON = (
     "--comm.init_timeout_seconds", "120", "--comm.train_timeout_seconds", "60",
 )
 
-# Rows with ``Row.validation`` validate too (titan_ext.validate), on 2 windows of the corpus after steps
+# Rows with ``Row.validation`` validate too (titan_ext.host.validate), on 2 windows of the corpus after steps
 # 1, 2 and 4: their validation losses must match the single-process run's like their training figures.
 VALIDATION = (
     "--validation.enable", "--validation.freq", "2", "--validation.steps", "2", "--validation.dataset",
@@ -583,7 +583,7 @@ ROWS = {
     "stream_resume": Row(2, (*parallel(shard=2), "--training.dataset", "titan_ext_stream", "--training.dataset_path",
                              "{shards}", "--titan_ext.shuffle_buffer", "16", "--titan_ext.document_mask"),
                          kind="stream_resume", cost=4, specs=("fla_gla",)),
-    # Sequences split across ranks, GLA's states exchanged (titan_ext.context_parallel): torchtitan's
+    # Sequences split across ranks, GLA's states exchanged (titan_ext.parallel.context_parallel): torchtitan's
     # head-tail pieces (2 per rank), contiguous pieces, and CP with FSDP and with TP.
     "cp2": Row(2, parallel(cp=2), rtol=TP_RTOL, specs=("fla_gla", "fla_transformer", "hf_llama"), spec_rtol=CP_RTOL,
                validation=True),
@@ -1362,7 +1362,6 @@ def evaluate_walkthrough(matrix: Matrix, spec: str, row: str) -> Result:
 def trained_tensors_problem(hub: Path, export: Path) -> str:
     """'' if the export holds the hub folder's tensors under the same names, each within ``WALKTHROUGH_MOVE`` of
     the folder's, and training moved some."""
-    import torch
     from safetensors.torch import load_file
 
     def tensors(folder: Path) -> dict:

@@ -174,8 +174,8 @@ def case_kda_op():
     from torchtitan.config.job_config import ActivationCheckpoint
 
     from titan_ext import compat
-    from titan_ext.activation_checkpoint import ac_choice, wrap_block
     from titan_ext.kernels import kda_op
+    from titan_ext.parallel.activation_checkpoint import ac_choice, wrap_block
 
     T, H, K, V = 20, 1, 16, 16
     two_sequences = torch.tensor([0, 7, T])  # packed: 7 and 13 tokens, one chunk each
@@ -371,9 +371,9 @@ def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
     """One of two gloo ranks: GLA (short convolutions), Gated DeltaNet and KDA under CP=2 on fla's kernels."""
     from helpers import plan_forward
 
-    from titan_ext.context_parallel import apply_cp
     from titan_ext.job_plan import CPChoice
     from titan_ext.kernels.state_passing import piece_order
+    from titan_ext.parallel.context_parallel import apply_cp
 
     patches.apply_once(kernel_patches.INTERPRETER)  # a forkserver child imports afresh
     worst = {}
@@ -404,13 +404,13 @@ def _tp_rank(rank, mesh, name="gated_deltanet"):
     """One of two gloo ranks: Gated DeltaNet or KDA sharded by its TP plan, on fla's kernels (tp_local wrappers)."""
     from model_plans import TPOptions, apply_tp
 
-    from titan_ext.tensor_parallel import plan_class
+    from titan_ext.parallel.tensor_parallel import tp_plan_class
 
     patches.apply_once(kernel_patches.INTERPRETER)
     args = tiny_args(name)
     whole = built(args, "fla")
     model = built(args, "fla", like=whole)
-    apply_tp(model, mesh, plan_class(model, 2)(TPOptions(sequence_parallel=True, loss_parallel=False)))
+    apply_tp(model, mesh, tp_plan_class(model, 2)(TPOptions(sequence_parallel=True, loss_parallel=False)))
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     whole(tokens).float().sum().backward()
     out = model(tokens)
@@ -496,7 +496,7 @@ def case_compiled_blocks():
     from torch._dynamo.convert_frame import register_bytecode_hook
     from torch._dynamo.utils import counters
 
-    from titan_ext.compile import apply_compile
+    from titan_ext.parallel.compile import apply_compile
 
     hybrid = tiny_args("gla", attn={"layers": [1], "num_heads": 2, "num_kv_heads": 1})
     hybrid.config["num_hidden_layers"] = 3  # GLA, attention, GLA: the third block reuses the first's frames

@@ -13,7 +13,7 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.protocols import train_spec
 
 import titan_ext  # noqa: F401  (the fla_gla spec)
-from titan_ext.nonfinite import watch_loss
+from titan_ext.host.nonfinite import watch_loss
 
 
 def build_nan_loss(job_config, **kwargs):

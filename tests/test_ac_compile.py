@@ -13,13 +13,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchtitan.config.job_config import ActivationCheckpoint
 
-from titan_ext import activation_checkpoint, compat
-from titan_ext.activation_checkpoint import ac_choice, apply_ac, check_ac
-from titan_ext.compile import apply_compile
+from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.kernels import gla_op
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gla import gla_flavors
+from titan_ext.parallel import activation_checkpoint
+from titan_ext.parallel.activation_checkpoint import ac_choice, apply_ac, check_ac
+from titan_ext.parallel.compile import apply_compile
 
 
 def choice(mode="none", option="2"):

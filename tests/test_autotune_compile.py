@@ -171,7 +171,7 @@ def test_on_a_gpu_fla_kernels_tuned_with_configs_compiled_together_compute_as_fl
     ("fla", False, ["job", "cuda"]), ("fla", True, ["job", "interpreter"]), ("portable", False, ["job"]),
 ])
 def test_a_job_on_fla_kernels_on_cuda_gets_the_cuda_row(monkeypatch, path, interpreting, applied):
-    from titan_ext import job
+    from titan_ext.host import job
 
     calls = []
     monkeypatch.setattr(job, "_checked_job", job._checked_job)  # restored after the test, as the next ones are

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import save as dcp_save
 from torchtitan.protocols.train_spec import get_train_spec
 
 import titan_ext  # noqa: F401  (train specs)
-from titan_ext.checkpoint import checkpoint_config
+from titan_ext.checkpoints.hf import checkpoint_config
 from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import meta_model
 

@@ -128,8 +128,8 @@ def _tiny_llama(tie: bool):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_model_whose_head_runs_in_the_loss_equals_its_logits_through_torchtitans_loss(tie):
-    from titan_ext import loss as job_loss
     from titan_ext.job_plan import LossChoice
+    from titan_ext.models import loss as job_loss
 
     full = _tiny_llama(tie)
     chunked = copy.deepcopy(full)
@@ -156,8 +156,8 @@ def test_a_finished_jobs_loss_keeps_no_head():
     job's process groups) is not kept for the next job of a process, nor bound to that job's model."""
     import gc
 
-    from titan_ext import loss as job_loss
     from titan_ext.job_plan import LossChoice
+    from titan_ext.models import loss as job_loss
 
     loss_fn = job_loss.build_loss(job_config(config_file=DEBUG_LLAMA_TOML))
     job_loss.apply_chunked_loss(_tiny_llama(False), LossChoice(chunk_tokens=7))
@@ -171,7 +171,7 @@ def test_a_finished_jobs_loss_keeps_no_head():
 
 
 def _choice(*flags, model=None, float8_filters=None):
-    from titan_ext.loss import loss_choice
+    from titan_ext.models.loss import loss_choice
 
     return loss_choice(model or _tiny_llama(False), job_config(*flags, config_file=DEBUG_GLA_TOML), float8_filters)
 

@@ -12,12 +12,12 @@ from torch.distributed.tensor.debug import CommDebugMode
 from helpers import on_forked_ranks, plan_forward
 
 from titan_ext import compat
-from titan_ext.context_parallel import apply_cp
 from titan_ext.job_plan import CPChoice
 from titan_ext.kernels.state_passing import piece_order
 from titan_ext.models.adapter import build_model
 from titan_ext.models.args import transformers_model
 from titan_ext.models.gla import gla_flavors
+from titan_ext.parallel.context_parallel import apply_cp
 
 
 

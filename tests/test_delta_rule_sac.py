@@ -10,8 +10,9 @@ import pytest
 import torch
 from torchtitan.config.job_config import ActivationCheckpoint
 
-from titan_ext import activation_checkpoint, compat
-from titan_ext.activation_checkpoint import ac_choice, apply_ac
+from titan_ext import compat
+from titan_ext.parallel import activation_checkpoint
+from titan_ext.parallel.activation_checkpoint import ac_choice, apply_ac
 from titan_ext.kernels import delta_rule_op, kda  # noqa: F401 (kda registers its core)
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors

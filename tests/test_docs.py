@@ -458,7 +458,7 @@ def provide_outputs(folder: Path) -> None:
     from torchtitan.protocols.train_spec import get_train_spec
 
     import titan_ext  # noqa: F401  (train specs)
-    from titan_ext.checkpoint import checkpoint_config
+    from titan_ext.checkpoints.hf import checkpoint_config
     from titan_ext.models.adapter import meta_model
 
     (folder / "train_configs").symlink_to(REPO / "train_configs")

@@ -11,15 +11,15 @@ from helpers import plan_forward
 from test_text_stream import CharTokenizer, write_shards
 from torch._dynamo.utils import counters
 
-from titan_ext import documents
-from titan_ext.compile import apply_compile
+from titan_ext.data import documents
+from titan_ext.data.text_stream import StreamedTextDataset
 from titan_ext.models.adapter import build_model
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
 from titan_ext.models.gla import gla_flavors
-from titan_ext.models.packing import cu_seqlens
 from titan_ext.models.llama import llama_flavors
+from titan_ext.models.packing import cu_seqlens
 from titan_ext.models.transformer import transformer_flavors
-from titan_ext.text_stream import StreamedTextDataset
+from titan_ext.parallel.compile import apply_compile
 
 FLAVORS = {"fla_gla": gla_flavors, "fla_gated_deltanet": gated_deltanet_flavors, "fla_transformer": transformer_flavors,
            "hf_llama": llama_flavors}

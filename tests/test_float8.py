@@ -14,11 +14,11 @@ from torchtitan.components.quantization.float8 import Float8LinearConverter
 from torchtitan.config.job_config import Compile, Float8Linear
 
 from titan_ext.errors import ConfigError
-from titan_ext.float8 import CONVERTER, check_float8, float8_choice, keep_high_precision
 from titan_ext.job_plan import Float8Choice
 from titan_ext.models.adapter import build_model
-from titan_ext.models.gla import GLA, gla_flavors
 from titan_ext.models.architecture import TransformersArchitecture
+from titan_ext.models.gla import GLA, gla_flavors
+from titan_ext.parallel.float8 import CONVERTER, check_float8, float8_choice, keep_high_precision
 
 
 def job(converters=(CONVERTER,), emulate=True, filter_fqns=(), compile_enable=False):

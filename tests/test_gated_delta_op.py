@@ -15,8 +15,8 @@ import torch
 from fla.layers.gated_deltanet import GatedDeltaNet
 
 import titan_ext.kernels as kernels
-from titan_ext import activation_checkpoint
 from titan_ext.kernels import gated_delta_op
+from titan_ext.parallel import activation_checkpoint
 
 FWD = torch.ops.titan_ext.chunk_gated_delta_rule_fwd.default
 FLA_MIXER = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,

@@ -280,8 +280,8 @@ def test_apply_fsdp_groups_policies_and_precision(gloo_group, monkeypatch, polic
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-    from titan_ext.job import _data_parallel
-    from titan_ext.parallelize import apply_fsdp
+    from titan_ext.host.job import _data_parallel
+    from titan_ext.parallel.parallelize import apply_fsdp
 
     dp = _data_parallel(job_config(
         "--parallelism.fsdp_reshard_after_forward", policy, "--training.enable_cpu_offload",
@@ -315,7 +315,7 @@ def test_apply_fsdp_groups_policies_and_precision(gloo_group, monkeypatch, polic
 
 
 def test_default_reshard_policy_keeps_blocks_gathered_with_pipeline_parallel(monkeypatch):
-    from titan_ext.job import _data_parallel
+    from titan_ext.host.job import _data_parallel
 
     config = job_config("--parallelism.fsdp_reshard_after_forward", "default")
     config.parallelism.pipeline_parallel_degree = 2

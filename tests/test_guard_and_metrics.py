@@ -9,9 +9,9 @@ import torch
 
 from torchtitan.components.optimizer import OptimizersContainer
 
-from titan_ext import nonfinite
 from titan_ext.errors import ConfigError
-from titan_ext.metrics import JsonlLogger
+from titan_ext.host import nonfinite
+from titan_ext.host.metrics import JsonlLogger
 
 
 class Optimizers(OptimizersContainer):

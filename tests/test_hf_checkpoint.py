@@ -6,11 +6,10 @@ Export and import through torchtitan are the integration matrix's ``hf`` rows
 """
 
 import pytest
-import torch
 from torchtitan.protocols.train_spec import get_train_spec
 
 import titan_ext  # noqa: F401  (train specs)
-from titan_ext.checkpoint import check_hf_config, checkpoint_config
+from titan_ext.checkpoints.hf import check_hf_config, checkpoint_config
 from titan_ext.errors import ConfigError
 
 SPECS = ["fla_gla", "fla_transformer", "hf_llama"]
@@ -37,7 +36,7 @@ def test_an_export_carries_the_tokenizer_modules_its_config_names(tmp_path):
     transformers' AutoTokenizer loads it from those files, as from the hub folder."""
     import json
 
-    from titan_ext.checkpoint import tokenizer_files
+    from titan_ext.checkpoints.hf import tokenizer_files
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))

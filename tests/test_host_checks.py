@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from titan_ext import host_checks
 from titan_ext.errors import ConfigError, HostChanged
+from titan_ext.host import checks
 from titan_ext.kernels import binding
 from titan_ext.models.args import transformers_model
 from titan_ext.models.gla import gla_flavors
@@ -33,14 +33,14 @@ OLMOE = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_la
                          ids=["llama", "llama8B", "gla", "qwen3", "qwen3_moe", "olmoe", "qwen3_5"])
 def test_every_check_passes_on_the_installed_hosts(args):
     args = copy.deepcopy(args)
-    host_checks.check_host(args)
+    checks.check_host(args)
     if args.library == "transformers":
-        assert host_checks.tiny_copy(args, layer=1) is not None  # the probe ran: the architecture took the tiny sizes
+        assert checks.tiny_copy(args, layer=1) is not None  # the probe ran: the architecture took the tiny sizes
 
 
 def expect_host_changed(package, what, args=None):
     with pytest.raises(HostChanged) as error:
-        host_checks.check_host(copy.deepcopy(args or llama_flavors["debugmodel"]))
+        checks.check_host(copy.deepcopy(args or llama_flavors["debugmodel"]))
     message = str(error.value)
     assert message.startswith(f"{package} ") and what in message and "\n" not in message, message
     assert isinstance(error.value, ConfigError)  # the job's config boundary turns it into one line and exit 2
@@ -78,7 +78,7 @@ def test_position_ids_ignored_stop_the_job(monkeypatch):
     monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", from_zero)
     expect_host_changed("transformers", "position_ids")
     # only CP and document masking rely on it: a job using neither trains its model as transformers runs it
-    host_checks.check_host(copy.deepcopy(llama_flavors["debugmodel"]), frozenset())
+    checks.check_host(copy.deepcopy(llama_flavors["debugmodel"]), frozenset())
 
 
 def test_experts_that_split_gate_and_up_otherwise_stop_the_job(monkeypatch):
@@ -145,7 +145,7 @@ def test_fla_signature_table_names_real_functions():
     replaced = {k.fla for k in kernels.kernel_rows() if not isinstance(resolve(k.fla), type)}
     def unsigned(target):  # fla's Function.apply aliases: (*args, **kwargs), or no signature at all (torch 2.15)
         try:
-            return host_checks.parameters(resolve(target)) in ("*args, **kwargs", "**kwargs")
+            return checks.parameters(resolve(target)) in ("*args, **kwargs", "**kwargs")
         except ValueError:
             return True
 
@@ -193,8 +193,8 @@ def test_binding_reads_through_decorators():
 def test_the_probes_leave_the_jobs_random_state_alone():
     """A job's first random draws (initial weights without a seed checkpoint) must not depend on the probes."""
     state = torch.random.get_rng_state()
-    host_checks.check_host(copy.deepcopy(llama_flavors["debugmodel"]))
-    host_checks.check_host(copy.deepcopy(gla_flavors["debugmodel"]))
+    checks.check_host(copy.deepcopy(llama_flavors["debugmodel"]))
+    checks.check_host(copy.deepcopy(gla_flavors["debugmodel"]))
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
@@ -206,5 +206,5 @@ def test_the_probe_of_a_real_config_warns_of_nothing(caplog):
     args = transformers_model("qwen3_moe", **{**QWEN3_MOE, "vocab_size": 151936}, eos_token_id=151645,
                               bos_token_id=151643, pad_token_id=151643)
     with caplog.at_level(logging.WARNING):
-        assert host_checks.tiny_copy(args) is not None
+        assert checks.tiny_copy(args) is not None
     assert not [r for r in caplog.records if "token_id" in r.getMessage()], caplog.text

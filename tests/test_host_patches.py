@@ -12,10 +12,10 @@ from launch import REPO
 
 import titan_ext  # noqa: F401
 from titan_ext import compat, kernels
-from titan_ext.checkpoints import host_patches as strided_patches
-from titan_ext.host import checkpoint_patches, cpu_patches, job_patches, patches
+from titan_ext.checkpoints import host_patches as checkpoint_patches
+from titan_ext.host import cpu_patches, job_patches, patches
 from titan_ext.kernels import host_patches as kernel_patches
-from titan_ext.parallel import host_patches as pipeline_patches
+from titan_ext.parallel import host_patches as parallel_patches
 from titan_ext.planner import host_patches as planner_patches
 
 # Run in a fresh interpreter: the test process has imported titan_ext (and built models) long before.
@@ -98,8 +98,8 @@ def test_every_row_says_why_and_for_which_versions():
 
 def test_the_tables_are_those_of_the_table_modules():
     """``rows()`` holds every table a reader finds (each module's ``TABLES``): 54 rows, each once."""
-    tables = (cpu_patches.CPU_MODE, job_patches.PER_JOB, checkpoint_patches.CHECKPOINT_MANIFEST,
-              checkpoint_patches.SKIP_DAMAGED_STEPS, pipeline_patches.PIPELINE, strided_patches.STRIDED_CHECKPOINT,
+    tables = (cpu_patches.CPU_MODE, job_patches.PER_JOB, parallel_patches.PER_JOB, parallel_patches.PIPELINE,
+              checkpoint_patches.CHECKPOINT_MANIFEST, checkpoint_patches.SKIP_DAMAGED_STEPS, checkpoint_patches.STRIDED_CHECKPOINT,
               kernel_patches.BUILD, kernel_patches.INTERPRETER, kernel_patches.CUDA, planner_patches.PLANNER,
               planner_patches.STEPPING)
     assert [id(row) for row in patches.rows()] == [id(row) for table in tables for row in table]
@@ -127,7 +127,7 @@ def test_a_setting_row_is_undone():
     import torch._dynamo.config as dynamo_config
 
     before = dynamo_config.optimize_ddp
-    job_patches.OPTIMIZE_DDP.set("ddp_optimizer")
+    parallel_patches.OPTIMIZE_DDP.set("ddp_optimizer")
     assert dynamo_config.optimize_ddp == "ddp_optimizer"
     patches.undo()
     assert dynamo_config.optimize_ddp == before
@@ -150,7 +150,7 @@ def test_an_instance_row_changes_one_object_of_its_class_only():
 def test_undo_restores_every_original():
     originals = {}
     patches.undo()  # whatever earlier tests left
-    rows = (*cpu_patches.CPU_MODE, *pipeline_patches.PIPELINE, *strided_patches.STRIDED_CHECKPOINT,
+    rows = (*cpu_patches.CPU_MODE, *parallel_patches.PIPELINE, *checkpoint_patches.STRIDED_CHECKPOINT,
             *checkpoint_patches.SKIP_DAMAGED_STEPS)
     for patch in rows:
         owner, name = patch.owner_and_name()
@@ -165,9 +165,9 @@ def test_undo_restores_every_original():
     assert "finish" in vars(FileSystemWriter) and signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]
     cpu_patches.apply_cpu_mode()
     cpu_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
-    patches.apply_once(pipeline_patches.PIPELINE)
-    patches.apply_once(pipeline_patches.PIPELINE)
-    patches.apply_once(strided_patches.STRIDED_CHECKPOINT)
+    patches.apply_once(parallel_patches.PIPELINE)
+    patches.apply_once(parallel_patches.PIPELINE)
+    patches.apply_once(checkpoint_patches.STRIDED_CHECKPOINT)
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
@@ -300,7 +300,7 @@ def test_document_positions_reach_every_pipeline_stage():
     import torch
     from torchtitan.train import Trainer
 
-    from titan_ext import documents
+    from titan_ext.data import documents
 
     trainer = object.__new__(Trainer)
     trainer.model_args, trainer.parallel_dims = None, types.SimpleNamespace(cp_enabled=False)

@@ -1,4 +1,4 @@
-"""HF folders in the hub's own layout (``titan_ext.hub_layout``), in one process: what a transformers
+"""HF folders in the hub's own layout (``titan_ext.checkpoints.hub_layout``), in one process: what a transformers
 ``save_pretrained`` folder imports as, and what an export writes back.
 
 The same under FSDP2, TP2 and EP2 through torchtitan, against transformers' own forward: the integration
@@ -18,8 +18,8 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate
 from transformers import AutoModelForCausalLM
 
 import titan_ext  # noqa: F401  (train specs)
-from titan_ext import hub_layout
-from titan_ext.checkpoint import HFStateDictAdapter, finish_hf_export
+from titan_ext.checkpoints import hub_layout
+from titan_ext.checkpoints.hf import HFStateDictAdapter, finish_hf_export
 from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import build_model, meta_model
 from titan_ext.models.args import transformers_model
@@ -78,7 +78,7 @@ def test_a_box_of_stacked_experts_reads_only_its_experts(tmp_path, monkeypatch):
 
 
 def test_a_folder_lacking_an_expert_stops_before_the_load(tmp_path):
-    from titan_ext.preflight import _check_hub_tensors
+    from titan_ext.host.preflight import _check_hub_tensors
 
     write_hub_folder(TINY_QWEN3_MOE, tmp_path)
     model = meta_model(model_args(TINY_QWEN3_MOE))
@@ -102,8 +102,8 @@ def test_a_quantized_hub_folder_is_refused_in_one_line_and_never_exported_as_qua
     import json
 
     from titan_ext.errors import ConfigError
+    from titan_ext.host.preflight import _check_not_quantized
     from titan_ext.models.args import architecture_fields
-    from titan_ext.preflight import _check_not_quantized
 
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "quantization_config": fp8}))

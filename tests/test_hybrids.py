@@ -63,19 +63,19 @@ def test_tp_plan_is_assembled_per_layer():
     from model_plans import TPOptions, validate_tp
 
     from titan_ext.models.gated_deltanet import gated_deltanet_flavors
-    from titan_ext.tensor_parallel import plan_class
+    from titan_ext.parallel.tensor_parallel import tp_plan_class
 
     gdn = copy.deepcopy(gated_deltanet_flavors["debugmodel"])
     gdn.config.update(num_hidden_layers=4, attn=ATTN)
     model = meta_model(gdn)
-    plan_cls = plan_class(model, 2)
+    plan_cls = tp_plan_class(model, 2)
     assert layer_entries(plan_cls) == {0: ["gated deltanet"], 1: ["fla attention"], 2: ["gated deltanet"],
                                        3: ["fla attention"]}, layer_entries(plan_cls)
     assert "attn.a_proj" in plan_cls(TPOptions()).block_plan(0) and "attn.a_proj" not in plan_cls(TPOptions()).block_plan(1)
     validate_tp(model, plan_cls(TPOptions()), 2, 80)
 
     model = meta_model(gla_hybrid())
-    plan_cls = plan_class(model, 2)
+    plan_cls = tp_plan_class(model, 2)
     assert plan_cls.__name__ == "FlaTPPlan" and layer_entries(plan_cls)[1] == ["fla attention"]
     plan = plan_cls(TPOptions())
     assert "attn.gk_proj.1" in plan.block_plan(0) and "attn.gk_proj.1" not in plan.block_plan(1)
@@ -89,10 +89,10 @@ def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gate
     whole heads per rank."""
     from model_plans import TPOptions, validate_tp
 
-    from titan_ext.tensor_parallel import plan_class
+    from titan_ext.parallel.tensor_parallel import tp_plan_class
 
     model = meta_model(transformers_model("qwen3_5_text", **QWEN3_5))
-    plan_cls = plan_class(model, 2)
+    plan_cls = tp_plan_class(model, 2)
     assert layer_entries(plan_cls) == {0: ["transformers' gated deltanet"]}
     plan = plan_cls(TPOptions())
     assert "linear_attn.in_proj_qkv" in plan.block_plan(0) and "self_attn.q_proj" in plan.block_plan(1)
@@ -101,22 +101,22 @@ def test_transformers_hybrid_tp_plan_translates_its_attention_and_takes_the_gate
     # Qwen3-Next: its shared expert a dense FFN inside the MoE block (partial shares, the gate replicated), its
     # routed experts placed by EP (matrix hf_qwen3_next/ep2_tp2) or split over TP (hf_qwen3_next/docs_tp2)
     next_model = meta_model(transformers_model("qwen3_next", **QWEN3_NEXT))
-    next_plan = plan_class(next_model, 2)(TPOptions(expert_parallel=True))
+    next_plan = tp_plan_class(next_model, 2)(TPOptions(expert_parallel=True))
     moe = {name: repr(style).partition("(")[0] for name, style in next_plan.block_plan(1).items() if name.startswith("mlp")}
     assert moe == {"mlp": "MoEBlockParallel", "mlp.gate": "NormParallel", "mlp.experts": "PlacedElsewhere",
                    "mlp.shared_expert.gate_proj": "ColwiseParallel", "mlp.shared_expert.up_proj": "ColwiseParallel",
                    "mlp.shared_expert.down_proj": "Composed", "mlp.shared_expert_gate": "ScalesShares"}, moe
     validate_tp(next_model, next_plan, 2, 80)
-    validate_tp(next_model, plan_class(next_model, 2)(TPOptions()), 2, 80)
+    validate_tp(next_model, tp_plan_class(next_model, 2)(TPOptions()), 2, 80)
     odd = meta_model(transformers_model("qwen3_5_text", **{**QWEN3_5, "linear_num_key_heads": 1}))
     with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by --parallelism.tensor_parallel_degree=2"):
-        validate_tp(odd, plan_class(odd, 2)(TPOptions()), 2, 80)
+        validate_tp(odd, tp_plan_class(odd, 2)(TPOptions()), 2, 80)
 
 
 def test_a_layer_without_a_path_is_refused_naming_it(monkeypatch):
     """One line naming the layer, its mixer and the fix, before the build."""
-    from titan_ext.context_parallel import check_cp
-    from titan_ext.tensor_parallel import plan_class
+    from titan_ext.parallel.context_parallel import check_cp
+    from titan_ext.parallel.tensor_parallel import tp_plan_class
 
     fused = gla_hybrid(attn_mode="fused_chunk")
     assert fused.context_parallel_blocker() == (
@@ -136,7 +136,7 @@ def test_a_layer_without_a_path_is_refused_naming_it(monkeypatch):
     monkeypatch.setattr(mixers.TransformersGatedDeltaNet, "tp_entries", lambda self, plan: None)  # none
     with pytest.raises(ConfigError, match=r"layer 0's token mixer 'linear_attn' \(transformers' gated deltanet\) has "
                                           "no tensor-parallel plan in titan_ext; set the degree to 1"):
-        plan_class(meta_model(qwen), 2)
+        tp_plan_class(meta_model(qwen), 2)
 
 
 def layer_entries(plan_cls) -> dict[int, list[str]]:
@@ -174,7 +174,7 @@ def test_pipeline_stages_balance_each_layers_cost():
 def test_the_first_step_checks_each_layers_cp_path_ran(cp_mesh, unbound):
     """Both paths on one mesh; a layer whose binding is undone (its mixer back to the class it had before
     CP) stops the job after step 1, naming the path that ran too few times."""
-    from titan_ext.context_parallel import apply_cp
+    from titan_ext.parallel.context_parallel import apply_cp
 
     torch.manual_seed(0)
     model = build_model(gla_hybrid(layers=2, attn={"layers": [1], "num_heads": 4, "num_kv_heads": 2}))
@@ -201,7 +201,7 @@ def test_the_first_step_checks_each_layers_cp_path_ran(cp_mesh, unbound):
 
 def test_the_first_step_checks_transformers_gated_deltanet_cp_path_ran(cp_mesh):
     """Qwen3.5's Gated DeltaNet layer counts its state passing; its binding undone, step 1 stops naming it."""
-    from titan_ext.context_parallel import apply_cp
+    from titan_ext.parallel.context_parallel import apply_cp
 
     torch.manual_seed(0)
     model = build_model(transformers_model("qwen3_5_text", **QWEN3_5))

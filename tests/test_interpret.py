@@ -13,7 +13,7 @@ from launch import REPO
 from titan_ext import compat
 from titan_ext.errors import ConfigError
 from titan_ext.host import patches
-from titan_ext.job import INTERPRETER_TRITON
+from titan_ext.host.job import INTERPRETER_TRITON
 from titan_ext.kernels import host_patches as kernel_patches
 
 CHECKS = REPO / "tests" / "interpret_checks.py"
@@ -78,7 +78,7 @@ def test_interpret_kernels_option(monkeypatch, choice, interpret, expected):
     """``--titan_ext.kernels``: fla's kernels on the CPU need the interpreter, said in one line."""
     from helpers import job_config
 
-    from titan_ext import job
+    from titan_ext.host import job
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     monkeypatch.setattr(compat, "triton_version", lambda: INTERPRETER_TRITON)
@@ -93,7 +93,7 @@ def test_interpret_kernels_option(monkeypatch, choice, interpret, expected):
 def test_interpret_kernels_option_names_a_triton_too_old(monkeypatch):
     from helpers import job_config
 
-    from titan_ext import job
+    from titan_ext.host import job
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(compat, "triton_version", lambda: (3, 6))

@@ -22,8 +22,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtitan.config.job_config import ActivationCheckpoint
 
 import titan_ext.kernels as kernels
-from titan_ext import activation_checkpoint, compat
+from titan_ext import compat
 from titan_ext.kernels import kda_op, transformers_kda
+from titan_ext.parallel import activation_checkpoint
 
 FWD, BWD = torch.ops.titan_ext.chunk_kda_fwd.default, torch.ops.titan_ext.chunk_kda_bwd.default
 FLA_MIXER = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,

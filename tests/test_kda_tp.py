@@ -44,9 +44,9 @@ BUILDERS = {
 
 
 def plan_for(model, sp=True, loss_parallel=True):
-    from titan_ext.tensor_parallel import plan_class
+    from titan_ext.parallel.tensor_parallel import tp_plan_class
 
-    return plan_class(model, 2)(TPOptions(sequence_parallel=sp, loss_parallel=loss_parallel))
+    return tp_plan_class(model, 2)(TPOptions(sequence_parallel=sp, loss_parallel=loss_parallel))
 
 
 def test_the_plan_is_the_mixers_own_entries():

@@ -1,8 +1,11 @@
 """The import graph of ``titan_ext`` and ``model_plans``, imports inside functions counted: one way, no cycle.
 
-registration (``titan_ext/__init__``, ``train_specs``) -> the coordinator (``job``) -> features -> models ->
-kernels; the plan's data (``job_plan``) is a leaf every layer may read, and so is the machinery every table of
-changes to a host library uses (``host.patches``).
+The wings, top to bottom (``WINGS``): the commands beside training (``plan`` with ``planner/``, ``census``,
+``pretrained``, ``tokenizer_json``) -> registration (``titan_ext/__init__``, ``train_specs``) -> the torchtitan edge
+(``host/``: the coordinator ``host.job``, preflight, checks, the console) -> the features (``parallel/``, ``data/``,
+``checkpoints/``) -> ``models/`` -> ``kernels/``; below them the leaves every wing may read (``LEAVES``: the job
+plan's data, errors, ``compat``, CPU mode, the ``[titan_ext]`` section, the input checks, and the machinery every
+table of changes to a host library uses, ``host.patches``). ``model_plans`` imports no titan_ext.
 """
 
 import ast
@@ -11,10 +14,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("titan_ext", "model_plans")
 REGISTRATION = {"titan_ext", "titan_ext.train_specs"}
-COORDINATOR = "titan_ext.job"
-WINGS = ("titan_ext.host", "titan_ext.parallel")
-"""Packages above the models (issue 61's wings): each module in them counts as a feature, as a top-level one does."""
+COORDINATOR = "titan_ext.host.job"
 PATCH_MACHINERY = "titan_ext.host.patches"
+LEAVES = ("titan_ext.job_plan", "titan_ext.errors", "titan_ext.compat", "titan_ext.cpu_mode", "titan_ext.config",
+          "titan_ext.inputs", PATCH_MACHINERY)
+WINGS = (
+    ("commands", ("titan_ext.plan", "titan_ext.planner", "titan_ext.census", "titan_ext.census_configs",
+                  "titan_ext.pretrained", "titan_ext.tokenizer_json")),
+    ("registration", tuple(sorted(REGISTRATION))),
+    ("host", ("titan_ext.host",)),
+    ("features", ("titan_ext.parallel", "titan_ext.data", "titan_ext.checkpoints")),
+    ("models", ("titan_ext.models",)),
+    ("kernels", ("titan_ext.kernels",)),
+    ("leaves", LEAVES),
+)
+"""Each wing imports only its own and the wings below it."""
 
 
 def modules() -> dict[str, Path]:
@@ -110,37 +124,43 @@ def test_the_patch_machinery_is_a_leaf():
     assert import_graph()[PATCH_MACHINERY] == {"titan_ext.compat"}
 
 
+def _under(name: str, prefixes) -> bool:
+    return any(name == prefix or name.startswith(f"{prefix}.") for prefix in prefixes)
+
+
+def wing_of(name: str) -> int | None:
+    """The wing's place, top (0) to bottom; the leaves are tested before the host wing holding the machinery."""
+    if name.startswith("model_plans"):
+        return len(WINGS)
+    places = [index for index, (_, prefixes) in enumerate(WINGS) if _under(name, prefixes)]
+    return max(places) if places else None
+
+
+def test_every_module_is_in_a_wing():
+    assert [name for name in import_graph() if wing_of(name) is None] == []
+
+
 def upward_imports(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """Module -> what it imports against the flow: kernels import no model, feature or coordinator; models no
-    feature or coordinator; model_plans no titan_ext."""
-    features = {name for name in graph if name.startswith("titan_ext.") and name.count(".") == 1} - {
-        "titan_ext.job_plan", "titan_ext.errors", "titan_ext.compat", "titan_ext.cpu_mode", "titan_ext.inputs",
-        "titan_ext.kernels", "titan_ext.models",
-    } | {name for name in graph if name.startswith(tuple(f"{wing}." for wing in WINGS))} - {PATCH_MACHINERY}
+    """Module -> what it imports against the wings' order; ``model_plans`` imports no titan_ext."""
     found = {}
     for name, targets in graph.items():
-        if name.startswith("model_plans"):
-            above = {t for t in targets if t.startswith("titan_ext")}
-        elif name.startswith("titan_ext.models"):
-            above = targets & (features | {COORDINATOR})
-        elif name.startswith("titan_ext.kernels"):
-            above = {t for t in targets if t.startswith("titan_ext.models")} | (targets & (features | {COORDINATOR}))
-        else:
-            above = set()
+        above = ({t for t in targets if t.startswith("titan_ext")} if name.startswith("model_plans")
+                 else {t for t in targets if wing_of(t) < wing_of(name)})
         if above:
             found[name] = above
     return found
 
 
-def test_layers_import_downward_only():
+def test_wings_import_downward_only():
     assert upward_imports(import_graph()) == {}
 
 
-def test_a_model_importing_a_wing_module_is_upward():
-    """A module inside a wing package (``titan_ext.parallel.*``) is a feature, as a top-level module is."""
+def test_a_model_importing_a_feature_is_upward():
     graph = import_graph()
     graph["titan_ext.models.moe.records"] = graph["titan_ext.models.moe.records"] | {"titan_ext.parallel.moe_plan"}
-    assert upward_imports(graph) == {"titan_ext.models.moe.records": {"titan_ext.parallel.moe_plan"}}
+    graph["titan_ext.kernels.binding"] = graph["titan_ext.kernels.binding"] | {"titan_ext.host.job_patches"}
+    assert upward_imports(graph) == {"titan_ext.models.moe.records": {"titan_ext.parallel.moe_plan"},
+                                     "titan_ext.kernels.binding": {"titan_ext.host.job_patches"}}
 
 
 # ---- a mixer is one module ------------------------------------------------------------------------
@@ -178,7 +198,7 @@ def test_a_mixer_is_named_by_its_module_and_its_registration_line_only():
         "GatedDeltaNet": {"titan_ext.models.gated_deltanet"},
         "KDA": {"titan_ext.models.kda"},
         "FlaAttention": {"titan_ext.models.transformer"},
-        "TransformersAttention": {"titan_ext.models.architecture", "titan_ext.host_checks",
+        "TransformersAttention": {"titan_ext.models.architecture", "titan_ext.host.checks",
                                   "titan_ext.models.mixers.mla"},
         "TransformersMLA": set(),
         "TransformersGatedDeltaNet": set(),

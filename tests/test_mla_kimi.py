@@ -6,10 +6,8 @@ without documents)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from titan_ext.errors import ConfigError
 from titan_ext.models import mixers
 from titan_ext.models.adapter import build_model, meta_model
 from titan_ext.models.args import transformers_model
@@ -81,7 +79,7 @@ def test_kimi_linear_documents_each_run_alone():
     layer's attention restart at every document; each document's logits equal its own forward alone."""
     from helpers import plan_forward
 
-    from titan_ext.documents import apply_document_attention
+    from titan_ext.data.documents import apply_document_attention
 
     torch.set_default_dtype(torch.float64)
     try:
@@ -106,11 +104,11 @@ def test_moe_ffns_of_kimi_and_deepseek_split_under_tp_with_or_without_ep():
     ``ep2_tp2_fsdp2``, ``hf_deepseek_v3/tp2``."""
     from model_plans import TPOptions, validate_tp
 
-    from titan_ext.tensor_parallel import plan_class
+    from titan_ext.parallel.tensor_parallel import tp_plan_class
 
     def check(args, expert_parallel=False):
         model = meta_model(args)
-        validate_tp(model, plan_class(model, 2)(TPOptions(expert_parallel=expert_parallel)), 2)
+        validate_tp(model, tp_plan_class(model, 2)(TPOptions(expert_parallel=expert_parallel)), 2)
 
     moe = kimi(mlp_layer_types=["dense", "sparse"], num_experts=4, num_experts_per_token=2, moe_intermediate_size=16)
     deepseek = transformers_model("deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -22,12 +22,12 @@ from titan_ext.models.moe.blocks import moe_blocks, router_of
 from titan_ext.models.moe.records import (
     RECORDS, _pack, _receive_statistics, _stage_end, _statistics_width, _unpack, apply_router_records, routed_statistics,
 )
-from titan_ext.parallel.expert_parallel import _local_experts, apply_ep, apply_expert_tp
-from titan_ext.parallel.moe_plan import check_moe, moe_choice
 from titan_ext.errors import ConfigError
 from titan_ext.models.adapter import build_model, meta_model
 from titan_ext.models.args import HFModelArgs, idle_expert_params
 from titan_ext.models.forward_plan import ForwardPlan
+from titan_ext.parallel.expert_parallel import _local_experts, apply_ep, apply_expert_tp
+from titan_ext.parallel.moe_plan import check_moe, moe_choice
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = json.loads((REPO / "train_configs" / "debug_qwen3_moe.json").read_text())
@@ -95,11 +95,11 @@ def _packed_step_loss(**overrides) -> torch.Tensor:
 def test_a_config_asking_for_router_logits_trains_with_the_balancing_loss_counted_once():
     """``output_router_logits: true``: transformers' causal LM would add its own balancing loss (from a mask it
     cannot read, a packed 4D one); titan_ext counts it, once, as for ``false``."""
-    from titan_ext import host_checks
+    from titan_ext.host import checks
 
     asked = args(output_router_logits=True)
     assert asked.to_hf_config().output_router_logits is False and asked.architecture()["output_router_logits"]
-    host_checks.check_transformers_attention(asked)  # the preflight's probe on a 4D mask
+    checks.check_transformers_attention(asked)  # the preflight's probe on a 4D mask
     counted = _packed_step_loss(output_router_logits=False)
     assert _packed_step_loss(output_router_logits=True) == counted
     assert counted - _packed_step_loss(router_aux_loss_coef=0.0) > 0.01 * 1.5 * 48  # the term, once
@@ -293,14 +293,14 @@ def test_experts_beside_computeless_ones_are_named_when_ep_is_refused():
 def test_aria_experts_refuse_tp_and_ep():
     """Aria's MoE blocks are read as MoE (its router scores each expert), but its experts are not the stacked
     ``down(act(gate) * up)`` that EP and expert TP compute: the job's probe of them refuses both in one line."""
-    from titan_ext import host_checks
     from titan_ext.census_configs import tiny_config
+    from titan_ext.host import checks
 
     aria = args(tiny_config("aria_text"))
     assert moe_blocks(meta_model(aria))
-    host_checks.check_transformers_experts(aria)  # one process: the model's own experts
+    checks.check_transformers_experts(aria)  # one process: the model's own experts
     with pytest.raises(ConfigError, match=r"experts \(AriaExperts\) are not the sum of down\(act\(gate\) \* up\)"):
-        host_checks.check_transformers_experts(aria, placed=True)
+        checks.check_transformers_experts(aria, placed=True)
 
 
 def test_tensor_parallel_leaves_the_experts_to_titan_ext_moe():
@@ -373,7 +373,7 @@ def _expert_parallel_rank(rank, mesh):
 
 def _split_intermediate_rank(folder, rank, mesh):
     """Rank ``rank`` of 2 under TP without EP: every token, every expert, its half of each expert's intermediate
-    dim; then the packed gate_up_proj through DCP both ways (titan_ext.strided_checkpoint)."""
+    dim; then the packed gate_up_proj through DCP both ways (titan_ext.checkpoints.strided)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -422,7 +422,7 @@ def _split_intermediate_rank(folder, rank, mesh):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
-    from titan_ext.checkpoint import HFStateDictAdapter
+    from titan_ext.checkpoints.hf import HFStateDictAdapter
 
     adapter = HFStateDictAdapter(None, None)
     dcp.save(adapter.to_hf(saved), storage_writer=HuggingFaceStorageWriter(path=f"{folder}/hf", save_distributed=True,

@@ -56,7 +56,7 @@ def test_every_replacement_resolves_for_both_paths():
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
     from titan_ext.kernels import (conv_op, elementwise_ops, gated_delta_op, kda_op, layer_cache, recurrent_gla_op,
-                                   rotary, rotary_op, tp_local, transformers_gated_deltanet, transformers_kda)
+                                   rotary, rotary_op, tp_local, transformers_kda)
 
     assert fla_path == {
         fla.ops.gla.chunk.chunk_gla: gla_op.chunk_gla,

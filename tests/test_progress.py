@@ -10,8 +10,7 @@ import pytest
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.utils import Color, NoColor
 
-from titan_ext import progress
-from titan_ext.host import job_patches, patches
+from titan_ext.host import job_patches, patches, progress
 
 
 def processor(color, peak: float) -> MetricsProcessor:

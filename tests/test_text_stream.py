@@ -5,8 +5,8 @@ import json
 import pytest
 from helpers import job_config
 
+from titan_ext.data.text_stream import ShuffledStream, StreamedTextDataset, check_stream, open_stream
 from titan_ext.errors import ConfigError
-from titan_ext.text_stream import ShuffledStream, StreamedTextDataset, check_stream, open_stream
 
 DOCS = [f"document {i} " + "word " * (i % 7) for i in range(120)]
 
@@ -162,7 +162,7 @@ def test_a_saved_dataset_folder_streams(tmp_path):
 
 
 def test_preflight_checks_the_stream_and_its_options(tmp_path):
-    from titan_ext import preflight
+    from titan_ext.host import preflight
 
     folder = write_shards(tmp_path / "d", "jsonl", field="body")
     config = job_config("--training.dataset", "titan_ext_stream", "--training.dataset_path", str(folder))
@@ -196,7 +196,7 @@ def test_a_rank_without_documents_stops_instead_of_spinning(tmp_path):
 def test_a_job_without_the_titan_ext_section_gets_the_documented_defaults():
     from types import SimpleNamespace
 
-    from titan_ext.text_stream import stream_options
+    from titan_ext.data.text_stream import stream_options
 
     assert stream_options(SimpleNamespace()) == ("text", 10000)  # README.md: text_field "text", shuffle_buffer 10000
 
@@ -236,8 +236,9 @@ def test_skipped_bad_records_are_counted_and_the_rest_trains(tmp_path, caplog):
 def test_in_a_training_job_a_bad_record_pads_the_step_and_defers_the_stop(tmp_path, workers):
     """The rank that meets it keeps the step's collectives company with windows that train nothing; the loader, in
     the training loop's process (the dataset may run in a worker, whose own deferral nobody reads), defers the
-    stop to the step's end (titan_ext.nonfinite's per-step agreement), or stops this rank alone."""
-    from titan_ext import errors, text_stream
+    stop to the step's end (titan_ext.host.nonfinite's per-step agreement), or stops this rank alone."""
+    from titan_ext import errors
+    from titan_ext.data import text_stream
 
     errors.take_deferred()
     for policy in ("defer", "exit"):
@@ -259,7 +260,7 @@ def test_in_a_training_job_a_bad_record_pads_the_step_and_defers_the_stop(tmp_pa
 
 
 def loader_of(folder, workers, document_mask=True):
-    from titan_ext.text_stream import StreamDataloader
+    from titan_ext.data.text_stream import StreamDataloader
 
     dataset = StreamedTextDataset(folder, CharTokenizer(), 16, 0, 1, shuffle_buffer=5, seed=3, infinite=False,
                                   document_mask=document_mask)
@@ -310,7 +311,7 @@ def test_a_workers_saved_position_is_the_datasets_as_without_a_worker(tmp_path):
 def test_the_shuffle_buffers_state_changes_by_group_and_older_list_states_load():
     """A worker sends its dataset's state with every batch as the dict entries that changed: replacing one
     document changes one group of slots, not the whole buffer."""
-    from titan_ext.text_stream import BUFFER_SLOTS_PER_ENTRY, buffer_state, buffered_documents
+    from titan_ext.data.text_stream import BUFFER_SLOTS_PER_ENTRY, buffer_state, buffered_documents
 
     docs = [{"text": str(i)} for i in range(40)]
     replaced = list(docs)
@@ -370,7 +371,7 @@ class RecordingTokenizer(CharTokenizer):
 
 
 def loader(path, rank, world, tokenizer, saved_degree=None, document_mask=False):
-    from titan_ext.text_stream import StreamDataloader
+    from titan_ext.data.text_stream import StreamDataloader
 
     dataset = StreamedTextDataset(path, tokenizer, 16, rank, world, shuffle_buffer=5, seed=3, infinite=False,
                                   document_mask=document_mask)

@@ -34,10 +34,10 @@ from titan_ext.errors import ConfigError
 from titan_ext.job_plan import TPChoice
 from titan_ext.models import mixers
 from titan_ext.models.gla import gla
-from titan_ext.tensor_parallel import (
+from titan_ext.parallel.tensor_parallel import (
     apply_tp_from_plan,
     float8_tp_enabled,
-    plan_class,
+    tp_plan_class,
     sequence_parallel_enabled,
     tp_choice,
 )
@@ -54,8 +54,8 @@ class GLATPPlan(TPPlan):
 
 
 def plan_for(model, **options):
-    """The plan titan_ext gives the model (``tensor_parallel.plan_class``)."""
-    return plan_class(model, TP)(TPOptions(**options))
+    """The plan titan_ext gives the model (``tensor_parallel.tp_plan_class``)."""
+    return tp_plan_class(model, TP)(TPOptions(**options))
 
 
 # ---- registry ---------------------------------------------------------------------------------

@@ -3,13 +3,13 @@
 ``import titan_ext`` registers titan_ext's train specs and its shipped dataset
 with torchtitan, and changes nothing else. When torchtitan's ``Trainer``
 imports it as ``[experimental] custom_import``, it also sets up that job
-(``titan_ext.job.on_trainer_import``): checks the config, and on a machine
+(``titan_ext.host.job.on_trainer_import``): checks the config, and on a machine
 without an accelerator points torchtitan at the CPU. Every change to a host
 library is a row of a table in one of ``titan_ext.host.patches.TABLE_MODULES``.
 """
 
-from titan_ext import job
 from titan_ext.data import register_datasets
+from titan_ext.host import job
 from titan_ext.train_specs import TRAIN_SPECS, register_train_specs
 
 register_datasets()

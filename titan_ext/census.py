@@ -280,8 +280,8 @@ def plan_result(make_config, world: int, log: Path) -> str:
             from torchtitan.protocols.train_spec import get_train_spec
 
             import titan_ext  # noqa: F401  (train specs)
-            from titan_ext import preflight
             from titan_ext.errors import ConfigError
+            from titan_ext.host import preflight
 
             config = make_config()
             try:

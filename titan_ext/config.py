@@ -43,7 +43,7 @@ class TitanExt:
     document_mask: bool = False
     """Train each packed window as its separate documents: attention and
     recurrent state stay inside a document, positions restart, no label
-    crosses a boundary (``titan_ext.documents``). Needs dataset
+    crosses a boundary (``titan_ext.data.documents``). Needs dataset
     ``titan_ext_stream`` or ``titan_ext_tiny``."""
 
     kernels: str = "auto"
@@ -74,7 +74,7 @@ class TitanExt:
 
     log_every_rank: bool = False
     """Every rank prints its INFO lines and step line, as torchtitan does; by default ranks other than 0 print
-    only warnings and errors, and the step line comes from the rank holding the loss (``titan_ext.progress``)."""
+    only warnings and errors, and the step line comes from the rank holding the loss (``titan_ext.host.progress``)."""
 
     metrics_jsonl: str = ""
     """If set, rank 0 appends every logged step's metrics, at full precision,

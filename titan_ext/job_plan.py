@@ -2,8 +2,8 @@
 
 A leaf: it imports nothing of titan_ext, so every feature can read the plan
 (and build its own choice) without importing the coordinator that makes it
-(``titan_ext.job``). The plan reaches its readers on the model args torchtitan
-hands them (``plan_of``), never through a process-wide global.
+(``titan_ext.host.job``). The plan reaches its readers on the model args torchtitan
+hands them (``job_plan_of``), never through a process-wide global.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class JobPlan:
     loss: LossChoice | None
     """None: torchtitan's loss over the model's logits."""
     document_mask: bool
-    """``[titan_ext] document_mask``: packed windows train as their documents (``titan_ext.documents``)."""
+    """``[titan_ext] document_mask``: packed windows train as their documents (``titan_ext.data.documents``)."""
     nonfinite: str
     metrics_jsonl: str
     hf_export: bool
@@ -145,7 +145,7 @@ class JobPlan:
     hf_assets_path: str
 
 
-def plan_of(holder) -> JobPlan:
+def job_plan_of(holder) -> JobPlan:
     """The plan on model args, or on a model built from them (``model.model_args``): what torchtitan hands
     every builder is one of the two."""
     args = getattr(holder, "model_args", holder)

@@ -6,7 +6,7 @@ import copy
 from collections.abc import Iterator, Mapping
 
 from titan_ext.errors import config_boundary
-from titan_ext.job import JobModelArgs
+from titan_ext.host.job import JobModelArgs
 from titan_ext.models.architecture import LIBRARIES
 from titan_ext.models.args import HFModelArgs
 from titan_ext.models.gated_deltanet import gated_deltanet_flavors
@@ -45,13 +45,14 @@ def hf_train_spec(flavors: dict[str, HFModelArgs]):
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.protocols.train_spec import TrainSpec
 
-    from titan_ext import data, metrics, nonfinite
-    from titan_ext.checkpoint import HFStateDictAdapter
+    from titan_ext import data
+    from titan_ext.checkpoints.hf import HFStateDictAdapter
+    from titan_ext.host import metrics, nonfinite
+    from titan_ext.host.validate import build_validator
     from titan_ext.models.adapter import build_model
     from titan_ext.models.moe.bias_router import with_expert_bias_update
-    from titan_ext.parallelize import parallelize_hf_model
+    from titan_ext.parallel.parallelize import parallelize_hf_model
     from titan_ext.parallel.pipeline import pipeline_hf_model
-    from titan_ext.validate import build_validator
 
     return TrainSpec(
         model_cls=build_model,

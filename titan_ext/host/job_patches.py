@@ -2,8 +2,7 @@
 job's signal handlers, and the host warnings and log lines that ask nothing of a user.
 
 * ``JOB``: in every torchtitan job that imports titan_ext, CPU or GPU (``apply_job``).
-* ``PER_JOB``: a flag or one object of the job, changed by the feature that needs it (DDP with compile, CP's
-  rotate method, the optimizer's step, the metrics logger, step line, colours and close, the trainer's split
+* ``PER_JOB``: one object of the job, changed by the feature that needs it (the optimizer's step, the metrics logger, step line, colours and close, the trainer's split
   of a batch and its close).
 * ``SIGNALS``: the SIGINT and SIGTERM handlers of every titan_ext job (Python's, not a library's).
 """
@@ -17,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from titan_ext.host import patches
 from titan_ext.host.cpu_patches import CPU_MODE_LOGS, CPU_MODE_WARNINGS
-from titan_ext.host.patches import TORCH, TORCHTITAN, InstancePatch, Setting
+from titan_ext.host.patches import TORCHTITAN, InstancePatch, Setting
 
 # Python warnings of any titan_ext job that ask nothing of its user: (message regex, why, versions seen).
 JOB_WARNINGS: tuple[tuple[str, str, str], ...] = (
@@ -34,7 +33,7 @@ JOB_LOGS: tuple[tuple[str, str, str], ...] = (
      "fla 0.6's models build their outputs with past_key_values=, which transformers 5.24 renamed to cache"),
     ("", "Pipeline Parallel loss is not visible",
      "torchtitan's hint (every rank, under PP) to list the last stage's rank in LOG_RANK: titan_ext prints the step "
-     "line from that rank (titan_ext.progress)"),
+     "line from that rank (titan_ext.host.progress)"),
 )
 
 
@@ -87,57 +86,46 @@ JOB: tuple[tuple[str, str], ...] = (
     ("torch._inductor.config._micro_pipeline_tp", "async TP (model_plans.enable_async_tp: model_plans imports "
      "no titan_ext, so it sets torch's flag itself, as torchtitan's own apply_tp does)"),
     ("torch CP: DTensor's SDPA handlers", "ring attention under CP (torchtitan's apply_cp_to_attention_module, as for "
-     "its own models; titan_ext.context_parallel.apply_cp); torchtitan never turns it off"),
+     "its own models; titan_ext.parallel.context_parallel.apply_cp); torchtitan never turns it off"),
     ("root logger's handlers: filter progress.OtherRankQuiet", "on a rank other than 0, warnings, errors and the "
      "step line only (quiet_other_rank; torchtitan prints every INFO line once per rank)"),
 )
 """Changes a job makes through torchtitan's or model_plans' own functions (listed, not applied here)."""
 
 
-OPTIMIZE_DDP = Setting(
-    "torch._dynamo.config:optimize_ddp",
-    "'ddp_optimizer' for DDP with compile: dynamo splits the graph at DDP's buckets (titan_ext.parallelize.apply_ddp)",
-    TORCH,
-)
-CP_ROTATE_METHOD = Setting(
-    "torch.distributed.tensor.experimental._attention:_cp_options.rotate_method",
-    "how the ring passes keys and values: --parallelism.context_parallel_rotate_method, which torchtitan 0.2.2 "
-    "applies only in its own validator (titan_ext.context_parallel)",
-    TORCH,
-)
 OPTIMIZER_STEP = InstancePatch(
     "torchtitan.components.optimizer:OptimizersContainer.step",
     "the non-finite-loss guard: every rank agrees on the step's flag, then steps, skips or stops before the update "
-    "(titan_ext.nonfinite)",
+    "(titan_ext.host.nonfinite)",
     TORCHTITAN,
 )
 METRICS_LOGGER = InstancePatch(
     "torchtitan.components.metrics:MetricsProcessor.logger",
-    "--titan_ext.metrics_jsonl: every logged step also at full precision, as JSON lines (titan_ext.metrics)",
+    "--titan_ext.metrics_jsonl: every logged step also at full precision, as JSON lines (titan_ext.host.metrics)",
     TORCHTITAN,
 )
 METRICS_CLOSE = InstancePatch(
     "torchtitan.components.metrics:MetricsProcessor.close",
     "the one component torchtitan closes after the checkpointer: an HF export is completed there (config.json, "
-    "tokenizer; titan_ext.metrics)",
+    "tokenizer; titan_ext.host.metrics)",
     TORCHTITAN,
 )
 METRICS_LOG = InstancePatch(
     "torchtitan.components.metrics:MetricsProcessor.log",
     "a mixture-of-experts model's per-step metrics (the routers' balancing loss, tokens per expert) join the "
-    "logged ones (titan_ext.host.moe_metrics, titan_ext.metrics)",
+    "logged ones (titan_ext.host.moe_metrics, titan_ext.host.metrics)",
     TORCHTITAN,
 )
 METRICS_STEP_LINE = InstancePatch(
     "torchtitan.components.metrics:MetricsProcessor.log",
     "its step line says step N of --training.steps and the time left, and no MFU where the device has no peak "
-    "FLOPS; it is printed by the rank holding the loss only (titan_ext.progress, titan_ext.metrics)",
+    "FLOPS; it is printed by the rank holding the loss only (titan_ext.host.progress, titan_ext.host.metrics)",
     TORCHTITAN,
 )
 METRICS_COLOR = InstancePatch(
     "torchtitan.components.metrics:MetricsProcessor.color",
     "torchtitan colours its lines with ANSI codes unless --metrics.disable_color_printing, also into a file: "
-    "no colours off a terminal or with NO_COLOR set (titan_ext.progress)",
+    "no colours off a terminal or with NO_COLOR set (titan_ext.host.progress)",
     TORCHTITAN,
 )
 TRAINER_BATCH = InstancePatch(
@@ -145,7 +133,7 @@ TRAINER_BATCH = InstancePatch(
     "torchtitan hands the dataloader's extra inputs to the first pipeline stage only, and its extra kwargs (its "
     "own models' attention masks, CP's positions) to every stage, which torch's schedule splits into micro-batches "
     "as it splits the inputs: document masking's document_positions join the kwargs, so every stage reads each "
-    "micro-batch's boundaries (without PP the model receives both alike; titan_ext.documents)",
+    "micro-batch's boundaries (without PP the model receives both alike; titan_ext.data.documents)",
     TORCHTITAN,
 )
 TRAINER_CLOSE = InstancePatch(
@@ -155,14 +143,14 @@ TRAINER_CLOSE = InstancePatch(
     "after another, a worker forked from one job outlived it (titan_ext.data.ending_dataloader_workers)",
     TORCHTITAN,
 )
-PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD, OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE,
-                                               METRICS_LOG, METRICS_STEP_LINE, METRICS_COLOR, TRAINER_BATCH, TRAINER_CLOSE)
+PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZER_STEP, METRICS_LOGGER, METRICS_CLOSE, METRICS_LOG,
+                                                METRICS_STEP_LINE, METRICS_COLOR, TRAINER_BATCH, TRAINER_CLOSE)
 """Applied by the feature that needs it, to its own job (each names it)."""
 
 SIGNALS: tuple[str, ...] = ("SIGINT", "SIGTERM")
 """The Python handlers a titan_ext job installs (``apply_signal_handlers``): Ctrl-C or a scheduler's SIGTERM
 ends every rank at once, rank 0 first saying in one line the step reached and what a rerun loads, instead of a
-KeyboardInterrupt traceback per rank (``titan_ext.interrupt``). Restored by ``patches.undo()``."""
+KeyboardInterrupt traceback per rank (``titan_ext.host.interrupt``). Restored by ``patches.undo()``."""
 
 TABLES = (PER_JOB,)
 

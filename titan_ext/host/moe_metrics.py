@@ -1,5 +1,5 @@
 """A mixture-of-experts model's per-step metrics (the balancing loss, tokens per expert), logged beside
-torchtitan's (``titan_ext.metrics``) from the routers' records of the steps since the last log."""
+torchtitan's (``titan_ext.host.metrics``) from the routers' records of the steps since the last log."""
 
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ TRITON = "triton 3.6-3.9"
 TABLE_MODULES = (
     "titan_ext.host.cpu_patches",
     "titan_ext.host.job_patches",
-    "titan_ext.host.checkpoint_patches",
     "titan_ext.parallel.host_patches",
     "titan_ext.checkpoints.host_patches",
     "titan_ext.kernels.host_patches",

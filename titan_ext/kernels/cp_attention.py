@@ -1,4 +1,4 @@
-"""What runs in every forward under context parallelism, once ``titan_ext.context_parallel`` has bound it:
+"""What runs in every forward under context parallelism, once ``titan_ext.parallel.context_parallel`` has bound it:
 torch's ring attention as a module of its own, attention over all-gathered keys and values where a mask
 does more than causality (for MLA, all-gathered latents expanded on each rank), and fla's
 ``Attention.forward`` at the tokens' global positions."""

@@ -1,7 +1,7 @@
 """Causal softmax attention within each packed document, from ``cu_seqlens``: no ``B x T x T`` mask.
 
 A transformers attention function (``ALL_ATTENTION_FUNCTIONS``' contract: ``[B, H, T, D]`` in,
-``[B, T, H, D]`` out) for models whose documents are packed into rows (``titan_ext.documents``): the rows'
+``[B, T, H, D]`` out) for models whose documents are packed into rows (``titan_ext.data.documents``): the rows'
 tokens are taken as one packed sequence and each document attends to itself, causally. On CUDA, torch's
 variable-length kernel for bf16/fp16 (``torch.nn.attention.varlen``, where this torch has it with
 ``window_size`` and ``enable_gqa``: torch 2.13; untested on a GPU here) unless the model's attention has sinks

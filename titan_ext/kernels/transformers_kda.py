@@ -4,7 +4,7 @@ Its forward calls two module functions: ``chunk_kimi_delta_attention(query, key,
 **kwargs)`` (fla's ``chunk_kda`` contract, ``[B, T, H, *]`` rows) and ``causal_conv1d_fn(x, weight, bias,
 activation, **kwargs)`` (``x`` ``[B, C, T]``, the q, k and v channels convolved in one call, the activation
 inside). Packed documents reach both only as ``cu_seq_lens_q`` in ``kwargs`` (over the flattened batch, the
-keyword transformers hands every layer; ``titan_ext.documents``), which neither reads. Here each call runs
+keyword transformers hands every layer; ``titan_ext.data.documents``), which neither reads. Here each call runs
 on one packed row with ``cu_seqlens`` when boundaries are given, so the state and the convolution restart
 at every document; without them it is the plain call. its ``KERNELS`` bind them.
 """

@@ -5,7 +5,7 @@ identity mapping) and adds what torchtitan's trainer calls: construction from
 a model-args dataclass on the meta device, ``init_weights`` after
 ``to_empty``, and ``forward(tokens, document_positions=None, positions=None) -> logits``
 (``document_positions`` come from the dataloader with document masking:
-``titan_ext.documents``; ``positions`` from torchtitan's context parallelism; both packed by ``models.packing``). Labels are never passed to
+``titan_ext.data.documents``; ``positions`` from torchtitan's context parallelism; both packed by ``models.packing``). Labels are never passed to
 the HF forward: torchtitan's labels are already shifted, and its loss is a
 sum over tokens that the trainer normalizes. fla models get their kernels
 bound at construction (``titan_ext.kernels``).

@@ -33,10 +33,10 @@ class Architecture:
     model_type: ClassVar[str] = ""
     mixer: ClassVar[type[Mixer] | None] = None
     """The token mixer the model type's registered TP plan covers in its ``attn_plan`` (its other layers' mixers
-    bring their own entries, ``tensor_parallel.plan_class``)."""
+    bring their own entries, ``tensor_parallel.tp_plan_class``)."""
 
     packed_layout: ClassVar[str] = "position_ids"
-    """How the model takes packed documents (``titan_ext.documents``): fla's ``cu_seqlens`` over one
+    """How the model takes packed documents (``titan_ext.data.documents``): fla's ``cu_seqlens`` over one
     flattened row, or transformers' ``position_ids`` with a block-causal mask."""
     float8_high_precision: ClassVar[tuple[str, ...]] = ("lm_head",)
     """Linears (FQN parts) Float8 training keeps in high precision unless the job names its own

@@ -13,8 +13,8 @@ from typing import Any
 
 from torchtitan.protocols.model import BaseModelArgs
 
-from titan_ext.inputs import hf_config
 from titan_ext.errors import ConfigError, config_boundary
+from titan_ext.inputs import hf_config
 from titan_ext.models.architecture import Architecture, architecture_of, causal_lm_classes, library_of
 from titan_ext.models.structure import Structure, structure_of
 
@@ -151,7 +151,7 @@ class HFModelArgs(BaseModelArgs):
     @config_boundary
     def update_from_config(self, job_config, **kwargs) -> None:
         """torchtitan's hook: ``read_job_config``, a bad config ending the job in one line. In a titan_ext
-        job the train specs' args also plan the job here (``titan_ext.job.JobModelArgs``)."""
+        job the train specs' args also plan the job here (``titan_ext.host.job.JobModelArgs``)."""
         self.read_job_config(job_config)
 
     def read_job_config(self, job_config) -> None:

@@ -25,7 +25,7 @@ class ForwardPlan:
     head over them in chunks."""
     document_attention: bool = False
     """Document masking on a transformers model outside CP: its attention runs each document alone, from
-    ``cu_seqlens`` (``titan_ext.documents.apply_document_attention``); else it takes a block-causal mask."""
+    ``cu_seqlens`` (``titan_ext.data.documents.apply_document_attention``); else it takes a block-causal mask."""
     residual_layout: tuple | None = None
     """TP with sequence parallel: (mesh, placements) of the residual stream. A pipeline stage sends and receives
     its local shard and rewraps it, since HF decoders read the global sequence length from their input's shape."""

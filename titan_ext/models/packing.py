@@ -2,7 +2,7 @@
 and ``position_ids`` for transformers), and under context parallelism the rank's pieces.
 
 Runs in every forward (``TitanCausalLM.forward``); the choices behind it were made at plan time
-(``titan_ext.documents``, ``titan_ext.context_parallel``).
+(``titan_ext.data.documents``, ``titan_ext.parallel.context_parallel``).
 """
 
 from __future__ import annotations

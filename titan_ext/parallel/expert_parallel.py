@@ -44,13 +44,14 @@ def apply_expert_tp(model: nn.Module, mesh) -> None:
     ``mesh``: the TP mesh (TP without EP), or the ``("ep", "etp")`` mesh (torchtitan's ETP=TP): the experts
     then split over the EP ranks too, each TP rank dispatching all its tokens over its EP group. The packed
     ``[gate; up]`` rows are laid out as a ``_StridedShard`` (the full tensor, checkpoints and HF exports
-    unchanged), which DCP cannot describe as one box per rank: ``titan_ext.strided_checkpoint`` gives it its
+    unchanged), which DCP cannot describe as one box per rank: ``titan_ext.checkpoints.strided`` gives it its
     boxes."""
     from torch.distributed.tensor import Shard
 
     from titan_ext.checkpoints import host_patches
+    from titan_ext.host.patches import apply_once
 
-    host_patches.apply_once(host_patches.STRIDED_CHECKPOINT)
+    apply_once(host_patches.STRIDED_CHECKPOINT)
 
     ep = mesh.ndim == 2
     outer = [Shard(0)] if ep else []

@@ -1,8 +1,23 @@
-"""The change to torchtitan's gradient clipping that a pipeline with a tied weight needs (``titan_ext.parallel.pipeline``)."""
+"""The parallelisms' changes to their hosts: torch settings a feature sets for its own job (``PER_JOB``), and
+torchtitan's gradient clipping for a pipeline with a tied weight (``PIPELINE``)."""
 
 from __future__ import annotations
 
-from titan_ext.host.patches import TORCHTITAN, Patch, apply_once  # noqa: F401  (apply_once: this table's callers)
+from titan_ext.host.patches import TORCH, TORCHTITAN, Patch, Setting
+
+OPTIMIZE_DDP = Setting(
+    "torch._dynamo.config:optimize_ddp",
+    "'ddp_optimizer' for DDP with compile: dynamo splits the graph at DDP's buckets (titan_ext.parallel.parallelize.apply_ddp)",
+    TORCH,
+)
+CP_ROTATE_METHOD = Setting(
+    "torch.distributed.tensor.experimental._attention:_cp_options.rotate_method",
+    "how the ring passes keys and values: --parallelism.context_parallel_rotate_method, which torchtitan 0.2.2 "
+    "applies only in its own validator (titan_ext.parallel.context_parallel)",
+    TORCH,
+)
+PER_JOB: tuple[Setting, ...] = (OPTIMIZE_DDP, CP_ROTATE_METHOD)
+"""Set by the feature that needs it, for its own job (each names it)."""
 
 TIED_COPY = "_titan_ext_tied_copy"
 """Marks a pipeline stage's copy of a tied weight that gradient clipping must not count again (every copy but
@@ -41,4 +56,4 @@ PIPELINE: tuple[Patch, ...] = (
 )
 """A pipeline-parallel job whose model ties its head to its embedding (``titan_ext.parallel.pipeline``)."""
 
-TABLES = (PIPELINE,)
+TABLES = (PER_JOB, PIPELINE)

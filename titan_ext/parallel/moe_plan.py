@@ -111,7 +111,7 @@ def _check_stacked(blocks: list[nn.Module], option: str) -> None:
 
 
 def _check_ep(blocks: list[nn.Module], p) -> None:
-    ep = p.expert_parallel_degree  # ETP other than 1 or the TP degree: refused with the degrees (titan_ext.validate)
+    ep = p.expert_parallel_degree  # ETP other than 1 or the TP degree: refused with the degrees (titan_ext.host.validate)
     option = f"--parallelism.expert_parallel_degree={ep}"
     _check_stacked(blocks, option)
     for block in blocks:

@@ -24,10 +24,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.parallel import host_patches
-from titan_ext.job_plan import PPChoice, plan_of
+from titan_ext.host.patches import apply_once
+from titan_ext.job_plan import PPChoice, job_plan_of
 from titan_ext.models.moe.bias_router import tokens_counted
 from titan_ext.models.moe.records import RECORDS
+from titan_ext.parallel import host_patches
 from titan_ext.parallel.pipeline_plan import model_parts_of
 
 logger = logging.getLogger()
@@ -103,7 +104,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     """torchtitan's ``pipelining_fn``: this rank's stages, each parallelized, and the schedule."""
     from torchtitan.distributed.pipeline_parallel import build_pipeline_schedule
 
-    choice = plan_of(model_args).pp
+    choice = job_plan_of(model_args).pp
     mesh = parallel_dims.get_mesh("pp")
     stages, parts = [], []
     for index in choice.stage_indices(mesh.get_local_rank()):
@@ -120,7 +121,7 @@ def pipeline_hf_model(model, parallel_dims, job_config, device, model_args, para
     if model.structure.tied:
         embeddings, _, _, head = model_parts_of(model)
         tied = TiedWeight.of(choice, mesh, stages, parts, (embeddings, head))
-        host_patches.apply_once(host_patches.PIPELINE)
+        apply_once(host_patches.PIPELINE)
     schedule = TokenMeanSchedule(loss_fn, loss_mesh, parts, warm_up=on_gloo(mesh), accumulation=choice.accumulation,
                                  pp_group=mesh.get_group(), tied=tied)
     schedule.wrap(build_pipeline_schedule(job_config, stages, schedule.loss_fn))
@@ -314,7 +315,7 @@ class TokenMeanSchedule:
                     param.grad.mul_(agreed.item())
 
     def eval(self, *args, **kwargs):
-        """A forward-only pass (``titan_ext.validate``): each microbatch's loss sum in ``losses``.
+        """A forward-only pass (``titan_ext.host.validate``): each microbatch's loss sum in ``losses``.
 
         On gloo the next training step reads an unfilled receive buffer again (as the first one
         does): it warms up again."""

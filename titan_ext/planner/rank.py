@@ -16,7 +16,7 @@ import torch
 from titan_ext import compat
 from titan_ext.host.patches import scoped
 from titan_ext.errors import ConfigError
-from titan_ext.job_plan import plan_of
+from titan_ext.job_plan import job_plan_of
 from titan_ext.planner import collectives, estimates, experts, host_patches, memory, microbatches, stages
 
 
@@ -303,7 +303,7 @@ def _job_plan(job_config, dims, model_args=None):
     if model_args is None:  # a copy: the flavor's registered args stay as the train spec has them for later jobs
         model_args = copy.deepcopy(registry.get_train_spec(job_config.model.name).model_args[job_config.model.flavor])
     _raising(type(model_args).update_from_config)(model_args, job_config)
-    plan = plan_of(model_args)
+    plan = job_plan_of(model_args)
     if dims.pp_enabled and torch.__version__ < PIPELINE_TORCH:
         raise ConfigError(
             f"planning --parallelism.pipeline_parallel_degree={dims.pp} needs torch >= {PIPELINE_TORCH} (torch "

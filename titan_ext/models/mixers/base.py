@@ -59,7 +59,7 @@ class Mixer:
     classes: ClassVar[tuple[str, ...]] = ()
     """``module:QualName`` of the classes it is (a module of one, or of a subclass, is this mixer)."""
     cp_kernels: ClassVar[Mapping[str, DiagonalDecay | AffineState]] = {}
-    """Context parallelism for a recurrence (``titan_ext.context_parallel``): the kernels it calls by global
+    """Context parallelism for a recurrence (``titan_ext.parallel.context_parallel``): the kernels it calls by global
     name, each with its kind of recurrence (``kernels.state_passing``)."""
     cp_halos: ClassVar[tuple[str, ...]] = ()
     """Context parallelism for short convolutions with no recurrence around them (LFM2's): the convolution
@@ -72,7 +72,7 @@ class Mixer:
     piece's last inputs)."""
     recurrent_documents: ClassVar[bool] = False
     """Whether a transformers model's layer of this mixer is a recurrence that takes packed documents from
-    the ``cu_seq_lens_q`` its layer receives (``titan_ext.documents``: its module gets no per-document
+    the ``cu_seq_lens_q`` its layer receives (``titan_ext.data.documents``: its module gets no per-document
     attention)."""
     cp_attention: ClassVar[str] = ""
     """Context parallelism for softmax attention (torch's ring, or all-gathered keys and values where

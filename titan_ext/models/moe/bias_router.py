@@ -113,10 +113,10 @@ def with_expert_bias_update(build_optimizers):
 
     @functools.wraps(build_optimizers)
     def build(model_parts, optimizer_config, parallel_dims, *args, **kwargs):
-        from titan_ext.job_plan import plan_of
+        from titan_ext.job_plan import job_plan_of
 
         optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, *args, **kwargs)
-        choice = plan_of(model_parts[0]).moe
+        choice = job_plan_of(model_parts[0]).moe
         if choice is not None and choice.balance == "bias":
             batch_mesh = parallel_dims.get_optional_mesh("loss")
             group = batch_mesh.get_group() if batch_mesh is not None else None

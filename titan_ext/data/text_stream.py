@@ -7,7 +7,7 @@ split). The ``datasets`` library streams it (nothing is read whole);
 examples; a seeded shuffle buffer mixes documents. Documents are tokenized
 with BOS/EOS and packed into ``seq_len + 1`` windows, as torchtitan's text
 datasets do. With ``[titan_ext] document_mask`` each window also carries
-its document boundaries (``titan_ext.documents``).
+its document boundaries (``titan_ext.data.documents``).
 
 Resuming is exact: the checkpointed state holds the stream position, the
 shuffle buffer and its RNG, and the partial token window. (``datasets``' own
@@ -29,9 +29,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from titan_ext import documents
+from titan_ext.data import documents
 from titan_ext.errors import ConfigError, defer, exit_with
-from titan_ext.shards import (
+from titan_ext.data.shards import (
     BAD_RECORDS, BAD_RECORDS_OPTION, BadRecords, LocalRecords, file_records, holds_no_record, one_line, split,
 )
 
@@ -395,10 +395,10 @@ def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, secti
     from dataclasses import asdict
 
     # A bad record met in training stops every rank together at that step's end, in one line: the ranks agree
-    # there on non-finite losses already (titan_ext.nonfinite); with that check off, the rank stops alone.
+    # there on non-finite losses already (titan_ext.host.nonfinite); with that check off, the rank stops alone.
     synced = section == "training" and getattr(getattr(job_config, "titan_ext", None), "nonfinite_loss", "stop") != "off"
     dataset.bad_records.in_job = "defer" if synced else "exit"
-    from titan_ext.inputs.checkpoints import dataloader_resume_degree
+    from titan_ext.checkpoints.integrity import dataloader_resume_degree
 
     saved = dataloader_resume_degree(job_config) if section == "training" else None
     return StreamDataloader(
@@ -444,7 +444,7 @@ class StreamDataloader(_parallel_aware_dataloader()):
       training loop 5-8 ms a batch; a checkpoint off the interval (the last step's) is resumed by torchdata
       replaying the batches since (same degree and worker count only).
     - ``close`` ends its worker: a job's end, not the garbage collector, ends the process it forked
-      (``titan_ext.job``: torchtitan's ``Trainer.close``)."""
+      (``titan_ext.host.job``: torchtitan's ``Trainer.close``)."""
 
     def __init__(self, dataset, dp_rank: int, dp_world_size: int, saved_degree: int | None = None, **kwargs):
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, collate_fn=collate_windows, **kwargs)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import os
 
-from titan_ext.inputs import checkpoints, degrees, jsonl, names, tokenizer
-from titan_ext.compile import model_compile_enabled
+from titan_ext.checkpoints import integrity
 from titan_ext.errors import ConfigError, rank
+from titan_ext.inputs import degrees, jsonl, names, tokenizer
+from titan_ext.parallel.compile import model_compile_enabled
 
 logger = logging.getLogger()
 
@@ -32,11 +33,11 @@ def check_job_config(job_config, world_size: int) -> None:
 
 
 def _check_steps_to_resume(job_config) -> None:
-    """The step a resume loads is whole, read before anything is built (``checkpoints.resume_from``); the step
+    """The step a resume loads is whole, read before anything is built (``integrity.resume_from``); the step
     folders it passes over (unfinished saves, and damaged ones with ``damaged_checkpoint`` "skip") are named in
     one WARNING."""
-    checkpoints.damaged_checkpoint_policy(job_config)
-    found = checkpoints.resume(job_config)
+    integrity.damaged_checkpoint_policy(job_config)
+    found = integrity.resume(job_config)
     if found is None or not found.passed_over or rank() != 0:
         return
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
@@ -78,7 +79,7 @@ def _check_model_name_and_flavor(job_config) -> None:
 def _check_dataset(job_config) -> None:
     """The training data, and the validation data when validation is on (same checks, its own options)."""
     from titan_ext.data import TINY_DATASET, dataset_file, sections
-    from titan_ext.text_stream import STREAM_DATASET, bad_records_policy, check_stream, stream_options
+    from titan_ext.data.text_stream import STREAM_DATASET, bad_records_policy, check_stream, stream_options
 
     text_field, buffer = stream_options(job_config)
     bad_records = bad_records_policy(job_config)
@@ -122,9 +123,8 @@ def _torchtitan_model_names() -> set[str]:
 def _check_document_mask(job_config) -> None:
     """Document masking needs a titan_ext model and boundaries from the dataloader: only titan_ext's own
     datasets emit them."""
-    from titan_ext import documents
-    from titan_ext.data import TINY_DATASET, sections
-    from titan_ext.text_stream import STREAM_DATASET
+    from titan_ext.data import TINY_DATASET, documents, sections
+    from titan_ext.data.text_stream import STREAM_DATASET
 
     if not documents.enabled(job_config):
         return
@@ -181,17 +181,18 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 
     Returns the meta-device model the checks read (the job plan reads it too).
     """
-    from titan_ext import activation_checkpoint, context_parallel, documents, float8, host_checks
-    from titan_ext.models.moe.blocks import moe_blocks
-    from titan_ext.parallel import moe_plan
+    from titan_ext.data import documents
+    from titan_ext.host import checks
     from titan_ext.models.adapter import meta_model
+    from titan_ext.models.moe.blocks import moe_blocks
+    from titan_ext.parallel import activation_checkpoint, context_parallel, float8, moe_plan
 
     model = meta_model(model_args)  # a config the library refuses stops here
-    uses = {host_checks.FEATURES[0]: job_config.parallelism.context_parallel_degree > 1 or documents.enabled(job_config),
-            host_checks.FEATURES[1]: moe_plan.balance_option(job_config) == "bias",
-            host_checks.FEATURES[2]: job_config.parallelism.expert_parallel_degree > 1
+    uses = {checks.FEATURES[0]: job_config.parallelism.context_parallel_degree > 1 or documents.enabled(job_config),
+            checks.FEATURES[1]: moe_plan.balance_option(job_config) == "bias",
+            checks.FEATURES[2]: job_config.parallelism.expert_parallel_degree > 1
             or moe_plan.splits_intermediate(job_config.parallelism, moe_blocks(model))}
-    host_checks.check_host(model_args, frozenset(feature for feature, used in uses.items() if used))
+    checks.check_host(model_args, frozenset(feature for feature, used in uses.items() if used))
     if kernel_path == "portable":
         _check_portable(model_args, model)
         _check_runs_here(model_args)
@@ -209,10 +210,10 @@ def check_model_job(model_args, job_config, kernel_path: str, world_size: int):
 def _check_initialized(model_args, job_config) -> None:
     """A parameter only its module's constructor sets holds garbage after the meta-device build torchtitan
     trains from, unless a checkpoint loads it: checked on a small copy of the model."""
-    from titan_ext.host_checks import tiny_copy
+    from titan_ext.host.checks import tiny_copy
     from titan_ext.models.adapter import unset_by_initializers
 
-    model = None if checkpoints.checkpoint_to_load(job_config) else tiny_copy(model_args)
+    model = None if integrity.checkpoint_to_load(job_config) else tiny_copy(model_args)
     unset = unset_by_initializers(model) if model is not None else []
     if unset:
         raise ConfigError(
@@ -233,7 +234,7 @@ def _check_runs_here(model_args) -> None:
         return
     import torch
 
-    from titan_ext.host_checks import tiny_copy
+    from titan_ext.host.checks import tiny_copy
 
     model = tiny_copy(model_args)
     if model is None:
@@ -265,9 +266,9 @@ def _check_portable(model_args, model) -> None:
 
 
 def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) -> None:
-    from titan_ext.checkpoint import check_hf_config
+    from titan_ext.checkpoints.hf import check_hf_config
 
-    found = checkpoints.checkpoint_to_load(job_config)
+    found = integrity.checkpoint_to_load(job_config)
     if found is None:
         return
     path, kind = found
@@ -281,20 +282,20 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if kind == "hf":
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
-        checkpoints.check_hf_checkpoint_dir(path, option)
-        checkpoints.check_hf_checkpoint_shapes(path, shapes, option)
+        integrity.check_hf_checkpoint_dir(path, option)
+        integrity.check_hf_checkpoint_shapes(path, shapes, option)
         _check_hub_tensors(model, path, option)
     else:
         initial = option == "--checkpoint.initial_load_path"
         where = f"{option}={path!r}" if initial else f"{path!r} (resumed from {option})"
-        checkpoints.check_dcp_checkpoint(path, shapes, where)
+        integrity.check_dcp_checkpoint(path, shapes, where)
     _check_data_parallel_degree(job_config, world_size)
 
 
 def _check_hub_tensors(model, path: str, option: str) -> None:
     """Every tensor of the model made from the HF folder's (through transformers' conversion), with the model's
     shape: a checkpoint of another layout fails here, not in DCP's load on every rank."""
-    from titan_ext import hub_layout
+    from titan_ext.checkpoints import hub_layout
 
     _check_not_quantized(path, option)
     plan = hub_layout.import_plan(model, path)
@@ -337,14 +338,14 @@ def _check_not_quantized(path: str, option: str) -> None:
 def _check_data_parallel_degree(job_config, world_size: int) -> None:
     """torchtitan's dataloaders keep one position per data-parallel rank and stop with an AssertionError
     traceback when the degree changed; titan_ext_stream over local shards re-splits them, nothing else can.
-    Only a load that restores the dataloader matters (``checkpoints.dataloader_to_load``: not a seed's step-0)."""
-    from titan_ext.text_stream import STREAM_DATASET, local_shards
+    Only a load that restores the dataloader matters (``integrity.dataloader_to_load``: not a seed's step-0)."""
+    from titan_ext.data.text_stream import STREAM_DATASET, local_shards
 
-    path = checkpoints.dataloader_to_load(job_config)
+    path = integrity.dataloader_to_load(job_config)
     training = job_config.training
     if path is None or training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
         return  # nothing to re-split, or StreamDataloader re-splits the saved positions
-    saved = checkpoints.dcp_dataloader_ranks(path)
+    saved = integrity.dcp_dataloader_ranks(path)
     p = job_config.parallelism
     now = degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
     option = "--checkpoint.folder" if path != job_config.checkpoint.initial_load_path else "--checkpoint.initial_load_path"

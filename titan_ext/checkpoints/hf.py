@@ -2,11 +2,11 @@
 
 titan_ext models keep transformers' (or fla's) parameter names and layout, so torchtitan's state dict goes over
 in the model's names; the hub's own layout (one tensor per expert, ...) is read and written through transformers'
-checkpoint conversion (``titan_ext.hub_layout``): on import by the safetensors reader, on export by rewriting the
+checkpoint conversion (``titan_ext.checkpoints.hub_layout``): on import by the safetensors reader, on export by rewriting the
 folder when the job closes. A tied head's weight is in neither side's state dict (HF's safetensors and titan_ext's
 models both hold the shared tensor once, under the input embedding's name; ``titan_ext.models.adapter``).
 
-Before the model is built, ``titan_ext.preflight`` checks a checkpoint to be
+Before the model is built, ``titan_ext.host.preflight`` checks a checkpoint to be
 loaded against the model (``check_hf_config``; DCP shapes against a meta model). After
 an HF save, torchtitan's folder holds only the weights (and its per-rank
 ``sharded/`` parts): ``finish_hf_export`` makes it a self-contained HF
@@ -25,7 +25,7 @@ from typing import Any
 
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
-from titan_ext import hub_layout, strided_checkpoint
+from titan_ext.checkpoints import hub_layout, strided
 from titan_ext.errors import ConfigError
 from titan_ext.models.args import BOOKKEEPING
 
@@ -40,7 +40,7 @@ def checkpoint_config(model_args):
 
 
 class HFStateDictAdapter(StateDictAdapter):
-    """torchtitan's state dict in the model's names; HF folders in the hub's layout (``titan_ext.hub_layout``)."""
+    """torchtitan's state dict in the model's names; HF folders in the hub's layout (``titan_ext.checkpoints.hub_layout``)."""
 
     def __init__(self, model_args, hf_assets_path: str | None):
         from titan_ext.data import resolve_asset_path
@@ -65,15 +65,15 @@ class HFStateDictAdapter(StateDictAdapter):
         return hub_layout.HubReader(path, hub_layout.import_plan(self.meta_model, path))
 
     def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        # experts split over TP (a strided layout) go over as one box per rank (titan_ext.strided_checkpoint)
-        self.strided = {key: value for key, value in state_dict.items() if strided_checkpoint.is_strided(value)}
-        return {key: strided_checkpoint.one_box(value) if key in self.strided else value
+        # experts split over TP (a strided layout) go over as one box per rank (titan_ext.checkpoints.strided)
+        self.strided = {key: value for key, value in state_dict.items() if strided.is_strided(value)}
+        return {key: strided.one_box(value) if key in self.strided else value
                 for key, value in state_dict.items()}
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         # A tied head shares the embedding's tensor, so loading the embedding loads both.
-        strided = getattr(self, "strided", {})
-        return {key: strided_checkpoint.laid_out_as(value, strided[key]) if key in strided else value
+        exported = getattr(self, "strided", {})
+        return {key: strided.laid_out_as(value, exported[key]) if key in exported else value
                 for key, value in hf_state_dict.items()}
 
     def hf_config(self):

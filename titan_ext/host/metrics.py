@@ -1,5 +1,5 @@
 """torchtitan's metrics processor, plus an optional full-precision JSON-lines log, a readable step line
-(``titan_ext.progress``), plus the job's end.
+(``titan_ext.host.progress``), plus the job's end.
 
 The console log rounds the loss to 5 decimals; comparing runs (parity,
 exact resume) needs every bit, so ``--titan_ext.metrics_jsonl PATH`` makes
@@ -8,7 +8,7 @@ logged step's metrics there as JSON.
 
 The processor is also the one component of a train spec that torchtitan
 closes at the end of a job, after the checkpointer: its ``close`` completes
-an HF export (``titan_ext.checkpoint.finish_hf_export``) on rank 0.
+an HF export (``titan_ext.checkpoints.hf.finish_hf_export``) on rank 0.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from torchtitan.components.metrics import BaseLogger, MetricsProcessor
 from torchtitan.components.metrics import build_metrics_processor as titan_build_metrics_processor
 from torchtitan.tools.utils import NoColor
 
-from titan_ext import compat, progress
-from titan_ext.host import job_patches
-from titan_ext.checkpoint import finish_hf_export
+from titan_ext import compat
+from titan_ext.checkpoints.hf import finish_hf_export
+from titan_ext.host import job_patches, progress
 from titan_ext.host.moe_metrics import step_metrics
-from titan_ext.job_plan import plan_of
+from titan_ext.job_plan import job_plan_of
 
 logger = logging.getLogger()
 
@@ -49,7 +49,7 @@ class JsonlLogger(BaseLogger):
 
 def build_metrics_processor(job_config, parallel_dims, model_args, tag=None) -> MetricsProcessor:
     processor = titan_build_metrics_processor(job_config, parallel_dims, model_args, tag)
-    plan = plan_of(model_args)
+    plan = job_plan_of(model_args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank0 = rank == 0
     # torchtitan logs from rank 0 for ZBVZeroBubble only; DualPipeV's last stage is on rank 0 too

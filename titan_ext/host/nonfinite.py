@@ -29,9 +29,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from titan_ext.host import job_patches
 from titan_ext.errors import ConfigError, exit_with, take_deferred
-from titan_ext.job_plan import plan_of
+from titan_ext.host import job_patches
+from titan_ext.job_plan import job_plan_of
 from titan_ext.models.moe.balance_loss import with_balance_loss
 
 logger = logging.getLogger()
@@ -115,7 +115,7 @@ def watch_loss(build_loss_fn):
 
 
 def _job_loss(job_config, **kwargs):
-    from titan_ext.loss import build_loss
+    from titan_ext.models.loss import build_loss
 
     return build_loss(job_config, **kwargs)
 
@@ -133,7 +133,7 @@ def guard_optimizer_step(build_lr_schedulers_fn):
     @functools.wraps(build_lr_schedulers_fn)
     def build(optimizers, lr_scheduler_config, training_steps):
         schedulers = build_lr_schedulers_fn(optimizers, lr_scheduler_config, training_steps)
-        policy = _guard.policy = plan_of(optimizers.model_parts[0]).nonfinite
+        policy = _guard.policy = job_plan_of(optimizers.model_parts[0]).nonfinite
         if policy == "off":
             return schedulers
 

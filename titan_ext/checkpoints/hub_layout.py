@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from titan_ext import compat
-from titan_ext.inputs.checkpoints import safetensors_shapes
+from titan_ext.checkpoints.integrity import safetensors_shapes
 
 INDEX = "model.safetensors.index.json"
 
@@ -179,7 +179,7 @@ class HubReader(HuggingFaceStorageReader):
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
 
-MAPPED = "titan_ext.hub_layout"
+MAPPED = "titan_ext.checkpoints.hub_layout"
 """The storage entry of a model tensor that ``HubReader`` reads through its plan."""
 
 

@@ -15,25 +15,25 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from titan_ext.host import job_patches
-from titan_ext.activation_checkpoint import apply_ac
-from titan_ext.compile import apply_compile
 from titan_ext.cpu_mode import on_gloo
-from titan_ext.float8 import keep_high_precision
-from titan_ext.documents import apply_document_attention
-from titan_ext.job_plan import plan_of
-from titan_ext.loss import apply_chunked_loss
+from titan_ext.data.documents import apply_document_attention
+from titan_ext.job_plan import job_plan_of
 from titan_ext.models.forward_plan import decide_forward
+from titan_ext.models.loss import apply_chunked_loss
 from titan_ext.models.moe.bias_router import apply_expert_bias
 from titan_ext.models.moe.blocks import moe_blocks
 from titan_ext.models.moe.records import apply_router_records
+from titan_ext.parallel.activation_checkpoint import apply_ac
+from titan_ext.parallel.compile import apply_compile
 from titan_ext.parallel.expert_parallel import apply_ep, apply_expert_tp
+from titan_ext.parallel import host_patches
+from titan_ext.parallel.float8 import keep_high_precision
 
 logger = logging.getLogger()
 
 
 def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    plan = plan_of(model)  # the model's args carry the job plan
+    plan = job_plan_of(model)  # the model's args carry the job plan
     tp_mesh = parallel_dims.get_mesh("tp") if plan.tp is not None else None
     cp_mesh = parallel_dims.get_mesh("cp") if plan.cp is not None else None
     forward = model.forward_plan = decide_forward(model, plan, tp_mesh, cp_mesh)  # read by its forward and hooks
@@ -52,11 +52,11 @@ def parallelize_hf_model(model: nn.Module, parallel_dims, job_config) -> nn.Modu
     if forward.document_attention:
         apply_document_attention(model)
     if plan.tp is not None:
-        from titan_ext.tensor_parallel import apply_tp_from_plan
+        from titan_ext.parallel.tensor_parallel import apply_tp_from_plan
 
         apply_tp_from_plan(model, tp_mesh, plan.tp, head_in_loss=forward.head_in_loss)
     if plan.cp is not None:
-        from titan_ext.context_parallel import apply_cp
+        from titan_ext.parallel.context_parallel import apply_cp
 
         apply_cp(model, cp_mesh, plan.cp, forward.cp_layout)
     apply_ac(model, plan.ac, dump_folder=job_config.job.dump_folder)
@@ -135,7 +135,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, compile_enabled: bool) -> N
     the global token count) that would scale gradients by 1/world_size.
     """
     if compile_enabled:
-        job_patches.OPTIMIZE_DDP.set("ddp_optimizer")
+        host_patches.OPTIMIZE_DDP.set("ddp_optimizer")
     replicate(model, device_mesh=dp_mesh, bucket_cap_mb=100)
     model.register_comm_hook(dp_mesh.get_group(), _allreduce_sum_hook)
     logger.info("Applied DDP (gradient sum) to the model")

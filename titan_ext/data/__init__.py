@@ -13,7 +13,7 @@ from pathlib import Path
 
 from titan_ext.inputs import jsonl, tokenizer
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 TINY_ASSETS = PACKAGE_ROOT / "assets" / "tiny"
 TINY_DATASET = "titan_ext_tiny"
 
@@ -44,7 +44,7 @@ def register_datasets() -> None:
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
-    from titan_ext.text_stream import STREAM_DATASET, open_stream
+    from titan_ext.data.text_stream import STREAM_DATASET, open_stream
 
     DATASETS[TINY_DATASET] = DatasetConfig(
         path=dataset_file(None), loader=load_jsonl_text, sample_processor=lambda sample: sample["text"]
@@ -61,8 +61,8 @@ def sections(job_config) -> tuple[str, ...]:
 def streamed(job_config, section: str) -> bool:
     """Whether the section's data comes through titan_ext's streaming dataloader: ``titan_ext_stream``, and
     ``titan_ext_tiny`` with document masking (torchtitan's does not emit document boundaries)."""
-    from titan_ext import documents
-    from titan_ext.text_stream import STREAM_DATASET
+    from titan_ext.data import documents
+    from titan_ext.data.text_stream import STREAM_DATASET
 
     dataset = getattr(job_config, section).dataset
     return dataset == STREAM_DATASET or (dataset == TINY_DATASET and documents.enabled(job_config))
@@ -72,7 +72,7 @@ def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, *args, secti
                      infinite: bool = True, **kwargs):
     """The dataloader of ``[training]`` (or of ``[validation]``): titan_ext's streaming one where the section
     is ``streamed``, else torchtitan's text dataloader."""
-    from titan_ext.text_stream import STREAM_DATASET, build_stream_dataloader
+    from titan_ext.data.text_stream import STREAM_DATASET, build_stream_dataloader
 
     options = getattr(job_config, section)
     if streamed(job_config, section):

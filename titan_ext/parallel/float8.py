@@ -26,7 +26,7 @@ def check_float8(job_config) -> None:
     """Hardware and compile constraints, in one line each (torchtitan fails late and obscurely)."""
     from torchtitan.tools.utils import has_cuda_capability
 
-    from titan_ext.compile import model_compile_enabled
+    from titan_ext.parallel.compile import model_compile_enabled
 
     if CONVERTER not in job_config.model.converters:
         return

@@ -47,12 +47,12 @@ import logging
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_ext import documents
+from titan_ext.data import documents
 from titan_ext.errors import ConfigError, HostChanged
 from titan_ext.job_plan import CPChoice
 from titan_ext.kernels import cp_attention
 from titan_ext.kernels.attention_block import score_options
-from titan_ext.tensor_parallel import sequence_parallel_enabled
+from titan_ext.parallel.tensor_parallel import sequence_parallel_enabled
 
 logger = logging.getLogger()
 
@@ -251,11 +251,11 @@ def attention_across_ranks(cp_mesh, layout, choice: CPChoice, gathers: str):
     from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
 
     from titan_ext import compat
-    from titan_ext.host import job_patches
+    from titan_ext.parallel import host_patches
 
     ring = cp_attention.RingSDPA(layout.per_rank)
     apply_cp_to_attention_module([ring], cp_mesh, "sdpa")
-    job_patches.CP_ROTATE_METHOD.set(choice.rotate_method, compat.torch_cp_options().set_rotate_method)
+    host_patches.CP_ROTATE_METHOD.set(choice.rotate_method, compat.torch_cp_options().set_rotate_method)
     logger.info(f"Applied context parallelism ({layout.world} ranks): torch's ring attention "
                 f"(rotate method {choice.rotate_method})")
 

@@ -26,14 +26,14 @@ def sequence_parallel_enabled(job_config) -> bool:
 
 def float8_tp_enabled(job_config) -> bool:
     """torchao's Float8 TP styles all-gather in float8 with one scale per tensor: tensorwise recipes only."""
-    from titan_ext.float8 import CONVERTER
+    from titan_ext.parallel.float8 import CONVERTER
 
     if CONVERTER not in job_config.model.converters:
         return False
     return job_config.quantize.linear.float8.recipe_name in (None, "tensorwise")
 
 
-def plan_class(model: nn.Module, degree: int) -> type:
+def tp_plan_class(model: nn.Module, degree: int) -> type:
     """The TP plan class of a model (titan_ext's, or any transformers or fla causal LM, on any device).
 
     A plan registered for its model type (``model_plans.register_tp_plan``: a user's) or its HF plan translated
@@ -134,7 +134,7 @@ def tp_choice(model: nn.Module, job_config) -> TPChoice | None:
     try:
         choice = TPChoice(
             degree=p.tensor_parallel_degree,
-            plan_cls=plan_class(model, p.tensor_parallel_degree),
+            plan_cls=tp_plan_class(model, p.tensor_parallel_degree),
             sequence_parallel=sequence_parallel_enabled(job_config),
             loss_parallel=not p.disable_loss_parallel,
             float8=float8_tp_enabled(job_config),

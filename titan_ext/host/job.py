@@ -6,7 +6,7 @@ Two moments of torchtitan's ``Trainer.__init__`` belong to titan_ext:
    before it picks a device. The job-wide checks run here (numbers, degrees
    against the world size, names, data files) and CPU mode is decided, so a
    mistake ends the job before any process group or model exists.
-2. ``plan_job``: torchtitan hands titan_ext's model args the job config
+2. ``decide_job_plan``: torchtitan hands titan_ext's model args the job config
    (``update_from_config``). The model-specific checks run and the
    ``JobPlan`` is built: TP, CP, AC, compile, Float8, FSDP/DDP, kernels, the
    non-finite policy, HF export. Every ``apply_*`` reads the plan; nothing is
@@ -19,18 +19,18 @@ import dataclasses
 import logging
 import os
 
-from titan_ext import (
-    activation_checkpoint, compat, context_parallel, cpu_mode, data, documents, float8, interrupt, loss,
-    nonfinite, preflight, progress, tensor_parallel,
-)
-from titan_ext.compile import model_compile_enabled
+from titan_ext import compat, cpu_mode, data
+from titan_ext.checkpoints import host_patches as checkpoint_patches, integrity
+from titan_ext.data import documents
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
-from titan_ext.host import checkpoint_patches, cpu_patches, job_patches, patches
-from titan_ext.inputs import checkpoints, degrees
+from titan_ext.host import cpu_patches, interrupt, job_patches, nonfinite, patches, preflight, progress
+from titan_ext.inputs import degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.kernels import host_patches as kernel_patches
+from titan_ext.models import loss
 from titan_ext.models.args import HFModelArgs
-from titan_ext.parallel import moe_plan, pipeline_plan
+from titan_ext.parallel import activation_checkpoint, context_parallel, float8, moe_plan, pipeline_plan, tensor_parallel
+from titan_ext.parallel.compile import model_compile_enabled
 
 logger = logging.getLogger()
 
@@ -63,7 +63,7 @@ def on_trainer_import() -> None:
     interrupt.install(compat.importing_trainer(), job_config)
     if job_config.checkpoint.enable:
         patches.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
-    if checkpoints.damaged_checkpoint_policy(job_config) == "skip":
+    if integrity.damaged_checkpoint_policy(job_config) == "skip":
         patches.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
     if progress.quiets_this_rank(job_config):
         job_patches.quiet_other_rank(progress.OtherRankQuiet())
@@ -124,7 +124,7 @@ class JobModelArgs(HFModelArgs):
 
     The plan is an attribute, not a dataclass field: torchtitan logs ``asdict(model_args)`` as JSON.
     Every builder torchtitan calls afterwards is handed these args or the model built from them, and
-    reads the plan there (``job_plan.plan_of``).
+    reads the plan there (``job_plan.job_plan_of``).
     """
 
     plan: JobPlan | None = None
@@ -144,10 +144,10 @@ class JobModelArgs(HFModelArgs):
         """torchtitan calls this right before building the model: the last moment a bad config can fail
         cheaply."""
         self.read_job_config(job_config)
-        self.plan = plan_job(self, job_config)
+        self.plan = decide_job_plan(self, job_config)
 
 
-def plan_job(model_args: HFModelArgs, job_config) -> JobPlan:
+def decide_job_plan(model_args: HFModelArgs, job_config) -> JobPlan:
     """Check the job against the model, then decide everything, once."""
     global _checked_job
     world_size = _world_size()

@@ -2,185 +2,32 @@
 
     python tests/integration_matrix.py [--spec fla_gla ...] [--rows fsdp2 tp2 ...]
 
-prints one line per spec x row (ok / MISMATCH / ERROR / unsupported, with the
-largest relative difference) and exits non-zero unless every row that ran is ok.
-``tests/test_integration_matrix.py`` runs it once and makes one test per row.
+prints one line per spec x row (ok / MISMATCH / ERROR / unsupported, with the largest relative difference) and
+exits non-zero unless every row that ran is ok. ``tests/test_integration_matrix.py`` runs it once (one torchrun
+launch of ``tests/matrix_driver.py``, beside the rest of the suite) and makes one test per row. docs/matrix.md
+holds each row's measured time and why the rows are what they are.
 
-Why every comparison is exact math
-----------------------------------
-Every row starts from one seed checkpoint per spec (fp32) and is compared with
-one single-process run from it ("single"): losses and gradient norms at every
-step within a relative 1e-4 (only the order of float reductions differs;
-the TP2 row: 1e-5). The seed checkpoint is initialized from ``--debug.seed 0``,
-so every run of the matrix computes the same figures: from some random
-initializations five steps of AdamW amplify the reordering noise past those
-bars (seen for fla_gla: up to 4.5e-4 at step 5, about one run in ten).
+Every row starts from one fp32 seed checkpoint per spec (``--debug.seed 0``: the same figures every run) and
+is compared with one single-process run from it ("single"): losses and gradient norms at every step within a
+relative 1e-4 (TP2: 1e-5), validation losses too where the row validates. Only the order of float reductions
+differs: the corpus is one block repeated ``MAX_DP`` times, so every data-parallel rank's batch is the single
+process's; clipping is off, so a wrong gradient scale shows in the gradient norm.
 
-torchtitan shards the dataset by data-parallel rank with
-``split_dataset_by_node`` (contiguous shards), so a data-parallel run normally
-reads different samples than a single process. The matrix trains on a corpus
-made of one block of the shipped corpus repeated ``MAX_DP`` times: at data
-parallel degree 1, 2 or 4 every rank's shard is the same token stream (and
-loops onto an identical copy), so every rank's batch equals the single
-process's batch. torchtitan's loss is a token sum divided by the global token
-count and titan_ext sums gradients over ranks, so the mean loss and the
-gradient of a data-parallel run equal the single process's. A wrong gradient
-scale (torchtitan 0.2.2's DDP averages) shows in the gradient norm even where
-AdamW would hide it in the loss; clipping is off for the same reason. Identical
-shards do not test torchtitan's sharding of the data, only the parallelism.
+The kinds of row:
 
-- ``resume``: FSDP2 with a checkpoint every 2 steps, then the same job again
-  with ``--checkpoint.load_step 2``: steps 3-5 must equal the uninterrupted
-  run's exactly (==), losses and gradient norms.
-- ``fsdp2`` and ``hsdp2x2`` (GLA) start as torchtitan documents a multi-rank run: one process creates the
-  seed checkpoint in the job's own dump folder (``--checkpoint.create_seed_checkpoint``), then the job, on
-  2 or 4 ranks, loads it as its ``step-0`` (model only: the dataloader position one rank saved is not
-  restored, so no data-parallel degree is refused).
-- ``hf``: export the seed to HF safetensors (one step at learning rate 0, so
-  the weights are the seed's), then train from that HF checkpoint
-  (``initial_load_in_hf``): it must match "single" like any other row.
-- ``hub_fsdp2``, ``hub_tp2``, ``hub_ep2``: a tiny model written by transformers' ``save_pretrained`` (sharded,
-  one tensor per expert, the tokenizer beside it: ``write_hub_folder``) is the job's ``--model.hf_assets_path``,
-  loaded with ``initial_load_in_hf`` under FSDP2, TP2 or EP2 x FSDP2, trained one step at learning rate 0 and
-  exported: step 1's loss must equal transformers' own forward of the folder on the job's first batch
-  (``transformers_loss``), the export the folder's tensors under its names (``evaluate_hub``). Qwen3-MoE in all
-  three, Kimi Linear in TP2 and EP2, Qwen3-Next in EP2, Llama (tied) in FSDP2 and TP2, DeepSeek-V3 (MLA) and
-  Qwen3.5 in FSDP2.
-- ``walkthrough``: docs/checkpoints-and-hf.md's continued pretraining, its 8-GPU torchrun command read from the
-  page (``tests/walkthrough.py``) and run on 2 ranks from a ``write_hub_folder`` folder of the same model type:
-  Qwen3 (``hf_qwen3``, FSDP2), Qwen3-MoE and Kimi Linear (EP2 x FSDP2), 2 steps: step 1's loss equals
-  transformers' forward of the folder, the export holds the folder's tensors moved by training, loads with
-  ``from_pretrained`` and runs the page's loading block (``evaluate_walkthrough``; 2.3, 2.8 and 4.5 s of 2-rank jobs,
-  2026-11-29). Kimi Linear's folder ships its tokenizer in tiktoken's format, as Kimi's does, and the page's
-  ``python -m titan_ext.tokenizer_json`` writes its tokenizer.json (``write_hub_folder``): the hub rows of
-  ``hf_kimi_linear`` train with it too.
-- ``hf_llama`` and ``hf_qwen3`` tie their head to the embedding (as Llama 3.2 1B/3B and Qwen3 0.6-4B
-  do), as shipped, in every row: their TP rows train that one vocabulary-sharded weight; their PP rows
-  train a copy on the first and one on the last stage whose gradients are summed every optimizer step
-  (``titan_ext.parallel.pipeline.TiedWeight``), against the same tied single-process run: hf_llama in ``pp2``,
-  ``pp2_interleaved``, ``pp2_accum2``, ``pp2_fsdp2``, ``pp2_tp2``, the V schedules (both copies on rank 0)
-  and the PP checkpoint rows; hf_qwen3 in ``pp2``.
-- ``llama3`` is torchtitan's own Llama (debugmodel) in titan_ext's CPU mode:
-  FSDP2 must match one process like titan_ext's specs do.
-- ``cp2*``: sequences split over 2 context-parallel ranks (head-tail and contiguous pieces, with
-  FSDP2, TP2, full AC + compile, with short convolutions: the "conv" variant; ``cp2_docs``: with document
-  masking, against one process that masks too; ``cp2_tp2_docs`` for GLA), compared with one process.
-  (No FSDP row with document masking: titan_ext_stream hands each data-parallel rank its own
-  documents, so its batches are not the single process's.) Gated DeltaNet runs ``cp2``,
-  ``cp2_docs`` and ``pp2_cp2_docs``.
-- ``docs_tp2``: document masking (``--titan_ext.document_mask``) under TP2, compared with one process
-  that masks too (the "docs" variant: its own seed and single-process run).
-- ``fla_gla_hybrid``: a hybrid (GLA at layer 0, fla's softmax Attention at layer 1 by fla's ``attn``
-  config, through ``--model.name fla`` and ``--titan_ext.hf_config``) in ``single``, ``tp2``,
-  ``cp2`` (state passing and ring attention on one CP mesh), ``cp2_docs`` (all-gathered attention, with
-  AC and compile), ``pp2`` and ``ac_op_compile``.
-- ``hf_qwen3_5``: transformers' Qwen3.5 (Gated DeltaNet at layer 0 on titan_ext's forward and portable
-  kernels, gated attention at layer 1) in ``single``, ``tp2`` (heads split; sequence and loss parallel),
-  ``pp2``, ``hf`` (export and import), ``cp2`` (state passing, the convolution's halo and ring attention on
-  one CP mesh) and ``cp2_docs`` (document resets on both sides, all-gathered attention, with AC and compile).
-  ``hf_qwen3_next``: the same layers with a MoE FFN and its balancing loss (counted over the CP ranks and carried
-  across pipeline stages; experts replicated in ``pp2`` and ``cp2``, FSDP-sharded
-  in ``fsdp2``; split by EP over the CP ranks in ``ep2_cp2``, 2.9 s, and over the TP ranks in ``ep2_tp2``, its
-  shared expert split by TP, 2.8 s; in ``docs_tp2`` TP without EP, each expert's intermediate dim split over the
-  TP ranks, with document masking: the Gated DeltaNet state and convolution reset at each document; 6.1 s, its
-  documents' seed and single process 2.5 s). These rows (tp2 4.5 s, cp2 1.1 s and 2.3 s, cp2_docs 4.3 s on 2 ranks; the documents' seed
-  and single process 1.9 s: 14 s of jobs) replaced ``fsdp2`` of ``fla_gla_hybrid`` and ``hf_qwen3_5``
-  (2.5 s and 2.7 s), which their ``*_shipped`` specs and the cp2 rows (FSDP over the CP ranks) cover.
-- ``hf_mistral_window``: a sliding window on every layer, under CP masked over all-gathered keys and values
-  (``cp2``, ``cp2_docs``); ``hf_gpt_oss``: attention sinks (a sliding-window and a full layer) and a MoE FFN whose
-  router is ``router`` and whose experts hold biases, in ``single``, ``cp2`` and ``cp2_docs`` (all-gathered keys and
-  values, rescored per block: 3.1 s and 5.2 s) and ``tp2`` (its HF plan splits nothing in a block: kept whole; 2.9
-  s), the balancing loss in each; ``hf_qwen2_moe``'s ``cp2``: attention with a MoE FFN, by no model type's name.
-- ``hf_nemotron_h``: a family titan_ext never names, known by what its layers hold (transformers' Nemotron-H:
-  a Mamba2 mixer on titan_ext's forward, its scan fla's simple GLA on the portable kernel; attention; an FFN-only
-  layer) in ``single``, ``fsdp2``, ``tp2`` (the Mamba2 heads split, its one group and gated norm shared by both
-  ranks), ``pp2``, ``cp2`` (state passing with a decay per head, the convolution's halo, ring attention) and
-  ``cp2_docs`` (scan and convolution restart, all-gathered attention, with AC and compile).
-- ``hf_lfm2``: transformers' LFM2 (a gated short convolution at layer 0, known by what it holds, on titan_ext's
-  forward; attention at layer 1) in ``single``, ``tp2`` (the convolution's channels split, its
-  packed ``in_proj`` replicated with each rank's rows of each gate), ``cp2`` (the convolution's halo, ring
-  attention) and ``cp2_docs`` (the convolution restarting at each document, all-gathered attention).
-- ``hf_minimax``: transformers' MiniMax (lightning attention at layer 0, known by what it holds, on titan_ext's
-  forward: fla's simple GLA, a fixed decay per head; attention at layer 1; MoE FFNs) in ``single``, ``tp2``
-  (heads split; the norm over every head's outputs sums its squares over the ranks), ``cp2`` (state passing with
-  a decay per head, ring attention) and ``cp2_docs`` (the state restarting at each document, all-gathered
-  attention).
-- ``hf_kimi_linear``: transformers' Kimi Linear as shipped (``debug_kimi_linear.toml``: KDA on titan_ext's
-  portable kernel, MLA, MoE FFNs) in ``single``, ``ep2_hf`` (EP2 x FSDP2, exported), ``pp2``, ``hf`` (export and
-  import), ``tp2`` (KDA's and MLA's heads split; the router replicated, the shared experts split by TP, each
-  routed expert's intermediate dim split over TP; 5.8 s, 22.5 s in a loaded launch where the dense spec's tp2 it
-  replaced took 9.4 s), ``ep2_tp2_fsdp2`` (4 ranks with validation, KimiLinearTPPlan: the router replicated, the
-  shared experts split by TP, the routed ones by EP over the TP ranks and FSDP over ``efsdp``; 14.9 s) and
-  ``ep2_cp2`` (EP over the CP ranks; it has no balancing loss; 2.2 s);
-  ``hf_kimi_linear_dense`` (2 layers, dense FFNs) in ``cp2`` (state passing with the convolution's halo, ring
-  attention with values padded to the query-key head dim) and ``cp2_docs`` (MLA's latents all-gathered, expanded
-  on each rank); ``hf_deepseek_v3`` (q and kv latents, rotary dims; a dense layer, then a MoE layer with grouped
-  routing and a shared expert) in ``tp2`` (12.1 s).
-- ``fla_gated_deltanet`` and ``hf_qwen3`` are the generic specs (``--model.name fla``/``hf``) on model
-  types no named spec has; they run ``single``, ``fsdp2``, ``tp2`` (Qwen3 sharded by its own HF plan), ``ac_op_compile``
-  and ``pp2``.
-- ``pp2*``: pipeline parallelism (every schedule torchtitan offers; with FSDP2 and with TP2; resume
-  under PP and at PP=1; HF export under PP), compared with one process. ``pp2_cp2``: PP x CP (GLA's
-  state passing and Llama's ring attention inside each stage); ``pp2_docs``: document masking under PP;
-  ``pp2_cp2_docs``: both, with full AC and Interleaved1F1B (a block's recompute in its backward comes after
-  later micro-batches' forwards: it must read its own micro-batch's positions), for every spec with a CP path.
-- ``hf_qwen3_moe``: a mixture of experts (the shipped debug config.json through ``--model.name hf``, asking for
-  router logits (``output_router_logits: true``, which titan_ext's loss counts once), the routers' balancing loss in
-  every job) in ``single``, ``fsdp2``, ``ac_full``, ``compile_aot_eager`` and the
-  expert-parallel rows ``ep2_resume`` (EP2 x FSDP2, then resumed), ``ep2_hf`` (EP2: each rank holds 4 of the 8
-  experts), ``ep2_tp2_etp2`` (torchtitan's ETP=TP: the experts split over the EP ranks and each expert's
-  intermediate dim over the TP ranks, with FSDP2; 7.9 s), ``tp2_hf`` (TP2 without EP, each expert's intermediate
-  dim split: HF export and import, 2.7 s; a resumed TP2 run, checked once by hand, equalled the uninterrupted one),
-  ``ep2_tp2_docs`` (EP with document masking, over the TP ranks: data-parallel ranks would
-  each read their own documents), ``ep2_pp2`` (EP2 x PP2 x FSDP2: the stages carry their routers' statistics to
-  the balancing loss on the last stage) and ``ep2_pp2_tp2`` (EP2 x PP2 x TP2 with sequence parallel and validation:
-  each TP rank sends the whole sequences' statistics beside its shard of the hidden states; 6.0 s); ``hf_qwen2_moe`` (a shared expert
-  whose linears take the HF plan's dense-FFN entries, split by TP beside the routed experts' EP) in ``ep2_tp2``
-  (2.3 s; its seed and single process 0.7 s); ``hf_moe_bias`` (torchtitan's
-  auxiliary-loss-free balancing, ``--titan_ext.moe_balance bias``: the routing bias the same on every rank) in
-  ``ep2_hsdp2x2`` (EP with HSDP, with validation: the experts' FSDP over ``dp_replicate`` x ``efsdp``, the bias's
-  counts summed over both), ``ep2_tp2`` (the TP ranks share the tokens, torchtitan's ETP=1) and ``pp2`` (each
-  stage's routers' bias from their own counts over the step's microbatches; 0.8 s). EP x TP x FSDP on
-  4 ranks is Kimi Linear's (``hf_kimi_linear``). Kimi's ``ep2_tp2_fsdp2`` and these two rows (14.9 + 5.9 s of
-  4-rank and 3.4 s of 2-rank jobs) replaced ``ep2_tp2_fsdp2`` of ``hf_qwen3_moe`` and ``hf_moe_bias`` and
-  ``ep2_tp2`` of ``hf_kimi_linear`` (12.0 + 9.1 s and 12.8 s), measured in one launch each, back to back.
-- Opt-in rows (``Row.opt_in``, not in CI: 8 ranks; ``bench/compose_8ranks.py``): ``pp2_tp2_cp2_docs``
-  (TP2 x PP2 x CP2 with document masking and validation) and ``pp2_fsdp2_cp2``, for GLA; ``interpret_cp2``
-  (Gated DeltaNet under CP2 on fla's kernels, Triton's interpreter: 148 s).
-- The rows of each kind of parallelism also validate (``Row.validation``) and their validation losses
-  are compared with the single-process run's.
-- Rows whose code path does not depend on the model run for fewer specs: ``hsdp2x2`` (GLA),
-  ``fsdp2_tp2`` and ``cp2_fsdp2`` (GLA and Llama; the fla transformer's TP and CP paths run in
-  ``tp2``, ``cp2``, ``cp2_tp2`` and ``cp2_docs``).
-- Some rows belong to one spec (``Row.specs``): the extension example (docs/extending.md)
-  (``readme_ext``: a user's model type and TP plan from ``custom_import``), the non-finite-loss guard (``nan_stop``,
-  ``nan_skip``), emulated Float8. Every compiled job runs with dynamo's
-  ``error_on_recompile``: a recompile is an error.
-
-Budget
-------
-The CI machine has 2 cores and each process start costs ~15-30 s of imports.
-The whole matrix is ONE ``torchrun --nproc_per_node=4`` launch of
-``tests/matrix_driver.py``, which calls ``torchtitan.train.main`` once per job:
-first the seed checkpoints and every 1-process job (four lanes of one
-process), then 2-process jobs (two lanes), then 4-process jobs; each lane takes
-the next row when it is free, the costliest (``Row.cost``) first. The table
-gives each row's seconds (its jobs', rank 0). In the test suite the launch
-starts with the session's first test and runs beside the other tests, which
-mostly keep one core busy, at a lower priority (nice 10), so that what is left
-at the end is the matrix, which keeps both cores busy; the matrix's tests run
-last and wait for it (``tests/conftest.py``, ``matrix_launch``). Other test files' multi-rank jobs join the
-launch (``Guest``: ``tests/test_plan.py``'s real runs, first in the 2- and 4-process phases), their processes'
-start-up paid once; the tests that read them run just before the matrix's. The whole matrix takes ~3.7 min there
-(on this 2-core machine: 221 s, of which ~25 s start-up, phases of 4, 35, 89
-and 59 s). With the PP x CP and PP-with-documents rows (eight more jobs, ~20 s of
-the 4-process phase) it took 221 s again inside a whole-suite run, while other
-jobs loaded the machine (phases of 5, 76, 105 and 60 s). The hybrid specs (``fla_gla_hybrid``,
-``hf_qwen3_5``, ``hf_qwen3_next``: 14 rows and 4 seed checkpoints, 1- and 2-process jobs only) took 36 s
-in a launch of their own (their jobs ~49 s summed over the lanes). The MLA and Kimi Linear specs
-(``hf_kimi_linear``, ``hf_kimi_linear_dense``, ``hf_deepseek_v3``: 10 rows and 4 seed checkpoints, 1- and
-2-process jobs only) took 59-76 s in a launch of their own while other jobs loaded the machine (their jobs
-34 s of 1-process and 25 s of 2-process ones, summed).
+- parallelisms (``fsdp2``, ``hsdp2x2``, ``tp2``, ``cp2*``, ``pp2*``, ``ep2*`` and their products): the same
+  losses as one process, each under the layouts its spec's code paths reach;
+- checkpoints: ``resume`` (steps after a resume equal the uninterrupted run's, ==), ``hf`` (HF export, then
+  training from it), ``hub_*`` and ``walkthrough`` (a ``save_pretrained`` folder in, its tensors out, step 1's
+  loss equal to transformers' own forward; the walkthrough's command read from docs/checkpoints-and-hf.md);
+- ``*_docs``: document masking, against one process that masks too;
+- ``ac_*`` and ``compile_*``: recompute and compile change nothing; every compiled job runs with dynamo's
+  ``error_on_recompile``;
+- ``Row.kind`` ``trains`` (the job trains, not compared: emulated Float8) and ``fails`` (every rank stops with the
+  expected error: the non-finite guard's ``nan_stop``);
+- one spec's rows (``Row.specs``): the extension example (``readme_ext``, as its page writes it), the non-finite
+  guard (``nan_*``), emulated Float8; torchtitan's own Llama in CPU mode is a spec (``llama3``);
+- opt-in rows (``Row.opt_in``, not in CI: 8 ranks or Triton's interpreter).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ class TitanExt:
     loss: str = "full"
     """The training loss: "full" (torchtitan's cross-entropy over the whole ``[batch, seq, vocab]`` logits) or
     "chunked" (the output head and the loss over chunks of tokens: one chunk's logits at a time, forward and
-    backward; same result to fp32 rounding; ``titan_ext.loss``)."""
+    backward; same result to fp32 rounding; ``titan_ext.models.loss``)."""
 
     loss_chunk_tokens: int = 0
     """Tokens per chunk of the chunked loss; 0: as many as keep a chunk's fp32 logits within 128 MiB

@@ -52,8 +52,8 @@ def rank() -> int:
 
 
 OTHER_RANKS_WAIT_S = 30.0
-"""How long a rank other than 0 waits for rank 0 to print its line first: 10 s was too short for a loaded
-CI machine (rank 0 still importing, the other rank spoke first, 2026-11-26)."""
+"""How long a rank other than 0 waits for rank 0 to print its line first: on a loaded machine rank 0 may still
+be importing when another rank has its error."""
 
 
 def exit_with(error: ConfigError) -> None:

@@ -114,7 +114,7 @@ class MoEChoice:
 
 @dataclass(frozen=True)
 class LossChoice:
-    """The chunked loss (``titan_ext.loss``); the plan holds None for torchtitan's loss over the logits."""
+    """The chunked loss (``titan_ext.models.loss``); the plan holds None for torchtitan's loss over the logits."""
 
     chunk_tokens: int
     """0: automatic (``titan_ext.kernels.linear_cross_entropy.chunk_size``)."""

@@ -418,8 +418,8 @@ def collate_windows(samples):
     """torch's default collate, a bad record's line set apart first (only the windows after the record carry
     it, and the default collate drops or refuses a key that some of a batch's samples lack), and the batch's
     tensors stacked into one, ``(names, tensors, bad record or None)``: a dataloader worker sends each tensor
-    through a file descriptor of its own, about 0.5 ms of the training loop's time apiece on a 2-core CPU
-    (``StreamDataloader.__iter__`` takes the views apart)."""
+    through a file descriptor of its own, each a cost to the training loop (``StreamDataloader.__iter__`` takes
+    the views apart)."""
     from torch.utils.data import default_collate
 
     bad = [inputs.pop(BAD_RECORD) for inputs, _ in samples if BAD_RECORD in inputs]
@@ -440,8 +440,8 @@ class StreamDataloader(_parallel_aware_dataloader()):
       the dataset's too, loaded into it directly (torchdata refuses it).
     - A worker sends its dataset's position with the batches of checkpoint steps only
       (``snapshot_every_n_steps``: the checkpoint interval). Sent with every batch, the shuffle buffer's changed
-      groups (2 MB a batch of 3,000-token documents) and torchdata's rebuilding of the whole position cost the
-      training loop 5-8 ms a batch; a checkpoint off the interval (the last step's) is resumed by torchdata
+      groups and torchdata's rebuilding of the whole position would cost the training loop milliseconds a
+      batch; a checkpoint off the interval (the last step's) is resumed by torchdata
       replaying the batches since (same degree and worker count only).
     - ``close`` ends its worker: a job's end, not the garbage collector, ends the process it forked
       (``titan_ext.host.job``: torchtitan's ``Trainer.close``)."""

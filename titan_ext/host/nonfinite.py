@@ -120,7 +120,7 @@ def _job_loss(job_config, **kwargs):
     return build_loss(job_config, **kwargs)
 
 
-build_watched_loss = watch_loss(with_balance_loss(_job_loss))  # the job's loss (titan_ext.loss) + MoE routers' balancing loss (titan_ext.models.moe)
+build_watched_loss = watch_loss(with_balance_loss(_job_loss))  # the job's loss (titan_ext.models.loss) + MoE routers' balancing loss (titan_ext.models.moe)
 
 
 def guard_optimizer_step(build_lr_schedulers_fn):

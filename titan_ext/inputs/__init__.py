@@ -1,5 +1,5 @@
-"""Checks of the inputs a user hands a job: ``jsonl`` files, ``checkpoints``, ``hf_config`` fields,
-numbers and parallel ``degrees``, registry ``names``.
+"""Checks of the inputs a user hands a job: ``jsonl`` files, ``hf_config`` fields, numbers
+and parallel ``degrees``, registry ``names``, the ``tokenizer`` folder (checkpoints: ``titan_ext.checkpoints``).
 
 Each check is pure and fast (no model, no tensor loads, no process group) and
 runs before any expensive work. A bad input raises ``ConfigError`` with one

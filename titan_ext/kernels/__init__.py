@@ -2,7 +2,7 @@
 
 Each kernel module lists what it replaces (``KERNELS``, rows of ``table.Kernel``) and the
 signatures it was written against (``SIGNATURES``); ``KERNEL_MODULES`` names those modules, and
-``replacements`` gathers their rows. A job picks a kernel path once (``titan_ext.host.job.JobPlan.kernel_path``):
+``replacements`` gathers their rows. A job picks a kernel path once (``titan_ext.job_plan.JobPlan.kernel_path``):
 
 * ``fla`` (CUDA): fla's kernels, every one a GLA, Gated DeltaNet or KDA training
   block reaches as torch ops

@@ -1,11 +1,10 @@
 """Triton's autotuning with each kernel's configs compiled together (``host_patches.CUDA``).
 
 Triton compiles an autotuned kernel's configs one at a time, each just before it times it, while the GPU
-idles. On a machine whose Triton cache is cold that is minutes before the first step: a GLA 340M block's
-fla kernels are 399 compiles for an H100, 162 s of one CPU core. Triton's own ``AsyncCompileMode`` compiles
+idles. On a machine whose Triton cache is cold that is minutes before the first step (docs/gpu.md). Triton's own ``AsyncCompileMode`` compiles
 in threads (its compiler passes and ptxas release the GIL); compiling a tuning pass's configs that way
 first, then timing them one by one as Triton does, leaves what is timed, and so the config chosen, as it
-was. ``bench/bench_autotune_compile.py`` measures it (1.7-1.9x on 2 cores).
+was. ``bench/bench_autotune_compile.py`` measures the gain (docs/gpu.md).
 """
 
 from __future__ import annotations

@@ -165,4 +165,4 @@ SIGNATURES = {
         "x, cache, residual=None, weight=None, bias=None, activation=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

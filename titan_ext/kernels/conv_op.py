@@ -122,4 +122,4 @@ SIGNATURES = {
         "x, dy, dht, weight=None, bias=None, residual=None, initial_state=None, activation=None, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, chunk_size=64, layout_fallback=False",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -95,4 +95,4 @@ SIGNATURES = {
         "use_qk_l2norm_in_kernel=False, cu_seqlens=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

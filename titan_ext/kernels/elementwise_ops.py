@@ -89,4 +89,4 @@ SIGNATURES = {
     "fla.modules.activations.ops:swiglu_linear": "x, y, weight, bias",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -175,4 +175,4 @@ SIGNATURES = {
         "cu_seqlens=None, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -235,4 +235,4 @@ SIGNATURES = {
         "q, k, v, g, beta, A, scale, initial_state, do, dht, state_v_first=False, cu_seqlens=None, cp_context=None, chunk_indices=None, use_gate_in_kernel=False, g_input=None, A_log=None, dt_bias=None, chunk_size=64",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -215,4 +215,4 @@ SIGNATURES = {
         "state_v_first=False, cu_seqlens=None, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

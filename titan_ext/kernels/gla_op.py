@@ -255,4 +255,4 @@ SIGNATURES = {
         "chunk_size=64, chunk_indices=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

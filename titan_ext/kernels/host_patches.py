@@ -51,10 +51,9 @@ def _configs_compiled_together(original):
 CUDA: tuple[Patch, ...] = (
     Patch(
         "triton.runtime.autotuner:Autotuner._bench",
-        "Triton compiles an autotuned kernel's configs one by one as it times them: on a cold Triton cache a GLA "
-        "340M block's fla kernels are 399 compiles for an H100 before the first step, 162 s of one CPU core. A "
-        "tuning pass's configs are compiled together in threads (Triton's AsyncCompileMode), then timed one by "
-        "one as before (kernels.autotune); fla's code and the configs timed are unchanged",
+        "Triton compiles an autotuned kernel's configs one by one as it times them: on a cold Triton cache that is "
+        "minutes of one CPU core before the first step (docs/gpu.md). A tuning pass's configs are compiled "
+        "together in threads (Triton's AsyncCompileMode), then timed one by one as Triton does (kernels.autotune); fla's code and the configs timed are unchanged",
         TRITON, _configs_compiled_together,
     ),
 )

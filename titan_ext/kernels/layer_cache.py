@@ -42,4 +42,4 @@ SIGNATURES = {
     "fla.layers.utils:update_layer_cache": "module, past_key_values, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -136,4 +136,4 @@ SIGNATURES = {
         "accumulate_grad_in_fp32=True, process_group=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

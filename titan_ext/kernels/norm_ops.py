@@ -141,4 +141,4 @@ SIGNATURES = {
         "dy, x, g, weight, bias, activation='swish', eps=1e-05, mean=None, rstd=None, dresidual=None, has_residual=False, is_rms_norm=False, x_dtype=None, recompute_output=False",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -119,4 +119,4 @@ SIGNATURES = {
         "q, k, v, g=None, g_gamma=None, gk=None, gv=None, o=None, do=None, dht=None, scale=None, initial_state=None, reverse=False, state_v_first=False, cu_seqlens=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -89,4 +89,4 @@ SIGNATURES = {
     "fla.modules.rotary.ops:RotaryEmbedding._update_cos_sin_cache": "self, seqlen, device=None, dtype=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -82,4 +82,4 @@ SIGNATURES = {
         "x, cos, sin, seqlen_offsets=0, cu_seqlens=None, interleaved=False, inplace=False, conjugate=False, chunk_indices=None",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

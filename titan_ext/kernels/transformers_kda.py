@@ -130,4 +130,4 @@ SIGNATURES = {
         "hidden_states, weight, bias=None, activation=None, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -61,4 +61,4 @@ SIGNATURES = {
         "self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -65,4 +65,4 @@ SIGNATURES = {
         "self, hidden_states, cache=None, attention_mask=None, **kwargs",
 }
 """Parameters (``name=default``) of the functions replaced or called by keyword, as written against them
-(``host_checks.check_fla_signatures``)."""
+(``host.checks.check_fla_signatures``)."""

@@ -106,7 +106,7 @@ class TitanCausalLM:
         head = self.get_output_embeddings()
         if head is None:  # an earlier pipeline stage: hidden states out, as this rank's shard
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
-        if plan.head_in_loss:  # the chunked loss applies the head (titan_ext.loss)
+        if plan.head_in_loss:  # the chunked loss applies the head (titan_ext.models.loss)
             return hidden
         return head(hidden).view(*tokens.shape[:2], -1)
 

@@ -1,9 +1,9 @@
 """How one model instance runs its forward under the job's features, decided once per model (or pipeline stage).
 
-Features used to agree through flags each wrote on the model and another read (the chunked loss's
-``head_in_loss``, TP's ``residual_layout``, CP's ``cp_layout``, document masking's ``document_attention``).
-Now ``parallelize_fn`` decides them together, from the job plan and the meshes, before any feature is applied
-(``decide_forward``); the features apply what the record says, and the forward (``TitanCausalLM.forward``,
+Features depend on each other's choices (the chunked loss's head, TP's residual layout, CP's piece layout,
+per-document attention), so ``parallelize_fn`` decides them together, from the job plan and the meshes, before
+any feature is applied (``decide_forward``), and no feature signals another through a flag on the model: the
+features apply what the record says, and the forward (``TitanCausalLM.forward``,
 ``models.packing``) and the hooks on it read it from one attribute, ``model.forward_plan``. Whether the model
 takes hidden states (a pipeline stage after the first) is what it holds: ``Structure.takes_hidden_states``.
 """
@@ -21,7 +21,7 @@ class ForwardPlan:
     mask for packed documents, one process."""
 
     head_in_loss: bool = False
-    """The chunked loss (``titan_ext.loss``): the forward returns the final hidden states, and the loss runs the
+    """The chunked loss (``titan_ext.models.loss``): the forward returns the final hidden states, and the loss runs the
     head over them in chunks."""
     document_attention: bool = False
     """Document masking on a transformers model outside CP: its attention runs each document alone, from

@@ -198,8 +198,8 @@ def _other_ranks_groups_named_only(original):
 FAKE_GROUPS_OF_OTHER_RANKS = Patch(
     "torch.distributed.distributed_c10d:_new_group_with_tag",
     "a device mesh makes every subgroup of every dimension on every rank (511 of a dimension of 2's 512 groups at "
-    "1,024 ranks are without this rank), and half of a planned rank's mesh build was the bookkeeping of groups it is "
-    "not in: on the planner's fake group such a group only takes its name (planner.rank.fake_group)",
+    "1,024 ranks are without this rank), and the bookkeeping of groups it is not in is much of a planned rank's "
+    "mesh build: on the planner's fake group such a group only takes its name (planner.rank.fake_group)",
     TORCH, _other_ranks_groups_named_only,
 )
 PLANNER: tuple[Patch, ...] = (STORAGE_RESIZES, SHAPE_INFERENCE, WHOLE_WINDOWS, SCHEDULES_ON_A_FAKE_GROUP, SCHEDULE_SENDS,

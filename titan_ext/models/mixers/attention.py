@@ -58,7 +58,7 @@ class FlaAttention(Mixer):
 class TransformersAttention(Mixer):
     """A transformers attention module: one whose forward calls the attention its modeling file looks up in
     ``ALL_ATTENTION_FUNCTIONS`` (where context parallelism and document masking put theirs; that it does, and
-    rotates at the positions given, is probed at every job's start: ``host_checks``). A sliding window,
+    rotates at the positions given, is probed at every job's start: ``host.checks``). A sliding window,
     attention sinks (gpt-oss) and logit softcapping (Gemma 2) are honoured under CP by attention over
     all-gathered keys and values (torch's ring applies none of them), and with documents by the per-document
     attention (``kernels.attention_block``)."""

@@ -22,7 +22,7 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 def router_of(block: nn.Module) -> nn.Module | None:
     """A MoE block's router, whatever the block calls it (Qwen's ``gate``, gpt-oss's ``router``): beside the
     block's ``experts``, which its forward hands the router's choice (``experts(hidden, indices, weights)``), the
-    module choosing ``top_k`` of them (its contract is probed at the job's start: ``host_checks``). Llama 4's
+    module choosing ``top_k`` of them (its contract is probed at the job's start: ``host.checks``). Llama 4's
     experts take the tokens already weighted: no such block."""
     experts = getattr(block, "experts", None)
     if not isinstance(experts, nn.Module) or not _experts_take_the_choice(type(block)):

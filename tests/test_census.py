@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_ext.census import cells, columns, configs, matrix, model_types
+from titan_ext.census import cells, columns, configs, matrix, model_types, table
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_MD = REPO / "docs" / "models.md"
@@ -212,3 +212,14 @@ def test_a_planned_cell_of_a_matrix_model_names_its_row():
     assert matrix.with_runs(cells, runs) == {
         ("transformers", "llama"): {"TP": "ran: `hf_llama/tp2`", "CP": "refused: why", "EP": "n/a"},
         ("transformers", "qwen3"): {"TP": "plans"}}
+
+
+def test_check_names_the_lines_a_stale_file_differs_in(tmp_path):
+    """``--check``: nothing for the file this run renders, the changed lines for a stale or missing one."""
+    path = tmp_path / "models.md"
+    path.write_text("# title\nold row\n")
+    assert table.stale_lines(str(path), "# title\nold row\n") == []
+    assert [line for line in table.stale_lines(str(path), "# title\nnew row\n") if line[:1] in "+-"][-2:] == [
+        "-old row", "+new row"]
+    assert "+# title" in table.stale_lines(str(tmp_path / "absent.md"), "# title\n")
+    assert table.stale_lines(str(path), "# title\nold row") == [f"{path} differs"]  # only its last newline

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from titan_ext.checkpoints import integrity
+from titan_ext.checkpoints import dcp_steps, hf_files
 from titan_ext.errors import ConfigError
 from titan_ext.inputs import degrees, hf_config, jsonl, names
 
@@ -266,7 +266,7 @@ def test_bad_hf_checkpoint_dir(tmp_path, case):
     damage, phrase = BAD_HF_DIRS[case]
     path = hf_dir(tmp_path)
     damage(path)
-    fails(lambda: integrity.check_hf_checkpoint_dir(str(path)), f"--checkpoint.initial_load_path={str(path)!r}", phrase)
+    fails(lambda: hf_files.check_hf_checkpoint_dir(str(path)), f"--checkpoint.initial_load_path={str(path)!r}", phrase)
 
 
 def test_truncation_caught_by_header_only(tmp_path):
@@ -274,7 +274,7 @@ def test_truncation_caught_by_header_only(tmp_path):
     path = hf_dir(tmp_path)
     data = (path / "model.safetensors").read_bytes()
     (path / "model.safetensors").write_bytes(data[:-1])
-    fails(lambda: integrity.check_hf_checkpoint_dir(str(path), "--model.hf_assets_path"), "--model.hf_assets_path=",
+    fails(lambda: hf_files.check_hf_checkpoint_dir(str(path), "--model.hf_assets_path"), "--model.hf_assets_path=",
           f"({len(data) - 1} of {len(data)} bytes)")  # fmt: skip
 
 
@@ -284,7 +284,7 @@ def test_good_hf_checkpoint_dir(tmp_path):
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "model.safetensors", "c": "model-2.safetensors"}})
     )
-    integrity.check_hf_checkpoint_dir(str(path))
+    hf_files.check_hf_checkpoint_dir(str(path))
 
 
 # ---------------------------------------------------------------- torch DCP checkpoints
@@ -324,14 +324,14 @@ BAD_DCP = {
 def test_dcp_checkpoint_of_another_model(tmp_path, case):
     expected, phrase = BAD_DCP[case]
     path = save_dcp(tmp_path / "step-10", EXPECTED)
-    message = fails(lambda: integrity.check_dcp_checkpoint(path, expected, WHERE), WHERE, phrase)
+    message = fails(lambda: dcp_steps.check_dcp_checkpoint(path, expected, WHERE), WHERE, phrase)
     assert "--model.name/--model.flavor" in message
 
 
 def test_good_dcp_checkpoint(tmp_path):
     path = save_dcp(tmp_path / "step-10", {**EXPECTED, "extra.weight": (2,)})
-    integrity.check_dcp_checkpoint(path, EXPECTED, WHERE)
-    integrity.check_dcp_checkpoint(path, {"lm_head.weight": (32, 8)}, WHERE)
+    dcp_steps.check_dcp_checkpoint(path, EXPECTED, WHERE)
+    dcp_steps.check_dcp_checkpoint(path, {"lm_head.weight": (32, 8)}, WHERE)
 
 
 def shard(path: Path) -> Path:
@@ -358,7 +358,7 @@ def test_a_damaged_dcp_step_is_one_line_naming_the_file(tmp_path, case):
     path = tmp_path / "step-10"
     save_dcp(path, EXPECTED)
     damage(path)
-    fails(lambda: integrity.check_dcp_step(str(path), WHERE, "the fix"), f"{WHERE}: {phrase}", "; the fix")
+    fails(lambda: dcp_steps.check_dcp_step(str(path), WHERE, "the fix"), f"{WHERE}: {phrase}", "; the fix")
 
 
 def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
@@ -370,14 +370,14 @@ def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
     with patches.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "titan_ext" / "step-10", EXPECTED))
     plain = Path(save_dcp(tmp_path / "dcp" / "step-10", EXPECTED))
-    assert (path / integrity.MANIFEST).is_file() and not (plain / integrity.MANIFEST).exists()
-    assert integrity.step_damage(str(path)) is None
+    assert (path / dcp_steps.MANIFEST).is_file() and not (plain / dcp_steps.MANIFEST).exists()
+    assert dcp_steps.step_damage(str(path)) is None
     for step in (path, plain):
         data = bytearray(shard(step).read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard(step).write_bytes(bytes(data))
-    assert integrity.step_damage(str(path)) == "__0_0.distcp does not match its checksum (bytes changed since the save)"
-    assert integrity.step_damage(str(plain)) is None
+    assert dcp_steps.step_damage(str(path)) == "__0_0.distcp does not match its checksum (bytes changed since the save)"
+    assert dcp_steps.step_damage(str(plain)) is None
 
 
 def test_each_rank_reads_the_checksums_of_its_share_of_the_files(tmp_path, monkeypatch):
@@ -390,12 +390,12 @@ def test_each_rank_reads_the_checksums_of_its_share_of_the_files(tmp_path, monke
     data = bytearray(shard(path).read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard(path).write_bytes(bytes(data))
-    files = sorted(integrity._read_manifest(str(path)))
+    files = sorted(dcp_steps._read_manifest(str(path)))
     monkeypatch.setenv("WORLD_SIZE", str(len(files) + 1))
     monkeypatch.setenv("RANK", str(len(files)))  # a rank whose share is empty
-    assert integrity.step_damage(str(path)) is None
+    assert dcp_steps.step_damage(str(path)) is None
     monkeypatch.setenv("RANK", str(files.index(shard(path).name)))
-    assert integrity.step_damage(str(path)) == f"{shard(path).name} does not match its checksum (bytes changed since the save)"
+    assert dcp_steps.step_damage(str(path)) == f"{shard(path).name} does not match its checksum (bytes changed since the save)"
 
 
 # ---------------------------------------------------------------- which checkpoint torchtitan loads
@@ -417,19 +417,19 @@ def test_checkpoint_to_load(tmp_path):
     initial = save_dcp(tmp_path / "seed" / "step-0", {"w": (2,)})
     hf = str(hf_dir(tmp_path))
     on = {"checkpoint.enable": True}
-    assert integrity.checkpoint_to_load(job(dump=dump)) is None  # checkpointing off
-    assert integrity.checkpoint_to_load(job(on, dump)) is None  # nothing yet
-    assert integrity.checkpoint_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) == (initial, "dcp")
+    assert dcp_steps.checkpoint_to_load(job(dump=dump)) is None  # checkpointing off
+    assert dcp_steps.checkpoint_to_load(job(on, dump)) is None  # nothing yet
+    assert dcp_steps.checkpoint_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) == (initial, "dcp")
     hf_fields = {**on, "checkpoint.initial_load_in_hf": True, "checkpoint.initial_load_path": hf}
-    assert integrity.checkpoint_to_load(job(hf_fields, dump)) == (hf, "hf")
-    assert integrity.checkpoint_to_load(job({**on, "checkpoint.initial_load_in_hf": True}, dump)) == (
+    assert dcp_steps.checkpoint_to_load(job(hf_fields, dump)) == (hf, "hf")
+    assert dcp_steps.checkpoint_to_load(job({**on, "checkpoint.initial_load_in_hf": True}, dump)) == (
         "titan_ext/assets/tiny", "hf")  # fmt: skip
     seed = {**on, "checkpoint.create_seed_checkpoint": True, "checkpoint.initial_load_path": str(tmp_path / "no")}
-    assert integrity.checkpoint_to_load(job(seed, dump)) is None  # a seed run saves, loads nothing
+    assert dcp_steps.checkpoint_to_load(job(seed, dump)) is None  # a seed run saves, loads nothing
     folder = make_steps(dump, complete=(5, 10), partial=(15,))
     latest = job({**on, "checkpoint.initial_load_path": initial}, dump)
-    assert integrity.checkpoint_to_load(latest) == (str(folder / "step-10"), "dcp")  # step-15 is unfinished
-    assert integrity.checkpoint_to_load(job({**on, "checkpoint.load_step": 5}, dump)) == (str(folder / "step-5"), "dcp")
+    assert dcp_steps.checkpoint_to_load(latest) == (str(folder / "step-10"), "dcp")  # step-15 is unfinished
+    assert dcp_steps.checkpoint_to_load(job({**on, "checkpoint.load_step": 5}, dump)) == (str(folder / "step-5"), "dcp")
 
 
 def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
@@ -438,7 +438,7 @@ def test_checkpoint_folder_with_only_partial_steps_loads_nothing(tmp_path):
     make_steps(dump, partial=(5,))
     initial = save_dcp(tmp_path / "seed" / "step-0", {"w": (2,)})
     config = job({"checkpoint.enable": True, "checkpoint.initial_load_path": initial}, dump)
-    assert integrity.checkpoint_to_load(config) is None
+    assert dcp_steps.checkpoint_to_load(config) is None
 
 
 def test_a_step_folder_passed_over_is_named_in_one_warning(tmp_path, caplog):
@@ -461,15 +461,15 @@ def test_dataloader_to_load_follows_torchtitans_rule(tmp_path):
     dump = tmp_path / "run"
     initial = save_dcp(tmp_path / "elsewhere" / "step-3", {"w": (2,)})
     on = {"checkpoint.enable": True}
-    assert integrity.dataloader_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) is None
+    assert dcp_steps.dataloader_to_load(job({**on, "checkpoint.initial_load_path": initial}, dump)) is None
     full_initial = {**on, "checkpoint.initial_load_path": initial, "checkpoint.initial_load_model_only": False}
-    assert integrity.dataloader_to_load(job(full_initial, dump)) == initial
+    assert dcp_steps.dataloader_to_load(job(full_initial, dump)) == initial
     folder = make_steps(dump, complete=(0,))
-    assert integrity.dataloader_to_load(job(on, dump)) is None  # the seed: torchtitan's model_only = step == 0
+    assert dcp_steps.dataloader_to_load(job(on, dump)) is None  # the seed: torchtitan's model_only = step == 0
     make_steps(dump, complete=(4,))
-    assert integrity.dataloader_to_load(job(on, dump)) == str(folder / "step-4")
-    assert integrity.dataloader_to_load(job({**on, "checkpoint.load_step": 0}, dump)) is None
-    assert integrity.dataloader_to_load(job({**on, "checkpoint.exclude_from_loading": ["dataloader"]}, dump)) is None
+    assert dcp_steps.dataloader_to_load(job(on, dump)) == str(folder / "step-4")
+    assert dcp_steps.dataloader_to_load(job({**on, "checkpoint.load_step": 0}, dump)) is None
+    assert dcp_steps.dataloader_to_load(job({**on, "checkpoint.exclude_from_loading": ["dataloader"]}, dump)) is None
 
 
 def test_a_seed_saved_by_one_rank_is_no_data_position_to_re_split(tmp_path):
@@ -481,9 +481,9 @@ def test_a_seed_saved_by_one_rank_is_no_data_position_to_re_split(tmp_path):
             warnings.simplefilter("ignore")
             dcp.save({"w": torch.zeros(2), "dataloader": dataloader}, checkpoint_id=str(folder / f"step-{step}"))
     on = {"checkpoint.enable": True}
-    assert integrity.dataloader_resume_degree(job({**on, "checkpoint.load_step": 0}, tmp_path / "run")) is None
-    assert integrity.dcp_dataloader_ranks(str(folder / "step-0")) == 1  # saved, but torchtitan never loads it
-    assert integrity.dataloader_resume_degree(job(on, tmp_path / "run")) == 2
+    assert dcp_steps.dataloader_resume_degree(job({**on, "checkpoint.load_step": 0}, tmp_path / "run")) is None
+    assert dcp_steps.dcp_dataloader_ranks(str(folder / "step-0")) == 1  # saved, but torchtitan never loads it
+    assert dcp_steps.dataloader_resume_degree(job(on, tmp_path / "run")) == 2
 
 
 BAD_LOADS = {
@@ -519,7 +519,7 @@ def test_bad_checkpoint_to_load(tmp_path, case):
         break_metadata(dump / "checkpoint" / "step-10", "cut")
     fields = {k: v.replace("{tmp}", str(tmp_path)) if isinstance(v, str) else v for k, v in fields.items()}
     config = job({"checkpoint.enable": True, **fields}, dump)
-    fails(lambda: integrity.checkpoint_to_load(config), *phrases)
+    fails(lambda: dcp_steps.checkpoint_to_load(config), *phrases)
 
 
 # ---------------------------------------------------------------- numbers and parallel degrees

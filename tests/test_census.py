@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_ext import census, census_configs
+from titan_ext.census import cells, columns, configs, matrix, model_types, table
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_MD = REPO / "docs" / "models.md"
@@ -89,28 +89,28 @@ def test_docs_models_md_is_the_census(census_table):
 # ---- what the census trains -------------------------------------------------------------------------
 
 def test_the_filter_keeps_decoder_only_text_models():
-    assert "BERT-style encoder" in census_configs.left_out_reason("bert")
-    assert census_configs.left_out_reason("bart").startswith("encoder-decoder")
-    assert census_configs.left_out_reason("llama") is None
-    assert "`qwen3_5_text` is censused" in census_configs.left_out_reason("qwen3_5")
-    assert "image/audio" in census_configs.left_out_reason("git")
-    kept = [t for t in census_configs.causal_lm_types() if census_configs.left_out_reason(t) is None]
-    assert 120 <= len(kept) < len(census_configs.causal_lm_types())
+    assert "BERT-style encoder" in model_types.left_out_reason("bert")
+    assert model_types.left_out_reason("bart").startswith("encoder-decoder")
+    assert model_types.left_out_reason("llama") is None
+    assert "`qwen3_5_text` is censused" in model_types.left_out_reason("qwen3_5")
+    assert "image/audio" in model_types.left_out_reason("git")
+    kept = [t for t in model_types.causal_lm_types() if model_types.left_out_reason(t) is None]
+    assert 120 <= len(kept) < len(model_types.causal_lm_types())
 
 
 def test_every_kept_types_tiny_config_builds_small_on_the_meta_device():
     failures, sizes = [], {}
-    for model_type in census_configs.causal_lm_types():
-        if census_configs.left_out_reason(model_type):
+    for model_type in model_types.causal_lm_types():
+        if model_types.left_out_reason(model_type):
             continue
         try:
-            model, sizes[model_type] = census_configs.check_tiny(model_type)
-            layers = census_configs.layer_stack(model)
+            model, sizes[model_type] = configs.check_tiny(model_type)
+            layers = model_types.layer_stack(model)
             assert layers is not None and 2 <= len(layers) <= 6, f"{len(layers or [])} layers"
         except Exception as error:  # noqa: BLE001  (collect them all)
             failures.append(f"{model_type}: {type(error).__name__}: {error}"[:300])
     assert not failures, failures
-    assert max(sizes.values()) < census_configs.MAX_PARAMS, max(sizes.items(), key=lambda kv: kv[1])
+    assert max(sizes.values()) < configs.MAX_PARAMS, max(sizes.items(), key=lambda kv: kv[1])
 
 
 def test_every_fla_types_tiny_config_builds_small_on_the_meta_device():
@@ -119,8 +119,8 @@ def test_every_fla_types_tiny_config_builds_small_on_the_meta_device():
     failures = []
     for model_type in fla_model_types():
         try:
-            _, size = census_configs.check_tiny(model_type, "fla")
-            assert size < census_configs.MAX_PARAMS, size
+            _, size = configs.check_tiny(model_type, "fla")
+            assert size < configs.MAX_PARAMS, size
         except ImportError as error:  # fla's MLA layer needs flash-attn even to be built
             assert "flash" in str(error).lower(), error
         except Exception as error:  # noqa: BLE001
@@ -137,16 +137,16 @@ def test_every_kept_types_tiny_config_trains_in_plain_transformers():
     import torch
 
     failures = []
-    for model_type in census_configs.causal_lm_types():
-        if census_configs.left_out_reason(model_type):
+    for model_type in model_types.causal_lm_types():
+        if model_types.left_out_reason(model_type):
             continue
-        config_class, model_class = census_configs.transformers_classes(model_type)
-        fields = copy.deepcopy(census_configs.tiny_config(model_type))
+        config_class, model_class = model_types.transformers_classes(model_type)
+        fields = copy.deepcopy(configs.tiny_config(model_type))
         fields.pop("model_type")
         torch.manual_seed(0)
         try:
             model = model_class(config_class(**fields))
-            tokens = torch.randint(0, census_configs.VOCAB, (2, 64))
+            tokens = torch.randint(0, configs.VOCAB, (2, 64))
             loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
             loss.backward()
             assert torch.isfinite(loss), loss
@@ -159,30 +159,30 @@ def test_every_kept_types_tiny_config_trains_in_plain_transformers():
 
 
 def test_a_tiny_config_is_the_shared_sizes_and_keeps_every_kind_of_layer():
-    llama = census_configs.tiny_config("llama")
+    llama = configs.tiny_config("llama")
     assert (llama["hidden_size"], llama["num_hidden_layers"], llama["num_attention_heads"],
             llama["num_key_value_heads"], llama["head_dim"], llama["intermediate_size"], llama["vocab_size"]) \
         == (64, 2, 4, 2, 16, 64, 2048)
-    qwen3_next = census_configs.tiny_config("qwen3_next")
+    qwen3_next = configs.tiny_config("qwen3_next")
     assert qwen3_next["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]  # the family's pattern
     assert (qwen3_next["num_experts"], qwen3_next["num_experts_per_tok"]) == (4, 2)
-    gemma3 = census_configs.tiny_config("gemma3_text")
+    gemma3 = configs.tiny_config("gemma3_text")
     assert set(gemma3["layer_types"]) == {"sliding_attention", "full_attention"} and len(gemma3["layer_types"]) == 4
-    deepseek = census_configs.tiny_config("deepseek_v3")
+    deepseek = configs.tiny_config("deepseek_v3")
     assert (deepseek["kv_lora_rank"], deepseek["qk_rope_head_dim"], deepseek["qk_nope_head_dim"]) == (16, 8, 8)
-    assert all(v == 0.0 for k, v in census_configs.tiny_config("gpt2").items() if "pdrop" in k)
+    assert all(v == 0.0 for k, v in configs.tiny_config("gpt2").items() if "pdrop" in k)
 
 
 def test_mixer_runs_are_compressed():
-    assert census.compress_mixers(["gla", "gla", "fla attention", "fla attention"]) == "gla x2, fla attention x2"
-    assert census.compress_mixers(["a", "b", "a"]) == "a, b, a"
-    assert census.compress_mixers(None) == "—"
+    assert cells.compress_mixers(["gla", "gla", "fla attention", "fla attention"]) == "gla x2, fla attention x2"
+    assert cells.compress_mixers(["a", "b", "a"]) == "a, b, a"
+    assert cells.compress_mixers(None) == "—"
 
 
 def test_a_layout_stands_for_its_flags():
-    assert census.flags(census.LAYOUTS["TP"][0]) == [
+    assert cells.flags(columns.LAYOUTS["TP"][0]) == [
         "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
-    assert census.flags(census.LAYOUTS["documents"][0]) == ["--titan_ext.document_mask"]
+    assert cells.flags(columns.LAYOUTS["documents"][0]) == ["--titan_ext.document_mask"]
 
 
 def test_the_readme_quotes_the_census():
@@ -197,7 +197,7 @@ def test_the_readme_quotes_the_census():
 def test_the_multi_rank_runs_are_the_matrixs():
     """docs/models.md's runs section (one model per mixer kind) is what the integration matrix's rows are now:
     a row added, dropped or renamed there makes it stale, without running the census."""
-    section = census.runs_section(census.matrix_runs())
+    section = matrix.runs_section(matrix.matrix_runs())
     text = MODELS_MD.read_text()
     assert section and "\n".join(section) in text, "docs/models.md is stale: python -m titan_ext.census --out docs/models.md"
     assert "| transformers' mamba2 | transformers `nemotron_h` (`hf_nemotron_h`) | `hf_nemotron_h/fsdp2` | " \
@@ -209,6 +209,17 @@ def test_a_planned_cell_of_a_matrix_model_names_its_row():
     runs = {"kind": (("transformers", "llama", "hf_llama"), {"TP": "hf_llama/tp2", "CP": "hf_llama/cp2"})}
     cells = {("transformers", "llama"): {"TP": "plans", "CP": "refused: why", "EP": "n/a"},
              ("transformers", "qwen3"): {"TP": "plans"}}
-    assert census.with_runs(cells, runs) == {
+    assert matrix.with_runs(cells, runs) == {
         ("transformers", "llama"): {"TP": "ran: `hf_llama/tp2`", "CP": "refused: why", "EP": "n/a"},
         ("transformers", "qwen3"): {"TP": "plans"}}
+
+
+def test_check_names_the_lines_a_stale_file_differs_in(tmp_path):
+    """``--check``: nothing for the file this run renders, the changed lines for a stale or missing one."""
+    path = tmp_path / "models.md"
+    path.write_text("# title\nold row\n")
+    assert table.stale_lines(str(path), "# title\nold row\n") == []
+    assert [line for line in table.stale_lines(str(path), "# title\nnew row\n") if line[:1] in "+-"][-2:] == [
+        "-old row", "+new row"]
+    assert "+# title" in table.stale_lines(str(tmp_path / "absent.md"), "# title\n")
+    assert table.stale_lines(str(path), "# title\nold row") == [f"{path} differs"]  # only its last newline

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from launch import torchrun, torchrun_interrupted
 
-from titan_ext.checkpoints import integrity
+from titan_ext.checkpoints import dcp_steps
 from titan_ext.errors import ConfigError
 
 CONFIG = "debug_gla.toml"
@@ -76,13 +76,13 @@ def test_a_save_records_each_file_size_and_checksum(interrupted):
     for run in interrupted.values():
         for step in finished_steps(run):
             path = run.dump_folder / "checkpoint" / f"step-{step}"
-            assert [p.name for p in path.iterdir() if p.name.startswith(".titan_ext")] == [integrity.MANIFEST]
-            manifest = integrity._read_manifest(str(path))
-            assert set(manifest) == set(integrity.compat.dcp_storage_extents(integrity._metadata(str(path))))
+            assert [p.name for p in path.iterdir() if p.name.startswith(".titan_ext")] == [dcp_steps.MANIFEST]
+            manifest = dcp_steps._read_manifest(str(path))
+            assert set(manifest) == set(dcp_steps.compat.dcp_storage_extents(dcp_steps._metadata(str(path))))
             for name, entry in manifest.items():
                 data = (path / name).read_bytes()
                 assert entry == {"bytes": len(data), "crc32": zlib.crc32(data)}, (path, name)
-            assert integrity.step_damage(str(path)) is None
+            assert dcp_steps.step_damage(str(path)) is None
 
 
 def cut_in_half(path: Path) -> None:
@@ -106,7 +106,7 @@ DAMAGES = {
     "bytes flipped within size": (lambda s: flip_a_byte(shard(s)),
                                   "__1_0.distcp does not match its checksum (bytes changed since the save)"),
     "shard grown": (lambda s: shard(s).open("ab").write(b"x"), "__1_0.distcp holds "),
-    "truncated without a manifest": (lambda s: ((s / integrity.MANIFEST).unlink(), cut_in_half(shard(s))),
+    "truncated without a manifest": (lambda s: ((s / dcp_steps.MANIFEST).unlink(), cut_in_half(shard(s))),
                                      "__1_0.distcp is truncated ("),
     "missing .metadata": (lambda s: (s / ".metadata").unlink(), None),
     "truncated .metadata": (lambda s: cut_in_half(s / ".metadata"), ".metadata is unreadable (UnpicklingError)"),
@@ -134,25 +134,25 @@ def test_a_damaged_step_stops_naming_the_file_and_the_step_to_load(interrupted, 
     folder, newest, older = damaged_copy(interrupted[layout], tmp_path, damage)
     before = signature(folder)
     if phrase is None:  # an unfinished save: passed over, as torchtitan does, and named
-        found = integrity.resume_from(str(folder), -1, "stop")
+        found = dcp_steps.resume_from(str(folder), -1, "stop")
         assert found.path == str(folder / f"step-{older}")
         assert f"step-{newest} (unfinished: no .metadata)" in found.passed_over, found.passed_over
     else:
         with pytest.raises(ConfigError) as info:
-            integrity.resume_from(str(folder), -1, "stop")
+            dcp_steps.resume_from(str(folder), -1, "stop")
         message = str(info.value)
         assert "\n" not in message and f"step-{newest} is damaged: " in message and phrase in message, message
         assert f"--checkpoint.load_step {older} (steps with every file at full size: " in message, message
         if case == "bytes flipped within size":  # found by the one rank that sums that file: skip stops too
             with pytest.raises(ConfigError, match=re.escape(message)):
-                integrity.resume_from(str(folder), -1, "skip")
+                dcp_steps.resume_from(str(folder), -1, "skip")
         else:  # what every rank sees alike: skip passes over it
-            found = integrity.resume_from(str(folder), -1, "skip")
+            found = dcp_steps.resume_from(str(folder), -1, "skip")
             assert found.path == str(folder / f"step-{older}")
             assert any(p.startswith(f"step-{newest} (damaged: ") and phrase in p for p in found.passed_over), found
         asked = f"--checkpoint.load_step={newest}: step-{newest} in .*: {re.escape(phrase)}"
         with pytest.raises(ConfigError, match=asked):
-            integrity.resume_from(str(folder), newest, "skip")  # the step asked for: never passed over
+            dcp_steps.resume_from(str(folder), newest, "skip")  # the step asked for: never passed over
     assert signature(folder) == before  # nothing on disk changes
 
 

@@ -19,8 +19,8 @@ PATCH_MACHINERY = "titan_ext.host.patches"
 LEAVES = ("titan_ext.job_plan", "titan_ext.errors", "titan_ext.compat", "titan_ext.cpu_mode", "titan_ext.config",
           "titan_ext.inputs", PATCH_MACHINERY)
 WINGS = (
-    ("commands", ("titan_ext.plan", "titan_ext.planner", "titan_ext.census", "titan_ext.census_configs",
-                  "titan_ext.pretrained", "titan_ext.tokenizer_json")),
+    ("commands", ("titan_ext.plan", "titan_ext.planner", "titan_ext.census", "titan_ext.pretrained",
+                  "titan_ext.tokenizer_json")),
     ("registration", tuple(sorted(REGISTRATION))),
     ("host", ("titan_ext.host",)),
     ("features", ("titan_ext.parallel", "titan_ext.data", "titan_ext.checkpoints")),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import assert_documents_restart
 
-from titan_ext.census_configs import tiny_config
+from titan_ext.census.configs import tiny_config
 from titan_ext.models import mixers
 from titan_ext.models.adapter import build_model
 from titan_ext.models.args import transformers_model

@@ -281,7 +281,7 @@ def test_expert_parallel_on_a_dense_model_is_refused():
 def test_experts_beside_computeless_ones_are_named_when_ep_is_refused():
     """Zaya's router scores its experts and a computeless one (5 rows for 4 experts): not a MoE block titan_ext
     reads, so EP is refused naming those experts and why, not as a dense model."""
-    from titan_ext.census_configs import tiny_config
+    from titan_ext.census.configs import tiny_config
 
     zaya = meta_model(args(tiny_config("zaya")))
     assert moe_blocks(zaya) == []
@@ -293,7 +293,7 @@ def test_experts_beside_computeless_ones_are_named_when_ep_is_refused():
 def test_aria_experts_refuse_tp_and_ep():
     """Aria's MoE blocks are read as MoE (its router scores each expert), but its experts are not the stacked
     ``down(act(gate) * up)`` that EP and expert TP compute: the job's probe of them refuses both in one line."""
-    from titan_ext.census_configs import tiny_config
+    from titan_ext.census.configs import tiny_config
     from titan_ext.host import checks
 
     aria = args(tiny_config("aria_text"))

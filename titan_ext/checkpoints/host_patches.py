@@ -1,5 +1,5 @@
 """The changes to torch's DCP and torchtitan's checkpointer: a step's manifest and resuming past damage (the
-implementations are the checkpoint checks' own, ``integrity``: what they write at a save is what they read at a
+implementations are the DCP step checks' own, ``dcp_steps``: what they write at a save is what they read at a
 resume), and DTensor's checkpoint methods saving a strided shard as boxes of the full tensor (``strided``)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from titan_ext.host.patches import TORCH, TORCHTITAN, Patch
 
 def _checkpoints(name: str):
     def new(original):
-        from titan_ext.checkpoints import integrity
+        from titan_ext.checkpoints import dcp_steps
 
-        return getattr(integrity, name)(original)
+        return getattr(dcp_steps, name)(original)
 
     return new
 
@@ -21,14 +21,14 @@ CHECKPOINT_MANIFEST: tuple[Patch, ...] = (
     Patch(
         "torch.distributed.checkpoint.filesystem:FileSystemWriter.write_data",
         "each rank records the size and CRC-32 of the files it wrote, as a piece of the step's manifest, while the "
-        "page cache holds them (titan_ext.checkpoints.integrity.recording_checksums)",
+        "page cache holds them (titan_ext.checkpoints.dcp_steps.recording_checksums)",
         TORCH, _checkpoints("recording_checksums"),
     ),
     Patch(
         "torch.distributed.checkpoint.filesystem:FileSystemWriter.finish",
         "DCP records where each tensor lies in a step's files, not their sizes or checksums, so a shard changed "
         "within its size loads as garbage: rank 0, once every rank's files are written and before DCP writes "
-        ".metadata, joins the ranks' pieces into the step's manifest (titan_ext.checkpoints.integrity); "
+        ".metadata, joins the ranks' pieces into the step's manifest (titan_ext.checkpoints.dcp_steps); "
         "HF exports (their own writer's finish) are not changed",
         TORCH, _checkpoints("manifest_before_metadata"),
     ),
@@ -39,7 +39,7 @@ SKIP_DAMAGED_STEPS: tuple[Patch, ...] = (
     Patch(
         "torchtitan.components.checkpoint:CheckpointManager._find_load_step",
         "torchtitan resumes from the newest step folder with a .metadata: with --titan_ext.damaged_checkpoint skip, "
-        "from the newest whole one (titan_ext.checkpoints.integrity.newest_whole_step, the step the job's checks read)",
+        "from the newest whole one (titan_ext.checkpoints.dcp_steps.newest_whole_step, the step the job's checks read)",
         TORCHTITAN, _checkpoints("newest_whole_step_finder"),
     ),
 )

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from titan_ext import compat
-from titan_ext.checkpoints.integrity import safetensors_shapes
+from titan_ext.checkpoints.hf_files import safetensors_shapes
 
 INDEX = "model.safetensors.index.json"
 

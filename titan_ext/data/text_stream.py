@@ -398,7 +398,7 @@ def build_stream_dataloader(dp_world_size, dp_rank, tokenizer, job_config, secti
     # there on non-finite losses already (titan_ext.host.nonfinite); with that check off, the rank stops alone.
     synced = section == "training" and getattr(getattr(job_config, "titan_ext", None), "nonfinite_loss", "stop") != "off"
     dataset.bad_records.in_job = "defer" if synced else "exit"
-    from titan_ext.checkpoints.integrity import dataloader_resume_degree
+    from titan_ext.checkpoints.dcp_steps import dataloader_resume_degree
 
     saved = dataloader_resume_degree(job_config) if section == "training" else None
     return StreamDataloader(

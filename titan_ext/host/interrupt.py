@@ -14,7 +14,7 @@ import os
 import signal
 import weakref
 
-from titan_ext.checkpoints import integrity
+from titan_ext.checkpoints import dcp_steps
 from titan_ext.errors import rank
 from titan_ext.host import job_patches
 
@@ -44,4 +44,4 @@ def interrupted_line(number: int, trainer, job_config) -> str:
     step, steps = getattr(trainer, "step", 0), job_config.training.steps
     where = f"at step {step} of {steps}" if step else "before the first step"
     return (f"stopped by {signal.Signals(number).name} {where}; the same command "
-            f"{integrity.rerun_resumes_from(job_config)}")
+            f"{dcp_steps.rerun_resumes_from(job_config)}")

@@ -20,7 +20,7 @@ import logging
 import os
 
 from titan_ext import compat, cpu_mode, data
-from titan_ext.checkpoints import host_patches as checkpoint_patches, integrity
+from titan_ext.checkpoints import dcp_steps, host_patches as checkpoint_patches
 from titan_ext.data import documents
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
 from titan_ext.host import cpu_patches, interrupt, job_patches, nonfinite, patches, preflight, progress
@@ -63,7 +63,7 @@ def on_trainer_import() -> None:
     interrupt.install(compat.importing_trainer(), job_config)
     if job_config.checkpoint.enable:
         patches.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
-    if integrity.damaged_checkpoint_policy(job_config) == "skip":
+    if dcp_steps.damaged_checkpoint_policy(job_config) == "skip":
         patches.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
     if progress.quiets_this_rank(job_config):
         job_patches.quiet_other_rank(progress.OtherRankQuiet())

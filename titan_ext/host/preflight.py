@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-from titan_ext.checkpoints import integrity
+from titan_ext.checkpoints import dcp_steps, hf_files
 from titan_ext.errors import ConfigError, rank
 from titan_ext.inputs import degrees, jsonl, names, tokenizer
 from titan_ext.parallel.compile import model_compile_enabled
@@ -33,11 +33,11 @@ def check_job_config(job_config, world_size: int) -> None:
 
 
 def _check_steps_to_resume(job_config) -> None:
-    """The step a resume loads is whole, read before anything is built (``integrity.resume_from``); the step
+    """The step a resume loads is whole, read before anything is built (``dcp_steps.resume_from``); the step
     folders it passes over (unfinished saves, and damaged ones with ``damaged_checkpoint`` "skip") are named in
     one WARNING."""
-    integrity.damaged_checkpoint_policy(job_config)
-    found = integrity.resume(job_config)
+    dcp_steps.damaged_checkpoint_policy(job_config)
+    found = dcp_steps.resume(job_config)
     if found is None or not found.passed_over or rank() != 0:
         return
     folder = os.path.join(job_config.job.dump_folder, job_config.checkpoint.folder)
@@ -213,7 +213,7 @@ def _check_initialized(model_args, job_config) -> None:
     from titan_ext.host.checks import tiny_copy
     from titan_ext.models.adapter import unset_by_initializers
 
-    model = None if integrity.checkpoint_to_load(job_config) else tiny_copy(model_args)
+    model = None if dcp_steps.checkpoint_to_load(job_config) else tiny_copy(model_args)
     unset = unset_by_initializers(model) if model is not None else []
     if unset:
         raise ConfigError(
@@ -268,7 +268,7 @@ def _check_portable(model_args, model) -> None:
 def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) -> None:
     from titan_ext.checkpoints.hf import check_hf_config
 
-    found = integrity.checkpoint_to_load(job_config)
+    found = dcp_steps.checkpoint_to_load(job_config)
     if found is None:
         return
     path, kind = found
@@ -282,13 +282,13 @@ def _check_checkpoint_to_load(model_args, model, job_config, world_size: int) ->
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     if kind == "hf":
         check_hf_config(model_args, path)  # the model first: a wrong model is the likelier mistake
-        integrity.check_hf_checkpoint_dir(path, option)
-        integrity.check_hf_checkpoint_shapes(path, shapes, option)
+        hf_files.check_hf_checkpoint_dir(path, option)
+        hf_files.check_hf_checkpoint_shapes(path, shapes, option)
         _check_hub_tensors(model, path, option)
     else:
         initial = option == "--checkpoint.initial_load_path"
         where = f"{option}={path!r}" if initial else f"{path!r} (resumed from {option})"
-        integrity.check_dcp_checkpoint(path, shapes, where)
+        dcp_steps.check_dcp_checkpoint(path, shapes, where)
     _check_data_parallel_degree(job_config, world_size)
 
 
@@ -338,14 +338,14 @@ def _check_not_quantized(path: str, option: str) -> None:
 def _check_data_parallel_degree(job_config, world_size: int) -> None:
     """torchtitan's dataloaders keep one position per data-parallel rank and stop with an AssertionError
     traceback when the degree changed; titan_ext_stream over local shards re-splits them, nothing else can.
-    Only a load that restores the dataloader matters (``integrity.dataloader_to_load``: not a seed's step-0)."""
+    Only a load that restores the dataloader matters (``dcp_steps.dataloader_to_load``: not a seed's step-0)."""
     from titan_ext.data.text_stream import STREAM_DATASET, local_shards
 
-    path = integrity.dataloader_to_load(job_config)
+    path = dcp_steps.dataloader_to_load(job_config)
     training = job_config.training
     if path is None or training.dataset == STREAM_DATASET and local_shards(training.dataset_path) is not None:
         return  # nothing to re-split, or StreamDataloader re-splits the saved positions
-    saved = integrity.dcp_dataloader_ranks(path)
+    saved = dcp_steps.dcp_dataloader_ranks(path)
     p = job_config.parallelism
     now = degrees.shard_degree(p, world_size) * p.data_parallel_replicate_degree
     option = "--checkpoint.folder" if path != job_config.checkpoint.initial_load_path else "--checkpoint.initial_load_path"

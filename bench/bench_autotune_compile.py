@@ -63,12 +63,12 @@ def run_side(side: str, cuda: bool, quick: bool) -> dict:
     from compile_only_h100 import compile_only_h100, compiles_recorded
     from triton.runtime.autotuner import Autotuner
 
-    from titan_ext.host import patches
+    from titan_ext import patching
     from titan_ext.kernels import host_patches as kernel_patches
     from titan_ext.kernels.autotune import COMPILE_THREADS, compile_workers
 
     if side == "together":
-        patches.apply_once(kernel_patches.CUDA)
+        patching.apply_once(kernel_patches.CUDA)
     start = time.perf_counter()
     with compiles_recorded() as compiles:
         if cuda:

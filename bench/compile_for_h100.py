@@ -51,11 +51,11 @@ def main(names) -> None:
     import fla.ops.gla  # noqa: F401 - fla reads the machine's driver when imported
     from compile_only_h100 import compile_only_h100, compiles_recorded
 
-    from titan_ext.host import patches
+    from titan_ext import patching
     from titan_ext.kernels import host_patches as kernel_patches
     from titan_ext.models.adapter import build_model
 
-    patches.apply_once(kernel_patches.CUDA)
+    patching.apply_once(kernel_patches.CUDA)
     tokens = torch.randint(0, 512, (1, 2048))
     positions = torch.cat([torch.arange(700), torch.arange(800), torch.arange(548)]).view(1, 2048)
     with compiles_recorded() as compiles:  # one record: the models share kernels, which keep the recorder they bound

@@ -104,8 +104,8 @@ def fla_kernels_tuned_as_in_cuda_jobs():
     import torch
 
     if torch.cuda.is_available():
-        from titan_ext.host import patches
+        from titan_ext import patching
         from titan_ext.kernels import host_patches as kernel_patches
 
-        patches.apply_once(kernel_patches.CUDA)
+        patching.apply_once(kernel_patches.CUDA)
     yield

@@ -24,10 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from titan_ext.host import patches  # noqa: E402
+from titan_ext import patching
 from titan_ext.kernels import host_patches as kernel_patches  # noqa: E402
 
-patches.apply_once(kernel_patches.INTERPRETER)
+patching.apply_once(kernel_patches.INTERPRETER)
 
 
 def rel(a, b) -> float:
@@ -375,7 +375,7 @@ def _cp_rank(rank, mesh, names=("gla", "gated_deltanet")):
     from titan_ext.kernels.state_passing import piece_order
     from titan_ext.parallel.context_parallel import apply_cp
 
-    patches.apply_once(kernel_patches.INTERPRETER)  # a forkserver child imports afresh
+    patching.apply_once(kernel_patches.INTERPRETER)  # a forkserver child imports afresh
     worst = {}
     for name in names:
         args = tiny_args(name, **({"use_short_conv": True} if name == "gla" else {}))
@@ -406,7 +406,7 @@ def _tp_rank(rank, mesh, name="gated_deltanet"):
 
     from titan_ext.parallel.tensor_parallel import tp_plan_class
 
-    patches.apply_once(kernel_patches.INTERPRETER)
+    patching.apply_once(kernel_patches.INTERPRETER)
     args = tiny_args(name)
     whole = built(args, "fla")
     model = built(args, "fla", like=whole)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 
-from titan_ext.host import patches
+from titan_ext import patching
 from titan_ext.kernels import host_patches as kernel_patches
 from titan_ext.kernels.autotune import COMPILE_THREADS, compile_workers, configs_compiled_together
 
@@ -109,11 +109,11 @@ def test_a_failure_compiling_in_threads_leaves_triton_to_compile_as_shipped(comp
 
 
 def test_the_cuda_row_replaces_the_autotuners_timing_loop_and_is_undone():
-    patches.undo()  # what the session applied (conftest, on a GPU machine)
+    patching.undo()  # what the session applied (conftest, on a GPU machine)
     original = vars(Autotuner)["_bench"]
-    patches.apply_once(kernel_patches.CUDA)
+    patching.apply_once(kernel_patches.CUDA)
     assert vars(Autotuner)["_bench"] is not original
-    patches.undo()
+    patching.undo()
     assert vars(Autotuner)["_bench"] is original
 
 
@@ -127,16 +127,16 @@ def test_ranks_on_one_node_share_its_cores(monkeypatch):
 GPU_CHECK = """
 import json, sys, torch
 from fla.modules.norm.layernorm import rms_norm
-from titan_ext.host import patches
+from titan_ext import patching
 from titan_ext.kernels import host_patches as kernel_patches
 from titan_ext.kernels.autotune import COMPILE_THREADS
 device, bench = sys.argv[1:]
 sys.path.insert(0, bench)
 from compile_only_h100 import compiles_recorded
 if device == "cuda":
-    patches.apply_once(kernel_patches.CUDA)
+    patching.apply_once(kernel_patches.CUDA)
 else:  # the script itself, under Triton's interpreter
-    patches.apply_once(kernel_patches.INTERPRETER)
+    patching.apply_once(kernel_patches.INTERPRETER)
 x = torch.randn(4, 256, 1024, device=device, dtype=torch.bfloat16, requires_grad=True)
 residual = torch.randn_like(x).requires_grad_()
 weight = torch.randn(1024, device=device, requires_grad=True)
@@ -193,6 +193,6 @@ def test_a_job_on_fla_kernels_on_cuda_gets_the_cuda_row(monkeypatch, path, inter
     monkeypatch.setattr(job.job_patches, "apply_job", lambda: calls.append("job"))
     monkeypatch.setattr(job.cpu_patches, "apply_cpu_mode", lambda: calls.append("cpu_mode"))
     tables = {id(kernel_patches.CUDA): "cuda", id(kernel_patches.INTERPRETER): "interpreter"}
-    monkeypatch.setattr(patches, "apply_once", lambda table: calls.append(tables.get(id(table), "other")))
+    monkeypatch.setattr(patching, "apply_once", lambda table: calls.append(tables.get(id(table), "other")))
     job.on_trainer_import()
     assert [call for call in calls if call != "other"] == applied

@@ -365,9 +365,9 @@ def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
     """With titan_ext's save (its manifest, written before DCP's .metadata) a flipped byte is found; DCP alone
     records no checksum, so the same step saved without it passes its size check."""
     from titan_ext.checkpoints import host_patches as checkpoint_patches
-    from titan_ext.host import patches
+    from titan_ext import patching
 
-    with patches.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
+    with patching.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "titan_ext" / "step-10", EXPECTED))
     plain = Path(save_dcp(tmp_path / "dcp" / "step-10", EXPECTED))
     assert (path / dcp_steps.MANIFEST).is_file() and not (plain / dcp_steps.MANIFEST).exists()
@@ -383,9 +383,9 @@ def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
 def test_each_rank_reads_the_checksums_of_its_share_of_the_files(tmp_path, monkeypatch):
     """Rank r of N sums every N-th file: the job reads its checkpoint once in all; sizes every rank checks."""
     from titan_ext.checkpoints import host_patches as checkpoint_patches
-    from titan_ext.host import patches
+    from titan_ext import patching
 
-    with patches.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
+    with patching.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "step-10", EXPECTED))
     data = bytearray(shard(path).read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -198,9 +198,10 @@ def test_apply_cpu_mode_rebinds_torchtitan_devices_and_undo_restores_them():
     from torch.distributed.fsdp import FSDPModule
 
     from titan_ext.cpu_mode import CPU_DEVICE_MODULE
-    from titan_ext.host import cpu_patches, patches
+    from titan_ext import patching
+    from titan_ext.host import cpu_patches
 
-    if patches.active():
+    if patching.active():
         pytest.skip("host patches are already applied in this process")
     targets = [(tools_utils, "device_type"), (tools_utils, "device_module"), (tools_utils, "get_peak_flops"),
                (dist_utils, "device_type"), (dist_utils, "device_module"), (parallel_dims, "device_type"),
@@ -221,8 +222,8 @@ def test_apply_cpu_mode_rebinds_torchtitan_devices_and_undo_restores_them():
         monitor = metrics.build_device_memory_monitor()
         assert monitor.get_peak_stats().max_reserved_gib > 0
     finally:
-        patches.undo()
-    assert not patches.active()
+        patching.undo()
+    assert not patching.active()
     for (module_name, name), original in originals.items():
         module = {m.__name__: m for m, _ in targets}[module_name]
         assert getattr(module, name) is original, f"{module_name}.{name} not restored"

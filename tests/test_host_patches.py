@@ -1,5 +1,5 @@
 """``import titan_ext`` leaves its hosts alone; every change it makes is a row of a table in one of
-``host.patches.TABLE_MODULES`` and undoes exactly."""
+``patching.TABLE_MODULES`` and undoes exactly."""
 
 import json
 import signal
@@ -13,7 +13,8 @@ from launch import REPO
 import titan_ext  # noqa: F401
 from titan_ext import compat, kernels
 from titan_ext.checkpoints import host_patches as checkpoint_patches
-from titan_ext.host import cpu_patches, job_patches, patches
+from titan_ext import patching
+from titan_ext.host import cpu_patches, job_patches
 from titan_ext.kernels import host_patches as kernel_patches
 from titan_ext.parallel import host_patches as parallel_patches
 from titan_ext.planner import host_patches as planner_patches
@@ -85,11 +86,11 @@ def test_import_does_not_import_fla_or_transformers():
 
 
 def test_every_row_says_why_and_for_which_versions():
-    for row in patches.rows():
+    for row in patching.rows():
         owner, name = compat.owner_and_name(row.target)  # the target exists in the installed version
         # an instance row names an attribute the class defines or declares (torchtitan sets
         # MetricsProcessor.logger in __init__), any other row one its module, class or object holds
-        assert hasattr(owner, name) or (isinstance(row, patches.InstancePatch)
+        assert hasattr(owner, name) or (isinstance(row, patching.InstancePatch)
                                         and name in getattr(owner, "__annotations__", {})), row.target
         assert row.why and row.checked, row.target
     for path in kernels.PATHS:
@@ -102,8 +103,8 @@ def test_the_tables_are_those_of_the_table_modules():
               checkpoint_patches.CHECKPOINT_MANIFEST, checkpoint_patches.SKIP_DAMAGED_STEPS, checkpoint_patches.STRIDED_CHECKPOINT,
               kernel_patches.BUILD, kernel_patches.INTERPRETER, kernel_patches.CUDA, planner_patches.PLANNER,
               planner_patches.STEPPING)
-    assert [id(row) for row in patches.rows()] == [id(row) for table in tables for row in table]
-    assert len(patches.rows()) == 54
+    assert [id(row) for row in patching.rows()] == [id(row) for table in tables for row in table]
+    assert len(patching.rows()) == 54
 
 
 def defining_modules() -> set[str]:
@@ -120,7 +121,7 @@ def defining_modules() -> set[str]:
 
 def test_every_module_that_builds_a_row_is_a_table_module():
     """A table outside ``TABLE_MODULES`` would be a change no reader of the list finds."""
-    assert defining_modules() == set(patches.TABLE_MODULES)
+    assert defining_modules() == set(patching.TABLE_MODULES)
 
 
 def test_a_setting_row_is_undone():
@@ -129,7 +130,7 @@ def test_a_setting_row_is_undone():
     before = dynamo_config.optimize_ddp
     parallel_patches.OPTIMIZE_DDP.set("ddp_optimizer")
     assert dynamo_config.optimize_ddp == "ddp_optimizer"
-    patches.undo()
+    patching.undo()
     assert dynamo_config.optimize_ddp == before
 
 
@@ -149,7 +150,7 @@ def test_an_instance_row_changes_one_object_of_its_class_only():
 
 def test_undo_restores_every_original():
     originals = {}
-    patches.undo()  # whatever earlier tests left
+    patching.undo()  # whatever earlier tests left
     rows = (*cpu_patches.CPU_MODE, *parallel_patches.PIPELINE, *checkpoint_patches.STRIDED_CHECKPOINT,
             *checkpoint_patches.SKIP_DAMAGED_STEPS)
     for patch in rows:
@@ -159,21 +160,21 @@ def test_undo_restores_every_original():
 
     filters, handlers = list(warnings.filters), {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
     job_patches.apply_job()
-    patches.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
-    patches.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
+    patching.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
+    patching.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
     job_patches.apply_signal_handlers(lambda number, frame: None)
     assert "finish" in vars(FileSystemWriter) and signal.getsignal(signal.SIGTERM) is not handlers[signal.SIGTERM]
     cpu_patches.apply_cpu_mode()
     cpu_patches.apply_cpu_mode()  # once per process: a second job in the process applies nothing twice
-    patches.apply_once(parallel_patches.PIPELINE)
-    patches.apply_once(parallel_patches.PIPELINE)
-    patches.apply_once(checkpoint_patches.STRIDED_CHECKPOINT)
+    patching.apply_once(parallel_patches.PIPELINE)
+    patching.apply_once(parallel_patches.PIPELINE)
+    patching.apply_once(checkpoint_patches.STRIDED_CHECKPOINT)
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
     assert tools_utils.device_type == "cpu" and len(warnings.filters) > len(filters)
     assert dist_utils.clip_grad_norm_ is not originals["torchtitan.distributed.utils:clip_grad_norm_"]
-    patches.undo()
+    patching.undo()
     for patch in rows:
         owner, name = patch.owner_and_name()
         now = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
@@ -181,7 +182,7 @@ def test_undo_restores_every_original():
     assert "finish" not in vars(FileSystemWriter)  # inherited again, as shipped
     assert {n: signal.getsignal(n) for n in handlers} == handlers
     assert warnings.filters == filters
-    assert not patches.active()
+    assert not patching.active()
 
 
 def test_build_patches_last_only_while_building():
@@ -218,7 +219,7 @@ def test_the_planners_rows_last_only_inside_its_blocks():
         assert schedules.dist is not dist and schedules.dist.get_backend is not dist.get_backend
     from titan_ext.kernels import cp_attention
     attend = cp_attention.per_document_sdpa
-    with patches.scoped((planner_patches.DOCUMENTS_AS_WHOLE_ROWS,)):
+    with patching.scoped((planner_patches.DOCUMENTS_AS_WHOLE_ROWS,)):
         assert cp_attention.per_document_sdpa is not attend
     assert cp_attention.per_document_sdpa is attend
     stepped = microbatches.Microbatches.__new__(microbatches.Microbatches)
@@ -247,7 +248,7 @@ def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
     """Each JOB_WARNINGS/JOB_LOGS row drops its message during a titan_ext job, and only then."""
     import logging
 
-    patches.undo()
+    patching.undo()
 
     def emitted() -> int:
         caplog.clear()
@@ -266,7 +267,7 @@ def test_a_job_silences_host_noise_that_asks_nothing_of_its_user(caplog):
     try:
         assert emitted() == 0
     finally:
-        patches.undo()
+        patching.undo()
     assert emitted() == everything
 
 
@@ -339,7 +340,7 @@ def test_the_planners_fake_cache_keys_tell_apart_exactly_what_torchs_do():
         return [mode._cache_key(_CacheKeyState(mode.shape_env), torch.ops.aten.add.Tensor, args, {}) for args in calls]
 
     torchs, shipped = keys(), FakeTensorMode._prep_args_for_hash
-    with patches.scoped((planner_patches.FAKE_CACHE_KEYS,)):
+    with patching.scoped((planner_patches.FAKE_CACHE_KEYS,)):
         assert FakeTensorMode._prep_args_for_hash is not shipped
         ours = keys()
     assert FakeTensorMode._prep_args_for_hash is shipped

@@ -12,7 +12,7 @@ from launch import REPO
 
 from titan_ext import compat
 from titan_ext.errors import ConfigError
-from titan_ext.host import patches
+from titan_ext import patching
 from titan_ext.host.job import INTERPRETER_TRITON
 from titan_ext.kernels import host_patches as kernel_patches
 
@@ -57,16 +57,16 @@ def test_interpret_bridges_are_host_patch_rows_undone_by_undo():
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
 
-    patches.undo()
+    patching.undo()
     before = (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer)
-    patches.apply_once(kernel_patches.INTERPRETER)
+    patching.apply_once(kernel_patches.INTERPRETER)
     try:
         assert interpreter.FunctionRewriter.ast_transformer is not before[1]
         assert autotuner.Autotuner._bench is not before[0]
         for patch in kernel_patches.INTERPRETER:
             assert patch.why and patch.checked
     finally:
-        patches.undo()
+        patching.undo()
     assert (autotuner.Autotuner._bench, interpreter.FunctionRewriter.ast_transformer) == before
 
 

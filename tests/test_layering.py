@@ -2,10 +2,10 @@
 
 The wings, top to bottom (``WINGS``): the commands beside training (``plan`` with ``planner/``, ``census``,
 ``pretrained``, ``tokenizer_json``) -> registration (``titan_ext/__init__``, ``train_specs``) -> the torchtitan edge
-(``host/``: the coordinator ``host.job``, preflight, checks, the console) -> the features (``parallel/``, ``data/``,
-``checkpoints/``) -> ``models/`` -> ``kernels/``; below them the leaves every wing may read (``LEAVES``: the job
+(``host/``: the coordinator ``host.job``, preflight, checks, the console) -> the features (``parallel/`` ->
+``data/`` -> ``checkpoints/``) -> ``models/`` -> ``kernels/``; below them the leaves every wing may read (``LEAVES``: the job
 plan's data, errors, ``compat``, CPU mode, the ``[titan_ext]`` section, the input checks, and the machinery every
-table of changes to a host library uses, ``host.patches``). ``model_plans`` imports no titan_ext.
+table of changes to a host library uses, ``patching``). ``model_plans`` imports no titan_ext.
 """
 
 import ast
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("titan_ext", "model_plans")
 REGISTRATION = {"titan_ext", "titan_ext.train_specs"}
 COORDINATOR = "titan_ext.host.job"
-PATCH_MACHINERY = "titan_ext.host.patches"
+PATCH_MACHINERY = "titan_ext.patching"
 LEAVES = ("titan_ext.job_plan", "titan_ext.errors", "titan_ext.compat", "titan_ext.cpu_mode", "titan_ext.config",
           "titan_ext.inputs", PATCH_MACHINERY)
 WINGS = (
@@ -23,7 +23,9 @@ WINGS = (
                   "titan_ext.tokenizer_json")),
     ("registration", tuple(sorted(REGISTRATION))),
     ("host", ("titan_ext.host",)),
-    ("features", ("titan_ext.parallel", "titan_ext.data", "titan_ext.checkpoints")),
+    ("parallel", ("titan_ext.parallel",)),
+    ("data", ("titan_ext.data",)),
+    ("checkpoints", ("titan_ext.checkpoints",)),
     ("models", ("titan_ext.models",)),
     ("kernels", ("titan_ext.kernels",)),
     ("leaves", LEAVES),
@@ -125,15 +127,15 @@ def test_the_patch_machinery_is_a_leaf():
 
 
 def _under(name: str, prefixes) -> bool:
-    return any(name == prefix or name.startswith(f"{prefix}.") for prefix in prefixes)
+    """``name`` is one of ``prefixes`` or inside one (the package ``titan_ext`` itself holds only itself)."""
+    return any(name == prefix or (prefix != "titan_ext" and name.startswith(f"{prefix}.")) for prefix in prefixes)
 
 
 def wing_of(name: str) -> int | None:
-    """The wing's place, top (0) to bottom; the leaves are tested before the host wing holding the machinery."""
+    """The wing's place, top (0) to bottom."""
     if name.startswith("model_plans"):
         return len(WINGS)
-    places = [index for index, (_, prefixes) in enumerate(WINGS) if _under(name, prefixes)]
-    return max(places) if places else None
+    return next((index for index, (_, prefixes) in enumerate(WINGS) if _under(name, prefixes)), None)
 
 
 def test_every_module_is_in_a_wing():

@@ -52,9 +52,9 @@ all-to-alls' bytes summed over the ranks equal the real ranks' sum (every slot i
 def _host_patches_undone():
     """The planner points torchtitan at the CPU in its process (``titan_ext.plan.prepare``): not for later tests."""
     yield
-    from titan_ext.host import patches
+    from titan_ext import patching
 
-    patches.undo()
+    patching.undo()
 
 
 def argv(flags: list[str], dump: Path | None = None) -> list[str]:

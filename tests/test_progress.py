@@ -10,7 +10,8 @@ import pytest
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.tools.utils import Color, NoColor
 
-from titan_ext.host import job_patches, patches, progress
+from titan_ext import patching
+from titan_ext.host import job_patches, progress
 
 
 def processor(color, peak: float) -> MetricsProcessor:
@@ -101,7 +102,7 @@ def test_the_quiet_filter_leaves_with_undo():
         quiet = progress.OtherRankQuiet()
         job_patches.quiet_other_rank(quiet)
         assert quiet in handler.filters
-        patches.undo()
+        patching.undo()
         assert quiet not in handler.filters
     finally:
         root.removeHandler(handler)

@@ -116,9 +116,9 @@ QWEN3_TINY = dict(
 @pytest.fixture(autouse=False)
 def _host_patches_undone():
     yield
-    from titan_ext.host import patches
+    from titan_ext import patching
 
-    patches.undo()
+    patching.undo()
 
 
 def test_a_planned_rank_peaks_as_its_step_run_for_real(tmp_path, _host_patches_undone):

@@ -5,7 +5,7 @@ with torchtitan, and changes nothing else. When torchtitan's ``Trainer``
 imports it as ``[experimental] custom_import``, it also sets up that job
 (``titan_ext.host.job.on_trainer_import``): checks the config, and on a machine
 without an accelerator points torchtitan at the CPU. Every change to a host
-library is a row of a table in one of ``titan_ext.host.patches.TABLE_MODULES``.
+library is a row of a table in one of ``titan_ext.patching.TABLE_MODULES``.
 """
 
 from titan_ext.data import register_datasets

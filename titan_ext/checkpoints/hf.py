@@ -43,7 +43,7 @@ class HFStateDictAdapter(StateDictAdapter):
     """torchtitan's state dict in the model's names; HF folders in the hub's layout (``titan_ext.checkpoints.hub_layout``)."""
 
     def __init__(self, model_args, hf_assets_path: str | None):
-        from titan_ext.data import resolve_asset_path
+        from titan_ext.inputs.assets import resolve_asset_path
 
         path = resolve_asset_path(hf_assets_path or "")
         # torchtitan warns when the assets lack a safetensors index; without one it writes a single file anyway.

@@ -4,7 +4,7 @@ resume), and DTensor's checkpoint methods saving a strided shard as boxes of the
 
 from __future__ import annotations
 
-from titan_ext.host.patches import TORCH, TORCHTITAN, Patch
+from titan_ext.patching import TORCH, TORCHTITAN, Patch
 
 
 

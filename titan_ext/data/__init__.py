@@ -8,24 +8,11 @@ loads the shipped tokenizer from any working directory.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from titan_ext.inputs import jsonl, tokenizer
+from titan_ext.inputs.assets import PACKAGE_ROOT, resolve_asset_path
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 TINY_ASSETS = PACKAGE_ROOT / "assets" / "tiny"
 TINY_DATASET = "titan_ext_tiny"
-
-
-def resolve_asset_path(path: str) -> str:
-    """A ``titan_ext/...`` path that is not under the working directory names the installed package's file."""
-    if not path or os.path.exists(path):
-        return path
-    parts = Path(path).parts
-    if parts and parts[0] == PACKAGE_ROOT.name:
-        return str(PACKAGE_ROOT.joinpath(*parts[1:]))
-    return path
 
 
 def dataset_file(dataset_path: str | None) -> str:

@@ -2,15 +2,15 @@
 
 Applied when torchtitan's ``Trainer`` imports titan_ext (its ``custom_import``) on a machine without an
 accelerator (or with ``TITAN_EXT_CPU=1``; ``titan_ext.cpu_mode``): stock torchtitan is pointed at the CPU and
-gloo. These stay for the rest of that process, which is that job's; ``patches.undo()`` restores every original.
+gloo. These stay for the rest of that process, which is that job's; ``patching.undo()`` restores every original.
 """
 
 from __future__ import annotations
 
 import math
 
-from titan_ext.host import patches
-from titan_ext.host.patches import TORCH, TORCHTITAN, Patch
+from titan_ext import patching
+from titan_ext.patching import TORCH, TORCHTITAN, Patch
 
 
 def _cpu_device_module(_original):
@@ -87,6 +87,6 @@ TABLES = (CPU_MODE,)
 
 def apply_cpu_mode() -> None:
     """``CPU_MODE`` and its warning/log filters, once per process."""
-    if patches.first_time(CPU_MODE):
-        patches.apply(CPU_MODE)
-        patches.quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])
+    if patching.first_time(CPU_MODE):
+        patching.apply(CPU_MODE)
+        patching.quiet([message for message, _ in CPU_MODE_WARNINGS], [(name, part) for name, part, _ in CPU_MODE_LOGS])

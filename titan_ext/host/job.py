@@ -23,8 +23,9 @@ from titan_ext import compat, cpu_mode, data
 from titan_ext.checkpoints import dcp_steps, host_patches as checkpoint_patches
 from titan_ext.data import documents
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
-from titan_ext.host import cpu_patches, interrupt, job_patches, nonfinite, patches, preflight, progress
-from titan_ext.inputs import degrees
+from titan_ext import patching
+from titan_ext.host import cpu_patches, interrupt, job_patches, nonfinite, preflight, progress
+from titan_ext.inputs import assets, degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan
 from titan_ext.kernels import host_patches as kernel_patches
 from titan_ext.models import loss
@@ -62,17 +63,17 @@ def on_trainer_import() -> None:
     job_patches.TRAINER_CLOSE.apply(compat.importing_trainer(), data.ending_dataloader_workers)
     interrupt.install(compat.importing_trainer(), job_config)
     if job_config.checkpoint.enable:
-        patches.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
+        patching.apply_once(checkpoint_patches.CHECKPOINT_MANIFEST)
     if dcp_steps.damaged_checkpoint_policy(job_config) == "skip":
-        patches.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
+        patching.apply_once(checkpoint_patches.SKIP_DAMAGED_STEPS)
     if progress.quiets_this_rank(job_config):
         job_patches.quiet_other_rank(progress.OtherRankQuiet())
     if documents.enabled(job_config):  # every pipeline stage reads the boundaries
         job_patches.TRAINER_BATCH.apply(compat.importing_trainer(), documents.to_every_stage)
     if path == "fla" and interpreting():
-        patches.apply_once(kernel_patches.INTERPRETER)
+        patching.apply_once(kernel_patches.INTERPRETER)
     elif path == "fla":
-        patches.apply_once(kernel_patches.CUDA)
+        patching.apply_once(kernel_patches.CUDA)
     if _cpu_mode:
         cpu_patches.apply_cpu_mode()
         if rank() == 0:
@@ -179,7 +180,7 @@ def _build(model_args, job_config, meta, world_size: int) -> JobPlan:
         nonfinite=nonfinite.policy(section),
         metrics_jsonl=getattr(section, "metrics_jsonl", ""),
         hf_export=job_config.checkpoint.enable and job_config.checkpoint.last_save_in_hf,
-        hf_assets_path=data.resolve_asset_path(job_config.model.hf_assets_path),
+        hf_assets_path=assets.resolve_asset_path(job_config.model.hf_assets_path),
     )
 
 

@@ -14,9 +14,9 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 
-from titan_ext.host import patches
+from titan_ext import patching
 from titan_ext.host.cpu_patches import CPU_MODE_LOGS, CPU_MODE_WARNINGS
-from titan_ext.host.patches import TORCHTITAN, InstancePatch, Setting
+from titan_ext.patching import TORCHTITAN, InstancePatch, Setting
 
 # Python warnings of any titan_ext job that ask nothing of its user: (message regex, why, versions seen).
 JOB_WARNINGS: tuple[tuple[str, str, str], ...] = (
@@ -57,7 +57,7 @@ def quiet_entry() -> Iterator[None]:
     cpu = not torch.accelerator.is_available()
     messages = [m for m, *_ in (*JOB_WARNINGS, *ENTRY_WARNINGS)] + [m for m, _ in CPU_MODE_WARNINGS] * cpu
     logs = [(name, part) for name, part, _ in (*JOB_LOGS, *(CPU_MODE_LOGS if cpu else ()))]
-    filters = [(logging.getLogger(name), patches.DropMessages(part)) for name, part in logs]
+    filters = [(logging.getLogger(name), patching.DropMessages(part)) for name, part in logs]
     with warnings.catch_warnings():
         for message in messages:
             warnings.filterwarnings("ignore", message=message)
@@ -150,36 +150,36 @@ PER_JOB: tuple[Setting | InstancePatch, ...] = (OPTIMIZER_STEP, METRICS_LOGGER, 
 SIGNALS: tuple[str, ...] = ("SIGINT", "SIGTERM")
 """The Python handlers a titan_ext job installs (``apply_signal_handlers``): Ctrl-C or a scheduler's SIGTERM
 ends every rank at once, rank 0 first saying in one line the step reached and what a rerun loads, instead of a
-KeyboardInterrupt traceback per rank (``titan_ext.host.interrupt``). Restored by ``patches.undo()``."""
+KeyboardInterrupt traceback per rank (``titan_ext.host.interrupt``). Restored by ``patching.undo()``."""
 
 TABLES = (PER_JOB,)
 
 
 def apply_job() -> None:
     """``JOB``'s log filter and its warning/log filters, once per process."""
-    if not patches.first_time(JOB):
+    if not patching.first_time(JOB):
         return
     log_filter = _OneLineModelArgs()
     logging.getLogger().addFilter(log_filter)
-    patches.on_undo(lambda: logging.getLogger().removeFilter(log_filter))
-    patches.quiet([message for message, _, _ in JOB_WARNINGS], [(name, part) for name, part, _ in JOB_LOGS])
+    patching.on_undo(lambda: logging.getLogger().removeFilter(log_filter))
+    patching.quiet([message for message, _, _ in JOB_WARNINGS], [(name, part) for name, part, _ in JOB_LOGS])
 
 
 def quiet_other_rank(log_filter: logging.Filter) -> None:
     """The job's filter on the root logger's handlers (torchtitan's ``init_logger`` makes them anew for each job,
-    so a filter ends with its job); ``patches.undo()`` removes it."""
+    so a filter ends with its job); ``patching.undo()`` removes it."""
     for handler in list(logging.getLogger().handlers):
         handler.addFilter(log_filter)
-        patches.on_undo(lambda h=handler: h.removeFilter(log_filter))
+        patching.on_undo(lambda h=handler: h.removeFilter(log_filter))
 
 
 def apply_signal_handlers(handler: Callable) -> None:
-    """``handler`` for each of ``SIGNALS``, once per process; ``patches.undo()`` restores the handlers before."""
+    """``handler`` for each of ``SIGNALS``, once per process; ``patching.undo()`` restores the handlers before."""
     import signal
 
-    if not patches.first_time(SIGNALS):
+    if not patching.first_time(SIGNALS):
         return
     for name in SIGNALS:
         number = getattr(signal, name)
         before = signal.signal(number, handler)
-        patches.on_undo(lambda n=number, b=before: signal.signal(n, b))
+        patching.on_undo(lambda n=number, b=before: signal.signal(n, b))

@@ -105,7 +105,7 @@ def _check_tokenizer(job_config) -> None:
     missing or broken tokenizer.json ends in a FileNotFoundError or a Rust parse error on every rank."""
     from torchtitan.protocols import train_spec as registry
 
-    from titan_ext.data import resolve_asset_path
+    from titan_ext.inputs.assets import resolve_asset_path
 
     name = job_config.model.name
     known = name in registry._extra_train_specs or name in _torchtitan_model_names()
@@ -361,7 +361,7 @@ def _check_data_parallel_degree(job_config, world_size: int) -> None:
 def _check_vocabulary(model_args, model, job_config) -> None:
     """Every id the tokenizer can produce (special tokens included) must index the embedding: a smaller
     vocabulary ends in 'index out of range' in the middle of the first forward."""
-    from titan_ext.data import resolve_asset_path
+    from titan_ext.inputs.assets import resolve_asset_path
 
     assets = resolve_asset_path(job_config.model.hf_assets_path)
     path = os.path.join(assets, "tokenizer.json") if assets else ""

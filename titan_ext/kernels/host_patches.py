@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from titan_ext.host.patches import FLA, TRITON, Patch, scoped
+from titan_ext.patching import FLA, TRITON, Patch, scoped
 
 
 def _configs_timed_equal(original):

@@ -49,7 +49,7 @@ def apply_expert_tp(model: nn.Module, mesh) -> None:
     from torch.distributed.tensor import Shard
 
     from titan_ext.checkpoints import host_patches
-    from titan_ext.host.patches import apply_once
+    from titan_ext.patching import apply_once
 
     apply_once(host_patches.STRIDED_CHECKPOINT)
 

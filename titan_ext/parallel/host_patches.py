@@ -3,7 +3,7 @@ torchtitan's gradient clipping for a pipeline with a tied weight (``PIPELINE``).
 
 from __future__ import annotations
 
-from titan_ext.host.patches import TORCH, TORCHTITAN, Patch, Setting
+from titan_ext.patching import TORCH, TORCHTITAN, Patch, Setting
 
 OPTIMIZE_DDP = Setting(
     "torch._dynamo.config:optimize_ddp",

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.host.patches import apply_once
+from titan_ext.patching import apply_once
 from titan_ext.job_plan import PPChoice, job_plan_of
 from titan_ext.models.moe.bias_router import tokens_counted
 from titan_ext.models.moe.records import RECORDS

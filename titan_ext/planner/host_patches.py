@@ -10,7 +10,7 @@ import types
 from collections.abc import Iterator
 
 from titan_ext.compat import resolve
-from titan_ext.host.patches import TORCH, InstancePatch, Patch, scoped
+from titan_ext.patching import TORCH, InstancePatch, Patch, scoped
 
 _COUNTING: list = []
 """The step peaks inside their ``with`` (``counting``)."""

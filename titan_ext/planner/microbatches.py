@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from titan_ext.host.patches import scoped
+from titan_ext.patching import scoped
 from titan_ext.planner import memory
 from titan_ext.planner.host_patches import (
     SCHEDULE_LOSS_ATTRIBUTED, SCHEDULE_SENDS, SCHEDULE_STEP_ENDS_TOLD, STAGE_CHUNKS_ATTRIBUTED, STAGE_P2P_OPS_STAMPED,

@@ -164,13 +164,13 @@ def first_error(argv: list[str], world: int) -> str:
 
 
 def assert_documents_restart(model, length: int, starts: list[int], mixed_from: int) -> None:
-    """With document masking applied as a job applies it (``cu_seq_lens_q``), each packed document's logits
-    equal the document's alone; without the boundaries the documents from ``mixed_from`` on mix (so the check
-    can fail)."""
+    """With document masking applied as a job applies it (per-document attention where the forward plan says
+    so; fla's blocks take ``cu_seqlens``), each packed document's logits equal the document's alone; without the
+    boundaries the documents from ``mixed_from`` on mix (so the check can fail)."""
     from titan_ext.data.documents import apply_document_attention
 
-    apply_document_attention(model)
-    plan_forward(model, document_mask=True)
+    if plan_forward(model, document_mask=True).document_attention:
+        apply_document_attention(model)
     tokens = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(1))
     spans = list(zip(starts, starts[1:] + [length]))
     positions = torch.arange(length).expand(2, length).clone()

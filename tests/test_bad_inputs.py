@@ -364,8 +364,8 @@ def test_a_damaged_dcp_step_is_one_line_naming_the_file(tmp_path, case):
 def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
     """With titan_ext's save (its manifest, written before DCP's .metadata) a flipped byte is found; DCP alone
     records no checksum, so the same step saved without it passes its size check."""
-    from titan_ext.checkpoints import host_patches as checkpoint_patches
     from titan_ext import patching
+    from titan_ext.checkpoints import host_patches as checkpoint_patches
 
     with patching.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "titan_ext" / "step-10", EXPECTED))
@@ -382,8 +382,8 @@ def test_a_titan_ext_save_finds_bytes_changed_within_a_file(tmp_path):
 
 def test_each_rank_reads_the_checksums_of_its_share_of_the_files(tmp_path, monkeypatch):
     """Rank r of N sums every N-th file: the job reads its checkpoint once in all; sizes every rank checks."""
-    from titan_ext.checkpoints import host_patches as checkpoint_patches
     from titan_ext import patching
+    from titan_ext.checkpoints import host_patches as checkpoint_patches
 
     with patching.scoped(checkpoint_patches.CHECKPOINT_MANIFEST):
         path = Path(save_dcp(tmp_path / "step-10", EXPECTED))

@@ -197,8 +197,8 @@ def test_apply_cpu_mode_rebinds_torchtitan_devices_and_undo_restores_them():
     import torchtitan.tools.utils as tools_utils
     from torch.distributed.fsdp import FSDPModule
 
-    from titan_ext.cpu_mode import CPU_DEVICE_MODULE
     from titan_ext import patching
+    from titan_ext.cpu_mode import CPU_DEVICE_MODULE
     from titan_ext.host import cpu_patches
 
     if patching.active():

@@ -11,9 +11,8 @@ import pytest
 from launch import REPO
 
 import titan_ext  # noqa: F401
-from titan_ext import compat, kernels
+from titan_ext import compat, kernels, patching
 from titan_ext.checkpoints import host_patches as checkpoint_patches
-from titan_ext import patching
 from titan_ext.host import cpu_patches, job_patches
 from titan_ext.kernels import host_patches as kernel_patches
 from titan_ext.parallel import host_patches as parallel_patches

@@ -10,9 +10,8 @@ import pytest
 import torch
 from launch import REPO
 
-from titan_ext import compat
+from titan_ext import compat, patching
 from titan_ext.errors import ConfigError
-from titan_ext import patching
 from titan_ext.host.job import INTERPRETER_TRITON
 from titan_ext.kernels import host_patches as kernel_patches
 

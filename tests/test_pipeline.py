@@ -148,8 +148,8 @@ def _tied_pipeline_run(rank, mesh, schedule_name, folder):
     from torch.distributed.pipelining.schedules import get_schedule_class
     from torchtitan.distributed import utils as dist_utils
 
-    from titan_ext.parallel import host_patches
     from titan_ext.job_plan import PPChoice
+    from titan_ext.parallel import host_patches
     from titan_ext.parallel.pipeline import TiedWeight, TokenMeanSchedule
     from titan_ext.parallel.pipeline_plan import model_parts_of
 

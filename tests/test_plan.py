@@ -95,9 +95,9 @@ def real_runs(guest_runs) -> Path:
 def test_planned_ranks_equal_the_real_ranks(real_runs, name, world, flags):
     """Per rank: parameter, gradient and optimizer bytes, the step's peak, and the collectives of step 2's
     forward and backward (kind, group, group size, count, bytes)."""
+    from titan_ext.planner import job_config_of, prepare
     from titan_ext.planner.collectives import summary
     from titan_ext.planner.rank import simulate_rank
-    from titan_ext.planner import job_config_of, prepare
 
     if name.startswith("pp2") and torch.__version__ < "2.13":
         pytest.skip("planning PP needs torch >= 2.13 (the planner says so in one line)")

@@ -33,8 +33,7 @@ from fla.ops.gla.naive import naive_recurrent_gla
 from helpers import assert_rel_close, backward_with_random_cotangents, gla_inputs, leaves
 
 import titan_ext.kernels as kernels
-from titan_ext.kernels import activations, gla_op, norms
-from titan_ext.kernels import gla as torch_gla
+from titan_ext.kernels import activations, gla as torch_gla, gla_op, norms
 
 # --- binding: one model changes, fla does not -------------------------------------------
 

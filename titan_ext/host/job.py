@@ -19,11 +19,10 @@ import dataclasses
 import logging
 import os
 
-from titan_ext import compat, cpu_mode, data
+from titan_ext import compat, cpu_mode, data, patching
 from titan_ext.checkpoints import dcp_steps, host_patches as checkpoint_patches
 from titan_ext.data import documents
 from titan_ext.errors import ConfigError, config_boundary, exit_with, rank
-from titan_ext import patching
 from titan_ext.host import cpu_patches, interrupt, job_patches, nonfinite, preflight, progress
 from titan_ext.inputs import assets, degrees
 from titan_ext.job_plan import CompileChoice, DataParallelChoice, JobPlan

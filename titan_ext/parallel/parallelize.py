@@ -23,10 +23,10 @@ from titan_ext.models.loss import apply_chunked_loss
 from titan_ext.models.moe.bias_router import apply_expert_bias
 from titan_ext.models.moe.blocks import moe_blocks
 from titan_ext.models.moe.records import apply_router_records
+from titan_ext.parallel import host_patches
 from titan_ext.parallel.activation_checkpoint import apply_ac
 from titan_ext.parallel.compile import apply_compile
 from titan_ext.parallel.expert_parallel import apply_ep, apply_expert_tp
-from titan_ext.parallel import host_patches
 from titan_ext.parallel.float8 import keep_high_precision
 
 logger = logging.getLogger()

@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from titan_ext.patching import apply_once
 from titan_ext.job_plan import PPChoice, job_plan_of
 from titan_ext.models.moe.bias_router import tokens_counted
 from titan_ext.models.moe.records import RECORDS
 from titan_ext.parallel import host_patches
 from titan_ext.parallel.pipeline_plan import model_parts_of
+from titan_ext.patching import apply_once
 
 logger = logging.getLogger()
 

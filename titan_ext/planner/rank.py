@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from titan_ext import compat
-from titan_ext.patching import scoped
 from titan_ext.errors import ConfigError
 from titan_ext.job_plan import job_plan_of
+from titan_ext.patching import scoped
 from titan_ext.planner import collectives, estimates, experts, host_patches, memory, microbatches, stages
 
 

@@ -46,6 +46,19 @@ def titan_and_transformers(model_type: str):
     return model, reference
 
 
+def assert_trains_equal(model, reference):
+    """Logits within 1e-5 and every gradient within 1e-5 of ``reference``'s in fp32; the decay's parameters
+    (``A_log``, ``dt_bias``) within 2e-3 (see ``test_mamba2_mixers_train_equal_to_transformers``)."""
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    ours, theirs = model(tokens), reference(tokens, use_cache=False).logits
+    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    ours.sum().backward()
+    theirs.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        decay = name.endswith(("A_log", "dt_bias"))
+        assert (p.grad - q.grad).norm() <= (2e-3 if decay else 1e-5) * q.grad.norm() + 1e-9, name
+
+
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_mamba2_mixers_train_equal_to_transformers(model_type):
     """Logits and every gradient equal transformers' forward (its torch reference kernels) in fp32. The decay's
@@ -56,14 +69,7 @@ def test_mamba2_mixers_train_equal_to_transformers(model_type):
     assert any(isinstance(mixer, mixers.TransformersMamba2) for mixer in model.mixers)
     found = next(m for m in model.modules() if type(m).__name__.endswith(("Mixer", "MambaLayer")))
     assert type(found).forward.__name__ == "mamba2_forward"
-    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), reference(tokens, use_cache=False).logits
-    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    ours.sum().backward()
-    theirs.sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        decay = name.endswith(("A_log", "dt_bias"))
-        assert (p.grad - q.grad).norm() <= (2e-3 if decay else 1e-5) * q.grad.norm() + 1e-9, name
+    assert_trains_equal(model, reference)
 
 
 def test_documents_restart_mamba2_scan_and_convolution():
@@ -149,14 +155,7 @@ def test_fla_mamba2_trains_equal_to_fla(fields):
     model, reference = titan_and_fla(**fields)
     assert all(isinstance(mixer, mixers.FlaMamba2) for mixer in model.mixers)
     assert type(model.backbone.layers[0].mixer).forward.__name__ == "fla_mamba2_forward"
-    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    ours, theirs = model(tokens), reference(tokens, use_cache=False).logits
-    assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    ours.sum().backward()
-    theirs.sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        decay = name.endswith(("A_log", "dt_bias"))
-        assert (p.grad - q.grad).norm() <= (2e-3 if decay else 1e-5) * q.grad.norm() + 1e-9, name
+    assert_trains_equal(model, reference)
 
 
 def test_fla_mamba2_documents_restart():

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from titan_ext import compat
 from titan_ext.kernels import gla as portable
 from titan_ext.kernels.gla import fla_chunk_size
+from titan_ext.kernels.op_parts import fresh
 from titan_ext.kernels.table import Kernel
 
 _FP32 = torch.float32
@@ -124,7 +125,7 @@ def _(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_se
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    o = fresh(v)
     state_dtype = _FP32 if fla_kernels else torch.promote_types(q.dtype, _FP32)  # the portable path keeps fp64
     state_shape = (N, H, V, K) if state_v_first else (N, H, K, V)
     ht = q.new_empty(state_shape, dtype=state_dtype) if output_final_state else _empty(q)
@@ -148,7 +149,7 @@ def chunk_gla_bwd(
 @chunk_gla_bwd.register_fake
 def _(q, k, v, g, A, initial_state, do, dht, scale, state_v_first, cu_seqlens, cu_seqlens_cpu, fla_kernels):
     dh0 = torch.empty_like(initial_state, dtype=_FP32) if initial_state is not None else _empty(q)
-    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g)), dh0)
+    return (*(fresh(x) for x in (q, k, v, g)), dh0)
 
 
 def _setup_context(ctx, inputs, output):

@@ -31,27 +31,13 @@ from torch import Tensor
 
 from titan_ext import compat
 from titan_ext.kernels.gla_op import check_packed_states
+from titan_ext.kernels.op_parts import chunk_indices, empty, fresh, present
 from titan_ext.kernels.table import TP_LOCAL, Kernel
 from titan_ext.kernels.tp_local import with_local_args
 
 _FP32 = torch.float32
 CHUNK_SIZES = (32, 64)
 """fla's KDA chunk sizes (``chunk_size`` keyword; 64 unless given)."""
-
-
-def _empty(like: Tensor) -> Tensor:
-    """The stand-in for an absent tensor output (custom ops cannot return None)."""
-    return like.new_empty(0, dtype=_FP32)
-
-
-def _present(x: Tensor) -> Tensor | None:
-    return x if x.numel() else None
-
-
-def _chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu):
-    if cu_seqlens is None:
-        return None
-    return fla.prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 @torch.library.custom_op("titan_ext::chunk_kda_fwd", mutates_args=())
@@ -78,14 +64,14 @@ def chunk_kda_fwd(
             q=q if qn is None else qn, k=k if kn is None else kn, v=v, g=g, beta=beta if beta_act is None else beta_act,
             scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-            chunk_indices=_chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu), chunk_size=chunk_size,
+            chunk_indices=chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu), chunk_size=chunk_size,
             safe_gate=safe_gate, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel,
             A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
         )
         return o.type_as(q), ht, g_cumsum, Aqk, Akk, qn, q_rstd, kn, k_rstd, beta_act
 
     outputs = run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-    return tuple(x if x is not None else _empty(q) for x in outputs)
+    return tuple(x if x is not None else empty(q) for x in outputs)
 
 
 @chunk_kda_fwd.register_fake
@@ -97,15 +83,15 @@ def _(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     new = lambda *shape, dtype: q.new_empty(shape, dtype=dtype)  # noqa: E731
     o = new(B, T, HV, V, dtype=q.dtype)
-    ht = new(*((N, HV, V, K) if state_v_first else (N, HV, K, V)), dtype=_FP32) if output_final_state else _empty(q)
-    g_cumsum = _empty(q) if use_gate_in_kernel else new(B, T, HV, K, dtype=_FP32)
+    ht = new(*((N, HV, V, K) if state_v_first else (N, HV, K, V)), dtype=_FP32) if output_final_state else empty(q)
+    g_cumsum = empty(q) if use_gate_in_kernel else new(B, T, HV, K, dtype=_FP32)
     Aqk, Akk = new(B, T, HV, chunk_size, dtype=k.dtype), new(B, T, HV, chunk_size, dtype=k.dtype)
     if use_qk_l2norm_in_kernel:
-        normed = [torch.empty_like(q, memory_format=torch.contiguous_format), new(*q.shape[:-1], dtype=_FP32),
-                  torch.empty_like(k, memory_format=torch.contiguous_format), new(*k.shape[:-1], dtype=_FP32)]
+        normed = [fresh(q), new(*q.shape[:-1], dtype=_FP32),
+                  fresh(k), new(*k.shape[:-1], dtype=_FP32)]
     else:
-        normed = [_empty(q)] * 4
-    beta_act = new(*beta.shape, dtype=_FP32) if use_beta_sigmoid_in_kernel else _empty(q)
+        normed = [empty(q)] * 4
+    beta_act = new(*beta.shape, dtype=_FP32) if use_beta_sigmoid_in_kernel else empty(q)
     return o, ht, g_cumsum, Aqk, Akk, *normed, beta_act
 
 
@@ -131,9 +117,9 @@ def chunk_kda_bwd(
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, g_cumsum, Aqk, Akk, beta_act, do, dht, cu_seqlens):
         dq, dk, dv, db, dg, dh0, dA, dbias = fla.chunk_kda_bwd(
             q=q, k=k, v=v, beta=beta_act if use_beta_sigmoid_in_kernel else beta, Aqk=Aqk, Akk=Akk, scale=scale,
-            initial_state=initial_state, do=do, dht=dht, g=_present(g_cumsum),
+            initial_state=initial_state, do=do, dht=dht, g=present(g_cumsum),
             g_org=g if use_gate_in_kernel else None, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-            chunk_indices=_chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu), chunk_size=chunk_size,
+            chunk_indices=chunk_indices(fla, cu_seqlens, chunk_size, cu_seqlens_cpu), chunk_size=chunk_size,
             safe_gate=safe_gate, lower_bound=lower_bound, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
             dt_bias=dt_bias,
         )
@@ -146,7 +132,7 @@ def chunk_kda_bwd(
     grads = run(q, k, v, g, beta, A_log, dt_bias, initial_state, g_cumsum, Aqk, Akk, beta_act, do, dht, cu_seqlens)
     inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     return tuple(
-        grad.to(x.dtype).contiguous() if grad is not None and x is not None else _empty(q)
+        grad.to(x.dtype).contiguous() if grad is not None and x is not None else empty(q)
         for grad, x in zip(grads, inputs)
     )
 
@@ -155,7 +141,7 @@ def chunk_kda_bwd(
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, g_cumsum, Aqk, Akk, q_rstd, k_rstd, beta_act, do, dht, scale,
       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
       lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_size):
-    like = lambda x: torch.empty_like(x, memory_format=torch.contiguous_format) if x is not None else _empty(q)  # noqa: E731
+    like = lambda x: fresh(x) if x is not None else empty(q)  # noqa: E731
     gate = use_gate_in_kernel
     return (*(like(x) for x in (q, k, v, g, beta, initial_state)), like(A_log if gate else None),
             like(dt_bias if gate else None))
